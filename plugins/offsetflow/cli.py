@@ -1,0 +1,186 @@
+"""`offsetflow` command line: plan, run, status, db upgrade, and operator tools.
+
+Errors OffsetFlow raises on purpose are printed once, without a traceback, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from offsetflow.config import PipelineConfig, find_pipeline, load_pipeline
+from offsetflow.errors import ConfigError, OffsetFlowError
+from offsetflow.ledger import Ledger
+
+log = logging.getLogger("offsetflow")
+
+
+def _pipeline(args: argparse.Namespace) -> PipelineConfig:
+    if getattr(args, "pipeline_file", None):
+        return load_pipeline(args.pipeline_file)
+    return find_pipeline(args.pipeline)
+
+
+def _dsn(args: argparse.Namespace, cfg: PipelineConfig | None = None) -> str:
+    dsn = getattr(args, "dsn", None) or (cfg.sink.connection if cfg else None) \
+        or os.environ.get("OFFSETFLOW_PG_DSN")
+    if not dsn:
+        raise ConfigError("environment", "OFFSETFLOW_PG_DSN",
+                          "no PostgreSQL DSN: set OFFSETFLOW_PG_DSN or sink.connection")
+    return dsn
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    with Ledger(_dsn(args)) as ledger:
+        applied = ledger.upgrade()
+    print(f"ledger schema up to date ({len(applied)} migration(s) applied"
+          + (f": {', '.join(applied)}" if applied else "") + ")")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from offsetflow.runner import plan_only
+
+    cfg = _pipeline(args)
+    out = plan_only(cfg, _dsn(args, cfg), started_by=args.started_by)
+    if out.batch is None:
+        print(f"pipeline {cfg.name}: nothing new to read")
+        return 0
+    b = out.batch
+    print(f"pipeline {cfg.name}: batch {b.batch_id} ({'re-used' if out.reused else 'new'}, "
+          f"{b.status})")
+    for r in b.ranges:
+        print(f"  {r}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from offsetflow.runner import run_until_caught_up
+
+    cfg = _pipeline(args)
+    results = run_until_caught_up(cfg, _dsn(args, cfg), max_batches=args.max_batches,
+                                  started_by=args.started_by)
+    for res in results:
+        s = res.summary()
+        if s["batch_id"] is None:
+            print(f"pipeline {cfg.name}: caught up, nothing new to read")
+        else:
+            print(f"pipeline {cfg.name}: batch {s['batch_id']} {s['status']}: "
+                  f"{s.get('rows_written', 0)} rows, {s.get('bad_records', 0)} dead letters")
+    return 0
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from offsetflow.job import build_spark, run_batch
+
+    cfg = _pipeline(args)
+    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{args.batch_id}")
+    rep = run_batch(spark, cfg, args.batch_id, _dsn(args, cfg),
+                    accept_config_change=args.accept_config_change)
+    print(rep.result.message)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from offsetflow.status import format_status, pipeline_status
+
+    cfg = _pipeline(args)
+    st = pipeline_status(cfg, _dsn(args, cfg), recent=args.recent)
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return 0
+
+
+def cmd_abandon(args: argparse.Namespace) -> int:
+    with Ledger(_dsn(args)) as ledger:
+        ledger.abandon(args.batch_id, args.reason)
+    print(f"batch {args.batch_id} abandoned; its staged data was dropped")
+    return 0
+
+
+def cmd_reset_position(args: argparse.Namespace) -> int:
+    cfg = _pipeline(args)
+    with Ledger(_dsn(args, cfg)) as ledger:
+        ledger.set_position(cfg.name, args.topic, args.partition, args.offset, args.reason)
+    print(f"{cfg.name}: {args.topic}[{args.partition}] position set to {args.offset}")
+    return 0
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    with Ledger(_dsn(args)) as ledger:
+        dropped = ledger.cleanup_staging()
+    print(f"dropped staged data of {len(dropped)} closed batch(es)"
+          + (f": {dropped}" if dropped else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offsetflow", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--dsn", help="PostgreSQL DSN (default: sink.connection / OFFSETFLOW_PG_DSN)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_pipeline(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = sp.add_mutually_exclusive_group(required=True)
+        g.add_argument("--pipeline", "-p", help="pipeline name in include/pipelines")
+        g.add_argument("--pipeline-file", help="path of a pipeline YAML")
+        return sp
+
+    db = sub.add_parser("db", help="ledger schema").add_subparsers(dest="db_cmd", required=True)
+    db.add_parser("upgrade", help="apply ledger migrations").set_defaults(fn=cmd_db_upgrade)
+
+    sp = with_pipeline(sub.add_parser("plan", help="plan the next batch (or show the open one)"))
+    sp.add_argument("--started-by", default="cli")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = with_pipeline(sub.add_parser("run", help="plan + Spark + commit until caught up"))
+    sp.add_argument("--max-batches", type=int, default=1,
+                    help="batches to run at most (default 1)")
+    sp.add_argument("--started-by", default="cli")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = with_pipeline(sub.add_parser("run-batch", help="read, stage and commit a planned batch"))
+    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--accept-config-change", action="store_true")
+    sp.set_defaults(fn=cmd_run_batch)
+
+    sp = with_pipeline(sub.add_parser("status", help="lag per partition, recent batches"))
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--recent", type=int, default=10)
+    sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("abandon", help="close an open batch for good")
+    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--reason", required=True)
+    sp.set_defaults(fn=cmd_abandon)
+
+    sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))
+    sp.add_argument("--topic", required=True)
+    sp.add_argument("--partition", type=int, required=True)
+    sp.add_argument("--offset", type=int, required=True)
+    sp.add_argument("--reason", required=True)
+    sp.set_defaults(fn=cmd_reset_position)
+
+    sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
+        fn=cmd_cleanup)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("py4j", "pyspark"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return int(args.fn(args))
+    except OffsetFlowError as e:
+        print(f"offsetflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Every failure a user can act on has its own small exception type.
+
+Each is raised where the problem is detected and carries the coordinates the user
+needs (file and field, topic/partition/offset, batch id) so it is shown once, clearly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class OffsetFlowError(Exception):
+    """Base of every error OffsetFlow raises on purpose."""
+
+
+class ConfigError(OffsetFlowError):
+    """A pipeline config is invalid; names the file and the field."""
+
+    def __init__(self, source: str, field: str, message: str) -> None:
+        self.source = source
+        self.field = field
+        self.message = message
+        super().__init__(f"{source}: {field}: {message}")
+
+
+class InvalidRangeError(OffsetFlowError, ValueError):
+    """An OffsetRange that cannot exist (negative offsets, until < from)."""
+
+
+class DataLossError(OffsetFlowError):
+    """Offsets the pipeline still had to read are gone from Kafka (retention, deletion).
+
+    `missing_from`/`missing_until` is the half-open range of offsets that can no longer
+    be read, so the operator knows exactly what was lost.
+    """
+
+    def __init__(
+        self, topic: str, partition: int, missing_from: int, missing_until: int, detail: str = ""
+    ) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.missing_from = missing_from
+        self.missing_until = missing_until
+        msg = (
+            f"data loss on {topic}[{partition}]: offsets [{missing_from}, {missing_until}) "
+            f"({missing_until - missing_from} offsets) are no longer in Kafka"
+        )
+        if detail:
+            msg += f"; {detail}"
+        super().__init__(msg)
+
+
+class OffsetsResetError(OffsetFlowError):
+    """A partition's log end is below the committed position: the topic was deleted and
+    recreated, or truncated. Reading on would silently skip or re-read data."""
+
+    def __init__(self, topic: str, partition: int, committed: int, log_end: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.committed = committed
+        self.log_end = log_end
+        super().__init__(
+            f"{topic}[{partition}]: committed position {committed} is beyond the log end "
+            f"{log_end}; the topic was probably deleted and recreated. Reset the position "
+            f"explicitly (offsetflow reset-position) after checking what happened."
+        )
+
+
+class BadRecordError(OffsetFlowError):
+    """A record could not be deserialized and the pipeline's bad-record policy is `fail`."""
+
+    def __init__(self, topic: str, partition: int, offset: int, reason: str, more: int = 0) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = offset
+        self.reason = reason
+        self.more = more
+        extra = f" (and {more} more bad records in this batch)" if more else ""
+        super().__init__(
+            f"bad record at {topic}[{partition}]@{offset}: {reason}{extra}; "
+            f"set bad_records: dead_letter to route such records to the dead-letter table"
+        )
+
+
+class RangeReadError(OffsetFlowError):
+    """A partition could not be read up to the range's `until_offset`."""
+
+    def __init__(self, topic: str, partition: int, from_offset: int, until_offset: int,
+                 reached: int, reason: str) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.from_offset = from_offset
+        self.until_offset = until_offset
+        self.reached = reached
+        super().__init__(
+            f"could not read {topic}[{partition}] [{from_offset}, {until_offset}): "
+            f"stopped at offset {reached}: {reason}"
+        )
+
+
+class FencedCommitError(OffsetFlowError):
+    """The committed position moved since the batch was planned: this batch is stale
+    (a zombie or a concurrent run) and must not commit. Nothing was written."""
+
+    def __init__(self, batch_id: int, topic: str, partition: int, expected: int,
+                 found: int | None) -> None:
+        self.batch_id = batch_id
+        self.topic = topic
+        self.partition = partition
+        self.expected = expected
+        self.found = found
+        super().__init__(
+            f"batch {batch_id} fenced on {topic}[{partition}]: expected committed position "
+            f"{expected}, found {found}; another run committed first, nothing was written"
+        )
+
+
+class BatchStateError(OffsetFlowError):
+    """A batch is in a state that forbids the requested action (e.g. running a failed batch)."""
+
+
+class BatchNotFoundError(OffsetFlowError):
+    """No batch with that id (for that pipeline) exists in the ledger."""
+
+
+class StagingIncompleteError(OffsetFlowError):
+    """The commit found fewer staged parts than the job produced; refusing to commit."""
+
+
+class SchemaMismatchError(OffsetFlowError):
+    """The existing target table cannot hold the batch's columns."""
+
+
+class RequestError(OffsetFlowError):
+    """A backfill or replay request (form, conf or CLI) is invalid; nothing was started."""
+
+
+class KafkaUnavailableError(OffsetFlowError):
+    """Kafka metadata could not be fetched (broker down, unknown topic)."""
+
+
+class LockTimeoutError(OffsetFlowError):
+    """Another planner holds the pipeline's planning lock for too long."""
+
+
+def summarize(items: Sequence[str], limit: int = 5) -> str:
+    """Join the first `limit` items and say how many were left out."""
+    head = ", ".join(items[:limit])
+    return head + (f" … (+{len(items) - limit} more)" if len(items) > limit else "")

@@ -1,0 +1,248 @@
+"""Step 2 and 3 of the lifecycle on Spark: read a planned batch, stage it, commit it.
+
+DataFrame API only (`mapInArrow`), so the same job runs on a local SparkSession, through
+spark-submit on a cluster, or over Spark Connect. One Spark task per (sub-)range reads it
+with `offsetflow.reader`; rows are staged by the tasks and committed by the driver in one
+PostgreSQL transaction (`offsetflow.sink.commit_batch`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from offsetflow.config import DECIMAL_RE, PipelineConfig
+from offsetflow.errors import BadRecordError, BatchStateError, ConfigError, OffsetFlowError
+from offsetflow.ledger import Batch, Ledger, connect
+from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.sink import (
+    CommitResult,
+    bad_record_summary,
+    commit_batch,
+    create_stage_tables,
+    ensure_dead_letter,
+    ensure_target,
+    pg_type,
+    stage_bad_records,
+    stage_rows,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger(__name__)
+
+RAW_DDL = ("`topic` string, `partition` int, `offset` bigint, `timestamp` timestamp, "
+           "`timestamp_type` int, `key` binary, `value` binary, "
+           "`headers` array<struct<key:string,value:binary>>")
+SPARK_TYPES = {"string": "string", "long": "bigint", "int": "int", "double": "double",
+               "float": "float", "boolean": "boolean", "timestamp": "timestamp", "date": "date"}
+
+
+def spark_ddl(cfg: PipelineConfig) -> str:
+    fields = [f"`{name}` {SPARK_TYPES.get(t, t if DECIMAL_RE.match(t) else 'string')}"
+              for name, t in cfg.schema.items()]
+    return ", ".join([RAW_DDL, *fields])
+
+
+def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
+    """A SparkSession for the pipeline: spark-submit's if running under it, a warm Spark
+    Connect server when `spark.launch: connect`, else a local one from `spark.master`."""
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName(app_name)
+    if cfg.spark.launch == "connect":
+        return builder.remote(cfg.spark.connect_url).getOrCreate()
+    if "SPARK_SUBMIT" not in os.environ and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
+        builder = builder.master(cfg.spark.master)
+    builder = (builder.config("spark.sql.session.timeZone", "UTC")
+               .config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "8"))
+    for k, v in cfg.spark.conf.items():
+        builder = builder.config(k, v)
+    return builder.getOrCreate()
+
+
+def load_transform(path: str, source: str) -> Callable[[DataFrame], DataFrame]:
+    module, _, name = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(source, "transform", f"cannot import {path}: {e}") from e
+    if not callable(fn):
+        raise ConfigError(source, "transform", f"{path} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+@dataclass
+class RunReport:
+    batch_id: int
+    result: CommitResult
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
+                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The task function: read sub-range `id`, deserialize, record bad records."""
+    consumer_conf = cfg.consumer_settings()
+    schema = dict(cfg.schema)
+    fmt = cfg.format_type
+    pipeline = cfg.name
+    write_dead = cfg.bad_records == "dead_letter"
+
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from offsetflow.deserialize import arrow_schema, deserialize_json
+        from offsetflow.reader import read_range
+
+        typed_schema = arrow_schema(schema) if fmt == "json" else None
+        for b in batches:
+            for idx in b.column("id").to_pylist():
+                r = OffsetRange.from_dict(specs[idx])
+                for chunk_no, chunk in enumerate(read_range(consumer_conf, r)):
+                    if fmt != "json":
+                        yield chunk.to_arrow(r.topic, r.partition)
+                        continue
+                    typed, bad, good = deserialize_json(chunk.values, schema)
+                    if bad:
+                        stage_bad_records(dsn, batch_id, idx, chunk_no, pipeline, [
+                            {"topic": r.topic, "partition": r.partition,
+                             "offset": chunk.offsets[x.index],
+                             "timestamp": chunk.timestamps[x.index],
+                             "key": chunk.keys[x.index], "value": chunk.values[x.index],
+                             "error": x.reason} for x in bad], write_rows=write_dead)
+                    raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+                    assert typed_schema is not None
+                    cols = list(raw.columns) + list(typed.combine_chunks().columns)
+                    names = raw.schema.names + typed_schema.names
+                    yield pa.RecordBatch.from_arrays(
+                        [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c
+                         for c in cols], names=names)
+    return read
+
+
+def make_writer(dsn: str, batch_id: int
+                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        part = ctx.partitionId() if ctx is not None else 0
+        stats = stage_rows(dsn, batch_id, part, batches)
+        yield pa.RecordBatch.from_pylist(
+            [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
+            schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()),
+                              ("skipped", pa.bool_())]))
+    return write
+
+
+def to_stage_form(df: DataFrame) -> DataFrame:
+    """Binary as PostgreSQL hex text, nested types as JSON, so tasks can COPY CSV."""
+    from pyspark.sql import functions as F
+
+    cols = []
+    for f in df.schema.fields:
+        t = f.dataType.simpleString()
+        c = F.col(f"`{f.name}`")
+        if t == "binary":
+            c = F.concat(F.lit("\\x"), F.lower(F.hex(c)))
+        elif t.startswith(("array<", "struct<", "map<")):
+            c = F.to_json(c)
+        cols.append(c.alias(f.name))
+    return df.select(*cols)
+
+
+def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
+              accept_config_change: bool = False) -> RunReport:
+    """Read, stage and commit one planned batch. Safe to retry: a committed batch is a
+    no-op, staged parts are never staged twice, and the commit is fenced."""
+    t0 = time.monotonic()
+    timings: dict[str, float] = {}
+    with Ledger(dsn) as ledger:
+        batch = ledger.mark_running(batch_id)
+        if batch.pipeline != cfg.name:
+            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline}, "
+                                  f"not {cfg.name}")
+        if batch.status == "committed":
+            log.info("batch %d is already committed; nothing to do", batch_id)
+            res = CommitResult(batch_id, "already_committed", batch.rows_written or 0,
+                               batch.bad_records or 0, {})
+            return RunReport(batch_id, res)
+        if (batch.config_fingerprint and batch.config_fingerprint != cfg.fingerprint()
+                and not accept_config_change):
+            err = BatchStateError(
+                f"pipeline {cfg.name} config changed since batch {batch_id} was planned "
+                f"(format, transform, sink or bad-record policy); re-run with "
+                f"--accept-config-change to apply the new config to the same ranges, or "
+                f"abandon the batch")
+            ledger.mark_failed(batch_id, str(err))
+            raise err
+        try:
+            report = _run(spark, cfg, batch, dsn, ledger, timings)
+        except OffsetFlowError as e:
+            ledger.mark_failed(batch_id, str(e))
+            raise
+        except Exception as e:
+            ledger.mark_failed(batch_id, f"{type(e).__name__}: {str(e)[:2000]}")
+            raise
+    timings["total_s"] = round(time.monotonic() - t0, 3)
+    return report
+
+
+def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
+         timings: dict[str, float]) -> RunReport:
+    t = time.monotonic()
+    subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
+    specs = [r.to_dict() for r in subranges]
+    n = max(len(specs), 1)
+    df = spark.range(0, len(specs), 1, n).mapInArrow(
+        make_reader(cfg, batch.batch_id, dsn, specs), spark_ddl(cfg))
+    if cfg.transform:
+        df = load_transform(cfg.transform, cfg.source_file)(df)
+        missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
+        if missing:
+            raise ConfigError(cfg.source_file, "transform",
+                              f"{cfg.transform} dropped the source coordinates {missing}; "
+                              f"target rows must keep topic, partition and offset")
+    columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
+            if cfg.bad_records == "dead_letter":
+                ensure_dead_letter(cur, cfg.dead_letter_table)
+    finally:
+        conn.close()
+    create_stage_tables(dsn, batch.batch_id, columns)
+    timings["prepare_s"] = round(time.monotonic() - t, 3)
+
+    t = time.monotonic()
+    stats = to_stage_form(df).mapInArrow(
+        make_writer(dsn, batch.batch_id), "part int, rows bigint, skipped boolean").collect()
+    timings["read_stage_s"] = round(time.monotonic() - t, 3)
+    skipped = sum(1 for s in stats if s["skipped"])
+    log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier attempt)",
+             batch.batch_id, sum(s["rows"] for s in stats), len(stats), skipped)
+
+    bad_count, samples = bad_record_summary(ledger, batch.batch_id)
+    if bad_count and cfg.bad_records == "fail":
+        first = samples[0]
+        raise BadRecordError(first["topic"], first["partition"], first["offset"],
+                             first["error"], more=bad_count - 1)
+    t = time.monotonic()
+    result = commit_batch(
+        ledger, batch.batch_id, expected_parts=len(stats), columns=[c for c, _ in columns],
+        mode=cfg.sink.mode, key=cfg.sink.key,
+        dead_letter_table=cfg.dead_letter_table if cfg.bad_records == "dead_letter" else None,
+        timings=timings)
+    timings["commit_s"] = round(time.monotonic() - t, 3)
+    log.info(result.message)
+    return RunReport(batch.batch_id, result, timings)

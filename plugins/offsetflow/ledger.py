@@ -1,0 +1,378 @@
+"""The ledger: PostgreSQL tables that are the single system of record for offsets.
+
+Thin adapter over psycopg2. Batches and their ranges are written before any record is
+read; positions only move inside the commit transaction (see `offsetflow.sink`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from importlib import resources
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+from psycopg2 import sql
+
+from offsetflow.errors import BatchNotFoundError, BatchStateError, LockTimeoutError
+from offsetflow.planner import DataLossGap
+from offsetflow.ranges import OffsetRange, TopicPartition
+
+log = logging.getLogger(__name__)
+
+OPEN_STATUSES = ("planned", "running", "failed")
+KINDS = ("scheduled", "backfill", "replay")
+
+
+@dataclass(frozen=True)
+class Batch:
+    batch_id: int
+    pipeline: str
+    kind: str
+    status: str
+    ranges: tuple[OffsetRange, ...]
+    target_table: str
+    moves_positions: bool = True
+    config_fingerprint: str | None = None
+    started_by: str = "unknown"
+    params: dict[str, Any] = field(default_factory=dict)
+    planned_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    records_read: int | None = None
+    rows_written: int | None = None
+    bad_records: int | None = None
+    error: str | None = None
+    quality: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in OPEN_STATUSES
+
+    @property
+    def offset_span(self) -> int:
+        return sum(r.span for r in self.ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in (
+            "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
+            "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
+            "error", "quality", "timings")}
+        for k in ("planned_at", "started_at", "finished_at"):
+            v = getattr(self, k)
+            d[k] = v.isoformat() if v else None
+        d["ranges"] = [r.to_dict() for r in self.ranges]
+        return d
+
+
+def connect(dsn: str) -> psycopg2.extensions.connection:
+    """Open a connection; the DSN is never logged (it holds the password)."""
+    conn = psycopg2.connect(dsn, application_name="offsetflow", connect_timeout=10)
+    return conn
+
+
+def stage_table(batch_id: int) -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier("offsetflow_stage"),
+                                   sql.Identifier(f"b{int(batch_id)}"))
+
+
+def dead_letter_stage_table(batch_id: int) -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier("offsetflow_stage"),
+                                   sql.Identifier(f"b{int(batch_id)}_dead"))
+
+
+def qualified(table: str) -> sql.Composed:
+    """Quote a validated `schema.table` name for SQL."""
+    parts = table.split(".")
+    if len(parts) == 1:
+        parts = ["public", parts[0]]
+    return sql.SQL(".").join(sql.Identifier(p) for p in parts)
+
+
+class Ledger:
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._conn: psycopg2.extensions.connection | None = None
+
+    @property
+    def conn(self) -> psycopg2.extensions.connection:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.dsn)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None and not self._conn.closed:
+            self._conn.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg2.extensions.cursor]:
+        conn = self.conn
+        try:
+            with conn.cursor() as cur:
+                yield cur
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+
+    # -- migrations -------------------------------------------------------------------
+    def upgrade(self) -> list[str]:
+        """Apply pending migrations in order, once each, under an advisory lock."""
+        applied_now: list[str] = []
+        with self.transaction() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:migrations'))")
+            cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow")
+            cur.execute("""CREATE TABLE IF NOT EXISTS offsetflow.schema_migrations (
+                               version text PRIMARY KEY,
+                               applied_at timestamptz NOT NULL DEFAULT now())""")
+            cur.execute("SELECT version FROM offsetflow.schema_migrations")
+            done = {row[0] for row in cur.fetchall()}
+            files = sorted((f for f in resources.files("offsetflow.migrations").iterdir()
+                            if f.name.endswith(".sql")), key=lambda f: f.name)
+            for f in files:
+                version = f.name.removesuffix(".sql")
+                if version in done:
+                    continue
+                cur.execute(f.read_text())
+                cur.execute("INSERT INTO offsetflow.schema_migrations (version) VALUES (%s)",
+                            (version,))
+                applied_now.append(version)
+        for v in applied_now:
+            log.info("applied ledger migration %s", v)
+        return applied_now
+
+    # -- locking ----------------------------------------------------------------------
+    @staticmethod
+    def lock_pipeline(cur: psycopg2.extensions.cursor, pipeline: str,
+                      timeout_s: float = 60.0) -> None:
+        """Per-pipeline planning lock, held until the surrounding transaction ends."""
+        cur.execute("SET LOCAL lock_timeout = %s", (f"{int(timeout_s * 1000)}ms",))
+        try:
+            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
+                        (f"offsetflow:plan:{pipeline}",))
+        except psycopg2.errors.LockNotAvailable as e:
+            raise LockTimeoutError(
+                f"pipeline {pipeline}: another planner held the planning lock for more "
+                f"than {timeout_s:.0f}s") from e
+
+    # -- reads ------------------------------------------------------------------------
+    _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
+                   "config_fingerprint, started_by, params, planned_at, started_at, finished_at, "
+                   "attempts, records_read, rows_written, bad_records, error, quality, timings")
+
+    def _batches(self, cur: psycopg2.extensions.cursor, where: sql.Composable,
+                 args: Sequence[Any], suffix: str = "") -> list[Batch]:
+        cur.execute(sql.SQL("SELECT " + self._BATCH_COLS + " FROM offsetflow.batches WHERE ")
+                    + where + sql.SQL(" ORDER BY batch_id DESC " + suffix), args)
+        rows = cur.fetchall()
+        if not rows:
+            return []
+        ids = [r[0] for r in rows]
+        cur.execute("""SELECT batch_id, topic, partition, from_offset, until_offset
+                         FROM offsetflow.batch_ranges WHERE batch_id = ANY(%s)
+                        ORDER BY topic, partition""", (ids,))
+        ranges: dict[int, list[OffsetRange]] = {}
+        for bid, t, p, f, u in cur.fetchall():
+            ranges.setdefault(bid, []).append(OffsetRange(t, p, f, u))
+        return [Batch(batch_id=r[0], pipeline=r[1], kind=r[2], status=r[3],
+                      ranges=tuple(ranges.get(r[0], [])), target_table=r[4],
+                      moves_positions=r[5], config_fingerprint=r[6], started_by=r[7],
+                      params=r[8] or {}, planned_at=r[9], started_at=r[10], finished_at=r[11],
+                      attempts=r[12], records_read=r[13], rows_written=r[14],
+                      bad_records=r[15], error=r[16], quality=r[17], timings=r[18])
+                for r in rows]
+
+    def get_batch(self, batch_id: int, cur: psycopg2.extensions.cursor | None = None,
+                  for_update: bool = False) -> Batch:
+        def run(c: psycopg2.extensions.cursor) -> list[Batch]:
+            return self._batches(c, sql.SQL("batch_id = %s"), (batch_id,),
+                                 "FOR UPDATE" if for_update else "")
+        if cur is not None:
+            found = run(cur)
+        else:
+            with self.transaction() as c:
+                found = run(c)
+        if not found:
+            raise BatchNotFoundError(f"no batch {batch_id} in the ledger")
+        return found[0]
+
+    def open_batch(self, cur: psycopg2.extensions.cursor, pipeline: str,
+                   kind: str = "scheduled") -> Batch | None:
+        found = self._batches(cur, sql.SQL("pipeline = %s AND kind = %s AND status = ANY(%s)"),
+                              (pipeline, kind, list(OPEN_STATUSES)), "LIMIT 1")
+        return found[0] if found else None
+
+    def recent_batches(self, pipeline: str, limit: int = 20) -> list[Batch]:
+        with self.transaction() as cur:
+            return self._batches(cur, sql.SQL("pipeline = %s"), (pipeline,), f"LIMIT {int(limit)}")
+
+    def positions(self, pipeline: str, cur: psycopg2.extensions.cursor | None = None
+                  ) -> dict[TopicPartition, int]:
+        q = "SELECT topic, partition, next_offset FROM offsetflow.positions WHERE pipeline = %s"
+        if cur is not None:
+            cur.execute(q, (pipeline,))
+            return {(t, p): o for t, p, o in cur.fetchall()}
+        with self.transaction() as c:
+            c.execute(q, (pipeline,))
+            return {(t, p): o for t, p, o in c.fetchall()}
+
+    def open_batches_overlapping(self, cur: psycopg2.extensions.cursor, pipeline: str,
+                                 ranges: Sequence[OffsetRange]) -> list[int]:
+        """Ids of open batches of `pipeline` whose ranges overlap any of `ranges`."""
+        found: set[int] = set()
+        for r in ranges:
+            cur.execute("""SELECT b.batch_id FROM offsetflow.batches b
+                             JOIN offsetflow.batch_ranges br USING (batch_id)
+                            WHERE b.pipeline = %s AND b.status = ANY(%s)
+                              AND br.topic = %s AND br.partition = %s
+                              AND br.from_offset < %s AND br.until_offset > %s""",
+                        (pipeline, list(OPEN_STATUSES), r.topic, r.partition,
+                         r.until_offset, r.from_offset))
+            found.update(row[0] for row in cur.fetchall())
+        return sorted(found)
+
+    # -- writes -----------------------------------------------------------------------
+    def insert_batch(self, cur: psycopg2.extensions.cursor, *, pipeline: str, kind: str,
+                     ranges: Sequence[OffsetRange], target_table: str,
+                     config_fingerprint: str | None, started_by: str,
+                     moves_positions: bool = True, params: dict[str, Any] | None = None
+                     ) -> int:
+        if kind not in KINDS:
+            raise ValueError(f"unknown batch kind {kind!r}")
+        cur.execute("""INSERT INTO offsetflow.batches
+                         (pipeline, kind, status, target_table, moves_positions,
+                          config_fingerprint, started_by, params)
+                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s) RETURNING batch_id""",
+                    (pipeline, kind, target_table, moves_positions, config_fingerprint,
+                     started_by, json.dumps(params or {})))
+        row = cur.fetchone()
+        assert row is not None
+        batch_id = int(row[0])
+        psycopg2.extras.execute_values(
+            cur, """INSERT INTO offsetflow.batch_ranges
+                      (batch_id, topic, partition, from_offset, until_offset) VALUES %s""",
+            [(batch_id, r.topic, r.partition, r.from_offset, r.until_offset) for r in ranges])
+        return batch_id
+
+    def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,
+                         gaps: Sequence[DataLossGap], policy: str,
+                         batch_id: int | None = None) -> None:
+        for g in gaps:
+            cur.execute("""INSERT INTO offsetflow.data_loss
+                             (pipeline, topic, partition, missing_from, missing_until, policy,
+                              batch_id) VALUES (%s, %s, %s, %s, %s, %s, %s)""",
+                        (pipeline, g.topic, g.partition, g.missing_from, g.missing_until,
+                         policy, batch_id))
+
+    def data_loss_events(self, pipeline: str) -> list[dict[str, Any]]:
+        with self.transaction() as cur:
+            cur.execute("""SELECT topic, partition, missing_from, missing_until, policy,
+                                  batch_id, detected_at
+                             FROM offsetflow.data_loss WHERE pipeline = %s ORDER BY id""",
+                        (pipeline,))
+            cols = [d[0] for d in cur.description or ()]
+            return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+
+    def mark_running(self, batch_id: int) -> Batch:
+        """Move an open batch to running; a committed one is returned as is (no-op)."""
+        with self.transaction() as cur:
+            b = self.get_batch(batch_id, cur, for_update=True)
+            if b.status == "committed":
+                return b
+            if b.status == "abandoned":
+                raise BatchStateError(f"batch {batch_id} was abandoned and cannot run")
+            cur.execute("""UPDATE offsetflow.batches
+                              SET status = 'running', started_at = now(),
+                                  attempts = attempts + 1, error = NULL
+                            WHERE batch_id = %s""", (batch_id,))
+        return self.get_batch(batch_id)
+
+    def mark_failed(self, batch_id: int, error: str, quality: dict[str, Any] | None = None
+                    ) -> None:
+        """Record a failed attempt; the batch stays open and is re-run unchanged."""
+        with self.transaction() as cur:
+            cur.execute("""UPDATE offsetflow.batches
+                              SET status = 'failed', error = %s, finished_at = now(),
+                                  quality = COALESCE(%s, quality)
+                            WHERE batch_id = %s AND status IN ('planned', 'running', 'failed')""",
+                        (error[:10000], json.dumps(quality) if quality else None, batch_id))
+
+    def abandon(self, batch_id: int, reason: str) -> None:
+        """Close an open batch for good and drop its staged data."""
+        with self.transaction() as cur:
+            b = self.get_batch(batch_id, cur, for_update=True)
+            if not b.is_open:
+                raise BatchStateError(f"batch {batch_id} is {b.status}; only open batches "
+                                      f"can be abandoned")
+            cur.execute("""UPDATE offsetflow.batches SET status = 'abandoned', error = %s,
+                                  finished_at = now() WHERE batch_id = %s""",
+                        (reason, batch_id))
+            self._drop_staging(cur, batch_id)
+
+    def set_position(self, pipeline: str, topic: str, partition: int, next_offset: int,
+                     reason: str) -> None:
+        """Operator override of a position (e.g. after a topic was recreated)."""
+        with self.transaction() as cur:
+            self.lock_pipeline(cur, pipeline)
+            if self.open_batch(cur, pipeline) is not None:
+                raise BatchStateError(f"pipeline {pipeline} has an open batch; abandon or "
+                                      f"finish it before moving a position")
+            cur.execute("""SELECT next_offset FROM offsetflow.positions
+                            WHERE pipeline=%s AND topic=%s AND partition=%s FOR UPDATE""",
+                        (pipeline, topic, partition))
+            row = cur.fetchone()
+            cur.execute("""INSERT INTO offsetflow.positions (pipeline, topic, partition,
+                                                            next_offset, updated_at)
+                           VALUES (%s, %s, %s, %s, now())
+                           ON CONFLICT (pipeline, topic, partition)
+                           DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now()""",
+                        (pipeline, topic, partition, next_offset))
+            cur.execute("""INSERT INTO offsetflow.position_history
+                             (pipeline, topic, partition, old_offset, new_offset, reason)
+                           VALUES (%s, %s, %s, %s, %s, %s)""",
+                        (pipeline, topic, partition, row[0] if row else None, next_offset,
+                         f"manual: {reason}"))
+
+    @staticmethod
+    def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
+        cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(stage_table(batch_id)))
+        cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(dead_letter_stage_table(batch_id)))
+        cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s", (batch_id,))
+
+    def cleanup_staging(self) -> list[int]:
+        """Drop staged data of batches that are closed (committed, abandoned) or gone."""
+        with self.transaction() as cur:
+            cur.execute("""SELECT c.relname FROM pg_class c
+                             JOIN pg_namespace n ON n.oid = c.relnamespace
+                            WHERE n.nspname = 'offsetflow_stage' AND c.relkind = 'r'""")
+            ids = set()
+            for (name,) in cur.fetchall():
+                digits = name[1:].split("_")[0]
+                if digits.isdigit():
+                    ids.add(int(digits))
+            cur.execute("SELECT DISTINCT batch_id FROM offsetflow.staged_parts")
+            ids.update(r[0] for r in cur.fetchall())
+            if not ids:
+                return []
+            cur.execute("""SELECT batch_id FROM offsetflow.batches
+                            WHERE batch_id = ANY(%s) AND status = ANY(%s)""",
+                        (sorted(ids), list(OPEN_STATUSES)))
+            keep = {r[0] for r in cur.fetchall()}
+            dropped = sorted(ids - keep)
+            for bid in dropped:
+                self._drop_staging(cur, bid)
+        return dropped

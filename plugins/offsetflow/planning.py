@@ -1,0 +1,90 @@
+"""Step 1 of the lifecycle: plan a batch under the pipeline's lock and write it to the ledger.
+
+Order matters and is followed step by step in `plan_next`:
+  1. take the per-pipeline lock (transaction-scoped advisory lock);
+  2. an open batch (planned, running, failed) is returned unchanged: a re-run reads the
+     same ranges, like Structured Streaming's offset log;
+  3. read committed positions, then partitions and earliest/latest offsets from Kafka;
+  4. plan (pure); record data-loss gaps in the ledger, and stop for the `fail` policy
+     (the gap record is committed, the batch is not);
+  5. an empty plan inserts nothing; otherwise insert the batch and its ranges, commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import DataLossError
+from offsetflow.kafka_meta import KafkaMetadata
+from offsetflow.ledger import Batch, Ledger
+from offsetflow.planner import Plan, plan_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    batch: Batch | None  # None: nothing new to read
+    reused: bool
+    plan: Plan | None
+
+    @property
+    def batch_id(self) -> int | None:
+        return self.batch.batch_id if self.batch else None
+
+
+def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
+              started_by: str = "cli") -> PlanOutcome:
+    pending_error: DataLossError | None = None
+    with ledger.transaction() as cur:
+        ledger.lock_pipeline(cur, cfg.name)  # 1
+        existing = ledger.open_batch(cur, cfg.name)  # 2
+        if existing is not None:
+            log.info("pipeline %s: re-using open batch %d (%s, %d ranges)", cfg.name,
+                     existing.batch_id, existing.status, len(existing.ranges))
+            return PlanOutcome(existing, reused=True, plan=None)
+        committed = ledger.positions(cfg.name, cur)  # 3
+        topics = kafka.topics(cfg.topics, cfg.topic_pattern)
+        tps = kafka.partitions(topics)
+        offsets = kafka.partition_offsets(tps)
+        by_ts = None
+        if cfg.starting.kind == "timestamp" and cfg.starting.timestamp_ms is not None:
+            fresh = [tp for tp in tps if tp not in committed]
+            by_ts = kafka.offsets_for_time(fresh, cfg.starting.timestamp_ms)
+        plan = plan_batch(committed, offsets, cfg.starting, cfg.max_records_per_partition,
+                          cfg.max_records_per_batch, cfg.data_loss, by_ts)  # 4
+        for tp in plan.new_partitions:
+            log.info("pipeline %s: new partition %s[%d]", cfg.name, *tp)
+        for tp in plan.vanished:
+            log.warning("pipeline %s: %s[%d] has a committed position but no longer exists "
+                        "in Kafka", cfg.name, *tp)
+        if plan.data_loss:
+            ledger.record_data_loss(cur, cfg.name, plan.data_loss, cfg.data_loss)
+            for g in plan.data_loss:
+                log.error("pipeline %s: data loss on %s[%d]: offsets [%d, %d) are gone "
+                          "(policy %s)", cfg.name, g.topic, g.partition, g.missing_from,
+                          g.missing_until, cfg.data_loss)
+            if cfg.data_loss == "fail":
+                g = plan.data_loss[0]
+                more = f"{len(plan.data_loss) - 1} more partition(s) affected; " \
+                    if len(plan.data_loss) > 1 else ""
+                pending_error = DataLossError(
+                    g.topic, g.partition, g.missing_from, g.missing_until,
+                    f"{more}nothing was planned; set source.data_loss: continue to skip "
+                    f"to the earliest offset, or reset the position")
+        if pending_error is None and not plan.is_empty:  # 5
+            ranges = [r for r in plan.ranges if not r.is_empty]
+            batch_id = ledger.insert_batch(
+                cur, pipeline=cfg.name, kind="scheduled", ranges=ranges,
+                target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
+                started_by=started_by)
+            batch = ledger.get_batch(batch_id, cur)
+            log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
+                     batch_id, len(ranges), plan.offset_span)
+            return PlanOutcome(batch, reused=False, plan=plan)
+    if pending_error is not None:
+        raise pending_error
+    log.info("pipeline %s: nothing new to read", cfg.name)
+    return PlanOutcome(None, reused=False, plan=plan)

@@ -1,0 +1,431 @@
+"""Transactional PostgreSQL sink: idempotent staging, then one commit transaction.
+
+Staging runs in Spark tasks. Each task writes its rows with COPY into the batch's stage
+table and, in the same PostgreSQL transaction, a `staged_parts` marker; a retried or
+speculative attempt finds the marker (or blocks on it) and stages nothing twice.
+
+`commit_batch` is step 3 of the lifecycle, one transaction, in this order:
+  1. lock the batch row; already committed -> no-op, say so; abandoned -> refuse;
+  2. check that every part the job produced is staged (no partial stage commits);
+  3. fence: advance each partition's position only if it still equals the range's
+     `from_offset` (a missing position counts only for a partition seen for the first
+     time); any mismatch rolls everything back with FencedCommitError;
+  4. move staged rows into the target (append, or upsert on the key), and dead letters
+     into the dead-letter table;
+  5. record per-range counts, position history, and mark the batch committed;
+  6. drop the stage tables; COMMIT. Any failure before COMMIT leaves nothing visible.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg2
+import psycopg2.extensions
+import pyarrow as pa
+import pyarrow.csv as pacsv
+from psycopg2 import sql
+
+from offsetflow.errors import (
+    BatchStateError,
+    FencedCommitError,
+    SchemaMismatchError,
+    StagingIncompleteError,
+)
+from offsetflow.ledger import (
+    Batch,
+    Ledger,
+    connect,
+    dead_letter_stage_table,
+    qualified,
+    stage_table,
+)
+
+log = logging.getLogger(__name__)
+
+LINEAGE_COLUMN = "_offsetflow_batch_id"
+COORDINATES = ("topic", "partition", "offset")
+
+DEAD_LETTER_COLUMNS: list[tuple[str, str]] = [
+    ("pipeline", "text"), ("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
+    ("timestamp", "timestamptz"), ("key", "bytea"), ("value", "bytea"), ("error", "text"),
+    ("stage", "text"),
+]
+
+_SIMPLE_TYPES = {
+    "string": "text", "bigint": "bigint", "int": "integer", "smallint": "smallint",
+    "tinyint": "smallint", "double": "double precision", "float": "real",
+    "boolean": "boolean", "timestamp": "timestamptz", "timestamp_ntz": "timestamp",
+    "date": "date", "binary": "bytea", "void": "text",
+}
+_DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
+
+
+def pg_type(spark_type: str) -> str:
+    """PostgreSQL column type for a Spark `simpleString()` type; nested types are jsonb."""
+    t = spark_type.strip().lower()
+    if t in _SIMPLE_TYPES:
+        return _SIMPLE_TYPES[t]
+    m = _DECIMAL.match(t)
+    if m:
+        return f"numeric({m.group(1)},{m.group(2)})"
+    if t.startswith(("array<", "struct<", "map<")):
+        return "jsonb"
+    raise SchemaMismatchError(f"no PostgreSQL type for Spark type {spark_type!r}")
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    batch_id: int
+    status: str  # committed | already_committed
+    rows_written: int
+    bad_records: int
+    records_per_range: dict[str, int]
+
+    @property
+    def message(self) -> str:
+        if self.status == "already_committed":
+            return f"batch {self.batch_id} was already committed; nothing to do"
+        return (f"batch {self.batch_id} committed: {self.rows_written} rows, "
+                f"{self.bad_records} dead letters")
+
+
+# -- tables ---------------------------------------------------------------------------
+def existing_columns(cur: psycopg2.extensions.cursor, table: str) -> dict[str, str]:
+    schema, name = (table.split(".") + [""])[:2] if "." in table else ("public", table)
+    cur.execute("""SELECT column_name, data_type FROM information_schema.columns
+                    WHERE table_schema = %s AND table_name = %s""", (schema, name))
+    return {c: t for c, t in cur.fetchall()}
+
+
+def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence[tuple[str, str]],
+                  mode: str, key: Sequence[str]) -> None:
+    """Create the target if missing (with lineage column and indexes) or check it fits."""
+    schema = table.split(".")[0] if "." in table else "public"
+    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    have = existing_columns(cur, table)
+    if not have:
+        cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                                      for c, t in columns]
+        cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
+        cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+            qualified(table), sql.SQL(", ").join(cols)))
+        base = table.split(".")[-1]
+        coords = sql.SQL(", ").join(sql.Identifier(c) for c in COORDINATES)
+        if mode == "upsert":
+            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
+                sql.Identifier(f"{base}_key_uq"), qualified(table),
+                sql.SQL(", ").join(sql.Identifier(k) for k in key)))
+            cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({})").format(
+                sql.Identifier(f"{base}_coords_idx"), qualified(table), coords))
+        else:
+            # one source record -> at most one row: a second copy cannot even be inserted
+            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
+                sql.Identifier(f"{base}_coords_uq"), qualified(table), coords))
+        return
+    missing = [c for c, _ in columns if c not in have]
+    if LINEAGE_COLUMN not in have:
+        missing.append(LINEAGE_COLUMN)
+    if missing:
+        raise SchemaMismatchError(
+            f"target table {table} exists but lacks column(s) {missing}; add them or "
+            f"point sink.table at a new table")
+
+
+def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:
+    schema = table.split(".")[0] if "." in table else "public"
+    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                                  for c, t in DEAD_LETTER_COLUMNS]
+    cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
+    cols.append(sql.SQL("recorded_at timestamptz NOT NULL DEFAULT now()"))
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+        qualified(table), sql.SQL(", ").join(cols)))
+    base = table.split(".")[-1]
+    cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (pipeline, topic, partition, "
+                        "\"offset\")").format(sql.Identifier(f"{base}_coords_idx"),
+                                              qualified(table)))
+
+
+def create_stage_tables(dsn: str, batch_id: int, columns: Sequence[tuple[str, str]]) -> None:
+    """Stage tables are UNLOGGED: they are rebuilt from Kafka if lost, and WAL is costly."""
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow_stage")
+            cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                                      for c, t in columns)
+            cur.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} ({})").format(
+                stage_table(batch_id), cols))
+            dl = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                                    for c, t in DEAD_LETTER_COLUMNS)
+            cur.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} ({})").format(
+                dead_letter_stage_table(batch_id), dl))
+    finally:
+        conn.close()
+
+
+# -- staging (runs in Spark tasks) ------------------------------------------------------
+def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pacsv.write_csv(batch, buf, pacsv.WriteOptions(include_header=False))
+    return buf.getvalue()
+
+
+def _copy(cur: psycopg2.extensions.cursor, table: sql.Composed, columns: Sequence[str],
+          data: bytes) -> None:
+    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
+        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns)), io.BytesIO(data))
+
+
+def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
+                chunk: int) -> dict[str, Any] | None:
+    """Insert the part's marker; return the earlier attempt's stats if it already exists.
+    A concurrent attempt blocks here on the primary key until the first one ends."""
+    cur.execute("""INSERT INTO offsetflow.staged_parts
+                     (batch_id, kind, part, chunk, rows_staged, bad_records)
+                   VALUES (%s, %s, %s, %s, 0, 0) ON CONFLICT DO NOTHING""",
+                (batch_id, kind, part, chunk))
+    if cur.rowcount == 1:
+        return None
+    cur.execute("""SELECT rows_staged, bad_records, per_partition FROM offsetflow.staged_parts
+                    WHERE batch_id=%s AND kind=%s AND part=%s AND chunk=%s""",
+                (batch_id, kind, part, chunk))
+    row = cur.fetchone()
+    assert row is not None
+    return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
+
+
+def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch]
+               ) -> dict[str, Any]:
+    """Stage one Spark partition's rows in one transaction with its marker.
+
+    `batches` are already in stage-table text form (binary as `\\x..` hex, nested as JSON).
+    Returns the per-part stats; a part staged by an earlier attempt is not written again.
+    """
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            earlier = _claim_part(cur, batch_id, "rows", part, 0)
+            if earlier is not None:
+                return {"part": part, "skipped": True, **earlier}
+            rows = 0
+            per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
+            for b in batches:
+                if b.num_rows == 0:
+                    continue
+                _copy(cur, stage_table(batch_id), b.schema.names, _csv_bytes(b))
+                rows += b.num_rows
+                _count_coordinates(b, per_tp)
+            cur.execute("""UPDATE offsetflow.staged_parts
+                              SET rows_staged = %s, per_partition = %s
+                            WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
+                        (rows, json.dumps(per_tp), batch_id, part))
+        return {"part": part, "skipped": False, "rows": rows, "bad": 0, "per_partition": per_tp}
+    finally:
+        conn.close()
+
+
+def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
+    t = pa.Table.from_batches([b]).select(["topic", "partition", "offset"])
+    g = t.group_by(["topic", "partition"]).aggregate(
+        [("offset", "count"), ("offset", "min"), ("offset", "max")])
+    for topic, p, n, lo, hi in zip(*(g.column(i).to_pylist() for i in range(5)), strict=True):
+        k = f"{topic}/{p}"
+        if k in acc:
+            c = acc[k]
+            acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
+        else:
+            acc[k] = [n, lo, hi]
+
+
+def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: str,
+                      rows: Sequence[dict[str, Any]], write_rows: bool) -> None:
+    """Record one chunk of bad records of one sub-range: always the marker with a sample
+    (so the driver can fail the batch naming them); the rows too under `dead_letter`."""
+    if not rows:
+        return
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
+                return
+            if write_rows:
+                t = pa.table({
+                    "pipeline": [pipeline] * len(rows),
+                    "topic": [r["topic"] for r in rows],
+                    "partition": pa.array([r["partition"] for r in rows], pa.int32()),
+                    "offset": pa.array([r["offset"] for r in rows], pa.int64()),
+                    "timestamp": pa.array([r["timestamp"] for r in rows],
+                                          pa.timestamp("us", tz="UTC")),
+                    "key": [_hex(r["key"]) for r in rows],
+                    "value": [_hex(r["value"]) for r in rows],
+                    "error": [r["error"] for r in rows],
+                    "stage": [r.get("stage", "deserialize") for r in rows],
+                })
+                _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
+            sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")}
+                      for r in rows[:5]]
+            cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
+                            WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
+                        (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
+    finally:
+        conn.close()
+
+
+def _hex(b: bytes | None) -> str | None:
+    return None if b is None else "\\x" + b.hex()
+
+
+def hex_binary_columns(t: pa.Table) -> pa.Table:
+    """For tests and the no-Spark path: binary -> `\\x..` text, lists/structs -> JSON."""
+    cols = []
+    for f, col in zip(t.schema, t.columns, strict=True):
+        if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
+            cols.append(pa.array([_hex(v) for v in col.to_pylist()], pa.string()))
+        elif pa.types.is_nested(f.type):
+            cols.append(pa.array([None if v is None else json.dumps(v, default=_json_default)
+                                  for v in col.to_pylist()], pa.string()))
+        else:
+            cols.append(col)
+    return pa.table(cols, names=t.schema.names)
+
+
+def _json_default(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "backslashreplace")
+    return str(v)
+
+
+def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
+    with ledger.transaction() as cur:
+        cur.execute("""SELECT COALESCE(sum(bad_records), 0), array_agg(per_partition)
+                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'bad'""",
+                    (batch_id,))
+        row = cur.fetchone()
+    assert row is not None
+    samples = [s for pp in (row[1] or []) if pp for s in pp.get("sample", [])]
+    samples.sort(key=lambda s: (s["topic"], s["partition"], s["offset"]))
+    return int(row[0]), samples
+
+
+# -- commit --------------------------------------------------------------------------
+def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns: Sequence[str],
+                 mode: str, key: Sequence[str], dead_letter_table: str | None,
+                 timings: dict[str, float] | None = None) -> CommitResult:
+    """Step 3 of the lifecycle; see the module docstring for the numbered steps."""
+    with ledger.transaction() as cur:
+        batch = ledger.get_batch(batch_id, cur, for_update=True)  # 1
+        if batch.status == "committed":
+            log.info("batch %d is already committed; this commit changes nothing", batch_id)
+            return CommitResult(batch_id, "already_committed", batch.rows_written or 0,
+                                batch.bad_records or 0, {})
+        if batch.status == "abandoned":
+            raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")
+        cur.execute("""SELECT count(*), COALESCE(sum(rows_staged), 0)
+                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows'""",
+                    (batch_id,))
+        row = cur.fetchone()
+        assert row is not None
+        parts, staged_rows = int(row[0]), int(row[1])
+        if parts != expected_parts:  # 2
+            raise StagingIncompleteError(
+                f"batch {batch_id}: {parts} of {expected_parts} parts are staged; not committing")
+        if batch.moves_positions:  # 3
+            _fence_and_advance(cur, batch)
+        target = qualified(batch.target_table)  # 4
+        collist = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
+        if batch.kind == "replay":
+            _delete_range_rows(cur, batch)
+        if mode == "upsert":
+            order = sql.SQL(", ").join(sql.Identifier(k) for k in key)
+            updates = sql.SQL(", ").join(
+                sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+                for c in [*columns, LINEAGE_COLUMN] if c not in key)
+            cur.execute(sql.SQL(
+                "INSERT INTO {t} ({cols}, {lin}) "
+                "SELECT DISTINCT ON ({key}) {cols}, %s FROM {stage} "
+                "ORDER BY {key}, \"timestamp\" DESC NULLS LAST, \"offset\" DESC "
+                "ON CONFLICT ({key}) DO UPDATE SET {updates}").format(
+                    t=target, cols=collist, lin=sql.Identifier(LINEAGE_COLUMN), key=order,
+                    stage=stage_table(batch_id), updates=updates), (batch_id,))
+        else:
+            cur.execute(sql.SQL("INSERT INTO {t} ({cols}, {lin}) SELECT {cols}, %s FROM {stage}")
+                        .format(t=target, cols=collist, lin=sql.Identifier(LINEAGE_COLUMN),
+                                stage=stage_table(batch_id)), (batch_id,))
+        rows_written = cur.rowcount
+        bad = 0
+        if dead_letter_table:
+            dl_cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in DEAD_LETTER_COLUMNS)
+            cur.execute(sql.SQL("INSERT INTO {dl} ({cols}, {lin}) SELECT {cols}, %s FROM {st}")
+                        .format(dl=qualified(dead_letter_table), cols=dl_cols,
+                                lin=sql.Identifier(LINEAGE_COLUMN),
+                                st=dead_letter_stage_table(batch_id)), (batch_id,))
+            bad = cur.rowcount
+        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2").format(
+            stage_table(batch_id)))
+        per_range = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
+        for r in batch.ranges:  # 5
+            cur.execute("""UPDATE offsetflow.batch_ranges SET records = %s
+                            WHERE batch_id = %s AND topic = %s AND partition = %s""",
+                        (per_range.get(f"{r.topic}/{r.partition}", 0), batch_id, r.topic,
+                         r.partition))
+        cur.execute("""UPDATE offsetflow.batches
+                          SET status = 'committed', finished_at = now(), records_read = %s,
+                              rows_written = %s, bad_records = %s, error = NULL,
+                              timings = %s
+                        WHERE batch_id = %s""",
+                    (staged_rows + bad, rows_written, bad, json.dumps(timings or {}), batch_id))
+        ledger._drop_staging(cur, batch_id)  # 6
+    log.info("batch %d committed: %d rows into %s, %d dead letters", batch_id, rows_written,
+             batch.target_table, bad)
+    return CommitResult(batch_id, "committed", rows_written, bad, per_range)
+
+
+def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+    for r in batch.ranges:
+        cur.execute("""UPDATE offsetflow.positions
+                          SET next_offset = %s, batch_id = %s, updated_at = now()
+                        WHERE pipeline = %s AND topic = %s AND partition = %s
+                          AND next_offset = %s""",
+                    (r.until_offset, batch.batch_id, batch.pipeline, r.topic, r.partition,
+                     r.from_offset))
+        if cur.rowcount == 0:
+            cur.execute("""SELECT next_offset FROM offsetflow.positions
+                            WHERE pipeline = %s AND topic = %s AND partition = %s""",
+                        (batch.pipeline, r.topic, r.partition))
+            found = cur.fetchone()
+            if found is not None:
+                raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset,
+                                        int(found[0]))
+            # first batch of this partition: the position row is created here, once
+            cur.execute("""INSERT INTO offsetflow.positions
+                             (pipeline, topic, partition, next_offset, batch_id)
+                           VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING""",
+                        (batch.pipeline, r.topic, r.partition, r.until_offset, batch.batch_id))
+            if cur.rowcount == 0:
+                raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset,
+                                        None)
+            old = None
+        else:
+            old = r.from_offset
+        cur.execute("""INSERT INTO offsetflow.position_history
+                         (pipeline, topic, partition, old_offset, new_offset, batch_id, reason)
+                       VALUES (%s, %s, %s, %s, %s, %s, 'commit')""",
+                    (batch.pipeline, r.topic, r.partition, old, r.until_offset, batch.batch_id))
+
+
+def _delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+    """Replay: the rows the replayed ranges produced before are replaced, not duplicated."""
+    for r in batch.ranges:
+        cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
+                            "AND \"offset\" >= %s AND \"offset\" < %s").format(
+                                qualified(batch.target_table)),
+                    (r.topic, r.partition, r.from_offset, r.until_offset))
+

@@ -1,0 +1,112 @@
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from offsetflow.config import load_pipeline, parse_pipeline, redact_dsn
+from offsetflow.errors import ConfigError
+
+ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
+
+
+def base(**over: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": "127.0.0.1:19092"},
+        "source": {"topics": ["orders"]},
+        "format": {"type": "json", "schema": {"id": "string", "amount": "double"}},
+        "sink": {"table": "raw.orders"},
+    }
+    d.update(over)
+    return d
+
+
+def test_defaults_are_safe() -> None:
+    cfg = parse_pipeline(base(), "orders.yaml", ENV)
+    assert cfg.name == "orders"
+    assert cfg.isolation_level == "read_committed"
+    assert cfg.data_loss == "fail" and cfg.bad_records == "fail"
+    assert cfg.sink.mode == "append" and cfg.sink.connection == ENV["OFFSETFLOW_PG_DSN"]
+    conf = cfg.consumer_settings()
+    assert conf["enable.auto.commit"] == "false" and conf["auto.offset.reset"] == "error"
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "words"),
+    [
+        ({"name": "Bad-Name"}, "name", "must match"),
+        ({"source": {}}, "source.topics", "exactly one"),
+        ({"source": {"topics": ["a"], "topic_pattern": "a.*"}}, "source.topics", "exactly one"),
+        ({"source": {"topics": ["bad topic"]}}, "source.topics[0]", "not a valid Kafka topic"),
+        ({"source": {"topic_pattern": "("}}, "source.topic_pattern", "invalid regular"),
+        ({"source": {"topics": ["a"], "max_records_per_partition": 0}},
+         "source.max_records_per_partition", ">= 1"),
+        ({"source": {"topics": ["a"], "starting": "yesterday"}}, "source.starting", "use earliest"),
+        ({"source": {"topics": ["a"], "starting": {"timestamp": "2026-01-01T00:00:00"}}},
+         "source.starting.timestamp", "time zone"),
+        ({"source": {"topics": ["a"], "data_loss": "ignore"}}, "source.data_loss", "not one of"),
+        ({"sink": {"table": "x; DROP TABLE y"}}, "sink.table", "not a valid table name"),
+        ({"sink": {"table": "a.b.c"}}, "sink.table", "not a valid table name"),
+        ({"sink": {"table": "t", "mode": "upsert"}}, "sink.key", "needs a key"),
+        ({"sink": {"table": "t", "mode": "upsert", "key": ["nope"]}}, "sink.key[0]", "not a column"),
+        ({"sink": {"table": "t", "mode": "upsert", "key": ['id"--']}}, "sink.key[0]",
+         "not a valid column"),
+        ({"format": {"type": "json", "schema": {"offset": "long"}}}, "format.schema.offset",
+         "reserved"),
+        ({"format": {"type": "json", "schema": {"x": "uuid"}}}, "format.schema.x", "unknown type"),
+        ({"format": {"type": "json"}}, "format.schema", "needs a schema"),
+        ({"kafka": {"client": {"enable.auto.commit": True}}}, "kafka.client.enable.auto.commit",
+         "managed by OffsetFlow"),
+        ({"transform": "notdotted"}, "transform", "dotted path"),
+        ({"surprise": 1}, "surprise", "unknown field"),
+    ],
+)
+def test_errors_name_file_and_field(change: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_pipeline(base(**change), "include/pipelines/orders.yaml", ENV)
+    assert ei.value.field == field
+    assert words in str(ei.value)
+    assert str(ei.value).startswith("include/pipelines/orders.yaml: " + field)
+
+
+def test_env_interpolation_and_missing_variable() -> None:
+    raw = base(kafka={"bootstrap_servers": "${BROKERS:-localhost:1}",
+                      "client": {"sasl.password": "${KPASS}"}})
+    cfg = parse_pipeline(raw, "p.yaml", {**ENV, "KPASS": "hunter2"})
+    assert cfg.bootstrap_servers == "localhost:1"
+    assert cfg.client["sasl.password"] == "hunter2"
+    assert "hunter2" not in str(cfg.redacted())
+    assert "secret" not in str(cfg.redacted())
+    with pytest.raises(ConfigError, match="KPASS is not set"):
+        parse_pipeline(raw, "p.yaml", ENV)
+
+
+def test_redact_dsn_forms() -> None:
+    assert redact_dsn("postgresql://u:pw@h:5/db") == "postgresql://u:***@h:5/db"
+    assert "pw" not in redact_dsn("host=h password=pw user=u")
+
+
+def test_fingerprint_changes_with_sink_but_not_with_rate_limit() -> None:
+    a = parse_pipeline(base(), "p.yaml", ENV)
+    b = parse_pipeline(base(source={"topics": ["orders"], "max_records_per_partition": 5}),
+                       "p.yaml", ENV)
+    c = parse_pipeline(base(sink={"table": "other"}), "p.yaml", ENV)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_load_pipeline_reports_yaml_errors(tmp_path: Path) -> None:
+    f = tmp_path / "broken.yaml"
+    f.write_text("source: [unclosed")
+    with pytest.raises(ConfigError, match="broken.yaml: <yaml>"):
+        load_pipeline(f, ENV)
+    g = tmp_path / "good.yaml"
+    g.write_text(yaml.safe_dump(base()))
+    assert load_pipeline(g, ENV).name == "good"
+
+
+def test_shipped_pipelines_are_valid() -> None:
+    root = Path(__file__).resolve().parents[2] / "include" / "pipelines"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "include/pipelines has no pipeline"
+    for f in files:
+        load_pipeline(f, ENV)

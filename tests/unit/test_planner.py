@@ -1,0 +1,102 @@
+import pytest
+
+from offsetflow.config import StartingPolicy
+from offsetflow.errors import OffsetsResetError, RequestError
+from offsetflow.planner import PartitionOffsets, cut_window, fair_share, plan_batch
+
+EARLIEST = StartingPolicy("earliest")
+T0, T1, T2 = ("t", 0), ("t", 1), ("t", 2)
+
+
+def spans(plan):  # noqa: ANN001, ANN201
+    return {r.topic_partition: (r.from_offset, r.until_offset) for r in plan.ranges}
+
+
+def test_continues_from_committed_positions_and_clamps_per_partition() -> None:
+    plan = plan_batch({T0: 10, T1: 0}, {T0: PartitionOffsets(0, 100), T1: PartitionOffsets(0, 5)},
+                      EARLIEST, max_records_per_partition=30)
+    assert spans(plan) == {T0: (10, 40), T1: (0, 5)}
+    assert plan.new_partitions == ()
+    assert not plan.data_loss
+
+
+def test_new_partition_uses_starting_policy() -> None:
+    offsets = {T0: PartitionOffsets(3, 50), T1: PartitionOffsets(7, 20)}
+    assert spans(plan_batch({T0: 50}, offsets, EARLIEST, 100)) == {T0: (50, 50), T1: (7, 20)}
+    latest = plan_batch({T0: 50}, offsets, StartingPolicy("latest"), 100)
+    assert spans(latest) == {T0: (50, 50), T1: (20, 20)}
+    assert latest.is_empty
+    explicit = StartingPolicy("offsets", offsets={"t": {1: 11}})
+    plan = plan_batch({}, offsets, explicit, 100)
+    assert spans(plan) == {T0: (3, 50), T1: (11, 20)}
+    assert set(plan.new_partitions) == {T0, T1}
+
+
+def test_timestamp_start_uses_resolved_offsets_and_end_when_none() -> None:
+    offsets = {T0: PartitionOffsets(0, 50), T1: PartitionOffsets(0, 20)}
+    plan = plan_batch({}, offsets, StartingPolicy("timestamp", timestamp_ms=1), 100,
+                      by_timestamp={T0: 42, T1: -1})
+    assert spans(plan) == {T0: (42, 50), T1: (20, 20)}
+
+
+def test_nothing_new_is_an_empty_plan_not_an_error() -> None:
+    plan = plan_batch({T0: 9}, {T0: PartitionOffsets(0, 9)}, EARLIEST, 10)
+    assert plan.is_empty and plan.offset_span == 0
+
+
+def test_data_loss_is_reported_with_missing_offsets() -> None:
+    offsets = {T0: PartitionOffsets(120, 200)}
+    plan = plan_batch({T0: 100}, offsets, EARLIEST, 1000, data_loss_policy="fail")
+    gap = plan.data_loss[0]
+    assert (gap.topic, gap.partition, gap.missing_from, gap.missing_until) == ("t", 0, 100, 120)
+    assert gap.count == 20
+    assert spans(plan) == {T0: (100, 200)}  # caller must refuse: policy fail
+    cont = plan_batch({T0: 100}, offsets, EARLIEST, 1000, data_loss_policy="continue")
+    assert spans(cont) == {T0: (120, 200)} and cont.data_loss == plan.data_loss
+
+
+def test_position_beyond_log_end_is_refused() -> None:
+    with pytest.raises(OffsetsResetError, match=r"t\[0\].*500.*beyond the log end 10"):
+        plan_batch({T0: 500}, {T0: PartitionOffsets(0, 10)}, EARLIEST, 100)
+
+
+def test_vanished_partitions_are_reported() -> None:
+    plan = plan_batch({T0: 5, ("gone", 0): 3}, {T0: PartitionOffsets(0, 5)}, EARLIEST, 10)
+    assert plan.vanished == (("gone", 0),)
+
+
+@pytest.mark.parametrize(
+    ("avail", "cap", "expected"),
+    [
+        ({T0: 100, T1: 100, T2: 100}, 90, {T0: 30, T1: 30, T2: 30}),
+        ({T0: 5, T1: 100, T2: 100}, 90, {T0: 5, T1: 43, T2: 42}),
+        ({T0: 5, T1: 10, T2: 100}, 1000, {T0: 5, T1: 10, T2: 100}),
+        ({T0: 10, T1: 10}, 3, {T0: 2, T1: 1}),
+        ({T0: 10, T1: 10}, 0, {T0: 0, T1: 0}),
+    ],
+)
+def test_fair_share_water_filling(avail, cap, expected) -> None:  # noqa: ANN001
+    got = fair_share(avail, cap)
+    assert got == expected
+    assert sum(got.values()) == min(cap, sum(avail.values()))
+
+
+def test_total_cap_is_applied_after_per_partition_limit() -> None:
+    offsets = {T0: PartitionOffsets(0, 1000), T1: PartitionOffsets(0, 4), T2: PartitionOffsets(0, 1000)}
+    plan = plan_batch({}, offsets, EARLIEST, max_records_per_partition=300,
+                      max_records_per_batch=104)
+    assert spans(plan) == {T0: (0, 50), T1: (0, 4), T2: (0, 50)}
+
+
+def test_cut_window_covers_window_in_order_without_overlap() -> None:
+    window = {T0: (10, 35), T1: (0, 5)}
+    batches = cut_window(window, 10)
+    covered: dict = {}
+    for b in batches:
+        assert sum(r.span for r in b) <= 10
+        for r in b:
+            assert covered.get(r.topic_partition, window[r.topic_partition][0]) == r.from_offset
+            covered[r.topic_partition] = r.until_offset
+    assert covered == {T0: 35, T1: 5}
+    with pytest.raises(RequestError):
+        cut_window({T0: (5, 4)}, 10)
