@@ -341,8 +341,8 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns:
             _fence_and_advance(cur, batch)
         target = qualified(batch.target_table)  # 4
         collist = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
-        if batch.kind == "replay":
-            _delete_range_rows(cur, batch)
+        if batch.kind in ("replay", "backfill"):
+            _delete_range_rows(cur, batch, dead_letter_table)
         if mode == "upsert":
             order = sql.SQL(", ").join(sql.Identifier(k) for k in key)
             updates = sql.SQL(", ").join(
@@ -421,11 +421,17 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                     (batch.pipeline, r.topic, r.partition, old, r.until_offset, batch.batch_id))
 
 
-def _delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
-    """Replay: the rows the replayed ranges produced before are replaced, not duplicated."""
+def _delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,
+                       dead_letter_table: str | None) -> None:
+    """Replay/backfill: what the ranges produced before is replaced, not duplicated."""
     for r in batch.ranges:
         cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
                             "AND \"offset\" >= %s AND \"offset\" < %s").format(
                                 qualified(batch.target_table)),
                     (r.topic, r.partition, r.from_offset, r.until_offset))
+        if dead_letter_table:
+            cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
+                                "AND partition = %s AND \"offset\" >= %s "
+                                "AND \"offset\" < %s").format(qualified(dead_letter_table)),
+                        (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))
 

@@ -17,7 +17,7 @@ def test_fast_path_parses_typed_columns() -> None:
     assert bad == [] and good == [0, 1]
     assert table.column("id").to_pylist() == ["a", "b"]
     assert table.column("n").type == pa.int64()
-    assert table.column("at")[0].as_py() == dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    assert table.column("at")[0].as_py() == dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     assert table.column("day")[0].as_py() == dt.date(2026, 1, 2)
     assert table.column("price")[0].as_py() == Decimal("1.25")
     assert table.column("amount").to_pylist() == [2.5, None]

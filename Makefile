@@ -1,0 +1,43 @@
+# OffsetFlow developer commands. Everything runs from the repo's own .venv and .stack/.
+SHELL := /bin/bash
+PY := .venv/bin/python
+STACK := bash include/stack/stack.sh
+ENV := set -a; source .stack/env.sh; set +a;
+PYTEST_ARGS ?=
+
+.PHONY: venv up down status demo test unit lint bench soak clean
+
+venv: .venv/.installed
+
+.venv/.installed: requirements.txt pyproject.toml
+	@command -v uv >/dev/null || python3 -m pip install -q uv
+	@test -x $(PY) || uv venv .venv --python 3.11
+	uv pip install --python $(PY) -r requirements.txt
+	uv pip install --python $(PY) --no-deps -e .
+	@$(PY) -c "import pyspark, sys; v = pyspark.__version__; print('pyspark', v); sys.exit(0 if v.startswith('4.') else 1)"
+	@touch $@
+
+up: venv
+	$(STACK) up
+
+down:
+	$(STACK) down
+
+status:
+	$(STACK) status
+
+demo: up
+	$(ENV) $(PY) include/demo.py
+
+unit: venv
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+test: up
+	$(ENV) $(PY) -m pytest tests -v -rs --timeout=900 $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check plugins dags spark_jobs include tests
+	$(PY) -m mypy
+
+clean: down
+	rm -rf .stack
