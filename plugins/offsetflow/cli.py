@@ -9,8 +9,10 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from offsetflow.config import PipelineConfig, find_pipeline, load_pipeline
 from offsetflow.errors import ConfigError, OffsetFlowError
@@ -74,14 +76,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_batch_ids(values: Sequence[str]) -> list[int]:
+    """Batch ids as given on a command line or rendered from an XCom: "5", "5,6", "[5, 6]"."""
+    ids = [int(x) for v in values for x in re.findall(r"-?\d+", v)]
+    if not ids or any(i <= 0 for i in ids):
+        raise ConfigError("command line", "--batch-id", f"no valid batch id in {list(values)}")
+    return ids
+
+
 def cmd_run_batch(args: argparse.Namespace) -> int:
     from offsetflow.job import build_spark, run_batch
 
     cfg = _pipeline(args)
-    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{args.batch_id}")
-    rep = run_batch(spark, cfg, args.batch_id, _dsn(args, cfg),
-                    accept_config_change=args.accept_config_change)
-    print(rep.result.message)
+    ids = parse_batch_ids(args.batch_id)
+    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
+    for bid in ids:  # in order: window batches are consecutive
+        rep = run_batch(spark, cfg, bid, _dsn(args, cfg),
+                        accept_config_change=args.accept_config_change)
+        print(rep.result.message, flush=True)
     return 0
 
 
@@ -117,6 +129,72 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+SHIM = '''"""Airflow DAG (scheduled) of include/pipelines/{name}.yaml (one thin file per pipeline, so a broken
+config shows up as this file's import error and hides no other pipeline's DAG).
+Create one for a new pipeline with `offsetflow dags sync`."""
+
+from offsetflow.orchestration.dags import pipeline_dag_for_file
+
+dag = pipeline_dag_for_file(__file__)
+'''
+
+
+def cmd_dags_sync(args: argparse.Namespace) -> int:
+    """Write the thin DAG file of every pipeline that has none; remove orphans."""
+    from offsetflow.config import pipelines_dir
+
+    dags = Path(args.dags_dir)
+    dags.mkdir(parents=True, exist_ok=True)
+    names = {p.stem for p in pipelines_dir().glob("*.yaml")}
+    for name in sorted(names):
+        f = dags / f"{name}.py"
+        if not f.exists():
+            f.write_text(SHIM.format(name=name))
+            print(f"created {f}")
+    for f in sorted(dags.glob("*.py")):
+        if f.stem not in names and "pipeline_dag_for_file" in f.read_text():
+            f.unlink()
+            print(f"removed {f} (no pipeline {f.stem})")
+    return 0
+
+
+def _window_conf(args: argparse.Namespace) -> dict[str, object]:
+    conf: dict[str, object] = {"pipeline": args.pipeline}
+    for k in ("topic", "partitions", "from_offset", "until_offset", "from_timestamp",
+              "until_timestamp", "records_per_batch", "target_table"):
+        v = getattr(args, k, None)
+        if v is not None:
+            conf[k] = v
+    if args.dry_run:
+        conf["dry_run"] = True
+    return conf
+
+
+def cmd_window(args: argparse.Namespace) -> int:
+    """Backfill/replay: trigger the Airflow DAG (default) or run here with --local."""
+    import subprocess
+
+    conf = _window_conf(args)
+    kind = args.command
+    if not args.local:
+        from offsetflow.requests import parse_request
+
+        parse_request(kind, conf)  # refuse bad input before anything starts
+        cmd = ["airflow", "dags", "trigger", f"offsetflow_{kind}", "--conf", json.dumps(conf)]
+        print("triggering:", " ".join(cmd[:4]), "with conf", json.dumps(conf), flush=True)
+        return subprocess.call(cmd)
+    from offsetflow.backfill import run_batches
+    from offsetflow.orchestration.tasks import window_task
+
+    planned = window_task(kind, conf, started_by=f"cli:{kind}")
+    print(json.dumps(planned["report"], indent=2))
+    if planned["batch_ids"]:
+        cfg = find_pipeline(args.pipeline)
+        for rep in run_batches(cfg, _dsn(args, cfg), planned["batch_ids"]):
+            print(rep.result.message)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsetflow", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -143,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_run)
 
     sp = with_pipeline(sub.add_parser("run-batch", help="read, stage and commit a planned batch"))
-    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--batch-id", action="append", required=True,
+                    help="batch id(s); repeat or give '5,6' / '[5, 6]' to run in order")
     sp.add_argument("--accept-config-change", action="store_true")
     sp.set_defaults(fn=cmd_run_batch)
 
@@ -166,7 +245,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
         fn=cmd_cleanup)
+
+    dg = sub.add_parser("dags", help="DAG files").add_subparsers(dest="dags_cmd", required=True)
+    sp = dg.add_parser("sync", help="write the thin DAG file of every pipeline")
+    sp.add_argument("--dags-dir", default=str(_repo_root() / "dags" / "pipelines"))
+    sp.set_defaults(fn=cmd_dags_sync)
+
+    for kind, help_ in (("backfill", "re-read a window into the sink or a side table"),
+                        ("replay", "re-process a committed range, replacing its rows")):
+        sp = sub.add_parser(kind, help=help_)
+        sp.add_argument("--pipeline", "-p", required=True)
+        sp.add_argument("--topic")
+        sp.add_argument("--partitions", help="comma-separated; default all")
+        sp.add_argument("--from-offset", type=int)
+        sp.add_argument("--until-offset", type=int)
+        sp.add_argument("--from-timestamp", help="ISO-8601 with zone")
+        sp.add_argument("--until-timestamp")
+        sp.add_argument("--records-per-batch", type=int)
+        if kind == "backfill":
+            sp.add_argument("--target-table")
+        sp.add_argument("--dry-run", action="store_true")
+        sp.add_argument("--local", action="store_true",
+                        help="run here instead of triggering the Airflow DAG")
+        sp.set_defaults(fn=cmd_window)
     return p
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

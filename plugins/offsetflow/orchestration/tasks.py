@@ -1,0 +1,94 @@
+"""What the Airflow tasks do, as plain functions (no Airflow import): easy to test and reuse.
+
+Every function logs what it decided and returns JSON-able values for XCom. DSNs come from
+the environment/pipeline config and are never logged or returned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from offsetflow.backfill import plan_window, submit_window
+from offsetflow.config import PipelineConfig, find_pipeline, redact_dsn
+from offsetflow.errors import BatchStateError, ConfigError, RequestError
+from offsetflow.ledger import Ledger
+from offsetflow.requests import parse_request
+from offsetflow.runner import kafka_for, plan_only
+
+log = logging.getLogger(__name__)
+
+
+def plan_task(pipeline: str, started_by: str) -> int | None:
+    cfg = find_pipeline(pipeline)
+    out = plan_only(cfg, cfg.sink.connection, started_by=started_by)
+    if out.batch is None:
+        log.info("pipeline %s: nothing new to read; the Spark job is skipped", pipeline)
+        return None
+    b = out.batch
+    log.info("pipeline %s: batch %d (%s) with %d ranges, %d offsets:", pipeline, b.batch_id,
+             "re-used: deterministic re-run" if out.reused else "new", len(b.ranges),
+             b.offset_span)
+    for r in b.ranges:
+        log.info("  %s", r)
+    return b.batch_id
+
+
+def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, Any]:
+    """Check the batches committed and log their figures (the DAG run fails otherwise)."""
+    cfg = find_pipeline(pipeline)
+    ids = [batch_ids] if isinstance(batch_ids, int) else list(batch_ids or [])
+    out: dict[str, Any] = {"pipeline": pipeline, "batches": []}
+    with Ledger(cfg.sink.connection) as ledger:
+        for bid in ids:
+            b = ledger.get_batch(int(bid))
+            fig = {"batch_id": b.batch_id, "kind": b.kind, "status": b.status,
+                   "records_read": b.records_read, "rows_written": b.rows_written,
+                   "bad_records": b.bad_records, "offsets": b.offset_span,
+                   "timings": b.timings, "error": b.error}
+            log.info("batch %d %s: %s", b.batch_id, b.status, json.dumps(fig, default=str))
+            out["batches"].append(fig)
+            if b.status != "committed":
+                raise BatchStateError(f"batch {b.batch_id} is {b.status}, not committed: "
+                                      f"{b.error or 'see the Spark task log'}")
+        out["positions"] = {f"{t}/{p}": o for (t, p), o in
+                            sorted(ledger.positions(pipeline).items())}
+    _publish_consumer_group(cfg, out["positions"])
+    return out
+
+
+def _publish_consumer_group(cfg: PipelineConfig, positions: Mapping[str, int]) -> None:
+    """Hook for monitoring tools; see offsetflow.lag (never read back for correctness)."""
+    try:
+        from offsetflow.lag import publish_positions
+    except ImportError:
+        return
+    try:
+        publish_positions(cfg, positions)
+    except Exception as e:  # noqa: BLE001 - monitoring must never fail a committed batch
+        log.warning("could not publish consumer-group offsets for %s: %s", cfg.name, e)
+
+
+def window_task(kind: str, conf: Mapping[str, Any], started_by: str) -> dict[str, Any]:
+    """Validate a backfill/replay form or conf, plan its batches (unless dry run)."""
+    clean = {k: v for k, v in conf.items() if v not in (None, "")}
+    req = parse_request(kind, clean)
+    try:
+        cfg = find_pipeline(req.pipeline)
+    except ConfigError as e:
+        raise RequestError(f"pipeline {req.pipeline!r}: {e}") from e
+    with Ledger(cfg.sink.connection) as ledger:
+        wp = plan_window(cfg, ledger, kafka_for(cfg), req)
+        report = wp.report()
+        log.info("%s request for %s: %s", kind, cfg.name, json.dumps(report, indent=2))
+        if req.dry_run:
+            log.info("dry run: nothing was planned or read")
+            return {"dry_run": True, "report": report, "batch_ids": []}
+        ids = submit_window(cfg, ledger, wp, started_by)
+    return {"dry_run": False, "report": report, "batch_ids": ids}
+
+
+def describe_connection(dsn: str) -> str:
+    return redact_dsn(dsn)
