@@ -94,7 +94,7 @@ def parse_json_record(value: bytes | None, schema: Mapping[str, str]) -> dict[st
     except UnicodeDecodeError as e:
         raise ValueError(f"value is not UTF-8: {e.reason}") from e
     except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e.msg} at position {e.pos}") from e
+        raise ValueError(f"invalid JSON: {e.msg} (character {e.pos})") from e
     if not isinstance(doc, dict):
         raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
     out: dict[str, Any] = {}

@@ -66,10 +66,13 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
         builder = builder.master(cfg.spark.master)
     builder = (builder.config("spark.sql.session.timeZone", "UTC")
                .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8"))
     for k, v in cfg.spark.conf.items():
         builder = builder.config(k, v)
-    return builder.getOrCreate()
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
+    return spark
 
 
 def load_transform(path: str, source: str) -> Callable[[DataFrame], DataFrame]:
