@@ -105,8 +105,11 @@ def _pipeline_names() -> list[str]:
 def _window_params(kind: str) -> dict[str, Param]:
     names = _pipeline_names()
     params: dict[str, Param] = {
-        "pipeline": Param(names[0] if names else "", type="string", enum=names or None,
-                          title="Pipeline", description="Pipeline from include/pipelines"),
+        # `examples` (not `enum`): a pipeline added after the DAG was parsed is still
+        # accepted; plan_window refuses unknown names with a clear message
+        "pipeline": Param(names[0] if names else "", type="string", examples=names,
+                          minLength=1, title="Pipeline",
+                          description="Pipeline from include/pipelines"),
         "topic": Param(None, type=["null", "string"], title="Topic",
                        description="Needed only when the pipeline reads several topics"),
         "partitions": Param(None, type=["null", "string"], title="Partitions",
