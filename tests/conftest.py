@@ -80,7 +80,10 @@ def pg_dsn(admin_dsn: str) -> Iterator[str]:
     dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
     with Ledger(dsn) as ledger:
         ledger.upgrade()
+    conn.close()
     yield dsn
+    conn = psycopg2.connect(admin_dsn, connect_timeout=30)  # the server may have restarted
+    conn.autocommit = True
     with conn.cursor() as cur:
         cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
             sql.Identifier(name)))

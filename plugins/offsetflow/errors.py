@@ -66,6 +66,20 @@ class OffsetsResetError(OffsetFlowError):
         )
 
 
+class TopicRecreatedError(OffsetFlowError):
+    """The topic now has another Kafka topic id than the committed positions: it was deleted
+    and recreated, so its offsets mean something else. Nothing is planned."""
+
+    def __init__(self, topic: str, committed_id: str, current_id: str) -> None:
+        self.topic = topic
+        self.committed_id = committed_id
+        self.current_id = current_id
+        super().__init__(
+            f"topic {topic} was deleted and recreated (topic id {committed_id} -> "
+            f"{current_id}); its offsets restarted. Check what was lost, then reset the "
+            f"positions (offsetflow reset-position) to continue")
+
+
 class BadRecordError(OffsetFlowError):
     """A record could not be deserialized and the pipeline's bad-record policy is `fail`."""
 

@@ -62,7 +62,9 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     builder = SparkSession.builder.appName(app_name)
     if cfg.spark.launch == "connect":
         return builder.remote(cfg.spark.connect_url).getOrCreate()
-    if "SPARK_SUBMIT" not in os.environ and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
+    # under spark-submit (which starts the Python driver with a gateway) the master comes
+    # from spark-submit / the Airflow Spark connection, never from the pipeline config
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
         builder = builder.master(cfg.spark.master)
     builder = (builder.config("spark.sql.session.timeZone", "UTC")
                .config("spark.ui.enabled", "false")
@@ -190,14 +192,37 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             raise err
         try:
             report = _run(spark, cfg, batch, dsn, ledger, timings)
-        except OffsetFlowError as e:
-            ledger.mark_failed(batch_id, str(e))
-            raise
         except Exception as e:
-            ledger.mark_failed(batch_id, f"{type(e).__name__}: {str(e)[:2000]}")
+            if _committed_meanwhile(dsn, batch_id):
+                # a concurrent run of the same batch committed first; this one is fenced
+                log.warning("batch %d was committed by another run while this one was "
+                            "working (%s: %s); this run is fenced, nothing to do", batch_id,
+                            type(e).__name__, str(e)[:200])
+                res = CommitResult(batch_id, "already_committed", 0, 0, {})
+                return RunReport(batch_id, res)
+            msg = str(e) if isinstance(e, OffsetFlowError) else \
+                f"{type(e).__name__}: {str(e)[:2000]}"
+            _mark_failed(dsn, batch_id, msg)
             raise
     timings["total_s"] = round(time.monotonic() - t0, 3)
     return report
+
+
+def _committed_meanwhile(dsn: str, batch_id: int) -> bool:
+    try:
+        with Ledger(dsn) as fresh:
+            return fresh.get_batch(batch_id).status == "committed"
+    except Exception:  # noqa: BLE001 - the ledger itself may be what failed
+        return False
+
+
+def _mark_failed(dsn: str, batch_id: int, msg: str) -> None:
+    """Record the failure on a fresh connection (the failing one may be dead)."""
+    try:
+        with Ledger(dsn) as fresh:
+            fresh.mark_failed(batch_id, msg)
+    except Exception as e:  # noqa: BLE001 - never hide the original error
+        log.error("could not record the failure of batch %d in the ledger: %s", batch_id, e)
 
 
 def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,

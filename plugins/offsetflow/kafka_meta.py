@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import IsolationLevel, KafkaException
+from confluent_kafka import IsolationLevel, KafkaException, TopicCollection
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
@@ -69,6 +69,18 @@ class KafkaMetadata:
                                             f"{tm.error if tm else 'unknown topic'}")
             out.extend((t, p) for p in sorted(tm.partitions))
         return out
+
+    def topic_ids(self, topics: Iterable[str]) -> dict[str, str]:
+        """Kafka's topic id per topic: it changes when a topic is deleted and recreated."""
+        names = list(topics)
+        if not names:
+            return {}
+        try:
+            futures = self.admin.describe_topics(TopicCollection(names),
+                                                 request_timeout=self._timeout)
+            return {t: str(f.result().topic_id) for t, f in futures.items()}
+        except KafkaException as e:
+            raise KafkaUnavailableError(f"describing topics {names} failed: {e}") from e
 
     def _list_offsets(self, specs: Mapping[TopicPartition, OffsetSpec]) -> dict[TopicPartition,
                                                                                int]:

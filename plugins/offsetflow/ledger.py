@@ -126,7 +126,9 @@ class Ledger:
                 yield cur
             conn.commit()
         except BaseException:
-            conn.rollback()
+            if not conn.closed:
+                with contextlib.suppress(psycopg2.Error):
+                    conn.rollback()
             raise
 
     # -- migrations -------------------------------------------------------------------
@@ -230,6 +232,26 @@ class Ledger:
             c.execute(q, (pipeline,))
             return {(t, p): o for t, p, o in c.fetchall()}
 
+    def init_positions(self, cur: psycopg2.extensions.cursor, pipeline: str,
+                       starts: dict[TopicPartition, int], topic_ids: dict[str, str],
+                       reason: str) -> None:
+        for (topic, partition), offset in sorted(starts.items()):
+            cur.execute("""INSERT INTO offsetflow.positions
+                             (pipeline, topic, partition, next_offset, topic_id)
+                           VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING""",
+                        (pipeline, topic, partition, offset, topic_ids.get(topic)))
+            if cur.rowcount:
+                cur.execute("""INSERT INTO offsetflow.position_history
+                                 (pipeline, topic, partition, old_offset, new_offset, reason)
+                               VALUES (%s, %s, %s, NULL, %s, %s)""",
+                            (pipeline, topic, partition, offset, reason))
+
+    def position_topic_ids(self, cur: psycopg2.extensions.cursor, pipeline: str
+                           ) -> dict[TopicPartition, str | None]:
+        cur.execute("""SELECT topic, partition, topic_id FROM offsetflow.positions
+                        WHERE pipeline = %s""", (pipeline,))
+        return {(t, p): i for t, p, i in cur.fetchall()}
+
     def open_batches_overlapping(self, cur: psycopg2.extensions.cursor, pipeline: str,
                                  ranges: Sequence[OffsetRange]) -> list[int]:
         """Ids of open batches of `pipeline` whose ranges overlap any of `ranges`."""
@@ -249,8 +271,8 @@ class Ledger:
     def insert_batch(self, cur: psycopg2.extensions.cursor, *, pipeline: str, kind: str,
                      ranges: Sequence[OffsetRange], target_table: str,
                      config_fingerprint: str | None, started_by: str,
-                     moves_positions: bool = True, params: dict[str, Any] | None = None
-                     ) -> int:
+                     moves_positions: bool = True, params: dict[str, Any] | None = None,
+                     topic_ids: dict[str, str] | None = None) -> int:
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches
@@ -264,8 +286,10 @@ class Ledger:
         batch_id = int(row[0])
         psycopg2.extras.execute_values(
             cur, """INSERT INTO offsetflow.batch_ranges
-                      (batch_id, topic, partition, from_offset, until_offset) VALUES %s""",
-            [(batch_id, r.topic, r.partition, r.from_offset, r.until_offset) for r in ranges])
+                      (batch_id, topic, partition, from_offset, until_offset, topic_id)
+                    VALUES %s""",
+            [(batch_id, r.topic, r.partition, r.from_offset, r.until_offset,
+              (topic_ids or {}).get(r.topic)) for r in ranges])
         return batch_id
 
     def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from offsetflow.config import StartingPolicy
-from offsetflow.errors import OffsetsResetError, RequestError
+from offsetflow.errors import OffsetsResetError, RequestError, TopicRecreatedError
 from offsetflow.ranges import OffsetRange, TopicPartition
 
 
@@ -77,6 +77,15 @@ def resolve_start(
     raise ValueError(f"unknown starting policy {policy.kind!r}")
 
 
+def check_topic_identity(committed_ids: Mapping[TopicPartition, str | None],
+                         current_ids: Mapping[str, str]) -> None:
+    """Refuse positions that belong to an earlier incarnation of a topic."""
+    for (topic, _), old in sorted(committed_ids.items()):
+        new = current_ids.get(topic)
+        if old and new and old != new:
+            raise TopicRecreatedError(topic, old, new)
+
+
 def fair_share(spans: Mapping[TopicPartition, int], cap: int) -> dict[TopicPartition, int]:
     """Split a total record cap across partitions by water-filling: small partitions get
     all they have, the rest share what is left equally (lowest partitions get remainders)."""
@@ -111,8 +120,8 @@ def plan_batch(
 ) -> Plan:
     """Plan the next batch of one pipeline.
 
-    Steps: start every partition at its committed position (or the starting policy for a
-    partition seen for the first time); record a gap where the start fell out of retention
+    Steps: start every partition at its committed position (the starting policy applies on
+    the pipeline's first plan; partitions added later start at their earliest offset); record a gap where the start fell out of retention
     and, under `continue`, move the start to the earliest offset; refuse a position beyond
     the log end; clamp each range by the per-partition limit, then the total cap fairly.
     The caller records gaps in the ledger and raises for the `fail` policy.
@@ -120,12 +129,18 @@ def plan_batch(
     starts: dict[TopicPartition, int] = {}
     gaps: list[DataLossGap] = []
     new: list[TopicPartition] = []
+    first_plan = not committed
     for tp in sorted(offsets):
         off = offsets[tp]
         if tp in committed:
             start = committed[tp]
-        else:
+        elif first_plan or starting.kind == "offsets":
             start = resolve_start(tp, starting, off, by_timestamp)
+            new.append(tp)
+        else:
+            # a partition added after the pipeline started: everything in it is new data,
+            # so it is read from its earliest offset whatever the starting policy said
+            start = off.earliest
             new.append(tp)
         if start > off.latest:
             raise OffsetsResetError(tp[0], tp[1], start, off.latest)

@@ -7,7 +7,8 @@ Order matters and is followed step by step in `plan_next`:
   3. read committed positions, then partitions and earliest/latest offsets from Kafka;
   4. plan (pure); record data-loss gaps in the ledger, and stop for the `fail` policy
      (the gap record is committed, the batch is not);
-  5. an empty plan inserts nothing; otherwise insert the batch and its ranges, commit.
+  5. give partitions seen for the first time their starting position; an empty plan
+     inserts no batch; otherwise insert the batch and its ranges; commit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from offsetflow.config import PipelineConfig
 from offsetflow.errors import DataLossError
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Batch, Ledger
-from offsetflow.planner import Plan, plan_batch
+from offsetflow.planner import Plan, check_topic_identity, plan_batch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             return PlanOutcome(existing, reused=True, plan=None)
         committed = ledger.positions(cfg.name, cur)  # 3
         topics = kafka.topics(cfg.topics, cfg.topic_pattern)
+        topic_ids = kafka.topic_ids(topics)
+        check_topic_identity(ledger.position_topic_ids(cur, cfg.name), topic_ids)
         tps = kafka.partitions(topics)
         offsets = kafka.partition_offsets(tps)
         by_ts = None
@@ -74,12 +77,18 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                     g.topic, g.partition, g.missing_from, g.missing_until,
                     f"{more}nothing was planned; set source.data_loss: continue to skip "
                     f"to the earliest offset, or reset the position")
+        if pending_error is None and plan.new_partitions:
+            # the starting policy is resolved once: new partitions get a position now, so an
+            # empty first plan under `latest` does not move the start on every re-plan
+            starts = {r.topic_partition: r.from_offset for r in plan.ranges}
+            ledger.init_positions(cur, cfg.name, {tp: starts[tp] for tp in plan.new_partitions},
+                                  topic_ids, f"initial position ({cfg.starting.kind})")
         if pending_error is None and not plan.is_empty:  # 5
             ranges = [r for r in plan.ranges if not r.is_empty]
             batch_id = ledger.insert_batch(
                 cur, pipeline=cfg.name, kind="scheduled", ranges=ranges,
                 target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
-                started_by=started_by)
+                started_by=started_by, topic_ids=topic_ids)
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
                      batch_id, len(ranges), plan.offset_span)

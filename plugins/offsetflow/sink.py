@@ -390,12 +390,16 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns:
 
 def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
     for r in batch.ranges:
-        cur.execute("""UPDATE offsetflow.positions
-                          SET next_offset = %s, batch_id = %s, updated_at = now()
-                        WHERE pipeline = %s AND topic = %s AND partition = %s
-                          AND next_offset = %s""",
-                    (r.until_offset, batch.batch_id, batch.pipeline, r.topic, r.partition,
-                     r.from_offset))
+        cur.execute("""UPDATE offsetflow.positions p
+                          SET next_offset = %s, batch_id = %s, updated_at = now(),
+                              topic_id = COALESCE(br.topic_id, p.topic_id)
+                         FROM offsetflow.batch_ranges br
+                        WHERE br.batch_id = %s AND br.topic = p.topic
+                          AND br.partition = p.partition
+                          AND p.pipeline = %s AND p.topic = %s AND p.partition = %s
+                          AND p.next_offset = %s""",
+                    (r.until_offset, batch.batch_id, batch.batch_id, batch.pipeline, r.topic,
+                     r.partition, r.from_offset))
         if cur.rowcount == 0:
             cur.execute("""SELECT next_offset FROM offsetflow.positions
                             WHERE pipeline = %s AND topic = %s AND partition = %s""",
@@ -406,9 +410,12 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                                         int(found[0]))
             # first batch of this partition: the position row is created here, once
             cur.execute("""INSERT INTO offsetflow.positions
-                             (pipeline, topic, partition, next_offset, batch_id)
-                           VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING""",
-                        (batch.pipeline, r.topic, r.partition, r.until_offset, batch.batch_id))
+                             (pipeline, topic, partition, next_offset, batch_id, topic_id)
+                           SELECT %s, %s, %s, %s, %s, topic_id FROM offsetflow.batch_ranges
+                            WHERE batch_id = %s AND topic = %s AND partition = %s
+                           ON CONFLICT DO NOTHING""",
+                        (batch.pipeline, r.topic, r.partition, r.until_offset, batch.batch_id,
+                         batch.batch_id, r.topic, r.partition))
             if cur.rowcount == 0:
                 raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset,
                                         None)

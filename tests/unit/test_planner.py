@@ -23,9 +23,12 @@ def test_continues_from_committed_positions_and_clamps_per_partition() -> None:
 def test_new_partition_uses_starting_policy() -> None:
     offsets = {T0: PartitionOffsets(3, 50), T1: PartitionOffsets(7, 20)}
     assert spans(plan_batch({T0: 50}, offsets, EARLIEST, 100)) == {T0: (50, 50), T1: (7, 20)}
-    latest = plan_batch({T0: 50}, offsets, StartingPolicy("latest"), 100)
+    latest = plan_batch({}, offsets, StartingPolicy("latest"), 100)
     assert spans(latest) == {T0: (50, 50), T1: (20, 20)}
     assert latest.is_empty
+    # a partition added after the pipeline started is new data: read from its earliest
+    added = plan_batch({T0: 50}, offsets, StartingPolicy("latest"), 100)
+    assert spans(added) == {T0: (50, 50), T1: (7, 20)}
     explicit = StartingPolicy("offsets", offsets={"t": {1: 11}})
     plan = plan_batch({}, offsets, explicit, 100)
     assert spans(plan) == {T0: (3, 50), T1: (11, 20)}
@@ -100,3 +103,12 @@ def test_cut_window_covers_window_in_order_without_overlap() -> None:
     assert covered == {T0: 35, T1: 5}
     with pytest.raises(RequestError):
         cut_window({T0: (5, 4)}, 10)
+
+
+def test_recreated_topic_is_refused() -> None:
+    from offsetflow.errors import TopicRecreatedError
+    from offsetflow.planner import check_topic_identity
+
+    check_topic_identity({T0: "a", T1: None}, {"t": "a"})
+    with pytest.raises(TopicRecreatedError, match="t was deleted and recreated"):
+        check_topic_identity({T0: "a"}, {"t": "b"})
