@@ -8,7 +8,9 @@ PostgreSQL transaction (`offsetflow.sink.commit_batch`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import logging
 import os
 import sys
@@ -31,6 +33,7 @@ from offsetflow.sink import (
     ensure_dead_letter,
     ensure_target,
     pg_type,
+    route_rows_to_dead_letter,
     stage_bad_records,
     stage_rows,
 )
@@ -75,6 +78,16 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+@contextlib.contextmanager
+def connect_ctx(dsn: str) -> Iterator[Any]:
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            yield cur
+    finally:
+        conn.close()
 
 
 def load_transform(path: str, source: str) -> Callable[[DataFrame], DataFrame]:
@@ -208,6 +221,37 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
     return report
 
 
+def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
+                  stage_columns: list[str]) -> bool:
+    """Run the suite on the staged batch. Returns True when rows were routed to the
+    dead-letter table; raises QualityGateError when the batch must not commit."""
+    from offsetflow.quality import QualityGateError, validate_stage
+
+    assert cfg.quality_suite is not None
+    result = validate_stage(dsn, batch.batch_id, cfg.quality_suite)
+    result.policy = cfg.quality_policy
+    log.info("batch %d quality suite %s: %s", batch.batch_id, cfg.quality_suite,
+             "passed" if result.success else f"FAILED: {result.summary_text()}")
+    routed = False
+    if not result.success:
+        rows = result.failing_coordinates() if cfg.quality_policy == "dead_letter" else {}
+        if not rows:
+            ledger.mark_failed(batch.batch_id, str(QualityGateError(batch.batch_id, result)),
+                               quality=result.to_dict())
+            raise QualityGateError(batch.batch_id, result)
+        with connect_ctx(dsn) as cur:
+            ensure_dead_letter(cur, cfg.dead_letter_table)
+        result.routed_rows = route_rows_to_dead_letter(
+            dsn, batch.batch_id, cfg.name, rows, "quality", stage_columns)
+        routed = True
+        log.warning("batch %d: %d rows that broke the suite go to %s; the rest commits",
+                    batch.batch_id, result.routed_rows, cfg.dead_letter_table)
+    with ledger.transaction() as cur:
+        cur.execute("UPDATE offsetflow.batches SET quality = %s WHERE batch_id = %s",
+                    (json.dumps(result.to_dict(), default=str), batch.batch_id))
+    return routed
+
+
 def _committed_meanwhile(dsn: str, batch_id: int) -> bool:
     try:
         with Ledger(dsn) as fresh:
@@ -241,14 +285,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                               f"{cfg.transform} dropped the source coordinates {missing}; "
                               f"target rows must keep topic, partition and offset")
     columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
-            if cfg.bad_records == "dead_letter":
-                ensure_dead_letter(cur, cfg.dead_letter_table)
-    finally:
-        conn.close()
+    with connect_ctx(dsn) as cur:
+        ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
+        if cfg.bad_records == "dead_letter":
+            ensure_dead_letter(cur, cfg.dead_letter_table)
     create_stage_tables(dsn, batch.batch_id, columns)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
@@ -265,11 +305,17 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         first = samples[0]
         raise BadRecordError(first["topic"], first["partition"], first["offset"],
                              first["error"], more=bad_count - 1)
+    use_dead_letter = cfg.bad_records == "dead_letter"
+    if cfg.quality_suite:
+        t = time.monotonic()
+        use_dead_letter = _quality_gate(cfg, batch, dsn, ledger, [c for c, _ in columns]) \
+            or use_dead_letter
+        timings["quality_s"] = round(time.monotonic() - t, 3)
     t = time.monotonic()
     result = commit_batch(
         ledger, batch.batch_id, expected_parts=len(stats), columns=[c for c, _ in columns],
         mode=cfg.sink.mode, key=cfg.sink.key,
-        dead_letter_table=cfg.dead_letter_table if cfg.bad_records == "dead_letter" else None,
+        dead_letter_table=cfg.dead_letter_table if use_dead_letter else None,
         timings=timings)
     timings["commit_s"] = round(time.monotonic() - t, 3)
     log.info(result.message)
