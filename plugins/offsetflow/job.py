@@ -252,6 +252,16 @@ def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
     return routed
 
 
+def _publish_lag(cfg: PipelineConfig, ledger: Ledger) -> None:
+    """Best effort: monitoring must never fail a committed batch."""
+    from offsetflow.lag import publish_positions
+
+    try:
+        publish_positions(cfg, ledger.positions(cfg.name))
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not publish consumer-group offsets of %s: %s", cfg.name, e)
+
+
 def _committed_meanwhile(dsn: str, batch_id: int) -> bool:
     try:
         with Ledger(dsn) as fresh:
@@ -319,4 +329,6 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         timings=timings)
     timings["commit_s"] = round(time.monotonic() - t, 3)
     log.info(result.message)
+    if batch.moves_positions and result.status == "committed":
+        _publish_lag(cfg, ledger)
     return RunReport(batch.batch_id, result, timings)

@@ -82,6 +82,59 @@ class KafkaMetadata:
         except KafkaException as e:
             raise KafkaUnavailableError(f"describing topics {names} failed: {e}") from e
 
+    def retention_ms(self, topics: Iterable[str]) -> dict[str, int | None]:
+        """Topic retention.ms (None: unlimited)."""
+        from confluent_kafka.admin import ConfigResource, ResourceType
+
+        res = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+        if not res:
+            return {}
+        try:
+            futures = self.admin.describe_configs(res, request_timeout=self._timeout)
+            out: dict[str, int | None] = {}
+            for r, f in futures.items():
+                entry = f.result().get("retention.ms")
+                v = int(entry.value) if entry is not None and entry.value is not None else -1
+                out[r.name] = None if v < 0 else v
+            return out
+        except KafkaException as e:
+            raise KafkaUnavailableError(f"describing topic configs failed: {e}") from e
+
+    def record_timestamps(self, at: Mapping[TopicPartition, int],
+                          consumer_conf: Mapping[str, str], timeout_s: float = 5.0
+                          ) -> dict[TopicPartition, int]:
+        """Timestamp (ms) of the first record at or after each given offset."""
+        import time
+
+        from confluent_kafka import Consumer
+
+        if not at:
+            return {}
+        conf = dict(consumer_conf)
+        conf["enable.partition.eof"] = "true"
+        c = Consumer(conf)
+        out: dict[TopicPartition, int] = {}
+        try:
+            c.assign([KTopicPartition(t, p, o) for (t, p), o in at.items()])
+            pending = set(at)
+            deadline = time.monotonic() + timeout_s
+            while pending and time.monotonic() < deadline:
+                m = c.poll(0.5)
+                if m is None:
+                    continue
+                tp = (m.topic() or "", int(m.partition() or 0))
+                if tp not in pending:
+                    continue
+                if m.error() is None:
+                    ts_type, ts = m.timestamp()
+                    if ts_type:
+                        out[tp] = int(ts)
+                pending.discard(tp)
+                c.pause([KTopicPartition(tp[0], tp[1])])
+        finally:
+            c.close()
+        return out
+
     def _list_offsets(self, specs: Mapping[TopicPartition, OffsetSpec]) -> dict[TopicPartition,
                                                                                int]:
         if not specs:

@@ -246,6 +246,18 @@ class Ledger:
                                VALUES (%s, %s, %s, NULL, %s, %s)""",
                             (pipeline, topic, partition, offset, reason))
 
+    def lag_history(self, pipeline: str, limit: int = 100) -> list[dict[str, Any]]:
+        """Lag (offsets) seen at each planning, oldest first: the lag-over-time chart."""
+        with self.transaction() as cur:
+            cur.execute("""SELECT batch_id, planned_at, (params->>'lag_at_plan')::bigint,
+                                  status FROM offsetflow.batches
+                            WHERE pipeline = %s AND kind = 'scheduled'
+                              AND params ? 'lag_at_plan'
+                            ORDER BY batch_id DESC LIMIT %s""", (pipeline, limit))
+            rows = cur.fetchall()
+        return [{"batch_id": b, "at": t.isoformat(), "lag": lag, "status": s}
+                for b, t, lag, s in reversed(rows)]
+
     def position_topic_ids(self, cur: psycopg2.extensions.cursor, pipeline: str
                            ) -> dict[TopicPartition, str | None]:
         cur.execute("""SELECT topic, partition, topic_id FROM offsetflow.positions

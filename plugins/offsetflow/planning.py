@@ -85,10 +85,11 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                                   topic_ids, f"initial position ({cfg.starting.kind})")
         if pending_error is None and not plan.is_empty:  # 5
             ranges = [r for r in plan.ranges if not r.is_empty]
+            lag = sum(offsets[r.topic_partition].latest - r.from_offset for r in plan.ranges)
             batch_id = ledger.insert_batch(
                 cur, pipeline=cfg.name, kind="scheduled", ranges=ranges,
                 target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
-                started_by=started_by, topic_ids=topic_ids)
+                started_by=started_by, topic_ids=topic_ids, params={"lag_at_plan": lag})
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
                      batch_id, len(ranges), plan.offset_span)

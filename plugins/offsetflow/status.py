@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from offsetflow.config import PipelineConfig
@@ -22,6 +23,10 @@ class PartitionLag:
     latest: int | None
     lag: int | None  # offsets between the committed position and the latest offset
     retention_headroom: int | None  # offsets the position is ahead of the earliest one
+    lag_seconds: float | None = None  # age of the oldest record not yet committed
+    retention_seconds: float | None = None  # topic retention.ms / 1000 (None: unlimited)
+    headroom_seconds: float | None = None  # time before the oldest unread record ages out
+    warning: str | None = None
 
 
 def lag_rows(committed: Mapping[TopicPartition, int],
@@ -40,31 +45,68 @@ def lag_rows(committed: Mapping[TopicPartition, int],
     return rows
 
 
+def with_times(rows: list[PartitionLag], oldest_unread_ms: Mapping[TopicPartition, int],
+               retention_ms: Mapping[str, int | None], now_ms: int,
+               warn_fraction: float = 0.25) -> list[PartitionLag]:
+    """Pure: add lag in time and retention headroom, and warn before unread data ages out."""
+    out = []
+    for r in rows:
+        tp = (r.topic, r.partition)
+        ts = oldest_unread_ms.get(tp)
+        lag_s = max(0.0, (now_ms - ts) / 1000) if ts is not None and (r.lag or 0) > 0 else 0.0
+        ret = retention_ms.get(r.topic)
+        ret_s = ret / 1000 if ret is not None and ret >= 0 else None
+        head = (ret_s - lag_s) if ret_s is not None else None
+        warning = None
+        if r.committed is not None and r.earliest is not None and r.committed < r.earliest:
+            warning = f"data loss: offsets [{r.committed}, {r.earliest}) are gone"
+        elif head is not None and ret_s and head < warn_fraction * ret_s:
+            warning = (f"unread data ages out in {head:.0f}s "
+                       f"({100 * head / ret_s:.0f}% of retention left)")
+        out.append(replace(r, lag_seconds=round(lag_s, 3), retention_seconds=ret_s,
+                           headroom_seconds=None if head is None else round(head, 3),
+                           warning=warning))
+    return out
+
+
 def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str, Any]:
     from offsetflow.runner import kafka_for
 
     with Ledger(dsn) as ledger:
         committed = ledger.positions(cfg.name)
         batches = ledger.recent_batches(cfg.name, recent)
+        history = ledger.lag_history(cfg.name)
     kafka_error = None
     offsets: dict[TopicPartition, PartitionOffsets] = {}
+    rows: list[PartitionLag] = []
     try:
         k = kafka_for(cfg)
-        offsets = k.partition_offsets(k.partitions(k.topics(cfg.topics, cfg.topic_pattern)))
+        topics = k.topics(cfg.topics, cfg.topic_pattern)
+        offsets = k.partition_offsets(k.partitions(topics))
+        rows = lag_rows(committed, offsets)
+        unread = {(r.topic, r.partition): r.committed if r.committed is not None
+                  else (r.earliest or 0) for r in rows if (r.lag or 0) > 0}
+        rows = with_times(rows, k.record_timestamps(unread, cfg.consumer_settings()),
+                          k.retention_ms(topics), int(time.time() * 1000))
     except KafkaUnavailableError as e:
         kafka_error = str(e)
-    rows = lag_rows(committed, offsets)
+        rows = lag_rows(committed, offsets)
     return {
         "pipeline": cfg.name,
         "kafka_error": kafka_error,
         "partitions": [asdict(r) for r in rows],
         "total_lag": sum(r.lag or 0 for r in rows),
+        "max_lag_seconds": max((r.lag_seconds or 0 for r in rows), default=0),
+        "warnings": [f"{r.topic}[{r.partition}]: {r.warning}" for r in rows if r.warning],
         "batches": [b.to_dict() for b in batches],
+        "lag_history": history,
     }
 
 
 def format_status(st: Mapping[str, Any]) -> str:
-    lines = [f"pipeline {st['pipeline']}  total lag {st['total_lag']}"]
+    lines = [f"pipeline {st['pipeline']}  total lag {st['total_lag']}  "
+             f"oldest unread {st.get('max_lag_seconds', 0):.0f}s"]
+    lines += [f"  WARNING {w}" for w in st.get("warnings", [])]
     if st.get("kafka_error"):
         lines.append(f"  kafka: {st['kafka_error']}")
     lines.append(f"  {'topic':<24}{'part':>5}{'committed':>12}{'latest':>12}{'lag':>10}")

@@ -112,3 +112,21 @@ def test_recreated_topic_is_refused() -> None:
     check_topic_identity({T0: "a", T1: None}, {"t": "a"})
     with pytest.raises(TopicRecreatedError, match="t was deleted and recreated"):
         check_topic_identity({T0: "a"}, {"t": "b"})
+
+
+def test_lag_rows_and_time_headroom() -> None:
+    from offsetflow.status import lag_rows, with_times
+
+    rows = lag_rows({T0: 10, T1: 5, ("gone", 0): 3},
+                    {T0: PartitionOffsets(0, 40), T1: PartitionOffsets(8, 8),
+                     T2: PartitionOffsets(2, 9)})
+    by = {(r.topic, r.partition): r for r in rows}
+    assert by[T0].lag == 30 and by[T0].retention_headroom == 10
+    assert by[T2].committed is None and by[T2].lag == 7  # new partition: from earliest
+    assert by[("gone", 0)].latest is None and by[("gone", 0)].lag is None
+    timed = {(r.topic, r.partition): r for r in with_times(
+        rows, {T0: 1_000_000 - 90_000}, {"t": 100_000, "gone": None}, now_ms=1_000_000)}
+    assert timed[T0].lag_seconds == 90 and timed[T0].headroom_seconds == 10
+    assert timed[T0].warning is not None and "ages out in 10s" in timed[T0].warning
+    assert timed[T1].warning is not None and "data loss" in timed[T1].warning
+    assert timed[T2].lag_seconds == 0.0 and timed[T2].warning is None

@@ -60,11 +60,9 @@ def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, 
 
 
 def _publish_consumer_group(cfg: PipelineConfig, positions: Mapping[str, int]) -> None:
-    """Hook for monitoring tools; see offsetflow.lag (never read back for correctness)."""
-    try:
-        from offsetflow.lag import publish_positions
-    except ImportError:
-        return
+    """For monitoring tools; see offsetflow.lag (never read back for correctness)."""
+    from offsetflow.lag import publish_positions
+
     try:
         publish_positions(cfg, positions)
     except Exception as e:  # noqa: BLE001 - monitoring must never fail a committed batch
