@@ -41,3 +41,6 @@ lint: venv
 
 clean: down
 	rm -rf .stack
+
+soak: up
+	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10}

@@ -220,3 +220,26 @@ def run_batch_process(pipeline_file: Path, batch_id: int, log: Path) -> subproce
         ["offsetflow", "run-batch", "--pipeline-file", str(pipeline_file), "--batch-id",
          str(batch_id)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OFFSETFLOW_SPARK_LOG_LEVEL": "ERROR"})
+
+
+def maybe_fail_task(df: Any) -> Any:
+    """A pipeline transform for soak runs: with OFFSETFLOW_CHAOS_TASK_FAIL=1 in the job's
+    environment, the first attempt of every other Spark task fails halfway through its rows
+    (Spark retries it); otherwise rows pass through unchanged."""
+    if os.environ.get("OFFSETFLOW_CHAOS_TASK_FAIL") != "1":
+        return df
+
+    def gen(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        seen = 0
+        for b in batches:
+            seen += b.num_rows
+            yield b
+            if ctx is not None and ctx.attemptNumber() == 0 and ctx.partitionId() % 2 == 0 \
+                    and seen >= 20:
+                raise RuntimeError(f"chaos: task {ctx.partitionId()} attempt 0 fails after "
+                                   f"{seen} rows")
+
+    return df.mapInArrow(gen, df.schema)

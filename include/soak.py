@@ -1,0 +1,228 @@
+"""`make soak`: producers keep writing (transactions abort at random) while batches run and
+faults of every kind are injected; at the end the exactly-once checker judges the sink.
+
+    .venv/bin/python include/soak.py --minutes 10 [--seed 7]
+
+Faults (round-robin, in random order each round): the job killed after planning (mid-read),
+a Spark task failing mid-range (retried by Spark), the job killed after staging, the commit
+connection cut, PostgreSQL restarted during the commit, Kafka restarted while a batch reads,
+the job killed after its commit (the retry must be a no-op), and two runs of one batch at once.
+Prints: records produced, committed, lost, duplicated, faults by kind, batches retried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import yaml
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from offsetflow import chaos
+from offsetflow.checker import check
+from offsetflow.config import load_pipeline
+from offsetflow.ledger import Ledger
+from offsetflow.runner import plan_only
+
+log = logging.getLogger("offsetflow.soak")
+ROOT = Path(__file__).resolve().parents[1]
+FAULTS = ["kill_after_plan", "task_failure", "kill_after_staging", "cut_commit_connection",
+          "restart_postgres", "restart_kafka", "kill_after_commit", "zombie_same_batch"]
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.dsn = os.environ["OFFSETFLOW_PG_DSN"]
+        self.bootstrap = os.environ.get("OFFSETFLOW_KAFKA_BOOTSTRAP", "127.0.0.1:19092")
+        run = uuid.uuid4().hex[:6]
+        self.topic = f"soak-{run}"
+        self.name = f"soak_{run}"
+        self.out = ROOT / "test-output" / "soak" / run
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.file = self.out / f"{self.name}.yaml"
+        self.file.write_text(yaml.safe_dump({
+            "name": self.name, "kafka": {"bootstrap_servers": self.bootstrap},
+            "source": {"topics": [self.topic], "max_records_per_partition": 3000},
+            "format": {"type": "json", "schema": dict(chaos.SCHEMA)},
+            "transform": "offsetflow.chaos.maybe_fail_task",
+            "sink": {"connection": self.dsn, "table": f"soak_{run}"},
+            "spark": {"master": "local[2,4]", "max_offsets_per_task": 1500}}))
+        self.cfg = load_pipeline(self.file)
+        self.workload = chaos.Workload(self.bootstrap, self.topic, args.partitions, f"s{run}")
+        self.producing = threading.Event()
+        self.producing.set()
+        self.stop = threading.Event()
+        self.faults: Counter[str] = Counter()
+        self.producer_errors = 0
+
+    # -- producers ------------------------------------------------------------------------
+    def produce_forever(self) -> None:
+        rng = random.Random(self.args.seed + 1)
+        while not self.stop.is_set():
+            if not self.producing.wait(timeout=1):
+                continue
+            try:
+                self.workload.mixed(rng.randint(500, 3000), rng, abort_ratio=0.3)
+            except Exception as e:  # noqa: BLE001 - a failed write is simply not counted
+                self.producer_errors += 1
+                log.warning("producer error (records not counted as produced): %s", e)
+                self.workload._tx = None
+            time.sleep(rng.uniform(0.2, 1.0))
+
+    # -- one cycle with one fault ---------------------------------------------------------
+    def job(self, batch_id: int, env: dict[str, str] | None = None) -> Any:
+        import subprocess
+
+        return subprocess.Popen(
+            ["offsetflow", "run-batch", "--pipeline-file", str(self.file), "--batch-id",
+             str(batch_id)], stdout=(self.out / "jobs.log").open("ab"),
+            stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OFFSETFLOW_SPARK_LOG_LEVEL": "ERROR", **(env or {})})
+
+    def status(self, batch_id: int) -> str:
+        with Ledger(self.dsn) as ledger:
+            return ledger.get_batch(batch_id).status
+
+    def cycle(self, fault: str) -> bool:
+        planned = plan_only(self.cfg, self.dsn, started_by="soak")
+        if planned.batch is None:
+            return False
+        bid = planned.batch.batch_id
+        if fault == "kill_after_plan":
+            p = self.job(bid)
+            chaos.wait_for(lambda: self.status(bid) == "running", 120, "job start")
+            time.sleep(self.rng.uniform(0, 3))
+            chaos.kill(p)
+        elif fault == "task_failure":
+            p = self.job(bid, {"OFFSETFLOW_CHAOS_TASK_FAIL": "1"})
+            p.wait(timeout=600)
+        elif fault in ("kill_after_staging", "cut_commit_connection", "restart_postgres"):
+            p = None
+            try:
+                with chaos.hold_batch_row(self.dsn, bid):
+                    p = self.job(bid)
+                    chaos.wait_for(lambda: chaos.commit_waiting(self.dsn), 300, "commit")
+                    if fault == "kill_after_staging":
+                        chaos.kill(p)
+                    elif fault == "cut_commit_connection":
+                        chaos.cut_commit_connection(self.dsn)
+                    else:
+                        chaos.stack("pg-stop")
+            except Exception as e:  # noqa: BLE001 - our lock connection dies with the server
+                log.info("fault %s: %s", fault, e)
+            finally:
+                if fault == "restart_postgres":
+                    chaos.stack("pg-start")
+            if p is not None:
+                p.wait(timeout=300)
+        elif fault == "restart_kafka":
+            self.producing.clear()
+            time.sleep(1)
+            p = self.job(bid)
+            chaos.wait_for(lambda: self.status(bid) == "running", 120, "job start")
+            chaos.stop_kafka()
+            time.sleep(self.rng.uniform(2, 6))
+            chaos.start_kafka()
+            self.producing.set()
+            p.wait(timeout=600)
+        elif fault == "kill_after_commit":
+            p = self.job(bid)
+            p.wait(timeout=600)
+            retry = self.job(bid)  # what Airflow's task retry does
+            retry.wait(timeout=600)
+        elif fault == "zombie_same_batch":
+            a, b = self.job(bid), self.job(bid)
+            a.wait(timeout=600)
+            b.wait(timeout=600)
+        self.faults[fault] += 1
+        if self.status(bid) != "committed":  # recover: the same batch, re-run cleanly
+            self.job(bid).wait(timeout=600)
+        return True
+
+    def drain(self) -> None:
+        for _ in range(100):
+            planned = plan_only(self.cfg, self.dsn, started_by="soak-drain")
+            if planned.batch is None:
+                return
+            self.job(planned.batch.batch_id).wait(timeout=600)
+
+    def run(self) -> int:
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin.create_topics([NewTopic(self.topic, self.args.partitions, 1)])[self.topic].result(30)
+        with Ledger(self.dsn) as ledger:
+            ledger.upgrade()
+        producer = threading.Thread(target=self.produce_forever, daemon=True)
+        producer.start()
+        deadline = time.monotonic() + self.args.minutes * 60
+        cycles = 0
+        while time.monotonic() < deadline and (not self.args.cycles
+                                                or cycles < self.args.cycles):
+            order = FAULTS[:]
+            self.rng.shuffle(order)
+            for fault in order:
+                if time.monotonic() >= deadline:
+                    break
+                t = time.monotonic()
+                while not self.cycle(fault):  # wait for data to inject this fault on
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(1)
+                cycles += 1
+                log.info("cycle %d: %s done in %.1fs; produced so far %d", cycles, fault,
+                         time.monotonic() - t, len(self.workload.produced))
+        self.stop.set()
+        producer.join(timeout=120)
+        self.drain()
+        with Ledger(self.dsn) as ledger:
+            positions = ledger.positions(self.name)
+            batches = ledger.recent_batches(self.name, 100_000)
+        rep = check(self.workload.produced.values(),
+                    chaos.sink_rows(self.dsn, self.cfg.sink.table), positions)
+        figures = {
+            "minutes": self.args.minutes, "cycles": cycles,
+            "records_produced": len(self.workload.produced),
+            "records_committed_by_producers": self.workload.committed_count,
+            "records_aborted_by_producers": len(self.workload.produced)
+            - self.workload.committed_count,
+            "transactions": self.workload.transactions,
+            "rows_in_sink": rep.found, "expected": rep.expected,
+            "lost": len(rep.lost), "duplicated": len(rep.duplicated),
+            "aborted_visible": len(rep.aborted_visible), "corrupted": len(rep.corrupted),
+            "beyond_position": len(rep.beyond_position),
+            "faults_injected": dict(sorted(self.faults.items())),
+            "batches": len(batches),
+            "batches_retried": sum(1 for b in batches if b.attempts > 1),
+            "producer_errors": self.producer_errors,
+        }
+        (self.out / "figures.json").write_text(json.dumps(figures, indent=2))
+        print(json.dumps(figures, indent=2))
+        ok = rep.ok and rep.expected == self.workload.committed_count
+        print(f"SOAK {'OK' if ok else 'FAILED'}: {rep.explain()}")
+        return 0 if ok else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--cycles", type=int, default=0, help="stop after N cycles (0: by time)")
+    ap.add_argument("--partitions", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=7)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("offsetflow.runner").setLevel(logging.WARNING)
+    return Soak(ap.parse_args()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
