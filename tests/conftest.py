@@ -91,6 +91,24 @@ def pg_dsn(admin_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def secret_dsn(pg_dsn: str, admin_dsn: str) -> Iterator[tuple[str, str]]:
+    """A DSN whose password is unique, so tests can prove it never leaks: (dsn, password)."""
+    import psycopg2
+    from psycopg2 import sql
+
+    role = f"of_secret_{os.getpid()}"
+    password = f"S3cret-{uuid.uuid4().hex}"
+    conn = psycopg2.connect(pg_dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+        cur.execute(sql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD %s").format(
+            sql.Identifier(role)), (password,))
+    conn.close()
+    yield psycopg2.extensions.make_dsn(pg_dsn, user=role, password=password), password
+
+
+@pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local SparkSession for the whole session (it takes ~10 s to start)."""
     import sys

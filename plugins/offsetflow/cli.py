@@ -281,10 +281,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("py4j", "pyspark"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    import psycopg2
+
     try:
         return int(args.fn(args))
     except OffsetFlowError as e:
         print(f"offsetflow: error: {e}", file=sys.stderr)
+        return 2
+    except psycopg2.OperationalError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"offsetflow: error: PostgreSQL: {first}", file=sys.stderr)
         return 2
 
 

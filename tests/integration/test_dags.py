@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def airflow_project(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
-                    unique: str) -> dict[str, Any]:
+def airflow_project(tmp_path: Path, secret_dsn: tuple[str, str], kafka_bootstrap: str,
+                    make_topic: Any, unique: str) -> dict[str, Any]:
     """A pipelines folder with one test pipeline and a DAGs folder generated for it."""
     topic = make_topic("dag", 2)
     name = f"dagtest_{unique}"
@@ -35,12 +35,13 @@ def airflow_project(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topi
            "kafka": {"bootstrap_servers": kafka_bootstrap},
            "source": {"topics": [topic], "max_records_per_partition": 400},
            "format": {"type": "json", "schema": dict(SCHEMA)},
-           "sink": {"connection": pg_dsn, "table": f"dag_{unique}"}}
+           "sink": {"connection": "${OFFSETFLOW_TEST_DSN}", "table": f"dag_{unique}"}}
     (pipelines / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
     for f in ("offsetflow_backfill.py", "offsetflow_replay.py"):
         shutil.copy(ROOT / "dags" / f, dags / f)
     env = {**os.environ, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
+           "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "OFFSETFLOW_TEST_DSN": secret_dsn[0]}
+    os.environ["OFFSETFLOW_TEST_DSN"] = secret_dsn[0]
     old = os.environ.get("OFFSETFLOW_PIPELINES_DIR")
     os.environ["OFFSETFLOW_PIPELINES_DIR"] = str(pipelines)
     try:
@@ -51,7 +52,7 @@ def airflow_project(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topi
         else:
             os.environ["OFFSETFLOW_PIPELINES_DIR"] = old
     return {"name": name, "topic": topic, "table": f"dag_{unique}", "env": env,
-            "dags": dags, "pipelines": pipelines}
+            "dags": dags, "pipelines": pipelines, "password": secret_dsn[1]}
 
 
 def dags_test(project: dict[str, Any], dag_id: str, conf: dict[str, Any] | None = None,
@@ -78,6 +79,7 @@ def test_scheduled_run_commits_a_batch_and_empty_run_skips_spark(
     produce_plain(kafka_bootstrap, p["topic"], 600, f"s{p['name']}", 2)
     out = dags_test(p, f"offsetflow_{p['name']}")
     assert "spark-submit" in out or "SparkSubmit" in out
+    assert p["password"] not in out  # the task log never shows credentials
     with Ledger(pg_dsn) as ledger:
         batches = ledger.recent_batches(p["name"])
         positions = ledger.positions(p["name"])

@@ -33,10 +33,11 @@ def _started_by() -> str:
 
 
 def _spark_env() -> dict[str, str]:
-    """Environment for spark-submit: the venv first on PATH (spark-submit needs it) and the
-    variables pipeline configs refer to. Values are passed, never logged by OffsetFlow."""
-    keep = ("PATH", "JAVA_HOME", "PYSPARK_PYTHON", "OFFSETFLOW_PG_DSN",
-            "OFFSETFLOW_KAFKA_BOOTSTRAP", "OFFSETFLOW_PIPELINES_DIR", "SPARK_HOME")
+    """Non-secret environment for spark-submit: the venv first on PATH (spark-submit needs
+    it) and where pipelines live. Secrets (DSNs, passwords) are not put here: the hook
+    may turn env_vars into Spark conf on a cluster. In local/client mode the job inherits
+    the worker's environment; on a cluster provide them with Spark's secret mechanisms."""
+    keep = ("PATH", "JAVA_HOME", "PYSPARK_PYTHON", "OFFSETFLOW_PIPELINES_DIR", "SPARK_HOME")
     return {k: os.environ[k] for k in keep if k in os.environ}
 
 
