@@ -6,6 +6,7 @@ do not depend on order. The ledger lives in a database created fresh for the ses
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -146,7 +147,5 @@ def make_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     yield make
     if created:
         for f in admin.delete_topics(created).values():
-            try:
+            with contextlib.suppress(Exception):
                 f.result(timeout=30)
-            except Exception:  # noqa: BLE001
-                pass

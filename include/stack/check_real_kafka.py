@@ -51,7 +51,8 @@ def read_all(bootstrap: str, topic: str, isolation: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bootstrap", default=os.environ.get("OFFSETFLOW_KAFKA_BOOTSTRAP", "127.0.0.1:19092"))
+    ap.add_argument("--bootstrap",
+                    default=os.environ.get("OFFSETFLOW_KAFKA_BOOTSTRAP", "127.0.0.1:19092"))
     ap.add_argument("--keep-topic", action="store_true")
     bootstrap = ap.parse_args().bootstrap
     keep = ap.parse_args().keep_topic
@@ -87,8 +88,8 @@ def main() -> None:
         if aborted != [f"aborted-{i}" for i in range(3)]:
             fail(f"read_uncommitted should expose the aborted records, saw {uncommitted}")
 
-        lo, hi = Consumer({"bootstrap.servers": bootstrap, "group.id": "check-wm"}).get_watermark_offsets(
-            TopicPartition(topic, 0), timeout=10)
+        wm = Consumer({"bootstrap.servers": bootstrap, "group.id": "check-wm"})
+        lo, hi = wm.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
         print(f"check_real_kafka: OK: broker {bootstrap} (cluster {md.cluster_id}); topic {topic}: "
               f"read_committed={committed}; aborted records hidden; log end offset {hi} "
               f"(includes transaction markers)")

@@ -129,8 +129,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
-SHIM = '''"""Airflow DAG (scheduled) of include/pipelines/{name}.yaml (one thin file per pipeline, so a broken
-config shows up as this file's import error and hides no other pipeline's DAG).
+SHIM = '''"""Airflow DAG (scheduled) of include/pipelines/{name}.yaml. One thin file per pipeline,
+so a broken config shows up as this file's import error and hides no other pipeline's DAG.
 Create one for a new pipeline with `offsetflow dags sync`."""
 
 from offsetflow.orchestration.dags import pipeline_dag_for_file

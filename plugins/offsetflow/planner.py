@@ -121,7 +121,8 @@ def plan_batch(
     """Plan the next batch of one pipeline.
 
     Steps: start every partition at its committed position (the starting policy applies on
-    the pipeline's first plan; partitions added later start at their earliest offset); record a gap where the start fell out of retention
+    the pipeline's first plan; partitions added later start at their earliest offset);
+    record a gap where the start fell out of retention
     and, under `continue`, move the start to the earliest offset; refuse a position beyond
     the log end; clamp each range by the per-partition limit, then the total cap fairly.
     The caller records gaps in the ledger and raises for the `fail` policy.

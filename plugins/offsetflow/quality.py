@@ -11,6 +11,7 @@ Row-level expectations report the source coordinates of the rows that failed, so
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -151,10 +152,8 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
     ds = ctx.data_sources.add_or_update_postgres("offsetflow_stage",
                                                  connection_string="${" + GX_URL_VAR + "}")
     asset_name = f"b{int(batch_id)}"
-    try:
+    with contextlib.suppress(Exception):  # not there yet
         ds.delete_asset(asset_name)
-    except Exception:  # noqa: BLE001 - not there yet
-        pass
     asset = ds.add_table_asset(asset_name, table_name=f"b{int(batch_id)}",
                                schema_name="offsetflow_stage")
     batch_def = asset.add_batch_definition_whole_table("batch")
@@ -172,8 +171,6 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
                                    / "index.html")
         except Exception as e:  # noqa: BLE001 - docs are a convenience, not the gate
             log.warning("could not build GX Data Docs: %s", e)
-    try:
+    with contextlib.suppress(Exception):
         ds.delete_asset(asset_name)
-    except Exception:  # noqa: BLE001
-        pass
     return result

@@ -85,7 +85,8 @@ def test_fair_share_water_filling(avail, cap, expected) -> None:  # noqa: ANN001
 
 
 def test_total_cap_is_applied_after_per_partition_limit() -> None:
-    offsets = {T0: PartitionOffsets(0, 1000), T1: PartitionOffsets(0, 4), T2: PartitionOffsets(0, 1000)}
+    offsets = {T0: PartitionOffsets(0, 1000), T1: PartitionOffsets(0, 4),
+               T2: PartitionOffsets(0, 1000)}
     plan = plan_batch({}, offsets, EARLIEST, max_records_per_partition=300,
                       max_records_per_batch=104)
     assert spans(plan) == {T0: (0, 50), T1: (0, 4), T2: (0, 50)}
