@@ -219,3 +219,41 @@ def test_upsert_mode_keeps_one_row_per_key(
     run_until_caught_up(cfg, pg_dsn, spark)
     rows = query(pg_dsn, f"SELECT event_id, seq FROM {table} ORDER BY event_id")
     assert rows == [(f"k{k}", 2) for k in sorted(range(10), key=lambda k: f"k{k}")]
+
+
+def test_abandoned_batch_staging_is_cleaned_up(pg_dsn: str, kafka_bootstrap: str,
+                                               make_topic: Any, unique: str) -> None:
+    from offsetflow.sink import create_stage_tables
+
+    topic = make_topic("aband", 1)
+    produce_plain(kafka_bootstrap, topic, 10, f"a{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"aband_{unique}")
+    out = plan_only(cfg, pg_dsn)
+    assert out.batch_id is not None
+    create_stage_tables(pg_dsn, out.batch_id, [("topic", "text"), ("partition", "integer"),
+                                               ("offset", "bigint")])
+    query(pg_dsn, "INSERT INTO offsetflow.staged_parts (batch_id, kind, part, rows_staged, "
+                  "bad_records) VALUES (%s, 'rows', 0, 3, 0)", (out.batch_id,))
+
+    def staged() -> int:
+        return query(pg_dsn, "SELECT count(*) FROM pg_tables WHERE schemaname = "
+                             "'offsetflow_stage' AND tablename LIKE %s",
+                     (f"b{out.batch_id}%",))[0][0]
+
+    assert staged() == 2
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.cleanup_staging() == []  # an open batch keeps its staged data
+        ledger.abandon(out.batch_id, "test: give up")
+        assert ledger.get_batch(out.batch_id).status == "abandoned"
+    assert staged() == 0
+    assert query(pg_dsn, "SELECT count(*) FROM offsetflow.staged_parts WHERE batch_id = %s",
+                 (out.batch_id,))[0][0] == 0
+    # leftovers of a closed batch (e.g. a crash after commit) are dropped by `cleanup`
+    create_stage_tables(pg_dsn, out.batch_id, [("topic", "text")])
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.cleanup_staging() == [out.batch_id]
+    assert staged() == 0
+    # and the next plan starts from the same place: abandoning moved no position
+    again = plan_only(cfg, pg_dsn)
+    assert again.batch is not None and out.batch is not None
+    assert again.batch.ranges == out.batch.ranges and again.batch_id != out.batch_id
