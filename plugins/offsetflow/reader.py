@@ -80,7 +80,7 @@ def check_preconditions(conf: Mapping[str, str]) -> None:
 
 
 def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
-               poll_timeout_s: float = 1.0, stall_timeout_s: float = 60.0
+               poll_timeout_s: float = 1.0, stall_timeout_s: float = 300.0
                ) -> Iterator[RawChunk]:
     """Yield the records of `r` in offset order, in chunks of at most `max_rows`."""
     if r.is_empty:
@@ -95,7 +95,11 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
         while reached < r.until_offset:
             msgs = consumer.consume(num_messages=min(max_rows, 10_000), timeout=poll_timeout_s)
             if not msgs:
-                if time.monotonic() - last_progress > stall_timeout_s:
+                stalled = time.monotonic() - last_progress
+                if stalled > 30 and int(stalled) % 30 == 0:
+                    log.warning("%s: no record for %.0fs at offset %d (broker restarting or "
+                                "leader moving?); still waiting", r, stalled, reached)
+                if stalled > stall_timeout_s:
                     lo, hi = _watermarks(consumer, r)
                     raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
                                          reached, f"no progress for {stall_timeout_s:.0f}s "
