@@ -78,8 +78,12 @@ def main() -> int:
         if s["batch_id"] is None:
             print("  (caught up: nothing new to read)")
         else:
+            with Ledger(dsn) as ledger:
+                q = ledger.get_batch(s["batch_id"]).quality or {}
+            quality = f", quality suite {q['suite']}: {q['summary']}" if q else ""
             print(f"  batch {s['batch_id']}: {s['status']}, {s['rows_written']} rows, "
-                  f"{s['bad_records']} dead letters, read+stage {s.get('read_stage_s')}s")
+                  f"{s['bad_records']} dead letters, read+stage {s.get('read_stage_s')}s"
+                  f"{quality}")
 
     import psycopg2
 

@@ -173,4 +173,6 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
             log.warning("could not build GX Data Docs: %s", e)
     with contextlib.suppress(Exception):
         ds.delete_asset(asset_name)
+    with contextlib.suppress(Exception):  # per-batch definitions are not project files
+        ctx.validation_definitions.delete(vd.name)
     return result
