@@ -1,0 +1,143 @@
+"""Replay through Airflow's REST API with a run conf, against a real `airflow standalone`
+(scheduler, LocalExecutor, spark-submit in local mode): the run succeeds and lands in the
+same replay DAG and the same ledger record as the UI form and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from offsetflow.cli import main as offsetflow_main
+from offsetflow.config import load_pipeline
+from offsetflow.ledger import Ledger
+from offsetflow.runner import run_until_caught_up
+from tests.integration.helpers import SCHEMA, produce_plain, query
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 18095  # its own port: other UI tests may run their own standalone
+
+
+def http(method: str, url: str, body: Any = None, token: str | None = None,
+         timeout: float = 30) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode()
+            return r.status, json.loads(text) if text else None
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, str(e)
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str, kafka_bootstrap: str
+               ) -> Iterator[dict[str, Any]]:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    base = tmp_path_factory.mktemp("rest")
+    uid = base.name.replace("-", "")[-8:]
+    topic = f"rest-{uid}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    name = f"rest_{uid}"
+    pipelines, dags = base / "pipelines", base / "dags"
+    pipelines.mkdir()
+    (dags / "pipelines").mkdir(parents=True)
+    (pipelines / f"{name}.yaml").write_text(yaml.safe_dump({
+        "name": name, "schedule": None, "retries": 0,
+        "kafka": {"bootstrap_servers": kafka_bootstrap}, "source": {"topics": [topic]},
+        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"connection": pg_dsn, "table": f"rest_{uid}"}}))
+    shutil.copy(ROOT / "dags" / "offsetflow_replay.py", dags)
+    env = {**os.environ, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
+           "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__API__PORT": str(PORT),
+           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{PORT}",
+           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{PORT}/execution/"}
+    os.environ["OFFSETFLOW_PIPELINES_DIR"] = str(pipelines)
+    try:
+        assert offsetflow_main(["dags", "sync", "--dags-dir", str(dags / "pipelines")]) == 0
+    finally:
+        os.environ.pop("OFFSETFLOW_PIPELINES_DIR", None)
+    log = (base / "standalone.log").open("wb")
+    proc = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=base)
+    url = f"http://127.0.0.1:{PORT}"
+    try:
+        deadline = time.monotonic() + 240
+        while http("GET", f"{url}/api/v2/monitor/health")[0] != 200:
+            assert proc.poll() is None, (base / "standalone.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "airflow standalone did not become healthy"
+            time.sleep(2)
+        pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
+        password = json.loads(pw_file.read_text())["admin"]
+        code, body = http("POST", f"{url}/auth/token",
+                          {"username": "admin", "password": password})
+        assert code in (200, 201), body
+        yield {"url": url, "token": body["access_token"], "name": name, "topic": topic,
+               "table": f"rest_{uid}", "pipelines": pipelines, "log": base / "standalone.log"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        admin.delete_topics([topic])
+
+
+def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_dsn: str,
+                                                kafka_bootstrap: str, spark: Any) -> None:
+    s = standalone
+    produce_plain(kafka_bootstrap, s["topic"], 200, f"r{s['name']}", 2)
+    cfg = load_pipeline(s["pipelines"] / f"{s['name']}.yaml")
+    run_until_caught_up(cfg, pg_dsn, spark)  # commit first: only committed ranges replay
+    url, token = s["url"], s["token"]
+    assert http("GET", f"{url}/api/v2/dags/offsetflow_replay")[0] == 401  # login needed
+    deadline = time.monotonic() + 180
+    while http("GET", f"{url}/api/v2/dags/offsetflow_replay", token=token)[0] != 200:
+        assert time.monotonic() < deadline, "the replay DAG was not parsed"
+        time.sleep(3)
+    code, body = http("PATCH", f"{url}/api/v2/dags/offsetflow_replay", {"is_paused": False},
+                      token=token)
+    assert code == 200, body
+    conf = {"pipeline": s["name"], "partitions": "1", "from_offset": 10, "until_offset": 60}
+    code, run = http("POST", f"{url}/api/v2/dags/offsetflow_replay/dagRuns",
+                     {"logical_date": None, "conf": conf}, token=token)
+    assert code in (200, 201), run
+    run_id = run["dag_run_id"]
+    deadline = time.monotonic() + 420
+    state = None
+    while time.monotonic() < deadline:
+        code, cur = http("GET", f"{url}/api/v2/dags/offsetflow_replay/dagRuns/{run_id}",
+                         token=token)
+        state = cur.get("state") if isinstance(cur, dict) else None
+        if state in ("success", "failed"):
+            break
+        time.sleep(3)
+    assert state == "success", (state, s["log"].read_text()[-4000:])
+    with Ledger(pg_dsn) as ledger:
+        replays = [b for b in ledger.recent_batches(s["name"]) if b.kind == "replay"]
+        positions = ledger.positions(s["name"])
+    assert len(replays) == 1 and replays[0].status == "committed"
+    assert replays[0].started_by.startswith("airflow:offsetflow_replay:")
+    assert positions == {(s["topic"], 0): 100, (s["topic"], 1): 100}
+    rows = query(pg_dsn, f"SELECT \"offset\", _offsetflow_batch_id FROM {s['table']} "
+                         f"WHERE partition = 1")
+    assert sorted(o for o, _ in rows) == list(range(100))  # one copy of every offset
+    assert {o for o, b in rows if b == replays[0].batch_id} == set(range(10, 60))
