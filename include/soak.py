@@ -54,11 +54,11 @@ class Soak:
         self.file = self.out / f"{self.name}.yaml"
         self.file.write_text(yaml.safe_dump({
             "name": self.name, "kafka": {"bootstrap_servers": self.bootstrap},
-            "source": {"topics": [self.topic], "max_records_per_partition": 3000},
+            "source": {"topics": [self.topic], "max_records_per_partition": 20_000},
             "format": {"type": "json", "schema": dict(chaos.SCHEMA)},
             "transform": "offsetflow.chaos.maybe_fail_task",
             "sink": {"connection": self.dsn, "table": f"soak_{run}"},
-            "spark": {"master": "local[2,4]", "max_offsets_per_task": 1500}}))
+            "spark": {"master": "local[2,4]", "max_offsets_per_task": 10_000}}))
         self.cfg = load_pipeline(self.file)
         self.workload = chaos.Workload(self.bootstrap, self.topic, args.partitions, f"s{run}")
         self.producing = threading.Event()
@@ -74,12 +74,12 @@ class Soak:
             if not self.producing.wait(timeout=1):
                 continue
             try:
-                self.workload.mixed(rng.randint(500, 3000), rng, abort_ratio=0.3)
+                self.workload.mixed(rng.randint(200, 1500), rng, abort_ratio=0.3)
             except Exception as e:  # noqa: BLE001 - a failed write is simply not counted
                 self.producer_errors += 1
                 log.warning("producer error (records not counted as produced): %s", e)
                 self.workload._tx = None
-            time.sleep(rng.uniform(0.2, 1.0))
+            time.sleep(rng.uniform(0.5, 2.0))  # ~ 500 records/s: batches can keep up
 
     # -- one cycle with one fault ---------------------------------------------------------
     def job(self, batch_id: int, env: dict[str, str] | None = None) -> Any:
