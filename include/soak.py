@@ -111,7 +111,7 @@ class Soak:
         elif fault in ("kill_after_staging", "cut_commit_connection", "restart_postgres"):
             p = None
             try:
-                with chaos.hold_batch_row(self.dsn, bid):
+                with chaos.hold_positions(self.dsn, self.name):
                     p = self.job(bid)
                     chaos.wait_for(lambda: chaos.commit_waiting(self.dsn), 300, "commit")
                     if fault == "kill_after_staging":

@@ -154,15 +154,31 @@ def kill(proc: subprocess.Popen[Any]) -> None:
 
 
 @contextlib.contextmanager
-def hold_batch_row(dsn: str, batch_id: int) -> Iterator[None]:
-    """Lock the batch row so a commit blocks at its first step (a window for faults)."""
+def hold_positions(dsn: str, pipeline: str) -> Iterator[None]:
+    """Lock the pipeline's position rows: only a commit touches them (its fencing step), so
+    a job stages everything and then blocks inside its commit transaction, which is the
+    window for a fault. Planning and staging never wait on these rows."""
     conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
-                        (batch_id,))
+            cur.execute("SELECT 1 FROM offsetflow.positions WHERE pipeline = %s FOR UPDATE",
+                        (pipeline,))
+            if cur.rowcount == 0:
+                raise RuntimeError(f"pipeline {pipeline} has no positions to hold yet")
             yield
         conn.rollback()
+    finally:
+        conn.close()
+
+
+def staged_rows(dsn: str, batch_id: int) -> int:
+    conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
+                            WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
     finally:
         conn.close()
 

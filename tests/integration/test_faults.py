@@ -82,9 +82,11 @@ class Case:
     def job_waiting_to_commit(self, batch_id: int) -> Iterator[subprocess.Popen[Any]]:
         """A job process that has staged everything and waits at the commit's first step
         (the batch row is held), for a fault to be injected right there."""
-        with chaos.hold_batch_row(self.dsn, batch_id):
+        with chaos.hold_positions(self.dsn, self.cfg.name):
             proc = self.job(batch_id)
             chaos.wait_for(lambda: chaos.commit_waiting(self.dsn), 120, "the commit to start")
+            assert self.batch(batch_id).status == "running"
+            assert chaos.staged_rows(self.dsn, batch_id) > 0, "the fault must come after staging"
             yield proc
 
     def job_output(self) -> str:
@@ -141,8 +143,11 @@ def test_job_killed_after_staging_then_rerun_commits_once(case: Case, spark: Any
         chaos.kill(proc)  # everything staged, nothing committed
     assert case.batch(bid).status != "committed"
     assert set(case.positions().values()) == {0}  # the start: nothing committed
+    staged = chaos.staged_rows(case.dsn, bid)
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
+    assert rep.result.rows_written == staged  # the earlier attempt's staging was re-used
+    assert case.batch(bid).attempts == 2
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 
