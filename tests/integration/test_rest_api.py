@@ -4,6 +4,7 @@ same replay DAG and the same ledger record as the UI form and the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,39 +47,41 @@ def http(method: str, url: str, body: Any = None, token: str | None = None,
         return 0, str(e)
 
 
-@pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str, kafka_bootstrap: str
-               ) -> Iterator[dict[str, Any]]:
+@contextlib.contextmanager
+def run_standalone(base: Path, pg_dsn: str, kafka_bootstrap: str, port: int,
+                   dags: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """`airflow standalone` in its own process group on `port`, with a test pipeline and
+    the given window DAGs; yields its URL, an admin token and the pipeline's names."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    base = tmp_path_factory.mktemp("rest")
     uid = base.name.replace("-", "")[-8:]
     topic = f"rest-{uid}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
     name = f"rest_{uid}"
-    pipelines, dags = base / "pipelines", base / "dags"
+    pipelines, dag_dir = base / "pipelines", base / "dags"
     pipelines.mkdir()
-    (dags / "pipelines").mkdir(parents=True)
+    (dag_dir / "pipelines").mkdir(parents=True)
     (pipelines / f"{name}.yaml").write_text(yaml.safe_dump({
         "name": name, "schedule": None, "retries": 0,
         "kafka": {"bootstrap_servers": kafka_bootstrap}, "source": {"topics": [topic]},
         "format": {"type": "json", "schema": dict(SCHEMA)},
         "sink": {"connection": pg_dsn, "table": f"rest_{uid}"}}))
-    shutil.copy(ROOT / "dags" / "offsetflow_replay.py", dags)
+    for f in dags:
+        shutil.copy(ROOT / "dags" / f, dag_dir)
     env = {**os.environ, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__API__PORT": str(PORT),
-           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{PORT}",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{PORT}/execution/"}
+           "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(port),
+           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/"}
     os.environ["OFFSETFLOW_PIPELINES_DIR"] = str(pipelines)
     try:
-        assert offsetflow_main(["dags", "sync", "--dags-dir", str(dags / "pipelines")]) == 0
+        assert offsetflow_main(["dags", "sync", "--dags-dir", str(dag_dir / "pipelines")]) == 0
     finally:
         os.environ.pop("OFFSETFLOW_PIPELINES_DIR", None)
     log = (base / "standalone.log").open("wb")
     proc = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=base)
-    url = f"http://127.0.0.1:{PORT}"
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
         while http("GET", f"{url}/api/v2/monitor/health")[0] != 200:
@@ -99,6 +102,14 @@ def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str, kafka_boot
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         admin.delete_topics([topic])
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str, kafka_bootstrap: str
+               ) -> Iterator[dict[str, Any]]:
+    with run_standalone(tmp_path_factory.mktemp("rest"), pg_dsn, kafka_bootstrap, PORT,
+                        ("offsetflow_replay.py",)) as s:
+        yield s
 
 
 def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_dsn: str,
