@@ -42,5 +42,9 @@ lint: venv
 clean: down
 	rm -rf .stack
 
+# BENCH_ARGS e.g. "--records 100000 --scaling ''" for a quick look; results in bench-results/
+bench: up
+	$(ENV) $(PY) include/bench/bench.py $(BENCH_ARGS)
+
 soak: up
 	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10}

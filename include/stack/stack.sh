@@ -5,6 +5,7 @@
 #   stack.sh up | down | status | env | logs [kafka|pg|airflow]
 #   stack.sh kafka-start | kafka-stop | pg-start | pg-stop
 #   stack.sh airflow-setup | airflow-standalone-start | airflow-standalone-stop
+#   stack.sh connect-start | connect-stop   (a warm Spark Connect server, for `spark.launch: connect`)
 #
 # Idempotent: `up` on a running stack checks it and returns; `down` on a stopped one is a no-op.
 # Every wait has a timeout; on failure the service, its host:port and the tail of its log are
@@ -28,6 +29,9 @@ KAFKA_HEAP="${OFFSETFLOW_KAFKA_HEAP:--Xms256m -Xmx512m}"
 KAFKA_TIMEOUT="${KAFKA_START_TIMEOUT:-60}"
 PG_TIMEOUT="${PG_START_TIMEOUT:-30}"
 AIRFLOW_TIMEOUT="${AIRFLOW_START_TIMEOUT:-180}"
+CONNECT_PORT="${OFFSETFLOW_SPARK_CONNECT_PORT:-15002}"
+CONNECT_MASTER="${OFFSETFLOW_SPARK_CONNECT_MASTER:-local[2]}"
+CONNECT_TIMEOUT="${CONNECT_START_TIMEOUT:-90}"
 
 KAFKA_DIR="$STACK/kafka"
 KAFKA_LOG="$KAFKA_DIR/kafka.log"
@@ -35,6 +39,8 @@ PG_DIR="$STACK/pg"
 PG_LOG="$PG_DIR/postgres.log"
 AIRFLOW_HOME_DIR="$STACK/airflow"
 AIRFLOW_LOG="$AIRFLOW_HOME_DIR/standalone.log"
+CONNECT_DIR="$STACK/connect"
+CONNECT_LOG="$CONNECT_DIR/connect.log"
 
 log() { printf '[stack] %s\n' "$*" >&2; }
 die() { printf '[stack] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -65,6 +71,7 @@ export PYSPARK_PYTHON="$VENV/bin/python"
 export PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
 export OFFSETFLOW_KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
 export OFFSETFLOW_PG_DSN="postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/offsetflow"
+export OFFSETFLOW_SPARK_CONNECT_URL="sc://127.0.0.1:$CONNECT_PORT"
 export OFFSETFLOW_AIRFLOW_URL="http://127.0.0.1:$AIRFLOW_PORT"
 export AIRFLOW_HOME="$AIRFLOW_HOME_DIR"
 export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
@@ -385,6 +392,51 @@ standalone_stop() {
   rm -f "$pidf"
 }
 
+# ---------------------------------------------------------------- Spark Connect
+# A long-running Spark driver that pipelines reach over gRPC (`spark.launch: connect`), so a
+# batch pays no JVM or Python-worker start. pyspark ships the server jar; spark-submit starts
+# its main class (what Spark's sbin/start-connect-server.sh does). Its Python workers run the
+# venv's interpreter, so they import offsetflow from the same install as the client.
+connect_start() {
+  write_env; load_env
+  mkdir -p "$CONNECT_DIR"
+  if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then log "spark connect already up on 127.0.0.1:$CONNECT_PORT"; return 0; fi
+  connect_stop
+  port_open "$CONNECT_PORT" && fail_service spark-connect "127.0.0.1:$CONNECT_PORT" "" "the port is taken by a process not started by this stack"
+  log "starting Spark Connect server ($CONNECT_MASTER) on 127.0.0.1:$CONNECT_PORT"
+  setsid nohup "$VENV/bin/spark-submit" --class org.apache.spark.sql.connect.service.SparkConnectServer \
+    --name offsetflow-spark-connect --master "$CONNECT_MASTER" \
+    --conf spark.connect.grpc.binding.address=127.0.0.1 \
+    --conf "spark.connect.grpc.binding.port=$CONNECT_PORT" \
+    --conf spark.ui.enabled=false --conf spark.sql.session.timeZone=UTC \
+    --conf "spark.driver.memory=${OFFSETFLOW_SPARK_CONNECT_DRIVER_MEMORY:-2g}" \
+    >"$CONNECT_LOG" 2>&1 < /dev/null &
+  echo $! > "$CONNECT_DIR/connect.pid"
+  local deadline=$((SECONDS + CONNECT_TIMEOUT))
+  until port_open "$CONNECT_PORT" && grep -q "Spark Connect server started" "$CONNECT_LOG"; do
+    pid_alive "$CONNECT_DIR/connect.pid" || fail_service spark-connect "127.0.0.1:$CONNECT_PORT" "$CONNECT_LOG" "the server exited"
+    (( SECONDS < deadline )) || fail_service spark-connect "127.0.0.1:$CONNECT_PORT" "$CONNECT_LOG" "not listening after ${CONNECT_TIMEOUT}s"
+    sleep 0.5
+  done
+  log "spark connect ready: sc://127.0.0.1:$CONNECT_PORT"
+}
+
+connect_stop() {
+  local pidf="$CONNECT_DIR/connect.pid"
+  [[ -f "$pidf" ]] || return 0
+  local pgid; pgid="$(cat "$pidf")"
+  if kill -0 -- "-$pgid" 2>/dev/null; then
+    log "stopping spark connect (process group $pgid)"
+    kill -TERM -- "-$pgid" 2>/dev/null || true
+    local deadline=$((SECONDS + 30))
+    while kill -0 -- "-$pgid" 2>/dev/null; do
+      if (( SECONDS >= deadline )); then kill -KILL -- "-$pgid" 2>/dev/null || true; sleep 0.5; break; fi
+      sleep 0.3
+    done
+  fi
+  rm -f "$pidf"
+}
+
 # ---------------------------------------------------------------- commands
 cmd_up() {
   [[ -x "$VENV/bin/python" ]] || die "no virtualenv at $VENV; run 'make venv' first"
@@ -397,6 +449,7 @@ cmd_up() {
 }
 
 cmd_down() {
+  connect_stop
   standalone_stop
   kafka_stop
   pg_stop
@@ -407,6 +460,7 @@ cmd_status() {
   local rc=0
   if kafka_ready; then echo "kafka     up    127.0.0.1:$KAFKA_PORT  (Apache Kafka $(kafka_version), KRaft)"; else echo "kafka     down  127.0.0.1:$KAFKA_PORT"; rc=1; fi
   if pg_ready; then echo "postgres  up    127.0.0.1:$PG_PORT"; else echo "postgres  down  127.0.0.1:$PG_PORT"; rc=1; fi
+  if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then echo "connect   up    127.0.0.1:$CONNECT_PORT  (Spark Connect)"; else echo "connect   down  127.0.0.1:$CONNECT_PORT  (optional: stack.sh connect-start)"; fi
   if airflow_ready; then echo "airflow   up    127.0.0.1:$AIRFLOW_PORT  (standalone)"; else echo "airflow   down  127.0.0.1:$AIRFLOW_PORT  (standalone is optional: stack.sh airflow-standalone-start)"; fi
   return $rc
 }
@@ -417,6 +471,7 @@ cmd_logs() {
     kafka) tail -n "$n" "$KAFKA_LOG" ;;
     postgres|pg) tail -n "$n" "$PG_LOG" ;;
     airflow) tail -n "$n" "$AIRFLOW_LOG" ;;
+    connect) tail -n "$n" "$CONNECT_LOG" ;;
     all) for f in "$KAFKA_LOG" "$PG_LOG" "$AIRFLOW_LOG"; do
            [[ -f "$f" ]] && { echo "== $f"; tail -n 20 "$f"; }
          done; true ;;
@@ -437,5 +492,7 @@ case "${1:-}" in
   airflow-setup) airflow_setup ;;
   airflow-standalone-start) standalone_start ;;
   airflow-standalone-stop) standalone_stop ;;
-  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow]|kafka-start|kafka-stop|pg-start|pg-stop|airflow-setup|airflow-standalone-start|airflow-standalone-stop" >&2; exit 2 ;;
+  connect-start) connect_start ;;
+  connect-stop) connect_stop ;;
+  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|pg-start|pg-stop|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop" >&2; exit 2 ;;
 esac

@@ -119,17 +119,29 @@ def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[s
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from offsetflow.deserialize import arrow_schema, deserialize_json
+        from offsetflow.metrics import TaskClock
         from offsetflow.reader import read_range
 
         typed_schema = arrow_schema(schema) if fmt == "json" else None
         for b in batches:
             for idx in b.column("id").to_pylist():
                 r = OffsetRange.from_dict(specs[idx])
-                for chunk_no, chunk in enumerate(read_range(consumer_conf, r)):
+                clock = TaskClock()
+                chunks = enumerate(read_range(consumer_conf, r))
+                while True:
+                    with clock.stage("read"):
+                        item = next(chunks, None)
+                    if item is None:
+                        break
+                    chunk_no, chunk = item
+                    clock.count("records", len(chunk))
                     if fmt != "json":
-                        yield chunk.to_arrow(r.topic, r.partition)
+                        with clock.stage("to_arrow"):
+                            out = chunk.to_arrow(r.topic, r.partition)
+                        yield out
                         continue
-                    typed, bad, good = deserialize_json(chunk.values, schema)
+                    with clock.stage("deserialize"):
+                        typed, bad, good = deserialize_json(chunk.values, schema)
                     if bad:
                         stage_bad_records(dsn, batch_id, idx, chunk_no, pipeline, [
                             {"topic": r.topic, "partition": r.partition,
@@ -137,13 +149,16 @@ def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[s
                              "timestamp": chunk.timestamps[x.index],
                              "key": chunk.keys[x.index], "value": chunk.values[x.index],
                              "error": x.reason} for x in bad], write_rows=write_dead)
-                    raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
-                    assert typed_schema is not None
-                    cols = list(raw.columns) + list(typed.combine_chunks().columns)
-                    names = raw.schema.names + typed_schema.names
-                    yield pa.RecordBatch.from_arrays(
-                        [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c
-                         for c in cols], names=names)
+                    with clock.stage("to_arrow"):
+                        raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+                        assert typed_schema is not None
+                        cols = list(raw.columns) + list(typed.combine_chunks().columns)
+                        names = raw.schema.names + typed_schema.names
+                        out = pa.RecordBatch.from_arrays(
+                            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c
+                             for c in cols], names=names)
+                    yield out
+                clock.emit(batch_id, "read", idx)
     return read
 
 
@@ -154,7 +169,11 @@ def make_writer(dsn: str, batch_id: int
 
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
-        stats = stage_rows(dsn, batch_id, part, batches)
+        from offsetflow.metrics import TaskClock
+
+        clock = TaskClock()
+        stats = stage_rows(dsn, batch_id, part, batches, clock)
+        clock.emit(batch_id, "stage", part)
         yield pa.RecordBatch.from_pylist(
             [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
             schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()),

@@ -46,6 +46,7 @@ from offsetflow.ledger import (
     qualified,
     stage_table,
 )
+from offsetflow.metrics import TaskClock
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +203,8 @@ def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part:
     return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
 
 
-def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch]
-               ) -> dict[str, Any]:
+def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
+               clock: TaskClock | None = None) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `batches` are already in stage-table text form (binary as `\\x..` hex, nested as JSON).
@@ -217,12 +218,22 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                 return {"part": part, "skipped": True, **earlier}
             rows = 0
             per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
-            for b in batches:
+            clock = clock or TaskClock()
+            it = iter(batches)
+            while True:
+                with clock.stage("wait_upstream"):
+                    b = next(it, None)
+                if b is None:
+                    break
                 if b.num_rows == 0:
                     continue
-                _copy(cur, stage_table(batch_id), b.schema.names, _csv_bytes(b))
+                with clock.stage("encode"):
+                    data = _csv_bytes(b)
+                with clock.stage("copy"):
+                    _copy(cur, stage_table(batch_id), b.schema.names, data)
                 rows += b.num_rows
                 _count_coordinates(b, per_tp)
+            clock.count("rows", rows)
             cur.execute("""UPDATE offsetflow.staged_parts
                               SET rows_staged = %s, per_partition = %s
                             WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",

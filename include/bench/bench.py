@@ -1,0 +1,282 @@
+"""`make bench`: OffsetFlow against Spark's built-in Kafka source and a single-process baseline.
+
+    python include/bench/bench.py [--records 1000000] [--partitions 6] [--runs 3]
+                                  [--scaling 100000,1000000,5000000] [--out bench-results]
+
+Needs the local stack (`make up`); starts the Spark Connect server itself. Every engine
+runs in a process of its own, one after another (never two at once on the same cores), on
+the same offset ranges, into the same kind of table. Writes `results.json`, `results.md`
+and `results.png` to the output folder and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import report
+from dataset import DataSet, ensure_dataset
+from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
+from psycopg2 import sql
+
+from offsetflow.config import parse_pipeline
+from offsetflow.kafka_meta import KafkaMetadata
+from offsetflow.ledger import Ledger
+from offsetflow.planning import plan_next
+
+log = logging.getLogger("bench")
+ENGINES = ("baseline", "spark-builtin", "offsetflow-local", "offsetflow-connect",
+           "offsetflow-submit")
+STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
+
+
+def label_of(records: int) -> str:
+    if records % 1_000_000 == 0:
+        return f"{records // 1_000_000}M"
+    if records % 1000 == 0:
+        return f"{records // 1000}k"
+    return str(records)
+
+
+def bench_database(admin_dsn: str) -> str:
+    """A fresh database for the run: the benchmark never touches the user's ledger."""
+    name = "offsetflow_bench"
+    conn = psycopg2.connect(admin_dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    conn.close()
+    dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
+    with Ledger(dsn) as ledger:
+        ledger.upgrade()
+    conn = psycopg2.connect(dsn)
+    with conn, conn.cursor() as cur:
+        cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+            sql.Identifier(BENCH_SCHEMA)))
+    conn.close()
+    return dsn
+
+
+def plan_benchmark(bootstrap: str, dsn: str, partitions: int, reps: int) -> dict[str, Any]:
+    """Planning cost with `partitions` partitions: the first plan (positions created), then
+    re-plans of the same ranges (open batch abandoned in between), then a plan with nothing
+    new. Pure Kafka metadata + ledger work; no Spark."""
+    ds = ensure_dataset(bootstrap, partitions, partitions)  # one record per partition
+    name = f"bench_plan_{uuid.uuid4().hex[:6]}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": bootstrap},
+           "source": {"topics": [ds.topic], "starting": "earliest"},
+           "format": {"type": "json", "schema": {"event_id": "string"}},
+           "sink": {"connection": "${OFFSETFLOW_BENCH_DSN}", "table": f"{BENCH_SCHEMA}.{name}"}}
+    cfg = parse_pipeline(raw, "<bench plan>", os.environ)
+    kafka = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level)
+    out: dict[str, Any] = {"partitions": partitions}
+    with Ledger(dsn) as ledger:
+        t = time.perf_counter()
+        first = plan_next(cfg, ledger, kafka, started_by="bench")
+        out["first_plan_s"] = round(time.perf_counter() - t, 3)
+        assert first.batch is not None and len(first.batch.ranges) == partitions
+        times = []
+        bid = first.batch.batch_id
+        for _ in range(reps):
+            ledger.abandon(bid, "benchmark re-plan")
+            t = time.perf_counter()
+            again = plan_next(cfg, ledger, kafka, started_by="bench")
+            times.append(time.perf_counter() - t)
+            assert again.batch is not None and len(again.batch.ranges) == partitions
+            bid = again.batch.batch_id
+        out["replan_s"] = {"median": round(statistics.median(times), 3),
+                           "min": round(min(times), 3), "max": round(max(times), 3)}
+        ledger.abandon(bid, "benchmark done")
+        with ledger.transaction() as cur:
+            cur.execute("UPDATE offsetflow.positions SET next_offset = 1 WHERE pipeline = %s",
+                        (name,))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            empty = plan_next(cfg, ledger, kafka, started_by="bench")
+            times.append(time.perf_counter() - t)
+            assert empty.batch is None
+        out["nothing_new_plan_s"] = round(statistics.median(times), 3)
+    log.info("planning %d partitions: first %.3fs, re-plan median %.3fs, nothing new %.3fs",
+             partitions, out["first_plan_s"], out["replan_s"]["median"],
+             out["nothing_new_plan_s"])
+    return out
+
+
+def start_connect(metrics_dir: Path) -> tuple[int, float]:
+    """(Re)start the project's Spark Connect server with task metrics on; (pid, seconds)."""
+    subprocess.run([*STACK, "connect-stop"], check=True)
+    t = time.perf_counter()
+    env = {**os.environ, "OFFSETFLOW_TASK_METRICS_DIR": str(metrics_dir)}
+    subprocess.run([*STACK, "connect-start"], check=True, env=env)
+    pid = int((ROOT / ".stack" / "connect" / "connect.pid").read_text())
+    return pid, round(time.perf_counter() - t, 3)
+
+
+def run_engine(engine: str, jobs: list[dict[str, Any]], warmup: DataSet, ctx: dict[str, Any],
+               out: Path, extra_pids: list[int]) -> dict[str, Any]:
+    spec = {"engine": engine, "ctx": ctx, "jobs": jobs, "warmup": dataset_to_dict(warmup),
+            "extra_pids": extra_pids, "result_file": str(out / f"raw-{engine}.json")}
+    spec_file = out / f"spec-{engine}.json"
+    spec_file.write_text(json.dumps(spec))
+    log.info("== %s: %s", engine, ", ".join(f"{j['label']} x{j['runs']}" for j in jobs))
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "worker.py"),
+                           str(spec_file)], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark engine {engine} failed (exit {proc.returncode}); "
+                         f"see its output above")
+    return json.loads(Path(spec["result_file"]).read_text())  # type: ignore[no-any-return]
+
+
+def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    engines = [e for e in ENGINES if main_label in summary.get(e, {})]
+    med = [summary[e][main_label]["records_per_s"]["median"] for e in engines]
+    lo = [m - summary[e][main_label]["records_per_s"]["min"] for e, m in zip(engines, med)]
+    hi = [summary[e][main_label]["records_per_s"]["max"] - m for e, m in zip(engines, med)]
+    ax1.bar(engines, med, yerr=[lo, hi], capsize=4,
+            color=["#888", "#c66", "#36c", "#39c", "#9bd"][:len(engines)])
+    ax1.set_title(f"{main_label} records: records/s (median, min-max)")
+    ax1.tick_params(axis="x", rotation=20)
+    for e in ("offsetflow-local", "baseline"):
+        pts = sorted((v["records"], v["records_per_s"]["median"])
+                     for v in summary.get(e, {}).values())
+        if len(pts) > 1:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=e)
+    ax2.set_xscale("log")
+    ax2.set_title("scaling: records/s by batch size")
+    ax2.set_xlabel("records in the batch")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per engine (>= 3)")
+    ap.add_argument("--cold-runs", type=int, default=3)
+    ap.add_argument("--small-records", type=int, default=1000)
+    ap.add_argument("--small-runs", type=int, default=5)
+    ap.add_argument("--scaling", default="100000,1000000,5000000",
+                    help="comma-separated sizes for the scaling runs ('' to skip)")
+    ap.add_argument("--plan-partitions", type=int, default=1000)
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--max-offsets-per-task", type=int, default=250_000)
+    ap.add_argument("--out", default=str(ROOT / "bench-results"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("offsetflow").setLevel(logging.WARNING)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_dir = out / "task-metrics"
+    started = time.time()
+
+    admin_dsn = os.environ.get("OFFSETFLOW_PG_DSN")
+    bootstrap = os.environ.get("OFFSETFLOW_KAFKA_BOOTSTRAP")
+    if not admin_dsn or not bootstrap:
+        raise SystemExit("OFFSETFLOW_PG_DSN / OFFSETFLOW_KAFKA_BOOTSTRAP are not set; run "
+                         "`make up` and `source .stack/env.sh` (make bench does both)")
+    dsn = bench_database(admin_dsn)
+    os.environ["OFFSETFLOW_BENCH_DSN"] = dsn
+    params = psycopg2.extensions.parse_dsn(dsn)
+    ctx = {"dsn": dsn, "bootstrap": bootstrap, "metrics_dir": str(metrics_dir),
+           "out_dir": str(out), "max_offsets_per_task": args.max_offsets_per_task,
+           "connect_url": os.environ.get("OFFSETFLOW_SPARK_CONNECT_URL",
+                                         "sc://127.0.0.1:15002"),
+           "jdbc_url": (f"jdbc:postgresql://{params.get('host', '127.0.0.1')}:"
+                        f"{params.get('port', 5432)}/{params['dbname']}"
+                        "?stringtype=unspecified&reWriteBatchedInserts=true"),
+           "pg_user": params.get("user", ""), "pg_password": params.get("password", "")}
+
+    main_label = label_of(args.records)
+    small_label = label_of(args.small_records)
+    log.info("data sets: %s on %d partitions (+ %s, scaling %s)", main_label, args.partitions,
+             small_label, args.scaling or "none")
+    main_ds = ensure_dataset(bootstrap, args.records, args.partitions)
+    small_ds = ensure_dataset(bootstrap, args.small_records, args.partitions)
+    scaling = [ensure_dataset(bootstrap, int(n), args.partitions)
+               for n in args.scaling.split(",") if n and int(n) != args.records]
+
+    plan = plan_benchmark(bootstrap, dsn, args.plan_partitions, reps=5) \
+        if args.plan_partitions else None
+
+    def job(ds: DataSet, runs: int) -> dict[str, Any]:
+        return {"label": label_of(ds.records), "dataset": dataset_to_dict(ds), "runs": runs}
+
+    jobs = {
+        "baseline": [job(main_ds, args.runs)] + [job(d, 1) for d in scaling],
+        "spark-builtin": [job(main_ds, args.runs)],
+        "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
+        + [job(d, 1) for d in scaling],
+        "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs)],
+        "offsetflow-submit": [job(small_ds, args.cold_runs), job(main_ds, args.cold_runs)],
+    }
+    raw: dict[str, Any] = {}
+    connect_start_s = None
+    for engine in engines:
+        extra: list[int] = []
+        if engine == "offsetflow-connect":
+            pid, connect_start_s = start_connect(metrics_dir)
+            extra = [pid]
+        raw[engine] = run_engine(engine, jobs[engine], small_ds, ctx, out, extra)
+    results = [r for e in raw.values() for r in e["results"]]
+    summary = report.summarise(results)
+    fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]
+                             for e in raw if e not in ("baseline", "offsetflow-submit")}
+    if connect_start_s is not None:
+        fixed["Spark Connect server start (once)"] = connect_start_s
+    if plan:
+        fixed[f"first plan, {plan['partitions']} partitions"] = plan["first_plan_s"]
+        fixed[f"re-plan, {plan['partitions']} partitions (median)"] = plan["replan_s"]["median"]
+        fixed[f"plan with nothing new, {plan['partitions']} partitions"] = \
+            plan["nothing_new_plan_s"]
+    goal_rows = report.goals(summary, main_label, small_label,
+                             plan["replan_s"]["median"] if plan else None)
+    doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+           "duration_s": round(time.time() - started, 1),
+           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "platform": platform.platform()},
+           "args": vars(args), "avg_record_bytes": round(main_ds.avg_record_bytes, 1),
+           "summary": summary, "goals": goal_rows, "fixed_cost": fixed, "planning": plan,
+           "ratios": {
+               f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
+               for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit")
+               for o in ("spark-builtin", "baseline")},
+           "runs": results}
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    md = report.markdown(summary, goal_rows, fixed)
+    (out / "results.md").write_text(md)
+    chart(summary, main_label, out / "results.png")
+    print(md)
+    log.info("results in %s (results.json, results.md, results.png); took %.0fs", out,
+             time.time() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Pure summarising of benchmark runs: medians, ranges, ratios, goal checks. No I/O."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+WARM_OFFSETFLOW = ("offsetflow-local", "offsetflow-connect")
+
+
+def _median(xs: Iterable[float]) -> float:
+    return round(statistics.median(list(xs)), 3)
+
+
+def summarise(results: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{engine: {label: summary}}: records/s median/min/max over the runs, median stage
+    times and task-seconds, the largest peak RSS."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = defaultdict(list)
+    for r in results:
+        groups[(r["engine"], r["label"])].append(r)
+    out: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for (engine, label), runs in sorted(groups.items()):
+        rps = [float(r["records_per_s"]) for r in runs]
+        stage_keys = sorted({k for r in runs for k in r.get("stages", {})})
+        task_keys = sorted({k for r in runs for k in r.get("task_seconds", {})})
+        out[engine][label] = {
+            "runs": len(runs),
+            "records": runs[0]["records"],
+            "records_per_s": {"median": _median(rps), "min": min(rps), "max": max(rps)},
+            "wall_s": {"median": _median(r["wall_s"] for r in runs),
+                       "min": min(r["wall_s"] for r in runs),
+                       "max": max(r["wall_s"] for r in runs)},
+            "stages_s": {k: _median(r["stages"].get(k, 0.0) for r in runs) for k in stage_keys},
+            "task_seconds": {k: _median(r["task_seconds"].get(k, 0.0) for r in runs)
+                             for k in task_keys},
+            "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in runs),
+            "peak_py_worker_rss_mb": max(r.get("peak_py_worker_rss_mb", 0.0) for r in runs),
+        }
+    return dict(out)
+
+
+def ratio(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], a: str, b: str,
+          label: str) -> float | None:
+    """Median records/s of engine `a` over engine `b` on the same data set."""
+    try:
+        x = summary[a][label]["records_per_s"]["median"]
+        y = summary[b][label]["records_per_s"]["median"]
+    except KeyError:
+        return None
+    return round(x / y, 3) if y else None
+
+
+def best_warm(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], label: str) -> str | None:
+    """The faster of the warm OffsetFlow launches (local session or Spark Connect)."""
+    have = [e for e in WARM_OFFSETFLOW if label in summary.get(e, {})]
+    if not have:
+        return None
+    return max(have, key=lambda e: summary[e][label]["records_per_s"]["median"])
+
+
+def goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: str,
+          small_label: str, plan_s: float | None) -> list[dict[str, Any]]:
+    """The issue's goals, each with the measured figure and whether it is met."""
+    out: list[dict[str, Any]] = []
+    warm = best_warm(summary, main_label)
+    if warm:
+        for other, target in (("spark-builtin", 1.5), ("baseline", 0.7)):
+            r = ratio(summary, warm, other, main_label)
+            if r is not None:
+                out.append({"goal": f"OffsetFlow warm ({warm}) / {other} at {main_label}",
+                            "target": f">= {target}", "measured": r, "met": r >= target})
+        cold = ratio(summary, "offsetflow-submit", "spark-builtin", main_label)
+        if cold is not None:
+            out.append({"goal": f"OffsetFlow cold (spark-submit) / spark-builtin at {main_label}",
+                        "target": "reported", "measured": cold, "met": None})
+    if plan_s is not None:
+        out.append({"goal": "planning 1,000 partitions (median)", "target": "< 1 s",
+                    "measured": plan_s, "met": plan_s < 1.0})
+    small = best_warm(summary, small_label)
+    if small:
+        w = summary[small][small_label]["wall_s"]["median"]
+        out.append({"goal": f"{small_label} batch end to end, warm ({small})",
+                    "target": "< 3 s", "measured": w, "met": w < 3.0})
+    return out
+
+
+def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
+             goal_rows: Iterable[Mapping[str, Any]], extra: Mapping[str, Any]) -> str:
+    lines = ["| engine | data set | runs | records/s median (min-max) | wall s median | "
+             "peak RSS MB (tree / Python worker) |", "|---|---|---|---|---|---|"]
+    for engine, labels in summary.items():
+        for label, s in labels.items():
+            r = s["records_per_s"]
+            lines.append(f"| {engine} | {label} | {s['runs']} | {r['median']:,.0f} "
+                         f"({r['min']:,.0f}-{r['max']:,.0f}) | {s['wall_s']['median']:.2f} | "
+                         f"{s['peak_rss_mb']:,.0f} / {s['peak_py_worker_rss_mb']:,.0f} |")
+    lines += ["", "| goal | target | measured | met |", "|---|---|---|---|"]
+    for g in goal_rows:
+        met = {True: "yes", False: "NO", None: "-"}[g["met"]]
+        lines.append(f"| {g['goal']} | {g['target']} | {g['measured']} | {met} |")
+    lines += ["", "| fixed cost | seconds |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in extra.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,81 @@
+"""One engine's runs in a process of its own: `worker.py <spec.json>` (started by bench.py).
+
+A warm engine starts its Spark once (timed, reported apart), does one untimed warm-up run so
+the Python workers and the JDBC/Kafka clients are loaded, then the timed runs. Results go to
+the spec's `result_file` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import engines
+from engines import dataset_from_dict, timed_runs
+
+from offsetflow.config import parse_pipeline
+
+log = logging.getLogger("bench.worker")
+
+
+def main(spec_path: str) -> int:
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("py4j", "offsetflow", "pyspark"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    engine: str = spec["engine"]
+    ctx: dict[str, Any] = spec["ctx"]
+    jobs = [(j["label"], dataset_from_dict(j["dataset"]), int(j["runs"])) for j in spec["jobs"]]
+    warmup = dataset_from_dict(spec["warmup"])
+    os.environ["OFFSETFLOW_TASK_METRICS_DIR"] = ctx["metrics_dir"]
+    roots = [os.getpid(), *spec.get("extra_pids", [])]
+    spark_start_s = 0.0
+    spark: Any = None
+    t = time.perf_counter()
+    if engine in ("offsetflow-local", "offsetflow-connect"):
+        from offsetflow.job import build_spark
+
+        ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
+        raw = engines.offsetflow_config(warmup, "bench_session", "OFFSETFLOW_BENCH_DSN",
+                                        ctx["bootstrap"], ctx["launch"], ctx["connect_url"],
+                                        ctx["max_offsets_per_task"])
+        spark = build_spark(parse_pipeline(raw, "<bench>", os.environ), f"bench-{engine}")
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines.offsetflow_warm_run(spark, ds, name, ctx)
+    elif engine == "spark-builtin":
+        spark = engines.builtin_session(f"bench-{engine}")
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines.builtin_run(spark, ds, name, ctx)
+    elif engine == "offsetflow-submit":
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines.offsetflow_submit_run(ds, name, ctx)
+    elif engine == "baseline":
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines.baseline_run(ds, name, ctx)
+    else:
+        raise SystemExit(f"unknown engine {engine!r}")
+    spark_start_s = time.perf_counter() - t
+    if engine != "offsetflow-submit":  # a cold engine has nothing to warm
+        t = time.perf_counter()
+        run(warmup, engines.run_name(engine, "warmup", 0))
+        log.info("%s: session start %.1fs, warm-up run %.1fs", engine, spark_start_s,
+                 time.perf_counter() - t)
+    results = timed_runs(engine, jobs, run, roots)
+    Path(spec["result_file"]).write_text(json.dumps(
+        {"engine": engine, "spark_start_s": round(spark_start_s, 3), "results": results},
+        indent=1))
+    if spark is not None and engine != "offsetflow-connect":
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
