@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -149,8 +150,9 @@ def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     engines = [e for e in ENGINES if main_label in summary.get(e, {})]
     med = [summary[e][main_label]["records_per_s"]["median"] for e in engines]
-    lo = [m - summary[e][main_label]["records_per_s"]["min"] for e, m in zip(engines, med)]
-    hi = [summary[e][main_label]["records_per_s"]["max"] - m for e, m in zip(engines, med)]
+    rps = [summary[e][main_label]["records_per_s"] for e in engines]
+    lo = [m - r["min"] for r, m in zip(rps, med, strict=True)]
+    hi = [r["max"] - m for r, m in zip(rps, med, strict=True)]
     ax1.bar(engines, med, yerr=[lo, hi], capsize=4,
             color=["#888", "#c66", "#36c", "#39c", "#9bd"][:len(engines)])
     ax1.set_title(f"{main_label} records: records/s (median, min-max)")
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics_dir = out / "task-metrics"
+    shutil.rmtree(metrics_dir, ignore_errors=True)  # batch ids restart with the database
     started = time.time()
 
     admin_dsn = os.environ.get("OFFSETFLOW_PG_DSN")
@@ -256,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed[f"plan with nothing new, {plan['partitions']} partitions"] = \
             plan["nothing_new_plan_s"]
     goal_rows = report.goals(summary, main_label, small_label,
-                             plan["replan_s"]["median"] if plan else None)
+                             (plan["partitions"], max(plan["first_plan_s"],
+                                                      plan["replan_s"]["median"]))
+                             if plan else None)
     doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
            "duration_s": round(time.time() - started, 1),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -4,7 +4,8 @@
                   warm local SparkSession, a warm Spark Connect server, or a cold spark-submit;
   spark-builtin   Spark's own Kafka batch source with startingOffsets/endingOffsets, from_json,
                   and Spark's JDBC writer (tuned: batchsize 10000, reWriteBatchedInserts);
-  baseline        one Python process: confluent-kafka assign/consume, pyarrow JSON, COPY.
+  baseline        one Python process: confluent-kafka assign/consume, pyarrow JSON, binary
+                  COPY straight into the target (OffsetFlow's own encoders, no Spark, no stage).
 
 Every run writes a fresh table with the same columns and the same unique index on
 (topic, partition, offset), is checked (row count, distinct coordinates, a checksum of a
@@ -17,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,9 +27,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import psycopg2
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import yaml
 from dataset import SCHEMA, DataSet, record
 from psycopg2 import sql
@@ -39,7 +41,7 @@ from offsetflow.ledger import Ledger
 from offsetflow.metrics import read_task_metrics
 from offsetflow.ranges import OffsetRange
 from offsetflow.runner import plan_only
-from offsetflow.sink import LINEAGE_COLUMN, ensure_target, hex_binary_columns
+from offsetflow.sink import LINEAGE_COLUMN, binary_encoder, ensure_target
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -62,7 +64,7 @@ def expected_quantity_sum(records: int) -> int:
 
 
 def run_name(engine: str, label: str, i: int) -> str:
-    return f"{engine.replace('-', '_')}_{label}_{i}_{uuid.uuid4().hex[:6]}"
+    return f"{engine.replace('-', '_')}_{label.lower()}_{i}_{uuid.uuid4().hex[:6]}"
 
 
 # -- checks and tables ----------------------------------------------------------------
@@ -147,6 +149,13 @@ def offsetflow_warm_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[s
             **verify_and_drop(ctx["dsn"], name, ds)}
 
 
+def _submit_timings(output: str, batch_id: int) -> dict[str, float]:
+    m = re.search(rf"batch {batch_id} timings (\{{.*\}})", output)
+    if m is None:
+        raise RuntimeError(f"spark-submit output has no timings line for batch {batch_id}")
+    return {k: float(v) for k, v in json.loads(m.group(1)).items()}
+
+
 def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     """Cold: plan here, then one spark-submit (new JVM, new Python workers) per batch."""
     out = Path(ctx["out_dir"]) / "pipelines"
@@ -177,10 +186,11 @@ def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[s
     with Ledger(ctx["dsn"]) as ledger:
         b = ledger.get_batch(batch_id)
     assert b.status == "committed", b
-    timings = dict(b.timings or {})
-    inner = float(timings.pop("total_s", 0.0))
+    timings = _submit_timings(output.decode(errors="replace"), batch_id)
+    inner = float(timings.pop("total_s"))
+    # everything spark-submit spent outside run_batch: JVM, session, Python start and exit
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": round(submit_s - inner, 3),
-              **timings}
+              **{k: v for k, v in timings.items() if k != "spark_start_s"}}
     return {"wall_s": wall, "stages": stages, **rss.as_dict(),
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
             **verify_and_drop(ctx["dsn"], name, ds)}
@@ -200,6 +210,7 @@ def builtin_session(app: str) -> SparkSession:
     s = (SparkSession.builder.master("local[2]").appName(app)
          .config("spark.jars.packages", pkgs)
          .config("spark.ui.enabled", "false").config("spark.sql.session.timeZone", "UTC")
+         .config("spark.ui.showConsoleProgress", "false")
          .config("spark.sql.shuffle.partitions", "8").getOrCreate())
     s.sparkContext.setLogLevel("WARN")
     return s
@@ -246,7 +257,7 @@ def builtin_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
 
 # -- the single-process baseline -------------------------------------------------------
 def baseline_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
-    """confluent-kafka → pyarrow JSON → COPY, one process, one transaction."""
+    """confluent-kafka → pyarrow JSON → binary COPY, one process, one transaction."""
     from confluent_kafka import Consumer, TopicPartition
 
     from offsetflow.kafka_meta import KafkaMetadata
@@ -265,10 +276,12 @@ def baseline_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
                          "isolation.level": "read_committed", "enable.partition.eof": True})
     consumer.assign([TopicPartition(r.topic, r.partition, r.from_offset) for r in ds.ranges])
     conn = psycopg2.connect(ctx["dsn"])
-    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-        sql.Identifier(BENCH_SCHEMA, name),
-        sql.SQL(", ").join(sql.Identifier(c) for c in [*(c for c, _ in TARGET_COLUMNS),
-                                                       LINEAGE_COLUMN]))
+    # the same encoder OffsetFlow's tasks use: binary COPY (raw bytea, no text parsing)
+    encode = binary_encoder([t for _, t in TARGET_COLUMNS] + ["bigint"])
+    collist = sql.SQL(", ").join(sql.Identifier(c) for c in [*(c for c, _ in TARGET_COLUMNS),
+                                                            LINEAGE_COLUMN])
+    copy_sql = {fmt: sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
+        sql.Identifier(BENCH_SCHEMA, name), collist, sql.SQL(fmt)) for fmt in ("csv", "binary")}
     open_parts = set(ends)
     try:
         with conn.cursor() as cur:
@@ -279,13 +292,15 @@ def baseline_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
                 while open_parts and len(cols["offset"]) < 20_000:
                     for m in consumer.consume(10_000, timeout=1.0):
                         p = m.partition()
-                        if m.error() is not None:
-                            if m.error().code() == -191:  # _PARTITION_EOF
-                                if m.offset() >= ends[p]:
+                        err = m.error()
+                        off = m.offset()
+                        assert p is not None and off is not None
+                        if err is not None:
+                            if err.code() == -191:  # _PARTITION_EOF
+                                if off >= ends[p]:
                                     open_parts.discard(p)
                                 continue
-                            raise RuntimeError(f"{ds.topic}[{p}]: {m.error()}")
-                        off = m.offset()
+                            raise RuntimeError(f"{ds.topic}[{p}]: {err}")
                         if off >= ends[p]:
                             open_parts.discard(p)
                             continue
@@ -306,27 +321,22 @@ def baseline_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
                 st["deserialize_s"] += time.perf_counter() - t
                 t = time.perf_counter()
                 n = len(cols["offset"])
-                raw = pa.table({
-                    "topic": pa.array([ds.topic] * n, pa.string()),
-                    "partition": pa.array(cols["partition"], pa.int32()),
-                    "offset": pa.array(cols["offset"], pa.int64()),
-                    "timestamp": pa.array(cols["timestamp"], pa.int64()).cast(
-                        pa.timestamp("us", tz="UTC")),
-                    "timestamp_type": pa.array([1] * n, pa.int32()),
-                    "key": pa.array(cols["key"], pa.binary()),
-                    "value": pa.array(cols["value"], pa.binary()),
-                    "headers": pa.nulls(n, pa.string()),
-                })
-                out = hex_binary_columns(raw)
-                for f in typed.schema.names:
-                    out = out.append_column(f, typed.column(f))
-                out = out.append_column(LINEAGE_COLUMN, pa.array([0] * n, pa.int64()))
-                buf = io.BytesIO()
-                pacsv.write_csv(out, buf, pacsv.WriteOptions(include_header=False))
+                raw = pa.RecordBatch.from_arrays([
+                    pa.array([ds.topic] * n, pa.string()),
+                    pa.array(cols["partition"], pa.int32()),
+                    pa.array(cols["offset"], pa.int64()),
+                    pa.array(cols["timestamp"], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+                    pa.array([1] * n, pa.int32()),
+                    pa.array(cols["key"], pa.binary()),
+                    pa.array(cols["value"], pa.binary()),
+                    pa.nulls(n, pa.string()),
+                    *(c.combine_chunks() for c in typed.columns),
+                    pa.array(np.zeros(n, dtype=np.int64)),
+                ], names=[*(c for c, _ in TARGET_COLUMNS), LINEAGE_COLUMN])
+                fmt, data = encode(raw)
                 st["encode_s"] += time.perf_counter() - t
                 t = time.perf_counter()
-                buf.seek(0)
-                cur.copy_expert(copy_sql, buf)
+                cur.copy_expert(copy_sql[fmt], io.BytesIO(data))
                 st["copy_s"] += time.perf_counter() - t
         t = time.perf_counter()
         conn.commit()

@@ -61,7 +61,7 @@ def best_warm(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], label: str
 
 
 def goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: str,
-          small_label: str, plan_s: float | None) -> list[dict[str, Any]]:
+          small_label: str, plan: tuple[int, float] | None) -> list[dict[str, Any]]:
     """The issue's goals, each with the measured figure and whether it is met."""
     out: list[dict[str, Any]] = []
     warm = best_warm(summary, main_label)
@@ -75,8 +75,10 @@ def goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: st
         if cold is not None:
             out.append({"goal": f"OffsetFlow cold (spark-submit) / spark-builtin at {main_label}",
                         "target": "reported", "measured": cold, "met": None})
-    if plan_s is not None:
-        out.append({"goal": "planning 1,000 partitions (median)", "target": "< 1 s",
+    if plan is not None:
+        partitions, plan_s = plan
+        out.append({"goal": f"planning {partitions:,} partitions (slowest of first plan and "
+                            f"re-plan median)", "target": "< 1 s",
                     "measured": plan_s, "met": plan_s < 1.0})
     small = best_warm(summary, small_label)
     if small:

@@ -252,16 +252,23 @@ pg_start() {
       --auth-local=scram-sha-256 --auth-host=scram-sha-256 -E UTF8 --locale=C.UTF-8 >"$PG_DIR/initdb.log" 2>&1 \
       || { rm -f "$pwfile"; fail_service postgres "127.0.0.1:$PG_PORT" "$PG_DIR/initdb.log" "initdb failed"; }
     rm -f "$pwfile"
-    cat >> "$PG_DIR/data/postgresql.conf" <<EOF
-# OffsetFlow local stack
+    printf "\n# OffsetFlow local stack (rewritten on every start)\ninclude_if_exists = 'offsetflow.conf'\n" \
+      >> "$PG_DIR/data/postgresql.conf"
+  fi
+  grep -q "include_if_exists = 'offsetflow.conf'" "$PG_DIR/data/postgresql.conf" \
+    || printf "\ninclude_if_exists = 'offsetflow.conf'\n" >> "$PG_DIR/data/postgresql.conf"
+  # Sized for batch loads: a 1M-row commit writes ~0.5 GB of heap and WAL; small buffers and
+  # a 1 GB WAL cap would make every large batch wait on checkpoints.
+  cat > "$PG_DIR/data/offsetflow.conf" <<EOF
 listen_addresses = '127.0.0.1'
 port = $PG_PORT
 unix_socket_directories = '$PG_DIR/run'
 max_connections = 200
-shared_buffers = 128MB
-max_wal_size = 1GB
+shared_buffers = ${OFFSETFLOW_PG_SHARED_BUFFERS:-512MB}
+max_wal_size = 4GB
+checkpoint_timeout = 15min
 EOF
-  fi
+  is_root && chown "$PG_OS_USER:" "$PG_DIR/data/offsetflow.conf"
   if port_open "$PG_PORT"; then
     fail_service postgres "127.0.0.1:$PG_PORT" "" "the port is taken by a process not started by this stack"
   fi

@@ -24,10 +24,12 @@ import pyarrow as pa
 from offsetflow.config import DECIMAL_RE, PipelineConfig
 from offsetflow.errors import BadRecordError, BatchStateError, ConfigError, OffsetFlowError
 from offsetflow.ledger import Batch, Ledger, connect
+from offsetflow.metrics import TaskClock
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.sink import (
     CommitResult,
     bad_record_summary,
+    binary_encoder,
     commit_batch,
     create_stage_tables,
     ensure_dead_letter,
@@ -108,77 +110,136 @@ class RunReport:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ReadContext:
+    """What a task needs to read one sub-range: plain values, cheap to ship to workers."""
+
+    batch_id: int
+    dsn: str
+    pipeline: str
+    consumer_conf: dict[str, str]
+    schema: dict[str, str]
+    fmt: str
+    write_dead: bool
+    specs: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
+           ) -> ReadContext:
+        return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
+                   cfg.format_type, cfg.bad_records == "dead_letter", specs)
+
+
+def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.RecordBatch]:
+    """Raw columns + typed fields of sub-range `idx`, chunk by chunk; bad records are
+    recorded in the ledger (and staged as dead letters under that policy)."""
+    from offsetflow.deserialize import arrow_schema, deserialize_json
+    from offsetflow.reader import read_range
+
+    r = OffsetRange.from_dict(rc.specs[idx])
+    typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+    chunks = enumerate(read_range(rc.consumer_conf, r))
+    while True:
+        with clock.stage("read"):
+            item = next(chunks, None)
+        if item is None:
+            return
+        chunk_no, chunk = item
+        clock.count("records", len(chunk))
+        if typed_schema is None:
+            with clock.stage("to_arrow"):
+                out = chunk.to_arrow(r.topic, r.partition)
+            yield out
+            continue
+        with clock.stage("deserialize"):
+            typed, bad, good = deserialize_json(chunk.values, rc.schema)
+        if bad:
+            stage_bad_records(rc.dsn, rc.batch_id, idx, chunk_no, rc.pipeline, [
+                {"topic": r.topic, "partition": r.partition, "offset": chunk.offsets[x.index],
+                 "timestamp": chunk.timestamps[x.index], "key": chunk.keys[x.index],
+                 "value": chunk.values[x.index], "error": x.reason} for x in bad],
+                write_rows=rc.write_dead)
+        with clock.stage("to_arrow"):
+            raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+            cols = list(raw.columns) + list(typed.combine_chunks().columns)
+            out = pa.RecordBatch.from_arrays(
+                [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
+                names=raw.schema.names + typed_schema.names)
+        yield out
+
+
 def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """The task function: read sub-range `id`, deserialize, record bad records."""
-    consumer_conf = cfg.consumer_settings()
-    schema = dict(cfg.schema)
-    fmt = cfg.format_type
-    pipeline = cfg.name
-    write_dead = cfg.bad_records == "dead_letter"
+    """DataFrame path (a transform is configured): rows go to Spark for the transform."""
+    rc = ReadContext.of(cfg, batch_id, dsn, specs)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from offsetflow.deserialize import arrow_schema, deserialize_json
-        from offsetflow.metrics import TaskClock
-        from offsetflow.reader import read_range
-
-        typed_schema = arrow_schema(schema) if fmt == "json" else None
         for b in batches:
             for idx in b.column("id").to_pylist():
-                r = OffsetRange.from_dict(specs[idx])
                 clock = TaskClock()
-                chunks = enumerate(read_range(consumer_conf, r))
-                while True:
-                    with clock.stage("read"):
-                        item = next(chunks, None)
-                    if item is None:
-                        break
-                    chunk_no, chunk = item
-                    clock.count("records", len(chunk))
-                    if fmt != "json":
-                        with clock.stage("to_arrow"):
-                            out = chunk.to_arrow(r.topic, r.partition)
-                        yield out
-                        continue
-                    with clock.stage("deserialize"):
-                        typed, bad, good = deserialize_json(chunk.values, schema)
-                    if bad:
-                        stage_bad_records(dsn, batch_id, idx, chunk_no, pipeline, [
-                            {"topic": r.topic, "partition": r.partition,
-                             "offset": chunk.offsets[x.index],
-                             "timestamp": chunk.timestamps[x.index],
-                             "key": chunk.keys[x.index], "value": chunk.values[x.index],
-                             "error": x.reason} for x in bad], write_rows=write_dead)
-                    with clock.stage("to_arrow"):
-                        raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
-                        assert typed_schema is not None
-                        cols = list(raw.columns) + list(typed.combine_chunks().columns)
-                        names = raw.schema.names + typed_schema.names
-                        out = pa.RecordBatch.from_arrays(
-                            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c
-                             for c in cols], names=names)
-                    yield out
+                yield from read_subrange(rc, idx, clock)
                 clock.emit(batch_id, "read", idx)
     return read
+
+
+STATS_DDL = "part int, rows bigint, skipped boolean"
+
+
+def _stats_batch(part: int, stats: dict[str, Any]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(
+        [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
+        schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_())]))
+
+
+def _task_part() -> int:
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.partitionId() if ctx is not None else 0
 
 
 def make_writer(dsn: str, batch_id: int
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        part = ctx.partitionId() if ctx is not None else 0
-        from offsetflow.metrics import TaskClock
-
+        part = _task_part()
         clock = TaskClock()
         stats = stage_rows(dsn, batch_id, part, batches, clock)
         clock.emit(batch_id, "stage", part)
-        yield pa.RecordBatch.from_pylist(
-            [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
-            schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()),
-                              ("skipped", pa.bool_())]))
+        yield _stats_batch(part, stats)
     return write
+
+
+def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
+                        specs: list[dict[str, Any]]
+                        ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Fused path (no transform): each task reads its sub-range and COPYs it into the stage
+    itself, so records never cross into the JVM and back. Spark schedules, retries and
+    spreads the tasks; the stage marker still makes a retried task stage nothing twice."""
+    rc = ReadContext.of(cfg, batch_id, dsn, specs)
+    pg_types = [t for _, t in stage_columns(cfg)]
+
+    def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        part = _task_part()
+        clock = TaskClock(ignore=("wait_upstream",))  # here upstream is read + deserialize
+
+        def rows() -> Iterator[pa.RecordBatch]:
+            for b in batches:
+                for idx in b.column("id").to_pylist():
+                    yield from read_subrange(rc, idx, clock)
+        stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types))
+        clock.emit(batch_id, "read_stage", part)
+        yield _stats_batch(part, stats)
+    return read_and_stage
+
+
+def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """Stage/target columns of the fused path, from the config alone (no Spark analysis)."""
+    types = [("topic", "string"), ("partition", "int"), ("offset", "bigint"),
+             ("timestamp", "timestamp"), ("timestamp_type", "int"), ("key", "binary"),
+             ("value", "binary"), ("headers", "array<struct<key:string,value:binary>>")]
+    if cfg.format_type == "json":
+        types += [(n, SPARK_TYPES.get(t, t)) for n, t in cfg.schema.items()]
+    return [(n, pg_type(t)) for n, t in types]
 
 
 def to_stage_form(df: DataFrame) -> DataFrame:
@@ -304,16 +365,21 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
     specs = [r.to_dict() for r in subranges]
     n = max(len(specs), 1)
-    df = spark.range(0, len(specs), 1, n).mapInArrow(
-        make_reader(cfg, batch.batch_id, dsn, specs), spark_ddl(cfg))
+    ids = spark.range(0, len(specs), 1, n)
     if cfg.transform:
+        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs), spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
         missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
         if missing:
             raise ConfigError(cfg.source_file, "transform",
                               f"{cfg.transform} dropped the source coordinates {missing}; "
                               f"target rows must keep topic, partition and offset")
-    columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
+        columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
+        staging = to_stage_form(df).mapInArrow(make_writer(dsn, batch.batch_id), STATS_DDL)
+    else:
+        columns = stage_columns(cfg)
+        staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs),
+                                 STATS_DDL)
     with connect_ctx(dsn) as cur:
         ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
         if cfg.bad_records == "dead_letter":
@@ -322,8 +388,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
     t = time.monotonic()
-    stats = to_stage_form(df).mapInArrow(
-        make_writer(dsn, batch.batch_id), "part int, rows bigint, skipped boolean").collect()
+    stats = staging.collect()
     timings["read_stage_s"] = round(time.monotonic() - t, 3)
     skipped = sum(1 for s in stats if s["skipped"])
     log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier attempt)",

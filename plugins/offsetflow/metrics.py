@@ -27,7 +27,8 @@ METRICS_DIR_ENV = "OFFSETFLOW_TASK_METRICS_DIR"
 class TaskClock:
     """Accumulates seconds per named stage of one task."""
 
-    def __init__(self) -> None:
+    def __init__(self, ignore: tuple[str, ...] = ()) -> None:
+        self.ignore = ignore
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
 
@@ -40,6 +41,8 @@ class TaskClock:
             self.add(name, time.perf_counter() - t)
 
     def add(self, name: str, seconds: float) -> None:
+        if name in self.ignore:
+            return
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
     def count(self, name: str, n: int) -> None:

@@ -93,7 +93,10 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
         reached = r.from_offset  # every offset below this is accounted for
         last_progress = time.monotonic()
         while reached < r.until_offset:
-            msgs = consumer.consume(num_messages=min(max_rows, 10_000), timeout=poll_timeout_s)
+            # consume() waits for num_messages or the timeout: never ask for more than the
+            # range can still hold, or every range's tail pays a full poll timeout
+            want = max(1, min(max_rows - len(chunk), 10_000, r.until_offset - reached))
+            msgs = consumer.consume(num_messages=want, timeout=poll_timeout_s)
             if not msgs:
                 stalled = time.monotonic() - last_progress
                 if stalled > 30 and int(stalled) % 30 == 0:

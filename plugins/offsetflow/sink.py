@@ -22,7 +22,8 @@ import io
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 from psycopg2 import sql
 
+from offsetflow import pgcopy
 from offsetflow.errors import (
     BatchStateError,
     FencedCommitError,
@@ -47,6 +49,7 @@ from offsetflow.ledger import (
     stage_table,
 )
 from offsetflow.metrics import TaskClock
+from offsetflow.stage_form import stage_form
 
 log = logging.getLogger(__name__)
 
@@ -180,9 +183,33 @@ def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
 
 
 def _copy(cur: psycopg2.extensions.cursor, table: sql.Composed, columns: Sequence[str],
-          data: bytes) -> None:
-    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT csv)").format(
-        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns)), io.BytesIO(data))
+          data: bytes, fmt: str = "csv") -> None:
+    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
+        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+        sql.SQL({"csv": "csv", "binary": "binary"}[fmt])), io.BytesIO(data))
+
+
+Encoder = Callable[[pa.RecordBatch], tuple[str, bytes]]
+
+
+def csv_encoder(batch: pa.RecordBatch) -> tuple[str, bytes]:
+    """For batches already in stage form (binary as hex text, nested as JSON)."""
+    return "csv", _csv_bytes(batch)
+
+
+def binary_encoder(pg_types: Sequence[str]) -> Encoder:
+    """For raw Arrow batches in stage-column order: binary COPY where every column type has
+    a binary layout (the usual case), else hex/JSON text as CSV."""
+    types = list(pg_types)
+    use_binary = pgcopy.supported(types)
+
+    def encode(batch: pa.RecordBatch) -> tuple[str, bytes]:
+        if use_binary:
+            data = pgcopy.encode(stage_form(batch, hex_binary=False), types)
+            if data is not None:
+                return "binary", data
+        return "csv", _csv_bytes(stage_form(batch))
+    return encode
 
 
 def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
@@ -204,10 +231,12 @@ def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part:
 
 
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
-               clock: TaskClock | None = None) -> dict[str, Any]:
+               clock: TaskClock | None = None, encode: Encoder = csv_encoder
+               ) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
-    `batches` are already in stage-table text form (binary as `\\x..` hex, nested as JSON).
+    `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
+    form (binary as `\\x..` hex, nested as JSON), `binary_encoder` for raw Arrow batches.
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     conn = connect(dsn)
@@ -228,9 +257,9 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                 if b.num_rows == 0:
                     continue
                 with clock.stage("encode"):
-                    data = _csv_bytes(b)
+                    fmt, data = encode(b)
                 with clock.stage("copy"):
-                    _copy(cur, stage_table(batch_id), b.schema.names, data)
+                    _copy(cur, stage_table(batch_id), b.schema.names, data, fmt)
                 rows += b.num_rows
                 _count_coordinates(b, per_tp)
             clock.count("rows", rows)
@@ -292,26 +321,6 @@ def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: 
 
 def _hex(b: bytes | None) -> str | None:
     return None if b is None else "\\x" + b.hex()
-
-
-def hex_binary_columns(t: pa.Table) -> pa.Table:
-    """For tests and the no-Spark path: binary -> `\\x..` text, lists/structs -> JSON."""
-    cols = []
-    for f, col in zip(t.schema, t.columns, strict=True):
-        if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
-            cols.append(pa.array([_hex(v) for v in col.to_pylist()], pa.string()))
-        elif pa.types.is_nested(f.type):
-            cols.append(pa.array([None if v is None else json.dumps(v, default=_json_default)
-                                  for v in col.to_pylist()], pa.string()))
-        else:
-            cols.append(col)
-    return pa.table(cols, names=t.schema.names)
-
-
-def _json_default(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "backslashreplace")
-    return str(v)
 
 
 def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
@@ -388,6 +397,7 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns:
                 f"batch {batch_id}: {parts} of {expected_parts} parts are staged; not committing")
         if batch.moves_positions:  # 3
             _fence_and_advance(cur, batch)
+        t_insert = time.monotonic()
         target = qualified(batch.target_table)  # 4
         collist = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
         if batch.kind in ("replay", "backfill"):
@@ -417,6 +427,8 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns:
                                 lin=sql.Identifier(LINEAGE_COLUMN),
                                 st=dead_letter_stage_table(batch_id)), (batch_id,))
             bad = cur.rowcount
+        if timings is not None:
+            timings["commit_insert_s"] = round(time.monotonic() - t_insert, 3)
         cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2").format(
             stage_table(batch_id)))
         per_range = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
