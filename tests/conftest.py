@@ -125,6 +125,21 @@ def spark() -> Iterator[Any]:
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def spark_connect_url() -> Iterator[str]:
+    """The project's warm Spark Connect server (stack.sh connect-start, ~6 s); stopped at the
+    end of the session only if this session started it."""
+    import subprocess
+
+    stack = str(ROOT / "include" / "stack" / "stack.sh")
+    was_up = subprocess.run(["bash", stack, "status"], capture_output=True, text=True)
+    started = "connect   up" not in was_up.stdout
+    subprocess.run(["bash", stack, "connect-start"], check=True, timeout=180)
+    yield os.environ.get("OFFSETFLOW_SPARK_CONNECT_URL", "sc://127.0.0.1:15002")
+    if started:
+        subprocess.run(["bash", stack, "connect-stop"], check=False, timeout=120)
+
+
 @pytest.fixture
 def unique() -> str:
     return uuid.uuid4().hex[:8]

@@ -246,7 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         if engine == "offsetflow-connect":
             pid, connect_start_s = start_connect(metrics_dir)
             extra = [pid]
-        raw[engine] = run_engine(engine, jobs[engine], small_ds, ctx, out, extra)
+        try:
+            raw[engine] = run_engine(engine, jobs[engine], small_ds, ctx, out, extra)
+        finally:
+            if engine == "offsetflow-connect":  # it runs with bench metrics on: not for reuse
+                subprocess.run([*STACK, "connect-stop"], check=True)
     results = [r for e in raw.values() for r in e["results"]]
     summary = report.summarise(results)
     fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]

@@ -361,6 +361,12 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     spark_conf = spark_raw.get("conf") or {}
     if not isinstance(spark_conf, Mapping):
         raise r.err("spark.conf", "must be a mapping of Spark settings")
+    connect_url = r.string(spark_raw, "connect_url", "spark.", "sc://127.0.0.1:15002") \
+        or "sc://127.0.0.1:15002"
+    try:
+        connect_address(connect_url)
+    except ValueError as e:
+        raise r.err("spark.connect_url", str(e)) from e
     spark = SparkConfig(
         master=r.string(spark_raw, "master", "spark.", "local[2]") or "local[2]",
         max_offsets_per_task=r.positive_int(spark_raw, "max_offsets_per_task", "spark.",
@@ -368,8 +374,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         conf={str(k): str(v) for k, v in spark_conf.items()},
         launch=r.string(spark_raw, "launch", "spark.", "submit", {"submit", "connect"})
         or "submit",
-        connect_url=r.string(spark_raw, "connect_url", "spark.", "sc://127.0.0.1:15002")
-        or "sc://127.0.0.1:15002",
+        connect_url=connect_url,
     )
 
     quality = r.section("quality", required=False)
@@ -470,3 +475,13 @@ def find_pipeline(name: str, directory: Path | None = None) -> PipelineConfig:
         if cfg.name == name:
             return cfg
     raise ConfigError(str(d), "pipeline", f"no pipeline named {name!r} in {d}")
+
+
+def connect_address(url: str) -> tuple[str, int]:
+    """Host and port of an `sc://host[:port][/;params]` URL (Spark Connect's default port
+    is 15002)."""
+    m = re.fullmatch(r"sc://(\[[^\]]+\]|[^:/;]+)(?::(\d+))?(?:/.*)?", url)
+    if m is None:
+        shown = url.split(";", 1)[0]  # parameters may carry a token: never echo them
+        raise ValueError(f"not a Spark Connect URL: {shown!r} (expected sc://host[:port])")
+    return m.group(1).strip("[]"), int(m.group(2) or 15002)

@@ -153,6 +153,10 @@ class KafkaUnavailableError(OffsetFlowError):
     """Kafka metadata could not be fetched (broker down, unknown topic)."""
 
 
+class SparkUnavailableError(OffsetFlowError):
+    """The Spark Connect server a pipeline with `spark.launch: connect` names is not there."""
+
+
 class LockTimeoutError(OffsetFlowError):
     """Another planner holds the pipeline's planning lock for too long."""
 

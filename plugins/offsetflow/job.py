@@ -13,6 +13,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from offsetflow.config import DECIMAL_RE, PipelineConfig
-from offsetflow.errors import BadRecordError, BatchStateError, ConfigError, OffsetFlowError
+from offsetflow.config import DECIMAL_RE, PipelineConfig, connect_address
+from offsetflow.errors import (
+    BadRecordError,
+    BatchStateError,
+    ConfigError,
+    OffsetFlowError,
+    SparkUnavailableError,
+)
 from offsetflow.ledger import Batch, Ledger, connect
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import OffsetRange, split_ranges
@@ -66,7 +73,7 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
     if cfg.spark.launch == "connect":
-        return builder.remote(cfg.spark.connect_url).getOrCreate()
+        return _connect_session(cfg, builder)
     # under spark-submit (which starts the Python driver with a gateway) the master comes
     # from spark-submit / the Airflow Spark connection, never from the pipeline config
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
@@ -80,6 +87,30 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
+    """A session on the warm Spark Connect server. Reachability is checked first: the
+    client itself retries an absent server for minutes before it says anything."""
+    url = cfg.spark.connect_url
+    host, port = connect_address(url)
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError as e:
+        raise SparkUnavailableError(
+            f"no Spark Connect server at sc://{host}:{port} (spark.connect_url of "
+            f"{cfg.source_file}, spark.launch: connect): {e}. Start one (locally: "
+            f"include/stack/stack.sh connect-start) or use spark.launch: submit") from e
+    spark = builder.remote(url).getOrCreate()
+    for k, v in {"spark.sql.session.timeZone": "UTC", **cfg.spark.conf}.items():
+        try:
+            spark.conf.set(k, v)
+        except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(cfg.source_file, f"spark.conf.{k}",
+                              f"cannot be set on a running Spark Connect server ({first}); "
+                              f"set it when the server is started") from e
+    return spark  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -253,7 +284,7 @@ def to_stage_form(df: DataFrame) -> DataFrame:
         if t == "binary":
             c = F.concat(F.lit("\\x"), F.lower(F.hex(c)))
         elif t.startswith(("array<", "struct<", "map<")):
-            c = F.to_json(c)
+            c = F.to_json(c, {"ignoreNullFields": "false"})  # as the fused path: keep nulls
         cols.append(c.alias(f.name))
     return df.select(*cols)
 

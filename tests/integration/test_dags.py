@@ -170,3 +170,33 @@ def test_cli_replay_triggers_the_replay_dag(airflow_project: dict[str, Any]) -> 
                           capture_output=True, text=True, env=p["env"], timeout=120)
     assert runs.returncode == 0, runs.stderr
     assert "manual__" in runs.stdout
+
+
+def test_connect_pipeline_runs_on_the_warm_server_scheduled_and_backfill(
+        airflow_project: dict[str, Any], spark_connect_url: str, pg_dsn: str,
+        kafka_bootstrap: str) -> None:
+    """`spark.launch: connect`: the scheduled DAG's run_batch and the window DAG's branch run
+    the batch in the task on the Spark Connect server; no spark-submit."""
+    p = airflow_project
+    path = p["pipelines"] / f"{p['name']}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["spark"] = {"launch": "connect", "connect_url": spark_connect_url}
+    path.write_text(yaml.safe_dump(cfg))
+    produce_plain(kafka_bootstrap, p["topic"], 200, f"c{p['name']}", 2)
+
+    out = dags_test(p, f"offsetflow_{p['name']}")
+    assert "SparkSubmitHook" not in out and "spark-submit" not in out
+    assert p["password"] not in out
+    side = f"side_{p['name']}"
+    out = dags_test(p, "offsetflow_backfill", {"pipeline": p["name"], "from_offset": 0,
+                                                "until_offset": 50, "target_table": side})
+    assert "run_batches_connect" in out and "spark-submit" not in out
+    with Ledger(pg_dsn) as ledger:
+        batches = ledger.recent_batches(p["name"])
+        positions = ledger.positions(p["name"])
+    assert sorted((b.kind, b.status) for b in batches) == [("backfill", "committed"),
+                                                           ("scheduled", "committed")]
+    assert positions == {(p["topic"], 0): 100, (p["topic"], 1): 100}
+    assert query(pg_dsn, f"SELECT count(*) FROM {p['table']}")[0][0] == 200
+    rows = query(pg_dsn, f"SELECT partition, \"offset\" FROM {side}")
+    assert sorted(rows) == sorted((pt, o) for pt in (0, 1) for o in range(50))

@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 import yaml
 
-from offsetflow.config import load_pipeline, parse_pipeline, redact_dsn
+from offsetflow.config import connect_address, load_pipeline, parse_pipeline, redact_dsn
 from offsetflow.errors import ConfigError
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
@@ -60,6 +60,9 @@ def test_defaults_are_safe() -> None:
         ({"kafka": {"client": {"enable.auto.commit": True}}}, "kafka.client.enable.auto.commit",
          "managed by OffsetFlow"),
         ({"transform": "notdotted"}, "transform", "dotted path"),
+        ({"spark": {"launch": "yarn"}}, "spark.launch", "not one of"),
+        ({"spark": {"launch": "connect", "connect_url": "http://h:15002"}},
+         "spark.connect_url", "not a Spark Connect URL"),
         ({"surprise": 1}, "surprise", "unknown field"),
     ],
 )
@@ -112,3 +115,20 @@ def test_shipped_pipelines_are_valid() -> None:
     assert files, "include/pipelines has no pipeline"
     for f in files:
         load_pipeline(f, ENV)
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [("sc://127.0.0.1:15002", ("127.0.0.1", 15002)),
+     ("sc://spark-connect.internal", ("spark-connect.internal", 15002)),
+     ("sc://h:443/;use_ssl=true;token=abc", ("h", 443)),
+     ("sc://[::1]:15003", ("::1", 15003))],
+)
+def test_connect_address(url: str, address: tuple[str, int]) -> None:
+    assert connect_address(url) == address
+
+
+def test_bad_connect_url_error_never_shows_its_token() -> None:
+    with pytest.raises(ValueError, match="not a Spark Connect URL") as ei:
+        connect_address("grpc://h:1/;token=s3cret")
+    assert "s3cret" not in str(ei.value)

@@ -2,7 +2,8 @@
 
 The DAG files in `dags/` only call these. Tasks are thin: planning and checks call
 `offsetflow.orchestration.tasks`; the Spark job is started by the apache-spark provider's
-SparkSubmitOperator, so the Airflow Spark connection decides local mode or a cluster.
+SparkSubmitOperator, so the Airflow Spark connection decides local mode or a cluster, or,
+for a pipeline with `spark.launch: connect`, runs in the task on a warm Spark Connect server.
 Retries are safe everywhere: a batch's id and ranges are fixed when it is planned.
 """
 
@@ -86,8 +87,15 @@ def pipeline_dag(cfg: PipelineConfig) -> DAG:
             return tasks.publish_task(name, batch_id)
 
         batch_id = plan()
-        run = spark_submit("run_batch", cfg.source_file,
-                           "{{ ti.xcom_pull(task_ids='plan') }}", cfg)
+        if cfg.spark.launch == "connect":
+            @task(task_id="run_batch")
+            def run_connect(batch_id: int) -> list[str]:
+                return tasks.connect_run_task(name, batch_id)
+
+            run: Any = run_connect(batch_id)  # type: ignore[arg-type]
+        else:
+            run = spark_submit("run_batch", cfg.source_file,
+                               "{{ ti.xcom_pull(task_ids='plan') }}", cfg)
         has_batch(batch_id) >> run >> publish(batch_id)  # type: ignore[arg-type]
     return dag
 
@@ -168,19 +176,35 @@ def window_dag(kind: str) -> DAG:
         def has_batches(planned: dict[str, Any]) -> bool:
             return bool(planned["batch_ids"])
 
+        @task.branch(task_id="choose_launch")
+        def choose_launch(planned: dict[str, Any]) -> str:
+            from offsetflow.config import find_pipeline
+
+            cfg = find_pipeline(planned["report"]["pipeline"])
+            return "run_batches_connect" if cfg.spark.launch == "connect" else "pipeline_file"
+
         @task(task_id="pipeline_file")
         def pipeline_file(planned: dict[str, Any]) -> str:
             from offsetflow.config import find_pipeline
 
             return find_pipeline(planned["report"]["pipeline"]).source_file
 
-        @task(task_id="publish")
+        @task(task_id="run_batches_connect")
+        def run_connect(planned: dict[str, Any]) -> list[str]:
+            return tasks.connect_run_task(planned["report"]["pipeline"], planned["batch_ids"])
+
+        # runs after whichever launch ran; a failed run still fails the DAG run
+        @task(task_id="publish", trigger_rule="none_failed_min_one_success")
         def publish(planned: dict[str, Any]) -> dict[str, Any]:
             return tasks.publish_task(planned["report"]["pipeline"], planned["batch_ids"])
 
         planned = plan_window()
+        branch = choose_launch(planned)  # type: ignore[arg-type]
         pf = pipeline_file(planned)  # type: ignore[arg-type]
         run = spark_submit("run_batches", "{{ ti.xcom_pull(task_ids='pipeline_file') }}",
                            "{{ ti.xcom_pull(task_ids='plan_window')['batch_ids'] | join(',') }}")
-        has_batches(planned) >> pf >> run >> publish(planned)  # type: ignore[arg-type]
+        done = publish(planned)  # type: ignore[arg-type]
+        has_batches(planned) >> branch  # type: ignore[arg-type]
+        branch >> pf >> run >> done
+        branch >> run_connect(planned) >> done  # type: ignore[arg-type]
     return dag

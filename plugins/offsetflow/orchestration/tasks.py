@@ -36,6 +36,25 @@ def plan_task(pipeline: str, started_by: str) -> int | None:
     return b.batch_id
 
 
+def connect_run_task(pipeline: str, batch_ids: list[int] | int) -> list[str]:
+    """`spark.launch: connect`: run the batches from this task on the warm Spark Connect
+    server (no spark-submit, no JVM start). Same code and commit as the spark-submit job."""
+    from offsetflow.job import build_spark, run_batch
+
+    cfg = find_pipeline(pipeline)
+    ids = [batch_ids] if isinstance(batch_ids, int) else [int(b) for b in batch_ids]
+    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
+    messages = []
+    try:
+        for bid in ids:  # in order: window batches are consecutive
+            rep = run_batch(spark, cfg, bid, cfg.sink.connection)
+            log.info("%s; timings %s", rep.result.message, json.dumps(rep.timings))
+            messages.append(rep.result.message)
+    finally:
+        spark.stop()  # releases the server-side session, not the server
+    return messages
+
+
 def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, Any]:
     """Check the batches committed and log their figures (the DAG run fails otherwise)."""
     cfg = find_pipeline(pipeline)
