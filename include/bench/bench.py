@@ -147,7 +147,7 @@ def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(14, 10))
     engines = [e for e in ENGINES if main_label in summary.get(e, {})]
     med = [summary[e][main_label]["records_per_s"]["median"] for e in engines]
     rps = [summary[e][main_label]["records_per_s"] for e in engines]
@@ -166,8 +166,33 @@ def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
     ax2.set_title("scaling: records/s by batch size")
     ax2.set_xlabel("records in the batch")
     ax2.legend()
+    # wall-clock split by stage (stacked), so the largest cost is visible at a glance
+    left = [0.0] * len(engines)
+    keys: list[str] = []
+    for e in engines:
+        keys += [k for k in summary[e][main_label]["stages_s"] if k not in keys]
+    cmap = plt.get_cmap("tab10")
+    for i, k in enumerate(keys):
+        vals = [summary[e][main_label]["stages_s"].get(k, 0.0) for e in engines]
+        if k == "commit_insert_s":  # a part of commit_s, not a stage of its own
+            continue
+        ax3.barh(engines, vals, left=left, color=cmap(i % 10), label=k.removesuffix("_s"))
+        left = [a + b for a, b in zip(left, vals, strict=True)]
+    ax3.set_title(f"{main_label} records: wall seconds by stage (median)")
+    ax3.legend(fontsize=8, loc="lower right")
+    for e in ("offsetflow-local", "baseline"):
+        pts = sorted((v["records"], v["peak_py_worker_rss_mb"] or v["peak_rss_mb"])
+                     for v in summary.get(e, {}).values())
+        if len(pts) > 1:
+            ax4.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                     label=f"{e} ({'largest Python worker' if e != 'baseline' else 'process'})")
+    ax4.set_xscale("log")
+    ax4.set_ylim(bottom=0)
+    ax4.set_title("peak memory (MB) by batch size: must stay flat")
+    ax4.set_xlabel("records in the batch")
+    ax4.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -88,6 +88,10 @@ def goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: st
     return out
 
 
+def _kv(d: Mapping[str, float]) -> str:
+    return ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in d.items())
+
+
 def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
              goal_rows: Iterable[Mapping[str, Any]], extra: Mapping[str, Any]) -> str:
     lines = ["| engine | data set | runs | records/s median (min-max) | wall s median | "
@@ -98,6 +102,14 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
             lines.append(f"| {engine} | {label} | {s['runs']} | {r['median']:,.0f} "
                          f"({r['min']:,.0f}-{r['max']:,.0f}) | {s['wall_s']['median']:.2f} | "
                          f"{s['peak_rss_mb']:,.0f} / {s['peak_py_worker_rss_mb']:,.0f} |")
+    lines += ["", "Time split by stage (median seconds; wall clock of the run, then the tasks' "
+              "own seconds summed over Spark tasks, which run in parallel):", "",
+              "| engine | data set | stages, wall s | in tasks, task-seconds |",
+              "|---|---|---|---|"]
+    for engine, labels in summary.items():
+        for label, s in labels.items():
+            lines.append(f"| {engine} | {label} | {_kv(s['stages_s'])} | "
+                         f"{_kv(s['task_seconds']) or '-'} |")
     lines += ["", "| goal | target | measured | met |", "|---|---|---|---|"]
     for g in goal_rows:
         met = {True: "yes", False: "NO", None: "-"}[g["met"]]
