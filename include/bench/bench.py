@@ -117,6 +117,22 @@ def plan_benchmark(bootstrap: str, dsn: str, partitions: int, reps: int) -> dict
     return out
 
 
+def range_memory(ds: DataSet) -> list[dict[str, float]]:
+    """Peak RSS of one task-equivalent process per range size, on partition 0 of `ds`."""
+    largest = ds.ranges[0].until_offset
+    sizes = sorted({min(n, largest) for n in (20_000, 100_000, largest)})
+    out = []
+    for n in sizes:
+        p = subprocess.run([sys.executable, str(Path(__file__).with_name("range_memory.py")),
+                            ds.topic, "0", str(n)], capture_output=True, text=True, check=False)
+        if p.returncode != 0:
+            raise RuntimeError(f"range memory probe of {n} records failed:\n{p.stderr[-2000:]}")
+        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        log.info("one task reading %s[0] [0, %d): peak RSS %.0f MB", ds.topic, n,
+                 out[-1]["peak_rss_mb"])
+    return out
+
+
 def start_connect(metrics_dir: Path) -> tuple[int, float]:
     """(Re)start the project's Spark Connect server with task metrics on; (pid, seconds)."""
     subprocess.run([*STACK, "connect-stop"], check=True)
@@ -142,7 +158,8 @@ def run_engine(engine: str, jobs: list[dict[str, Any]], warmup: DataSet, ctx: di
     return json.loads(Path(spec["result_file"]).read_text())  # type: ignore[no-any-return]
 
 
-def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
+def chart(summary: dict[str, Any], main_label: str, path: Path,
+          range_mem: list[dict[str, float]]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -186,6 +203,9 @@ def chart(summary: dict[str, Any], main_label: str, path: Path) -> None:
         if len(pts) > 1:
             ax4.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                      label=f"{e} ({'largest Python worker' if e != 'baseline' else 'process'})")
+    if range_mem:
+        ax4.plot([m["records"] for m in range_mem], [m["peak_rss_mb"] for m in range_mem],
+                 marker="s", label="one task, by records in its range")
     ax4.set_xscale("log")
     ax4.set_ylim(bottom=0)
     ax4.set_title("peak memory (MB) by batch size: must stay flat")
@@ -252,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = plan_benchmark(bootstrap, dsn, args.plan_partitions, reps=5) \
         if args.plan_partitions else None
+    range_mem = range_memory(max([main_ds, *scaling], key=lambda d: d.records))
 
     def job(ds: DataSet, runs: int) -> dict[str, Any]:
         return {"label": label_of(ds.records), "dataset": dataset_to_dict(ds), "runs": runs}
@@ -287,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         fixed[f"re-plan, {plan['partitions']} partitions (median)"] = plan["replan_s"]["median"]
         fixed[f"plan with nothing new, {plan['partitions']} partitions"] = \
             plan["nothing_new_plan_s"]
+    for m in range_mem:
+        fixed[f"peak RSS (MB) of one task reading a {m['records']:,.0f}-record range"] = \
+            m["peak_rss_mb"]
     goal_rows = report.goals(summary, main_label, small_label,
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
@@ -297,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                        "platform": platform.platform()},
            "args": vars(args), "avg_record_bytes": round(main_ds.avg_record_bytes, 1),
            "summary": summary, "goals": goal_rows, "fixed_cost": fixed, "planning": plan,
+           "range_memory": range_mem,
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit")
@@ -305,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     md = report.markdown(summary, goal_rows, fixed)
     (out / "results.md").write_text(md)
-    chart(summary, main_label, out / "results.png")
+    chart(summary, main_label, out / "results.png", range_mem)
     print(md)
     log.info("results in %s (results.json, results.md, results.png); took %.0fs", out,
              time.time() - started)

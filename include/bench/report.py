@@ -114,6 +114,6 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
     for g in goal_rows:
         met = {True: "yes", False: "NO", None: "-"}[g["met"]]
         lines.append(f"| {g['goal']} | {g['target']} | {g['measured']} | {met} |")
-    lines += ["", "| fixed cost | seconds |", "|---|---|"]
+    lines += ["", "| fixed cost (s) and memory (MB) | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
