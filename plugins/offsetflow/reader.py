@@ -108,18 +108,20 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
                                          reached, f"no progress for {stall_timeout_s:.0f}s "
                                                   f"(partition offsets now [{lo}, {hi}))")
                 continue
-            for m in msgs:
+            before = reached
+            until = r.until_offset
+            for m in msgs:  # the hot loop: one pass per record, locals only
                 err = m.error()
                 if err is not None:
                     reached = _handle_error(consumer, r, err, m.offset(), reached)
-                    if reached >= r.until_offset:
+                    if reached >= until:
                         break
                     continue
                 off = m.offset()
                 if off is None:
                     continue
-                if off >= r.until_offset:
-                    reached = r.until_offset
+                if off >= until:
+                    reached = until
                     break
                 if off < reached:  # never yield an offset twice
                     continue
@@ -133,10 +135,11 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
                 chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs]
                                      if hdrs else None)
                 reached = off + 1
-                last_progress = time.monotonic()
-                if len(chunk) >= max_rows:
+                if len(chunk.offsets) >= max_rows:
                     yield chunk
                     chunk = RawChunk()
+            if reached > before:
+                last_progress = time.monotonic()
         if len(chunk):
             yield chunk
     finally:

@@ -1,0 +1,54 @@
+"""The benchmark's pure summarising (include/bench/report.py): medians, ratios, goal checks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_report", Path(__file__).resolve().parents[2] / "include" / "bench" / "report.py")
+assert _spec is not None and _spec.loader is not None
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def run(engine: str, label: str, rps: float, wall: float, **stages: float) -> dict[str, Any]:
+    return {"engine": engine, "label": label, "records": 1000, "records_per_s": rps,
+            "wall_s": wall, "stages": stages, "task_seconds": {}, "peak_rss_mb": 100.0}
+
+
+def test_summary_takes_median_min_max_per_engine_and_label() -> None:
+    s = report.summarise([run("baseline", "1M", r, 1.0, copy_s=c)
+                          for r, c in ((10.0, 1.0), (30.0, 3.0), (20.0, 2.0))])
+    b = s["baseline"]["1M"]
+    assert b["runs"] == 3
+    assert b["records_per_s"] == {"median": 20.0, "min": 10.0, "max": 30.0}
+    assert b["stages_s"] == {"copy_s": 2.0}
+
+
+def test_goals_use_the_faster_warm_launch_and_flag_misses() -> None:
+    s = report.summarise([
+        run("spark-builtin", "1M", 100.0, 10.0), run("baseline", "1M", 200.0, 5.0),
+        run("offsetflow-local", "1M", 130.0, 7.0), run("offsetflow-connect", "1M", 160.0, 6.0),
+        run("offsetflow-submit", "1M", 50.0, 20.0),
+        run("offsetflow-local", "1k", 1.0, 0.8), run("offsetflow-connect", "1k", 0.5, 3.5),
+    ])
+    rows = {g["goal"]: g for g in report.goals(s, "1M", "1k", (1000, 0.4))}
+    vs_builtin = rows["OffsetFlow warm (offsetflow-connect) / spark-builtin at 1M"]
+    assert vs_builtin["measured"] == 1.6 and vs_builtin["met"] is True
+    vs_base = rows["OffsetFlow warm (offsetflow-connect) / baseline at 1M"]
+    assert vs_base["measured"] == 0.8 and vs_base["met"] is True
+    assert rows["OffsetFlow cold (spark-submit) / spark-builtin at 1M"]["met"] is None
+    plan = next(g for k, g in rows.items() if k.startswith("planning 1,000 partitions"))
+    assert plan["met"] is True
+    small = rows["1k batch end to end, warm (offsetflow-local)"]
+    assert small["measured"] == 0.8 and small["met"] is True
+
+
+def test_missed_goal_is_reported_not_hidden() -> None:
+    s = report.summarise([run("spark-builtin", "1M", 100.0, 10.0),
+                          run("offsetflow-local", "1M", 120.0, 8.0)])
+    (row,) = report.goals(s, "1M", "1k", None)
+    assert row["measured"] == 1.2 and row["met"] is False
+    assert "| NO |" in report.markdown(s, [row], {})
