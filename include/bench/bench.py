@@ -188,12 +188,12 @@ def chart(summary: dict[str, Any], main_label: str, path: Path,
     keys: list[str] = []
     for e in engines:
         keys += [k for k in summary[e][main_label]["stages_s"] if k not in keys]
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for i, k in enumerate(keys):
         vals = [summary[e][main_label]["stages_s"].get(k, 0.0) for e in engines]
         if k == "commit_insert_s":  # a part of commit_s, not a stage of its own
             continue
-        ax3.barh(engines, vals, left=left, color=cmap(i % 10), label=k.removesuffix("_s"))
+        ax3.barh(engines, vals, left=left, color=cmap(i % 20), label=k.removesuffix("_s"))
         left = [a + b for a, b in zip(left, vals, strict=True)]
     ax3.set_title(f"{main_label} records: wall seconds by stage (median)")
     ax3.legend(fontsize=8, loc="lower right")
