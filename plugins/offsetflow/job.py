@@ -35,8 +35,10 @@ from offsetflow.metrics import TaskClock
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.sink import (
     CommitResult,
+    PartwiseCommit,
     bad_record_summary,
     binary_encoder,
+    check_fence,
     commit_batch,
     create_stage_tables,
     ensure_dead_letter,
@@ -44,6 +46,7 @@ from offsetflow.sink import (
     pg_type,
     route_rows_to_dead_letter,
     stage_bad_records,
+    stage_part_table,
     stage_rows,
 )
 
@@ -257,7 +260,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
             for b in batches:
                 for idx in b.column("id").to_pylist():
                     yield from read_subrange(rc, idx, clock)
-        stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types))
+        stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
+                           table=stage_part_table(batch_id, part))
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
@@ -415,34 +419,49 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
         if cfg.bad_records == "dead_letter":
             ensure_dead_letter(cur, cfg.dead_letter_table)
-    create_stage_tables(dsn, batch.batch_id, columns)
+    with ledger.transaction() as cur:
+        check_fence(cur, batch)  # a stale batch stops here, before it reads anything
+    fused = not cfg.transform
+    create_stage_tables(dsn, batch.batch_id, columns, parts=n if fused else 0)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
-    t = time.monotonic()
-    stats = staging.collect()
-    timings["read_stage_s"] = round(time.monotonic() - t, 3)
-    skipped = sum(1 for s in stats if s["skipped"])
-    log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier attempt)",
-             batch.batch_id, sum(s["rows"] for s in stats), len(stats), skipped)
-
-    bad_count, samples = bad_record_summary(ledger, batch.batch_id)
-    if bad_count and cfg.bad_records == "fail":
-        first = samples[0]
-        raise BadRecordError(first["topic"], first["partition"], first["offset"],
-                             first["error"], more=bad_count - 1)
-    use_dead_letter = cfg.bad_records == "dead_letter"
-    if cfg.quality_suite:
+    # append without a quality gate: the commit moves parts while later ones are read
+    partwise = fused and cfg.sink.mode == "append" and not cfg.quality_suite
+    committer = PartwiseCommit(
+        dsn, batch, columns=[c for c, _ in columns], parts=n,
+        dead_letter_table=cfg.dead_letter_table if cfg.bad_records == "dead_letter" else None,
+        timings=timings) if partwise else None
+    with committer if committer is not None else contextlib.nullcontext():
         t = time.monotonic()
-        use_dead_letter = _quality_gate(cfg, batch, dsn, ledger, [c for c, _ in columns]) \
-            or use_dead_letter
-        timings["quality_s"] = round(time.monotonic() - t, 3)
-    t = time.monotonic()
-    result = commit_batch(
-        ledger, batch.batch_id, expected_parts=len(stats), columns=[c for c, _ in columns],
-        mode=cfg.sink.mode, key=cfg.sink.key,
-        dead_letter_table=cfg.dead_letter_table if use_dead_letter else None,
-        timings=timings)
-    timings["commit_s"] = round(time.monotonic() - t, 3)
+        stats = staging.collect()
+        timings["read_stage_s"] = round(time.monotonic() - t, 3)
+        skipped = sum(1 for s in stats if s["skipped"])
+        log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier "
+                 "attempt)", batch.batch_id, sum(s["rows"] for s in stats), len(stats),
+                 skipped)
+
+        bad_count, samples = bad_record_summary(ledger, batch.batch_id)
+        if bad_count and cfg.bad_records == "fail":
+            first = samples[0]
+            raise BadRecordError(first["topic"], first["partition"], first["offset"],
+                                 first["error"], more=bad_count - 1)
+        use_dead_letter = cfg.bad_records == "dead_letter"
+        routed = False
+        if cfg.quality_suite:
+            t = time.monotonic()
+            routed = _quality_gate(cfg, batch, dsn, ledger, [c for c, _ in columns])
+            use_dead_letter = routed or use_dead_letter
+            timings["quality_s"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        if committer is not None:
+            result = committer.finish(expected_parts=len(stats))
+        else:
+            result = commit_batch(
+                ledger, batch.batch_id, expected_parts=len(stats),
+                columns=[c for c, _ in columns], mode=cfg.sink.mode, key=cfg.sink.key,
+                dead_letter_table=cfg.dead_letter_table if use_dead_letter else None,
+                timings=timings, stage_changed=routed)
+        timings["commit_s"] = round(time.monotonic() - t, 3)
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":
         _publish_lag(cfg, ledger)

@@ -84,6 +84,13 @@ def stage_table(batch_id: int) -> sql.Composed:
                                    sql.Identifier(f"b{int(batch_id)}"))
 
 
+def stage_part_table(batch_id: int, part: int) -> sql.Composed:
+    """One Spark part's rows: a child of the stage table (`INHERITS`), so whole-stage reads
+    see every part, while the commit can move a part the moment its task has staged it."""
+    return sql.SQL("{}.{}").format(sql.Identifier("offsetflow_stage"),
+                                   sql.Identifier(f"b{int(batch_id)}_p{int(part)}"))
+
+
 def dead_letter_stage_table(batch_id: int) -> sql.Composed:
     return sql.SQL("{}.{}").format(sql.Identifier("offsetflow_stage"),
                                    sql.Identifier(f"b{int(batch_id)}_dead"))
@@ -385,7 +392,8 @@ class Ledger:
 
     @staticmethod
     def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
-        cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(stage_table(batch_id)))
+        # CASCADE: the part tables inherit from the stage table and go with it
+        cur.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(stage_table(batch_id)))
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(dead_letter_stage_table(batch_id)))
         cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s", (batch_id,))
 
