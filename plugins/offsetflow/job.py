@@ -318,6 +318,12 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
                 f"abandon the batch")
             ledger.mark_failed(batch_id, str(err))
             raise err
+        if batch.config_fingerprint and batch.config_fingerprint != cfg.fingerprint():
+            # what an earlier attempt staged was shaped by the old config (its format, its
+            # split into parts): it must not be reused under the new one
+            ledger.adopt_config(batch_id, cfg.fingerprint())
+            log.warning("batch %d: config change accepted; its staged data from earlier "
+                        "attempts was dropped and the ranges are read again", batch_id)
         try:
             report = _run(spark, cfg, batch, dsn, ledger, timings)
         except Exception as e:

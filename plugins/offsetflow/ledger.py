@@ -354,6 +354,17 @@ class Ledger:
                             WHERE batch_id = %s AND status IN ('planned', 'running', 'failed')""",
                         (error[:10000], json.dumps(quality) if quality else None, batch_id))
 
+    def adopt_config(self, batch_id: int, fingerprint: str) -> None:
+        """An open batch takes a changed config (accepted by the user): staged data of
+        earlier attempts is dropped with the old fingerprint, in one transaction."""
+        with self.transaction() as cur:
+            b = self.get_batch(batch_id, cur, for_update=True)
+            if not b.is_open:
+                raise BatchStateError(f"batch {batch_id} is {b.status}; its config is final")
+            self._drop_staging(cur, batch_id)
+            cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s "
+                        "WHERE batch_id = %s", (fingerprint, batch_id))
+
     def abandon(self, batch_id: int, reason: str) -> None:
         """Close an open batch for good and drop its staged data."""
         with self.transaction() as cur:

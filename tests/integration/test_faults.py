@@ -329,3 +329,20 @@ def test_config_changed_between_plan_and_run_is_a_clear_error(case: Case,
     rep = run_batch(spark, case.cfg, planned.batch.batch_id, case.dsn,
                     accept_config_change=True)
     assert rep.result.status == "committed"
+
+
+def test_accepted_config_change_restages_instead_of_reusing_old_parts(case: Case,
+                                                                       spark: Any) -> None:
+    bid = case.planned_batch(3000, seed=9)
+    with case.job_waiting_to_commit(bid) as proc:
+        chaos.kill(proc)  # everything staged with the old split into parts
+    assert chaos.staged_rows(case.dsn, bid) > 0
+    case.raw["spark"]["max_offsets_per_task"] = 300  # other parts, other rows in each
+    case.write_config()
+    with pytest.raises(BatchStateError, match="config changed since batch"):
+        run_batch(spark, case.cfg, bid, case.dsn)
+    rep = run_batch(spark, case.cfg, bid, case.dsn, accept_config_change=True)
+    assert rep.result.status == "committed"
+    assert case.batch(bid).config_fingerprint == case.cfg.fingerprint()
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
