@@ -39,7 +39,7 @@ from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.deserialize import deserialize_json
 from offsetflow.ledger import Ledger
 from offsetflow.metrics import read_task_metrics
-from offsetflow.ranges import OffsetRange
+from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.runner import plan_only
 from offsetflow.sink import LINEAGE_COLUMN, binary_encoder, ensure_target
 
@@ -226,6 +226,8 @@ def builtin_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
     from pyspark.sql import functions as F
 
     create_target(ctx["dsn"], name)
+    # the same number of Spark tasks as OffsetFlow splits the ranges into
+    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
     starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
     ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
     t0 = time.perf_counter()
@@ -237,6 +239,7 @@ def builtin_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
           .option("endingOffsets", json.dumps(ending))
           .option("includeHeaders", "true")
           .option("failOnDataLoss", "true")
+          .option("minPartitions", str(tasks))
           .load())
     parsed = df.select(
         "topic", "partition", "offset", "timestamp",

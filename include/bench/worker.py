@@ -1,8 +1,8 @@
 """One engine's runs in a process of its own: `worker.py <spec.json>` (started by bench.py).
 
-A warm engine starts its Spark once (timed, reported apart), does one untimed warm-up run so
-the Python workers and the JDBC/Kafka clients are loaded, then the timed runs. Results go to
-the spec's `result_file` as JSON.
+A warm engine starts its Spark once (timed, reported apart), does one untimed warm-up run of
+the main data set's size so the Python workers, the JDBC/Kafka clients and the JVM's JIT
+are warm, then the timed runs. Results go to the spec's `result_file` as JSON.
 """
 
 from __future__ import annotations

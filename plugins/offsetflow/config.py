@@ -63,10 +63,16 @@ class SinkConfig:
         return split_table_name(self.table)
 
 
+# parts of ~100k records: with the part-wise commit only the last wave of parts is moved
+# after the read, so smaller parts shorten that tail (1M on 2 cores: 250k -> 7.2 s,
+# 100k -> 6.1 s, 60k -> 6.7 s as per-task costs take over)
+DEFAULT_MAX_OFFSETS_PER_TASK = 100_000
+
+
 @dataclass(frozen=True)
 class SparkConfig:
     master: str = "local[2]"
-    max_offsets_per_task: int = 250_000
+    max_offsets_per_task: int = DEFAULT_MAX_OFFSETS_PER_TASK
     conf: Mapping[str, str] = field(default_factory=dict)
     launch: str = "submit"  # submit | connect (a warm Spark Connect server)
     connect_url: str = "sc://127.0.0.1:15002"
@@ -370,7 +376,8 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     spark = SparkConfig(
         master=r.string(spark_raw, "master", "spark.", "local[2]") or "local[2]",
         max_offsets_per_task=r.positive_int(spark_raw, "max_offsets_per_task", "spark.",
-                                            250_000) or 250_000,
+                                            DEFAULT_MAX_OFFSETS_PER_TASK)
+        or DEFAULT_MAX_OFFSETS_PER_TASK,
         conf={str(k): str(v) for k, v in spark_conf.items()},
         launch=r.string(spark_raw, "launch", "spark.", "submit", {"submit", "connect"})
         or "submit",

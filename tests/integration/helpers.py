@@ -83,7 +83,7 @@ def pipeline_for(topic: str, dsn: str, bootstrap: str, table: str, **over: Any) 
         "format": {"type": "json", "schema": dict(SCHEMA)},
         "sink": {"connection": dsn, "table": table, "mode": over.pop("mode", "append")},
         "spark": {"master": "local[2]",
-                  "max_offsets_per_task": over.pop("max_offsets_per_task", 250_000)},
+                  "max_offsets_per_task": over.pop("max_offsets_per_task", 100_000)},
     }
     if "key" in over:
         raw["sink"]["key"] = over.pop("key")
