@@ -103,7 +103,10 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
                          f"({r['min']:,.0f}-{r['max']:,.0f}) | {s['wall_s']['median']:.2f} | "
                          f"{s['peak_rss_mb']:,.0f} / {s['peak_py_worker_rss_mb']:,.0f} |")
     lines += ["", "Time split by stage (median seconds; wall clock of the run, then the tasks' "
-              "own seconds summed over Spark tasks, which run in parallel):", "",
+              "own seconds summed over Spark tasks, which run in parallel). `commit_overlapped`"
+              " is the commit moving staged parts into the target while `read_stage` still "
+              "runs (inside its time); `commit_insert` is the part of `commit` that moves the "
+              "last parts:", "",
               "| engine | data set | stages, wall s | in tasks, task-seconds |",
               "|---|---|---|---|"]
     for engine, labels in summary.items():

@@ -3,7 +3,8 @@
 DataFrame API only (`mapInArrow`), so the same job runs on a local SparkSession, through
 spark-submit on a cluster, or over Spark Connect. One Spark task per (sub-)range reads it
 with `offsetflow.reader`; rows are staged by the tasks and committed by the driver in one
-PostgreSQL transaction (`offsetflow.sink.commit_batch`).
+PostgreSQL transaction (`offsetflow.sink.commit_batch`; in append mode
+`offsetflow.sink.PartwiseCommit`, which starts moving parts while later ones are read).
 """
 
 from __future__ import annotations

@@ -115,9 +115,17 @@ def existing_columns(cur: psycopg2.extensions.cursor, table: str) -> dict[str, s
     return {c: t for c, t in cur.fetchall()}
 
 
+def _ddl_lock(cur: psycopg2.extensions.cursor) -> None:
+    """Serialises this project's CREATE ... IF NOT EXISTS until the transaction ends: two runs
+    of one batch at once (an Airflow retry beside a zombie) race on it otherwise, and
+    PostgreSQL reports the loser as a pg_type unique violation."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:ddl'))")
+
+
 def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence[tuple[str, str]],
                   mode: str, key: Sequence[str]) -> None:
     """Create the target if missing (with lineage column and indexes) or check it fits."""
+    _ddl_lock(cur)
     schema = table.split(".")[0] if "." in table else "public"
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     have = existing_columns(cur, table)
@@ -150,6 +158,7 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
 
 
 def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:
+    _ddl_lock(cur)
     schema = table.split(".")[0] if "." in table else "public"
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
@@ -172,6 +181,7 @@ def create_stage_tables(dsn: str, batch_id: int, columns: Sequence[tuple[str, st
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
+            _ddl_lock(cur)
             cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow_stage")
             cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
                                       for c, t in columns)

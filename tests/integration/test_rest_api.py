@@ -13,6 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def run_standalone(base: Path, pg_dsn: str, kafka_bootstrap: str, port: int,
     the given window DAGs; yields its URL, an admin token and the pipeline's names."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    uid = base.name.replace("-", "")[-8:]
+    uid = uuid.uuid4().hex[:8]  # topics outlive a test session's database
     topic = f"rest-{uid}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)

@@ -4,6 +4,8 @@ part becomes staged relative to the commit that moves it."""
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ from offsetflow.sink import (
     PartwiseCommit,
     binary_encoder,
     create_stage_tables,
+    ensure_dead_letter,
     ensure_target,
     stage_part_table,
     stage_rows,
@@ -141,3 +144,36 @@ def test_zombie_whose_rows_are_already_committed_is_fenced_not_a_key_error(
             committer.finish(expected_parts=len(s.specs))
     assert "duplicate key" in str(err.value.__cause__)
     assert count(s.dsn, s.batch.target_table) == 400
+
+
+def test_two_runs_creating_the_same_stage_and_target_at_once_both_succeed(
+        pg_dsn: str, unique: str) -> None:
+    """An Airflow retry beside a zombie run creates the same tables at the same moment; plain
+    IF NOT EXISTS loses that race with a pg_type unique violation."""
+    columns = [("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
+               ("value", "bytea")]
+    table = f"race_{unique}"
+    batch_id = random.randrange(10**9, 2 * 10**9)  # never a real batch of this database
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def create() -> None:
+        try:
+            barrier.wait(10)
+            with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+                ensure_target(cur, table, columns, "append", [])
+                ensure_dead_letter(cur, f"{table}_dl")
+            create_stage_tables(pg_dsn, batch_id, columns, parts=8)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    for _ in range(3):  # the race is short; three rounds make a regression show up
+        threads = [threading.Thread(target=create) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        query(pg_dsn, f"DROP TABLE offsetflow_stage.b{batch_id} CASCADE")
+        query(pg_dsn, f"DROP TABLE offsetflow_stage.b{batch_id}_dead")
+        query(pg_dsn, f'DROP TABLE "{table}", "{table}_dl"')
