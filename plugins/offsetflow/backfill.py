@@ -113,7 +113,8 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,
                 target_table=wp.target_table or cfg.sink.table,
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
-                moves_positions=False, params=params))
+                moves_positions=False, params=params,
+                split_offsets=cfg.spark.max_offsets_per_task))
     log.info("pipeline %s: %s of %d offsets planned as batches %s", cfg.name, wp.request.kind,
              sum(hi - lo for lo, hi in wp.window.values()), ids)
     return ids

@@ -129,19 +129,25 @@ class PipelineConfig:
         conf["bootstrap.servers"] = self.bootstrap_servers
         return conf
 
-    def fingerprint(self) -> str:
-        """Hash of what decides a batch's output; a change between plan and run is caught."""
-        relevant = {
+    def _output_relevant(self) -> dict[str, Any]:
+        return {
             "format": [self.format_type, dict(self.schema)],
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
             "bad_records": [self.bad_records, self.dead_letter_table],
             "isolation_level": self.isolation_level,
-            # the split decides which Spark part stages which rows; staged parts are
-            # re-used across attempts only while it is unchanged
-            "max_offsets_per_task": self.spark.max_offsets_per_task,
         }
-        return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+    def fingerprint(self) -> str:
+        """Hash of what decides a batch's output; a change between plan and run is caught.
+        The split into Spark parts is not in it: it decides how a batch is staged, not what
+        it writes, and is recorded beside it (`Batch.split_offsets`)."""
+        return _hash(self._output_relevant())
+
+    def fingerprint_v1(self, max_offsets_per_task: int) -> str:
+        """The fingerprint as batches planned before ledger migration 0003 recorded it: the
+        split hashed in with the rest, so a changed split looked like a changed output."""
+        return _hash({**self._output_relevant(), "max_offsets_per_task": max_offsets_per_task})
 
     def redacted(self) -> dict[str, Any]:
         d = asdict(self)
@@ -449,6 +455,44 @@ def _parse_starting(r: _Reader, v: Any) -> StartingPolicy:
                 parsed[str(topic)][pi] = oi
         return StartingPolicy("offsets", offsets=parsed)
     raise r.err(fld, f"{v!r}: use earliest, latest, {{timestamp: ...}} or {{offsets: ...}}")
+
+
+def _hash(relevant: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# the default before 2026-11-22; batches planned under it carry it in their v1 fingerprint
+V1_DEFAULT_MAX_OFFSETS_PER_TASK = 250_000
+
+
+@dataclass(frozen=True)
+class ConfigDrift:
+    """How the config a batch was planned with differs from the one it is about to run with."""
+
+    output_changed: bool  # format, transform, sink or bad-record policy: the user must accept
+    split_from: int | None = None  # the batch's earlier split into parts, if it changed
+
+    @property
+    def any(self) -> bool:
+        return self.output_changed or self.split_from is not None
+
+
+def config_drift(cfg: PipelineConfig, fingerprint: str | None,
+                 split_offsets: int | None) -> ConfigDrift:
+    """Compare a batch's recorded config with `cfg`. A batch planned before the split was
+    recorded apart carries a v1 fingerprint; it is matched with the split it most likely
+    had (the configured one, else the old default), so neither an unchanged config nor the
+    default's change is mistaken for a changed output."""
+    split = cfg.spark.max_offsets_per_task
+    if fingerprint is None:
+        return ConfigDrift(False)
+    if split_offsets is not None:
+        return ConfigDrift(fingerprint != cfg.fingerprint(),
+                           split_offsets if split_offsets != split else None)
+    for old in dict.fromkeys((split, V1_DEFAULT_MAX_OFFSETS_PER_TASK)):
+        if fingerprint == cfg.fingerprint_v1(old):
+            return ConfigDrift(False, old if old != split else None)
+    return ConfigDrift(True)
 
 
 def load_pipeline(path: str | Path, env: Mapping[str, str] | None = None) -> PipelineConfig:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from offsetflow.config import DECIMAL_RE, PipelineConfig, connect_address
+from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
 from offsetflow.errors import (
     BadRecordError,
     BatchStateError,
@@ -310,8 +310,8 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             res = CommitResult(batch_id, "already_committed", batch.rows_written or 0,
                                batch.bad_records or 0, {})
             return RunReport(batch_id, res)
-        if (batch.config_fingerprint and batch.config_fingerprint != cfg.fingerprint()
-                and not accept_config_change):
+        drift = config_drift(cfg, batch.config_fingerprint, batch.split_offsets)
+        if drift.output_changed and not accept_config_change:
             err = BatchStateError(
                 f"pipeline {cfg.name} config changed since batch {batch_id} was planned "
                 f"(format, transform, sink or bad-record policy); re-run with "
@@ -319,12 +319,17 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
                 f"abandon the batch")
             ledger.mark_failed(batch_id, str(err))
             raise err
-        if batch.config_fingerprint and batch.config_fingerprint != cfg.fingerprint():
+        if drift.any:
             # what an earlier attempt staged was shaped by the old config (its format, its
             # split into parts): it must not be reused under the new one
-            ledger.adopt_config(batch_id, cfg.fingerprint())
-            log.warning("batch %d: config change accepted; its staged data from earlier "
-                        "attempts was dropped and the ranges are read again", batch_id)
+            ledger.adopt_config(batch_id, cfg.fingerprint(), cfg.spark.max_offsets_per_task)
+            if drift.output_changed:
+                log.warning("batch %d: config change accepted; its staged data from earlier "
+                            "attempts was dropped and the ranges are read again", batch_id)
+            else:
+                log.info("batch %d: spark.max_offsets_per_task changed from %d to %d; staged "
+                         "data from earlier attempts was dropped and the ranges are read "
+                         "again", batch_id, drift.split_from, cfg.spark.max_offsets_per_task)
         try:
             report = _run(spark, cfg, batch, dsn, ledger, timings)
         except Exception as e:

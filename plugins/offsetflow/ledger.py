@@ -52,6 +52,7 @@ class Batch:
     error: str | None = None
     quality: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
+    split_offsets: int | None = None  # its ranges' split into Spark parts; None before 0003
 
     @property
     def is_open(self) -> bool:
@@ -181,7 +182,8 @@ class Ledger:
     # -- reads ------------------------------------------------------------------------
     _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
                    "config_fingerprint, started_by, params, planned_at, started_at, finished_at, "
-                   "attempts, records_read, rows_written, bad_records, error, quality, timings")
+                   "attempts, records_read, rows_written, bad_records, error, quality, timings, "
+                   "split_offsets")
 
     def _batches(self, cur: psycopg2.extensions.cursor, where: sql.Composable,
                  args: Sequence[Any], suffix: str = "") -> list[Batch]:
@@ -202,7 +204,8 @@ class Ledger:
                       moves_positions=r[5], config_fingerprint=r[6], started_by=r[7],
                       params=r[8] or {}, planned_at=r[9], started_at=r[10], finished_at=r[11],
                       attempts=r[12], records_read=r[13], rows_written=r[14],
-                      bad_records=r[15], error=r[16], quality=r[17], timings=r[18])
+                      bad_records=r[15], error=r[16], quality=r[17], timings=r[18],
+                      split_offsets=r[19])
                 for r in rows]
 
     def get_batch(self, batch_id: int, cur: psycopg2.extensions.cursor | None = None,
@@ -291,15 +294,16 @@ class Ledger:
                      ranges: Sequence[OffsetRange], target_table: str,
                      config_fingerprint: str | None, started_by: str,
                      moves_positions: bool = True, params: dict[str, Any] | None = None,
-                     topic_ids: dict[str, str] | None = None) -> int:
+                     topic_ids: dict[str, str] | None = None,
+                     split_offsets: int | None = None) -> int:
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches
                          (pipeline, kind, status, target_table, moves_positions,
-                          config_fingerprint, started_by, params)
-                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s) RETURNING batch_id""",
+                          config_fingerprint, started_by, params, split_offsets)
+                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s, %s) RETURNING batch_id""",
                     (pipeline, kind, target_table, moves_positions, config_fingerprint,
-                     started_by, json.dumps(params or {})))
+                     started_by, json.dumps(params or {}), split_offsets))
         row = cur.fetchone()
         assert row is not None
         batch_id = int(row[0])
@@ -354,16 +358,18 @@ class Ledger:
                             WHERE batch_id = %s AND status IN ('planned', 'running', 'failed')""",
                         (error[:10000], json.dumps(quality) if quality else None, batch_id))
 
-    def adopt_config(self, batch_id: int, fingerprint: str) -> None:
-        """An open batch takes a changed config (accepted by the user): staged data of
-        earlier attempts is dropped with the old fingerprint, in one transaction."""
+    def adopt_config(self, batch_id: int, fingerprint: str, split_offsets: int) -> None:
+        """An open batch takes a changed config (its output accepted by the user, or only its
+        split): staged data of earlier attempts is dropped with the old config, in one
+        transaction."""
         with self.transaction() as cur:
             b = self.get_batch(batch_id, cur, for_update=True)
             if not b.is_open:
                 raise BatchStateError(f"batch {batch_id} is {b.status}; its config is final")
             self._drop_staging(cur, batch_id)
-            cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s "
-                        "WHERE batch_id = %s", (fingerprint, batch_id))
+            cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s, "
+                        "split_offsets = %s WHERE batch_id = %s",
+                        (fingerprint, split_offsets, batch_id))
 
     def abandon(self, batch_id: int, reason: str) -> None:
         """Close an open batch for good and drop its staged data."""

@@ -89,6 +89,7 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             batch_id = ledger.insert_batch(
                 cur, pipeline=cfg.name, kind="scheduled", ranges=ranges,
                 target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
+                split_offsets=cfg.spark.max_offsets_per_task,
                 started_by=started_by, topic_ids=topic_ids, params={"lag_at_plan": lag})
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,

@@ -4,7 +4,14 @@ from typing import Any
 import pytest
 import yaml
 
-from offsetflow.config import connect_address, load_pipeline, parse_pipeline, redact_dsn
+from offsetflow.config import (
+    ConfigDrift,
+    config_drift,
+    connect_address,
+    load_pipeline,
+    parse_pipeline,
+    redact_dsn,
+)
 from offsetflow.errors import ConfigError
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
@@ -97,6 +104,40 @@ def test_fingerprint_changes_with_sink_but_not_with_rate_limit() -> None:
                        "p.yaml", ENV)
     c = parse_pipeline(base(sink={"table": "other"}), "p.yaml", ENV)
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_fingerprint_leaves_the_split_out() -> None:
+    a = parse_pipeline(base(spark={"max_offsets_per_task": 1000}), "p.yaml", ENV)
+    b = parse_pipeline(base(spark={"max_offsets_per_task": 2000}), "p.yaml", ENV)
+    assert a.fingerprint() == b.fingerprint()
+    assert a.fingerprint_v1(1000) != a.fingerprint_v1(2000)
+
+
+# fingerprints the release before ledger migration 0003 recorded for base() (split hashed in)
+V1_AT_250K = "f0ecc36111483223"
+V1_AT_50K = "68e0d22a09772dfd"
+
+
+@pytest.mark.parametrize(("split_now", "fingerprint", "split_offsets", "sink", "drift"), [
+    # batches that record their split: only the output decides whether the user must accept
+    (100_000, "now", 100_000, "raw.orders", ConfigDrift(False)),
+    (100_000, "now", 250_000, "raw.orders", ConfigDrift(False, 250_000)),
+    (100_000, "now", 100_000, "raw.other", ConfigDrift(True)),
+    (100_000, "now", 250_000, "raw.other", ConfigDrift(True, 250_000)),
+    # batches planned before 0003: matched with their likely split
+    (50_000, V1_AT_50K, None, "raw.orders", ConfigDrift(False)),
+    (100_000, V1_AT_250K, None, "raw.orders", ConfigDrift(False, 250_000)),  # the default moved
+    (100_000, V1_AT_50K, None, "raw.orders", ConfigDrift(True)),  # an explicit split changed
+    (250_000, V1_AT_250K, None, "raw.other", ConfigDrift(True)),
+    (100_000, None, None, "raw.other", ConfigDrift(False)),  # no fingerprint recorded at all
+])
+def test_config_drift(split_now: int, fingerprint: str | None, split_offsets: int | None,
+                      sink: str, drift: ConfigDrift) -> None:
+    planned = parse_pipeline(base(), "orders.yaml", ENV)
+    cfg = parse_pipeline(base(sink={"table": sink}, spark={"max_offsets_per_task": split_now}),
+                         "orders.yaml", ENV)
+    recorded = planned.fingerprint() if fingerprint == "now" else fingerprint
+    assert config_drift(cfg, recorded, split_offsets) == drift
 
 
 def test_load_pipeline_reports_yaml_errors(tmp_path: Path) -> None:
