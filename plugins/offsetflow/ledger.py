@@ -292,10 +292,11 @@ class Ledger:
     # -- writes -----------------------------------------------------------------------
     def insert_batch(self, cur: psycopg2.extensions.cursor, *, pipeline: str, kind: str,
                      ranges: Sequence[OffsetRange], target_table: str,
-                     config_fingerprint: str | None, started_by: str,
+                     config_fingerprint: str, split_offsets: int, started_by: str,
                      moves_positions: bool = True, params: dict[str, Any] | None = None,
-                     topic_ids: dict[str, str] | None = None,
-                     split_offsets: int | None = None) -> int:
+                     topic_ids: dict[str, str] | None = None) -> int:
+        """`config_fingerprint` and `split_offsets` are what `config_drift` compares a run's
+        config with; a batch without them would look like one planned before 0003."""
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches

@@ -101,6 +101,7 @@ def test_rerun_after_death_duplicate_commit_and_stale_batch(
         stale_id = ledger.insert_batch(cur, pipeline=cfg.name, kind="scheduled",
                                        ranges=first.batch.ranges, target_table=table,
                                        config_fingerprint=cfg.fingerprint(),
+                                       split_offsets=cfg.spark.max_offsets_per_task,
                                        started_by="zombie")
     with pytest.raises(FencedCommitError, match=f"batch {stale_id} fenced"):
         run_batch(spark, cfg, stale_id, pg_dsn)

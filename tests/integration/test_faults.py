@@ -245,6 +245,7 @@ def test_zombie_with_stale_ranges_is_fenced(case: Case, spark: Any) -> None:
         zombie = ledger.insert_batch(cur, pipeline=case.cfg.name, kind="scheduled",
                                      ranges=old.ranges, target_table=case.table,
                                      config_fingerprint=case.cfg.fingerprint(),
+                                     split_offsets=case.cfg.spark.max_offsets_per_task,
                                      started_by="zombie")
     proc = case.job(zombie)
     assert proc.wait(timeout=300) == 2

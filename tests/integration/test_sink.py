@@ -132,6 +132,7 @@ def test_zombie_whose_rows_are_already_committed_is_fenced_not_a_key_error(
         zombie_id = ledger.insert_batch(cur, pipeline=s.cfg.name, kind="scheduled",
                                         ranges=s.batch.ranges, target_table=s.batch.target_table,
                                         config_fingerprint=s.cfg.fingerprint(),
+                                        split_offsets=s.cfg.spark.max_offsets_per_task,
                                         started_by="zombie")
     with Ledger(s.dsn) as ledger:
         zombie = ledger.get_batch(zombie_id)
