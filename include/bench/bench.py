@@ -1,7 +1,8 @@
 """`make bench`: OffsetFlow against Spark's built-in Kafka source and a single-process baseline.
 
     python include/bench/bench.py [--records 1000000] [--partitions 6] [--runs 3]
-                                  [--scaling 100000,1000000,5000000] [--out bench-results]
+                                  [--scaling 100000,1000000,5000000] [--scaling-runs 3]
+                                  [--out bench-results]
 
 Needs the local stack (`make up`); starts the Spark Connect server itself. Every engine
 runs in a process of its own, one after another (never two at once on the same cores), on
@@ -120,20 +121,37 @@ def plan_benchmark(bootstrap: str, dsn: str, partitions: int, reps: int) -> dict
     return out
 
 
-def range_memory(ds: DataSet) -> list[dict[str, float]]:
+def _memory_probe(ds: DataSet, records: int, tasks: int = 1) -> dict[str, Any]:
+    p = subprocess.run([sys.executable, str(Path(__file__).with_name("range_memory.py")),
+                        ds.topic, "0", str(records), "--tasks", str(tasks)],
+                       capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"memory probe of {tasks} x {records} records failed:\n"
+                           f"{p.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
+def range_memory(ds: DataSet) -> list[dict[str, Any]]:
     """Peak RSS of one task-equivalent process per range size, on partition 0 of `ds`."""
     largest = ds.ranges[0].until_offset
-    sizes = sorted({min(n, largest) for n in (20_000, 100_000, largest)})
     out = []
-    for n in sizes:
-        p = subprocess.run([sys.executable, str(Path(__file__).with_name("range_memory.py")),
-                            ds.topic, "0", str(n)], capture_output=True, text=True, check=False)
-        if p.returncode != 0:
-            raise RuntimeError(f"range memory probe of {n} records failed:\n{p.stderr[-2000:]}")
-        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    for n in sorted({min(n, largest) for n in (20_000, 100_000, largest)}):
+        out.append(_memory_probe(ds, n))
         log.info("one task reading %s[0] [0, %d): peak RSS %.0f MB", ds.topic, n,
                  out[-1]["peak_rss_mb"])
     return out
+
+
+def worker_reuse_memory(ds: DataSet, tasks: int = 30) -> dict[str, Any]:
+    """RSS of one process running `tasks` tasks of up to 100,000 records in a row, as a
+    reused Spark Python worker does: flat after the first tasks means nothing is kept."""
+    m = _memory_probe(ds, min(100_000, ds.ranges[0].until_offset), tasks)
+    log.info("one process running %d tasks of %d records: RSS %s MB after tasks 1/10/%d, "
+             "Arrow holds %s MB after the last", tasks, m["records"],
+             "/".join(str(m["rss_mb_after_task"][i]) for i in (0, 9, tasks - 1)), tasks,
+             m["arrow_held_mb_after_task"][-1])
+    return m
 
 
 def start_connect(metrics_dir: Path) -> tuple[int, float]:
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-runs", type=int, default=5)
     ap.add_argument("--scaling", default="100000,1000000,5000000",
                     help="comma-separated sizes for the scaling runs ('' to skip)")
+    ap.add_argument("--scaling-runs", type=int, default=3,
+                    help="timed runs per scaling size (baseline and warm local OffsetFlow)")
     ap.add_argument("--plan-partitions", type=int, default=1000)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--max-offsets-per-task", type=int, default=DEFAULT_MAX_OFFSETS_PER_TASK,
@@ -277,16 +297,18 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = plan_benchmark(bootstrap, dsn, args.plan_partitions, reps=5) \
         if args.plan_partitions else None
-    range_mem = range_memory(max([main_ds, *scaling], key=lambda d: d.records))
+    largest_ds = max([main_ds, *scaling], key=lambda d: d.records)
+    range_mem = range_memory(largest_ds)
+    reuse_mem = worker_reuse_memory(largest_ds)
 
     def job(ds: DataSet, runs: int) -> dict[str, Any]:
         return {"label": label_of(ds.records), "dataset": dataset_to_dict(ds), "runs": runs}
 
     jobs = {
-        "baseline": [job(main_ds, args.runs)] + [job(d, 1) for d in scaling],
+        "baseline": [job(main_ds, args.runs)] + [job(d, args.scaling_runs) for d in scaling],
         "spark-builtin": [job(main_ds, args.runs)],
         "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
-        + [job(d, 1) for d in scaling],
+        + [job(d, args.scaling_runs) for d in scaling],
         "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs)],
         "offsetflow-submit": [job(small_ds, args.cold_runs), job(main_ds, args.cold_runs)],
     }
@@ -318,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     for m in range_mem:
         fixed[f"peak RSS (MB) of one task reading a {m['records']:,.0f}-record range"] = \
             m["peak_rss_mb"]
+    reuse_rss = reuse_mem["rss_mb_after_task"]
+    for i in (1, 10, len(reuse_rss)):
+        fixed[f"RSS (MB) of one process after task {i} of {len(reuse_rss)} in a row "
+              f"({reuse_mem['records']:,} records each)"] = reuse_rss[i - 1]
+    fixed["Arrow memory (MB) still held after the last of those tasks"] = \
+        reuse_mem["arrow_held_mb_after_task"][-1]
     goal_rows = report.goals(summary, main_label, small_label,
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
@@ -328,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                        "platform": platform.platform()},
            "args": vars(args), "avg_record_bytes": round(main_ds.avg_record_bytes, 1),
            "summary": summary, "goals": goal_rows, "fixed_cost": fixed, "planning": plan,
-           "range_memory": range_mem,
+           "range_memory": range_mem, "worker_reuse_memory": reuse_mem,
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit")
