@@ -35,6 +35,7 @@ from psycopg2 import sql
 from offsetflow.config import DEFAULT_MAX_OFFSETS_PER_TASK, parse_pipeline
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
+from offsetflow.metrics import load_task_metrics
 from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
@@ -179,13 +180,27 @@ def run_engine(engine: str, jobs: list[dict[str, Any]], warmup: DataSet, ctx: di
     return json.loads(Path(spec["result_file"]).read_text())  # type: ignore[no-any-return]
 
 
+def spark_worker_rss(raw_results: list[dict[str, Any]], metrics_dir: Path
+                     ) -> dict[str, Any] | None:
+    """RSS at each task's end of the busiest Python worker behind these runs' batches (its
+    warm-up tasks included: they ran in the same worker)."""
+    docs = load_task_metrics(metrics_dir)
+    batch_ids = {r["batch_id"] for r in raw_results if "batch_id" in r}
+    pids = {d["pid"] for d in docs if d["batch_id"] in batch_ids}
+    return report.worker_rss_by_task(d for d in docs if d["pid"] in pids)
+
+
 def chart(summary: dict[str, Any], main_label: str, path: Path,
-          range_mem: list[dict[str, float]]) -> None:
+          range_mem: list[dict[str, Any]], reuse: dict[str, list[float]]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(14, 10))
+    fig = plt.figure(figsize=(14, 15))
+    grid = fig.add_gridspec(3, 2)
+    ax1, ax2 = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax3, ax4 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
+    ax5 = fig.add_subplot(grid[2, :])
     engines = [e for e in ENGINES if main_label in summary.get(e, {})]
     med = [summary[e][main_label]["records_per_s"]["median"] for e in engines]
     rps = [summary[e][main_label]["records_per_s"] for e in engines]
@@ -232,6 +247,12 @@ def chart(summary: dict[str, Any], main_label: str, path: Path,
     ax4.set_title("peak memory (MB) by batch size: must stay flat")
     ax4.set_xlabel("records in the batch")
     ax4.legend(fontsize=8)
+    for name, rss in reuse.items():
+        ax5.plot(range(1, len(rss) + 1), rss, marker=".", label=name)
+    ax5.set_ylim(bottom=0)
+    ax5.set_title("RSS (MB) of one process at the end of each task it ran: must level off")
+    ax5.set_xlabel("tasks the process has run")
+    ax5.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -342,10 +363,20 @@ def main(argv: list[str] | None = None) -> int:
             m["peak_rss_mb"]
     reuse_rss = reuse_mem["rss_mb_after_task"]
     for i in (1, 10, len(reuse_rss)):
-        fixed[f"RSS (MB) of one process after task {i} of {len(reuse_rss)} in a row "
-              f"({reuse_mem['records']:,} records each)"] = reuse_rss[i - 1]
+        fixed[f"RSS (MB) of one task-equivalent process after task {i} of {len(reuse_rss)} "
+              f"in a row ({reuse_mem['records']:,} records each)"] = reuse_rss[i - 1]
     fixed["Arrow memory (MB) still held after the last of those tasks"] = \
         reuse_mem["arrow_held_mb_after_task"][-1]
+    reuse_series = {f"probe: {reuse_mem['records']:,} records a task, read + parse + encode":
+                    reuse_rss}
+    worker = spark_worker_rss(raw.get("offsetflow-local", {}).get("results", []), metrics_dir)
+    if worker:
+        w_rss = worker["rss_mb_after_task"]
+        for i in sorted({1, min(10, len(w_rss)), len(w_rss)}):
+            fixed[f"RSS (MB) of the busiest Spark Python worker (warm local, all batch sizes) "
+                  f"after task {i} of {len(w_rss)}"] = w_rss[i - 1]
+        reuse_series["Spark Python worker, warm local (every batch of the run, in order)"] = \
+            w_rss
     goal_rows = report.goals(summary, main_label, small_label,
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
@@ -357,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
            "args": vars(args), "avg_record_bytes": round(main_ds.avg_record_bytes, 1),
            "summary": summary, "goals": goal_rows, "fixed_cost": fixed, "planning": plan,
            "range_memory": range_mem, "worker_reuse_memory": reuse_mem,
+           "spark_worker_memory": worker,
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit")
@@ -365,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     md = report.markdown(summary, goal_rows, fixed)
     (out / "results.md").write_text(md)
-    chart(summary, main_label, out / "results.png", range_mem)
+    chart(summary, main_label, out / "results.png", range_mem, reuse_series)
     print(md)
     log.info("results in %s (results.json, results.md, results.png); took %.0fs", out,
              time.time() - started)

@@ -144,7 +144,7 @@ def offsetflow_warm_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[s
     assert report.result.status == "committed", report.result
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": 0.0,
               **{k: v for k, v in report.timings.items() if k != "total_s"}}
-    return {"wall_s": wall, "stages": stages,
+    return {"wall_s": wall, "stages": stages, "batch_id": batch_id,
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
             **verify_and_drop(ctx["dsn"], name, ds)}
 
@@ -191,7 +191,7 @@ def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[s
     # everything spark-submit spent outside run_batch: JVM, session, Python start and exit
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": round(submit_s - inner, 3),
               **{k: v for k, v in timings.items() if k != "spark_start_s"}}
-    return {"wall_s": wall, "stages": stages, **rss.as_dict(),
+    return {"wall_s": wall, "stages": stages, **rss.as_dict(), "batch_id": batch_id,
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
             **verify_and_drop(ctx["dsn"], name, ds)}
 

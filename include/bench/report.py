@@ -120,3 +120,17 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
     lines += ["", "| fixed cost (s) and memory (MB) | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
+
+
+def worker_rss_by_task(task_docs: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """RSS at the end of each task of the Python worker that ran the most tasks, in the order
+    it ran them (Spark reuses workers, so a range kept in memory would make this climb)."""
+    by_pid: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for d in task_docs:
+        if d.get("rss_mb") is not None and d.get("t") is not None:
+            by_pid[int(d["pid"])].append((float(d["t"]), float(d["rss_mb"])))
+    if not by_pid:
+        return None
+    pid, tasks = max(by_pid.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+    return {"pid": pid, "workers": len(by_pid),
+            "rss_mb_after_task": [rss for _, rss in sorted(tasks)]}

@@ -383,21 +383,25 @@ standalone_start() {
   log "airflow standalone ready: http://127.0.0.1:$AIRFLOW_PORT (user admin, password in $AIRFLOW_HOME_DIR/simple_auth_manager_passwords.json)"
 }
 
-standalone_stop() {
-  local pidf="$AIRFLOW_HOME_DIR/standalone.pid"
+# Stop the process group whose leader's pid is in $2 (started with setsid): TERM, then KILL
+# after 30 s.
+stop_group() {
+  local name="$1" pidf="$2"
   [[ -f "$pidf" ]] || return 0
   local pgid; pgid="$(cat "$pidf")"
   if kill -0 -- "-$pgid" 2>/dev/null; then
-    log "stopping airflow standalone (process group $pgid)"
+    log "stopping $name (process group $pgid)"
     kill -TERM -- "-$pgid" 2>/dev/null || true
     local deadline=$((SECONDS + 30))
     while kill -0 -- "-$pgid" 2>/dev/null; do
-      if (( SECONDS >= deadline )); then log "airflow standalone did not stop in 30s; SIGKILL"; kill -KILL -- "-$pgid" 2>/dev/null || true; sleep 0.5; break; fi
-      sleep 0.5
+      if (( SECONDS >= deadline )); then log "$name did not stop in 30s; SIGKILL"; kill -KILL -- "-$pgid" 2>/dev/null || true; sleep 0.5; break; fi
+      sleep 0.3
     done
   fi
   rm -f "$pidf"
 }
+
+standalone_stop() { stop_group "airflow standalone" "$AIRFLOW_HOME_DIR/standalone.pid"; }
 
 # ---------------------------------------------------------------- Spark Connect
 # A long-running Spark driver that pipelines reach over gRPC (`spark.launch: connect`), so a
@@ -428,21 +432,7 @@ connect_start() {
   log "spark connect ready: sc://127.0.0.1:$CONNECT_PORT"
 }
 
-connect_stop() {
-  local pidf="$CONNECT_DIR/connect.pid"
-  [[ -f "$pidf" ]] || return 0
-  local pgid; pgid="$(cat "$pidf")"
-  if kill -0 -- "-$pgid" 2>/dev/null; then
-    log "stopping spark connect (process group $pgid)"
-    kill -TERM -- "-$pgid" 2>/dev/null || true
-    local deadline=$((SECONDS + 30))
-    while kill -0 -- "-$pgid" 2>/dev/null; do
-      if (( SECONDS >= deadline )); then kill -KILL -- "-$pgid" 2>/dev/null || true; sleep 0.5; break; fi
-      sleep 0.3
-    done
-  fi
-  rm -f "$pidf"
-}
+connect_stop() { stop_group "spark connect" "$CONNECT_DIR/connect.pid"; }
 
 # ---------------------------------------------------------------- commands
 cmd_up() {

@@ -50,7 +50,8 @@ class TaskClock:
 
     def emit(self, batch_id: int, kind: str, part: int) -> None:
         doc: dict[str, Any] = {"batch_id": batch_id, "kind": kind, "part": part,
-                               "pid": os.getpid(),
+                               "pid": os.getpid(), "t": round(time.time(), 3),
+                               "rss_mb": current_rss_mb(),
                                "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
                                "counts": self.counts}
         log.info("batch %d %s task %d: %s", batch_id, kind, part, doc["seconds"])
@@ -64,6 +65,21 @@ class TaskClock:
                 json.dumps(doc))
         except OSError as e:  # metrics must never fail a batch
             log.warning("could not write task metrics to %s: %s", where, e)
+
+
+def current_rss_mb() -> float | None:
+    """Resident memory of this process now (not its peak: Spark reuses Python workers, so a
+    worker's RSS at the end of each task shows whether tasks leave memory behind)."""
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):  # not Linux
+        return None
+    return round(resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+
+
+def load_task_metrics(directory: Path) -> list[dict[str, Any]]:
+    """Every task document written to `directory`."""
+    return [json.loads(f.read_text()) for f in directory.glob("b*.json")]
 
 
 def read_task_metrics(directory: Path, batch_id: int) -> dict[str, float]:

@@ -52,3 +52,14 @@ def test_missed_goal_is_reported_not_hidden() -> None:
     (row,) = report.goals(s, "1M", "1k", None)
     assert row["measured"] == 1.2 and row["met"] is False
     assert "| NO |" in report.markdown(s, [row], {})
+
+
+def test_worker_rss_follows_the_busiest_worker_in_task_order() -> None:
+    docs = [  # written out of order, as a glob returns them
+        {"pid": 7, "t": 3.0, "rss_mb": 330.0}, {"pid": 7, "t": 1.0, "rss_mb": 300.0},
+        {"pid": 9, "t": 2.0, "rss_mb": 900.0}, {"pid": 7, "t": 2.0, "rss_mb": 320.0},
+        {"pid": 8, "t": 1.5, "rss_mb": None},  # no /proc: not counted
+    ]
+    w = report.worker_rss_by_task(docs)
+    assert w == {"pid": 7, "workers": 2, "rss_mb_after_task": [300.0, 320.0, 330.0]}
+    assert report.worker_rss_by_task([{"pid": 1, "t": 1.0, "rss_mb": None}]) is None
