@@ -244,7 +244,7 @@ def chart(summary: dict[str, Any], main_label: str, path: Path,
                  marker="s", label="one task, by records in its range")
     ax4.set_xscale("log")
     ax4.set_ylim(bottom=0)
-    ax4.set_title("peak memory (MB) by batch size (a worker's: the highest over all its tasks)")
+    ax4.set_title("peak memory (MB) by batch size (worker: highest of all its tasks)")
     ax4.set_xlabel("records in the batch")
     ax4.legend(fontsize=8)
     for name, rss in reuse.items():
