@@ -20,13 +20,12 @@ import json
 import os
 from typing import Any
 
-import psutil
 import pyarrow as pa
 from engines import SCHEMA
 
 from offsetflow.config import parse_pipeline
 from offsetflow.job import ReadContext, read_subrange, stage_columns
-from offsetflow.metrics import TaskClock
+from offsetflow.metrics import TaskClock, current_rss_mb
 from offsetflow.ranges import OffsetRange
 from offsetflow.sink import binary_encoder
 
@@ -63,7 +62,7 @@ def main(topic: str, partition: int, until_offset: int, tasks: int = 1) -> dict[
             raise RuntimeError(f"{topic}[{partition}]: read {n} records of [0, {until_offset})")
         del rc
         gc.collect()
-        rss_after.append(round(psutil.Process().memory_info().rss / 2**20, 1))
+        rss_after.append(current_rss_mb() or 0.0)
         arrow_held.append(round(pa.total_allocated_bytes() / 2**20, 1))
     out: dict[str, Any] = {"records": until_offset, "peak_rss_mb": _peak_rss_mb()}
     if tasks > 1:
