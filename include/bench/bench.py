@@ -148,11 +148,17 @@ def worker_reuse_memory(ds: DataSet, tasks: int = 30) -> dict[str, Any]:
     """RSS of one process running `tasks` tasks of up to 100,000 records in a row, as a
     reused Spark Python worker does: flat after the first tasks means nothing is kept."""
     m = _memory_probe(ds, min(100_000, ds.ranges[0].until_offset), tasks)
-    log.info("one process running %d tasks of %d records: RSS %s MB after tasks 1/10/%d, "
+    marks = milestones(len(m["rss_mb_after_task"]))
+    log.info("one process running %d tasks of %d records: RSS %s MB after tasks %s, "
              "Arrow holds %s MB after the last", tasks, m["records"],
-             "/".join(str(m["rss_mb_after_task"][i]) for i in (0, 9, tasks - 1)), tasks,
-             m["arrow_held_mb_after_task"][-1])
+             "/".join(str(m["rss_mb_after_task"][i - 1]) for i in marks),
+             "/".join(map(str, marks)), m["arrow_held_mb_after_task"][-1])
     return m
+
+
+def milestones(tasks: int) -> list[int]:
+    """The task numbers a memory series is reported at: the first, the tenth, the last."""
+    return sorted({1, min(10, tasks), tasks})
 
 
 def start_connect(metrics_dir: Path) -> tuple[int, float]:
@@ -362,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed[f"peak RSS (MB) of one task reading a {m['records']:,.0f}-record range"] = \
             m["peak_rss_mb"]
     reuse_rss = reuse_mem["rss_mb_after_task"]
-    for i in (1, 10, len(reuse_rss)):
+    for i in milestones(len(reuse_rss)):
         fixed[f"RSS (MB) of one task-equivalent process after task {i} of {len(reuse_rss)} "
               f"in a row ({reuse_mem['records']:,} records each)"] = reuse_rss[i - 1]
     fixed["Arrow memory (MB) still held after the last of those tasks"] = \
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = spark_worker_rss(raw.get("offsetflow-local", {}).get("results", []), metrics_dir)
     if worker:
         w_rss = worker["rss_mb_after_task"]
-        for i in sorted({1, min(10, len(w_rss)), len(w_rss)}):
+        for i in milestones(len(w_rss)):
             fixed[f"RSS (MB) of the busiest Spark Python worker (warm local, all batch sizes) "
                   f"after task {i} of {len(w_rss)}"] = w_rss[i - 1]
         reuse_series["Spark Python worker, warm local (every batch of the run, in order)"] = \
