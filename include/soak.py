@@ -28,14 +28,20 @@ from typing import Any
 import yaml
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from offsetflow import chaos
-from offsetflow.checker import check
-from offsetflow.config import load_pipeline
-from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only
+ROOT = Path(__file__).resolve().parents[1]
+# the workload, fault injectors and checker are test tooling (tests/tooling), not shipped;
+# Spark workers and job processes find them through PYTHONPATH
+sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+from offsetflow.config import load_pipeline  # noqa: E402 - after the sys.path line
+from offsetflow.ledger import Ledger  # noqa: E402 - after the sys.path line
+from offsetflow.runner import plan_only  # noqa: E402 - after the sys.path line
+from tests.tooling import chaos  # noqa: E402 - after the sys.path line
+from tests.tooling.checker import check  # noqa: E402 - after the sys.path line
 
 log = logging.getLogger("offsetflow.soak")
-ROOT = Path(__file__).resolve().parents[1]
 FAULTS = ["kill_after_plan", "task_failure", "kill_after_staging", "cut_commit_connection",
           "restart_postgres", "restart_kafka", "kill_after_commit", "zombie_same_batch"]
 
@@ -56,7 +62,7 @@ class Soak:
             "name": self.name, "kafka": {"bootstrap_servers": self.bootstrap},
             "source": {"topics": [self.topic], "max_records_per_partition": 20_000},
             "format": {"type": "json", "schema": dict(chaos.SCHEMA)},
-            "transform": "offsetflow.chaos.maybe_fail_task",
+            "transform": "tests.tooling.chaos.maybe_fail_task",
             "sink": {"connection": self.dsn, "table": f"soak_{run}"},
             "spark": {"master": "local[2,4]", "max_offsets_per_task": 10_000}}))
         self.cfg = load_pipeline(self.file)

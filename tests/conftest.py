@@ -33,6 +33,11 @@ def _load_stack_env() -> None:
 
 
 _load_stack_env()
+# Spark's Python workers and job processes import test tooling (`tests.tooling.chaos`
+# transforms): they inherit PYTHONPATH, not pytest's sys.path
+if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -41,7 +41,8 @@ from offsetflow.ledger import Ledger
 from offsetflow.metrics import read_task_metrics
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.runner import plan_only
-from offsetflow.sink import LINEAGE_COLUMN, binary_encoder, ensure_target
+from offsetflow.staging import binary_encoder
+from offsetflow.tables import LINEAGE_COLUMN, ensure_target
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

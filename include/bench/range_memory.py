@@ -27,7 +27,7 @@ from offsetflow.config import parse_pipeline
 from offsetflow.job import ReadContext, read_subrange, stage_columns
 from offsetflow.metrics import TaskClock, current_rss_mb
 from offsetflow.ranges import OffsetRange
-from offsetflow.sink import binary_encoder
+from offsetflow.staging import binary_encoder
 
 
 def _peak_rss_mb() -> float:

@@ -4,6 +4,7 @@
 #
 #   stack.sh up | down | status | env | logs [kafka|pg|airflow]
 #   stack.sh kafka-start | kafka-stop | pg-start | pg-stop
+#   stack.sh pg-crash | kafka-kill   (faults: pg_ctl stop -m immediate; kill -9 of the broker)
 #   stack.sh airflow-setup | airflow-standalone-start | airflow-standalone-stop
 #   stack.sh connect-start | connect-stop   (a warm Spark Connect server, for `spark.launch: connect`)
 #
@@ -17,6 +18,13 @@ STACK="$ROOT/.stack"
 VENV="$ROOT/.venv"
 HERE="$ROOT/include/stack"
 
+# A checkout remembers the ports it was first started on (.stack/ports), so a second
+# checkout started with other OFFSETFLOW_*_PORT values keeps them in later calls.
+if [[ -f "$STACK/ports" ]]; then
+  while IFS='=' read -r k v; do
+    [[ "$k" == OFFSETFLOW_*_PORT && -z "${!k:-}" ]] && export "$k=$v"
+  done < "$STACK/ports"
+fi
 KAFKA_PORT="${OFFSETFLOW_KAFKA_PORT:-19092}"
 CONTROLLER_PORT="${OFFSETFLOW_KAFKA_CONTROLLER_PORT:-19093}"
 PG_PORT="${OFFSETFLOW_PG_PORT:-15432}"
@@ -92,6 +100,9 @@ export AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="5"
 export AIRFLOW__LOGGING__LOGGING_LEVEL="INFO"
 EOF
   mv -f "$STACK/env.sh.tmp" "$STACK/env.sh"
+  printf '%s\n' "OFFSETFLOW_KAFKA_PORT=$KAFKA_PORT" "OFFSETFLOW_KAFKA_CONTROLLER_PORT=$CONTROLLER_PORT" \
+    "OFFSETFLOW_PG_PORT=$PG_PORT" "OFFSETFLOW_AIRFLOW_PORT=$AIRFLOW_PORT" \
+    "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" > "$STACK/ports"
 }
 
 cmd_env() { write_env; cat "$STACK/env.sh"; }
@@ -309,6 +320,25 @@ pg_stop() {
   fi
 }
 
+# Crash, not stop (fault tests and the soak): the server gets no shutdown checkpoint, so
+# recovery replays WAL and resets every UNLOGGED table to empty, as after a host crash or a
+# failover to a replica. `-m fast` would keep unlogged data.
+pg_crash() {
+  local bin; bin="$(pg_bindir)"
+  [[ -n "$bin" && -f "$PG_DIR/data/postmaster.pid" ]] || die "postgres is not running"
+  log "crashing PostgreSQL (pg_ctl stop -m immediate)"
+  as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -m immediate -w -t 60 stop >/dev/null 2>&1 || true
+}
+
+# SIGKILL the broker (no controlled shutdown, no log flush); kafka-start brings it back.
+kafka_kill() {
+  pid_alive "$KAFKA_DIR/kafka.pid" || die "kafka is not running"
+  log "killing Kafka (kill -9)"
+  kill -9 "$(cat "$KAFKA_DIR/kafka.pid")" 2>/dev/null || true
+  local i; for ((i = 0; i < 100; i++)); do pid_alive "$KAFKA_DIR/kafka.pid" || break; sleep 0.1; done
+  rm -f "$KAFKA_DIR/kafka.pid"
+}
+
 # ---------------------------------------------------------------- airflow
 load_env() { write_env; set -a; source "$STACK/env.sh"; set +a; }  # shellcheck disable=SC1091
 
@@ -486,10 +516,12 @@ case "${1:-}" in
   kafka-stop) kafka_stop ;;
   pg-start) write_env; pg_start ;;
   pg-stop) pg_stop ;;
+  pg-crash) pg_crash ;;
+  kafka-kill) kafka_kill ;;
   airflow-setup) airflow_setup ;;
   airflow-standalone-start) standalone_start ;;
   airflow-standalone-stop) standalone_stop ;;
   connect-start) connect_start ;;
   connect-stop) connect_stop ;;
-  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|pg-start|pg-stop|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|kafka-kill|pg-start|pg-stop|pg-crash|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop" >&2; exit 2 ;;
 esac

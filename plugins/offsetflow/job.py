@@ -3,8 +3,8 @@
 DataFrame API only (`mapInArrow`), so the same job runs on a local SparkSession, through
 spark-submit on a cluster, or over Spark Connect. One Spark task per (sub-)range reads it
 with `offsetflow.reader`; rows are staged by the tasks and committed by the driver in one
-PostgreSQL transaction (`offsetflow.sink.commit_batch`; in append mode
-`offsetflow.sink.PartwiseCommit`, which starts moving parts while later ones are read).
+PostgreSQL transaction (`offsetflow.commit.commit_batch`; in append mode
+`offsetflow.commit.PartwiseCommit`, which starts moving parts while later ones are read).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from offsetflow.commit import CommitResult, PartwiseCommit, check_fence, commit_batch
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
+from offsetflow.dead_letters import route_rows_to_dead_letter
 from offsetflow.errors import (
     BadRecordError,
     BatchStateError,
@@ -31,25 +33,11 @@ from offsetflow.errors import (
     OffsetFlowError,
     SparkUnavailableError,
 )
-from offsetflow.ledger import Batch, Ledger, connect
+from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.sink import (
-    CommitResult,
-    PartwiseCommit,
-    bad_record_summary,
-    binary_encoder,
-    check_fence,
-    commit_batch,
-    create_stage_tables,
-    ensure_dead_letter,
-    ensure_target,
-    pg_type,
-    route_rows_to_dead_letter,
-    stage_bad_records,
-    stage_part_table,
-    stage_rows,
-)
+from offsetflow.staging import bad_record_summary, binary_encoder, stage_bad_records, stage_rows
+from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -1,7 +1,7 @@
 """The ledger: PostgreSQL tables that are the single system of record for offsets.
 
 Thin adapter over psycopg2. Batches and their ranges are written before any record is
-read; positions only move inside the commit transaction (see `offsetflow.sink`).
+read; positions only move inside the commit transaction (see `offsetflow.commit`).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_upsert_mode_keeps_one_row_per_key(
 
 def test_abandoned_batch_staging_is_cleaned_up(pg_dsn: str, kafka_bootstrap: str,
                                                make_topic: Any, unique: str) -> None:
-    from offsetflow.sink import create_stage_tables
+    from offsetflow.tables import create_stage_tables
 
     topic = make_topic("aband", 1)
     produce_plain(kafka_bootstrap, topic, 10, f"a{unique}", 1)

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import yaml
 
-from offsetflow import chaos
-from offsetflow.checker import check
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.errors import BatchStateError, OffsetsResetError, TopicRecreatedError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
+from tests.tooling import chaos
+from tests.tooling.checker import check
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,7 +118,7 @@ def test_killed_after_planning_rerun_reads_the_same_ranges(case: Case, spark: An
 def test_task_failing_mid_range_is_retried_without_double_staging(case: Case,
                                                                  spark: Any) -> None:
     case.workload.mixed(3000, random.Random(2))
-    case.raw["transform"] = "offsetflow.chaos.maybe_fail_task"  # with OFFSETFLOW_CHAOS_TASK_FAIL
+    case.raw["transform"] = "tests.tooling.chaos.maybe_fail_task"  # with OFFSETFLOW_CHAOS_TASK_FAIL
     case.raw["spark"]["conf"] = {"spark.task.maxFailures": "4"}
     case.write_config()
     planned = plan_only(case.cfg, case.dsn)

@@ -12,21 +12,15 @@ from typing import Any
 
 import pytest
 
+from offsetflow.commit import PartwiseCommit
 from offsetflow.errors import FencedCommitError
 from offsetflow.job import ReadContext, read_subrange, run_batch, stage_columns
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Batch, Ledger, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
-from offsetflow.sink import (
-    PartwiseCommit,
-    binary_encoder,
-    create_stage_tables,
-    ensure_dead_letter,
-    ensure_target,
-    stage_part_table,
-    stage_rows,
-)
+from offsetflow.staging import binary_encoder, stage_rows
+from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 

@@ -1,4 +1,4 @@
-from offsetflow.checker import ProducedRecord, SinkRow, check
+from tests.tooling.checker import ProducedRecord, SinkRow, check
 
 
 def prod(i: int, committed: bool = True, partition: int = 0) -> ProducedRecord:

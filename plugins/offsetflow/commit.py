@@ -1,10 +1,4 @@
-"""Transactional PostgreSQL sink: idempotent staging, then one commit transaction.
-
-Staging runs in Spark tasks. Each task writes its rows with COPY into the batch's stage
-table and, in the same PostgreSQL transaction, a `staged_parts` marker; a retried or
-speculative attempt finds the marker (or blocks on it) and stages nothing twice.
-
-`commit_batch` is step 3 of the lifecycle, one transaction, in this order:
+"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction, in this order:
   1. lock the batch row; already committed -> no-op, say so; abandoned -> refuse;
   2. check that every part the job produced is staged (no partial stage commits);
   3. fence: advance each partition's position only if it still equals the range's
@@ -19,76 +13,30 @@ speculative attempt finds the marker (or blocks on it) and stages nothing twice.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
-import pyarrow as pa
-import pyarrow.csv as pacsv
 from psycopg2 import sql
 
-from offsetflow import pgcopy
-from offsetflow.errors import (
-    BatchStateError,
-    FencedCommitError,
-    SchemaMismatchError,
-    StagingIncompleteError,
-)
+from offsetflow.errors import BatchStateError, FencedCommitError, StagingIncompleteError
 from offsetflow.ledger import (
     Batch,
     Ledger,
-    connect,
     dead_letter_stage_table,
     qualified,
     stage_part_table,
     stage_table,
 )
-from offsetflow.metrics import TaskClock
-from offsetflow.stage_form import stage_form
+from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN
 
 log = logging.getLogger(__name__)
-
-LINEAGE_COLUMN = "_offsetflow_batch_id"
-COORDINATES = ("topic", "partition", "offset")
-# the coordinates' index compares integers first: inserting a 1M-row batch into the unique
-# index costs ~15-30% less than with the topic text first (measured; same uniqueness)
-COORDINATE_INDEX_ORDER = ("partition", "offset", "topic")
-
-DEAD_LETTER_COLUMNS: list[tuple[str, str]] = [
-    ("pipeline", "text"), ("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
-    ("timestamp", "timestamptz"), ("key", "bytea"), ("value", "bytea"), ("error", "text"),
-    ("stage", "text"),
-]
-
-_SIMPLE_TYPES = {
-    "string": "text", "bigint": "bigint", "int": "integer", "smallint": "smallint",
-    "tinyint": "smallint", "double": "double precision", "float": "real",
-    "boolean": "boolean", "timestamp": "timestamptz", "timestamp_ntz": "timestamp",
-    "date": "date", "binary": "bytea", "void": "text",
-}
-_DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
-
-
-def pg_type(spark_type: str) -> str:
-    """PostgreSQL column type for a Spark `simpleString()` type; nested types are jsonb."""
-    t = spark_type.strip().lower()
-    if t in _SIMPLE_TYPES:
-        return _SIMPLE_TYPES[t]
-    m = _DECIMAL.match(t)
-    if m:
-        return f"numeric({m.group(1)},{m.group(2)})"
-    if t.startswith(("array<", "struct<", "map<")):
-        return "jsonb"
-    raise SchemaMismatchError(f"no PostgreSQL type for Spark type {spark_type!r}")
 
 
 @dataclass(frozen=True)
@@ -107,298 +55,7 @@ class CommitResult:
                 f"{self.bad_records} dead letters")
 
 
-# -- tables ---------------------------------------------------------------------------
-def existing_columns(cur: psycopg2.extensions.cursor, table: str) -> dict[str, str]:
-    schema, name = (table.split(".") + [""])[:2] if "." in table else ("public", table)
-    cur.execute("""SELECT column_name, data_type FROM information_schema.columns
-                    WHERE table_schema = %s AND table_name = %s""", (schema, name))
-    return {c: t for c, t in cur.fetchall()}
 
-
-def _ddl_lock(cur: psycopg2.extensions.cursor) -> None:
-    """Serialises this project's CREATE ... IF NOT EXISTS until the transaction ends: two runs
-    of one batch at once (an Airflow retry beside a zombie) race on it otherwise, and
-    PostgreSQL reports the loser as a pg_type unique violation."""
-    cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:ddl'))")
-
-
-def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence[tuple[str, str]],
-                  mode: str, key: Sequence[str]) -> None:
-    """Create the target if missing (with lineage column and indexes) or check it fits."""
-    _ddl_lock(cur)
-    schema = table.split(".")[0] if "." in table else "public"
-    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-    have = existing_columns(cur, table)
-    if not have:
-        cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                                      for c, t in columns]
-        cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
-        cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-            qualified(table), sql.SQL(", ").join(cols)))
-        base = table.split(".")[-1]
-        coords = sql.SQL(", ").join(sql.Identifier(c) for c in COORDINATE_INDEX_ORDER)
-        if mode == "upsert":
-            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_key_uq"), qualified(table),
-                sql.SQL(", ").join(sql.Identifier(k) for k in key)))
-            cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_coords_idx"), qualified(table), coords))
-        else:
-            # one source record -> at most one row: a second copy cannot even be inserted
-            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_coords_uq"), qualified(table), coords))
-        return
-    missing = [c for c, _ in columns if c not in have]
-    if LINEAGE_COLUMN not in have:
-        missing.append(LINEAGE_COLUMN)
-    if missing:
-        raise SchemaMismatchError(
-            f"target table {table} exists but lacks column(s) {missing}; add them or "
-            f"point sink.table at a new table")
-
-
-def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:
-    _ddl_lock(cur)
-    schema = table.split(".")[0] if "." in table else "public"
-    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-    cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                                  for c, t in DEAD_LETTER_COLUMNS]
-    cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
-    cols.append(sql.SQL("recorded_at timestamptz NOT NULL DEFAULT now()"))
-    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-        qualified(table), sql.SQL(", ").join(cols)))
-    base = table.split(".")[-1]
-    cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (pipeline, topic, partition, "
-                        "\"offset\")").format(sql.Identifier(f"{base}_coords_idx"),
-                                              qualified(table)))
-
-
-def create_stage_tables(dsn: str, batch_id: int, columns: Sequence[tuple[str, str]],
-                        parts: int = 0) -> None:
-    """Stage tables are UNLOGGED: they are rebuilt from Kafka if lost, and WAL is costly.
-    With `parts`, one child table per Spark part too (see `PartwiseCommit`); created here,
-    before any task runs, so tasks never take DDL locks next to a running commit."""
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            _ddl_lock(cur)
-            cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow_stage")
-            cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                                      for c, t in columns)
-            cur.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} ({})").format(
-                stage_table(batch_id), cols))
-            for part in range(parts):
-                cur.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} () INHERITS ({})")
-                            .format(stage_part_table(batch_id, part), stage_table(batch_id)))
-            dl = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                                    for c, t in DEAD_LETTER_COLUMNS)
-            cur.execute(sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} ({})").format(
-                dead_letter_stage_table(batch_id), dl))
-    finally:
-        conn.close()
-
-
-# -- staging (runs in Spark tasks) ------------------------------------------------------
-def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
-    buf = io.BytesIO()
-    pacsv.write_csv(batch, buf, pacsv.WriteOptions(include_header=False))
-    return buf.getvalue()
-
-
-def _copy(cur: psycopg2.extensions.cursor, table: sql.Composed, columns: Sequence[str],
-          data: bytes, fmt: str = "csv") -> None:
-    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
-        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns),
-        sql.SQL({"csv": "csv", "binary": "binary"}[fmt])), io.BytesIO(data))
-
-
-Encoder = Callable[[pa.RecordBatch], tuple[str, bytes]]
-
-
-def csv_encoder(batch: pa.RecordBatch) -> tuple[str, bytes]:
-    """For batches already in stage form (binary as hex text, nested as JSON)."""
-    return "csv", _csv_bytes(batch)
-
-
-def binary_encoder(pg_types: Sequence[str]) -> Encoder:
-    """For raw Arrow batches in stage-column order: binary COPY where every column type has
-    a binary layout (the usual case), else hex/JSON text as CSV."""
-    types = list(pg_types)
-    use_binary = pgcopy.supported(types)
-
-    def encode(batch: pa.RecordBatch) -> tuple[str, bytes]:
-        if use_binary:
-            data = pgcopy.encode(stage_form(batch, hex_binary=False), types)
-            if data is not None:
-                return "binary", data
-        return "csv", _csv_bytes(stage_form(batch))
-    return encode
-
-
-def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
-                chunk: int) -> dict[str, Any] | None:
-    """Insert the part's marker; return the earlier attempt's stats if it already exists.
-    A concurrent attempt blocks here on the primary key until the first one ends."""
-    cur.execute("""INSERT INTO offsetflow.staged_parts
-                     (batch_id, kind, part, chunk, rows_staged, bad_records)
-                   VALUES (%s, %s, %s, %s, 0, 0) ON CONFLICT DO NOTHING""",
-                (batch_id, kind, part, chunk))
-    if cur.rowcount == 1:
-        return None
-    cur.execute("""SELECT rows_staged, bad_records, per_partition FROM offsetflow.staged_parts
-                    WHERE batch_id=%s AND kind=%s AND part=%s AND chunk=%s""",
-                (batch_id, kind, part, chunk))
-    row = cur.fetchone()
-    assert row is not None
-    return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
-
-
-def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
-               clock: TaskClock | None = None, encode: Encoder = csv_encoder,
-               table: sql.Composed | None = None) -> dict[str, Any]:
-    """Stage one Spark partition's rows in one transaction with its marker.
-
-    `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
-    form (binary as `\\x..` hex, nested as JSON), `binary_encoder` for raw Arrow batches.
-    `table` is the part's own stage table (`stage_part_table`), else the stage table.
-    Returns the per-part stats; a part staged by an earlier attempt is not written again.
-    """
-    into = table if table is not None else stage_table(batch_id)
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            earlier = _claim_part(cur, batch_id, "rows", part, 0)
-            if earlier is not None:
-                return {"part": part, "skipped": True, **earlier}
-            rows = 0
-            per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
-            clock = clock or TaskClock()
-            it = iter(batches)
-            while True:
-                with clock.stage("wait_upstream"):
-                    b = next(it, None)
-                if b is None:
-                    break
-                if b.num_rows == 0:
-                    continue
-                with clock.stage("encode"):
-                    fmt, data = encode(b)
-                with clock.stage("copy"):
-                    _copy(cur, into, b.schema.names, data, fmt)
-                rows += b.num_rows
-                _count_coordinates(b, per_tp)
-            clock.count("rows", rows)
-            cur.execute("""UPDATE offsetflow.staged_parts
-                              SET rows_staged = %s, per_partition = %s
-                            WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
-                        (rows, json.dumps(per_tp), batch_id, part))
-        return {"part": part, "skipped": False, "rows": rows, "bad": 0, "per_partition": per_tp}
-    finally:
-        conn.close()
-
-
-def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
-    t = pa.Table.from_batches([b]).select(["topic", "partition", "offset"])
-    g = t.group_by(["topic", "partition"]).aggregate(
-        [("offset", "count"), ("offset", "min"), ("offset", "max")])
-    for topic, p, n, lo, hi in zip(*(g.column(i).to_pylist() for i in range(5)), strict=True):
-        k = f"{topic}/{p}"
-        if k in acc:
-            c = acc[k]
-            acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
-        else:
-            acc[k] = [n, lo, hi]
-
-
-def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: str,
-                      rows: Sequence[dict[str, Any]], write_rows: bool) -> None:
-    """Record one chunk of bad records of one sub-range: always the marker with a sample
-    (so the driver can fail the batch naming them); the rows too under `dead_letter`."""
-    if not rows:
-        return
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
-                return
-            if write_rows:
-                t = pa.table({
-                    "pipeline": [pipeline] * len(rows),
-                    "topic": [r["topic"] for r in rows],
-                    "partition": pa.array([r["partition"] for r in rows], pa.int32()),
-                    "offset": pa.array([r["offset"] for r in rows], pa.int64()),
-                    "timestamp": pa.array([r["timestamp"] for r in rows],
-                                          pa.timestamp("us", tz="UTC")),
-                    "key": [_hex(r["key"]) for r in rows],
-                    "value": [_hex(r["value"]) for r in rows],
-                    "error": [r["error"] for r in rows],
-                    "stage": [r.get("stage", "deserialize") for r in rows],
-                })
-                _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
-            sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")}
-                      for r in rows[:5]]
-            cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
-                            WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
-                        (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
-    finally:
-        conn.close()
-
-
-def _hex(b: bytes | None) -> str | None:
-    return None if b is None else "\\x" + b.hex()
-
-
-def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
-    with ledger.transaction() as cur:
-        cur.execute("""SELECT COALESCE(sum(bad_records), 0), array_agg(per_partition)
-                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'bad'""",
-                    (batch_id,))
-        row = cur.fetchone()
-    assert row is not None
-    samples = [s for pp in (row[1] or []) if pp for s in pp.get("sample", [])]
-    samples.sort(key=lambda s: (s["topic"], s["partition"], s["offset"]))
-    return int(row[0]), samples
-
-
-def route_rows_to_dead_letter(dsn: str, batch_id: int, pipeline: str,
-                              rows: dict[tuple[str, int, int], list[str]], stage: str,
-                              stage_columns: Sequence[str]) -> int:
-    """Move staged rows (by coordinates) to the dead-letter stage, in one transaction."""
-    if not rows:
-        return 0
-    key = "key" if "key" in stage_columns else None
-    value = "value" if "value" in stage_columns else None
-    ts = "timestamp" if "timestamp" in stage_columns else None
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute("CREATE TEMP TABLE route (topic text, partition int, \"offset\" bigint, "
-                        "error text) ON COMMIT DROP")
-            buf = io.BytesIO(_csv_bytes(pa.table({
-                "topic": [c[0] for c in rows], "partition": [c[1] for c in rows],
-                "offset": [c[2] for c in rows],
-                "error": [f"{stage}: failed " + ", ".join(errs) for errs in rows.values()]})))
-            cur.copy_expert('COPY route FROM STDIN WITH (FORMAT csv)', buf)
-            opt = {n: (sql.SQL("s.{}").format(sql.Identifier(n)) if n else sql.SQL("NULL"))
-                   for n in ("key", "value", "timestamp")}
-            cur.execute(sql.SQL(
-                "INSERT INTO {dl} (pipeline, topic, partition, \"offset\", \"timestamp\", key, "
-                "value, error, stage) SELECT %s, s.topic, s.partition, s.\"offset\", {ts}, "
-                "{k}::bytea, {v}::bytea, r.error, %s FROM {st} s JOIN route r "
-                "USING (topic, partition, \"offset\")").format(
-                    dl=dead_letter_stage_table(batch_id), st=stage_table(batch_id),
-                    ts=opt["timestamp"] if ts else sql.SQL("NULL"),
-                    k=opt["key"] if key else sql.SQL("NULL"),
-                    v=opt["value"] if value else sql.SQL("NULL")), (pipeline, stage))
-            cur.execute(sql.SQL("DELETE FROM {st} s USING route r WHERE s.topic = r.topic "
-                                "AND s.partition = r.partition AND s.\"offset\" = r.\"offset\"")
-                        .format(st=stage_table(batch_id)))
-            return int(cur.rowcount)
-    finally:
-        conn.close()
-
-
-# -- commit --------------------------------------------------------------------------
 @dataclass
 class MovedRows:
     """Rows a `PartwiseCommit` moved into the target earlier in the commit's transaction."""

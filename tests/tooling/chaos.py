@@ -2,7 +2,7 @@
 
 A `Workload` writes records with a unique id and a payload checksum and remembers each
 one's coordinates from the delivery report, and whether its transaction committed, so
-`offsetflow.checker` can judge the sink. The fault helpers act on the real services:
+`tests.tooling.checker` can judge the sink. The fault helpers act on the real services:
 processes are killed, connections cut, servers restarted.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import psycopg2
 from confluent_kafka import KafkaError, Message, Producer
 
-from offsetflow.checker import ProducedRecord, SinkRow
+from tests.tooling.checker import ProducedRecord, SinkRow
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "include" / "stack" / "stack.sh"

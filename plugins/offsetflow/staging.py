@@ -1,0 +1,183 @@
+"""Staging, run in Spark tasks: each task COPYs its rows into its part of the batch's stage
+and, in the same PostgreSQL transaction, writes the part's `staged_parts` marker; a retried
+or speculative attempt finds the marker (or blocks on it) and stages nothing twice. Bad
+records are recorded the same way, chunk by chunk."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import psycopg2.extensions
+import pyarrow as pa
+import pyarrow.csv as pacsv
+from psycopg2 import sql
+
+from offsetflow import pgcopy
+from offsetflow.ledger import Ledger, connect, dead_letter_stage_table, stage_table
+from offsetflow.metrics import TaskClock
+from offsetflow.stage_form import stage_form
+
+
+def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
+    buf = io.BytesIO()
+    pacsv.write_csv(batch, buf, pacsv.WriteOptions(include_header=False))
+    return buf.getvalue()
+
+
+def _copy(cur: psycopg2.extensions.cursor, table: sql.Composed, columns: Sequence[str],
+          data: bytes, fmt: str = "csv") -> None:
+    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
+        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns),
+        sql.SQL({"csv": "csv", "binary": "binary"}[fmt])), io.BytesIO(data))
+
+
+Encoder = Callable[[pa.RecordBatch], tuple[str, bytes]]
+
+
+def csv_encoder(batch: pa.RecordBatch) -> tuple[str, bytes]:
+    """For batches already in stage form (binary as hex text, nested as JSON)."""
+    return "csv", _csv_bytes(batch)
+
+
+def binary_encoder(pg_types: Sequence[str]) -> Encoder:
+    """For raw Arrow batches in stage-column order: binary COPY where every column type has
+    a binary layout (the usual case), else hex/JSON text as CSV."""
+    types = list(pg_types)
+    use_binary = pgcopy.supported(types)
+
+    def encode(batch: pa.RecordBatch) -> tuple[str, bytes]:
+        if use_binary:
+            data = pgcopy.encode(stage_form(batch, hex_binary=False), types)
+            if data is not None:
+                return "binary", data
+        return "csv", _csv_bytes(stage_form(batch))
+    return encode
+
+
+def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
+                chunk: int) -> dict[str, Any] | None:
+    """Insert the part's marker; return the earlier attempt's stats if it already exists.
+    A concurrent attempt blocks here on the primary key until the first one ends."""
+    cur.execute("""INSERT INTO offsetflow.staged_parts
+                     (batch_id, kind, part, chunk, rows_staged, bad_records)
+                   VALUES (%s, %s, %s, %s, 0, 0) ON CONFLICT DO NOTHING""",
+                (batch_id, kind, part, chunk))
+    if cur.rowcount == 1:
+        return None
+    cur.execute("""SELECT rows_staged, bad_records, per_partition FROM offsetflow.staged_parts
+                    WHERE batch_id=%s AND kind=%s AND part=%s AND chunk=%s""",
+                (batch_id, kind, part, chunk))
+    row = cur.fetchone()
+    assert row is not None
+    return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
+
+
+def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
+               clock: TaskClock | None = None, encode: Encoder = csv_encoder,
+               table: sql.Composed | None = None) -> dict[str, Any]:
+    """Stage one Spark partition's rows in one transaction with its marker.
+
+    `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
+    form (binary as `\\x..` hex, nested as JSON), `binary_encoder` for raw Arrow batches.
+    `table` is the part's own stage table (`stage_part_table`), else the stage table.
+    Returns the per-part stats; a part staged by an earlier attempt is not written again.
+    """
+    into = table if table is not None else stage_table(batch_id)
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            earlier = _claim_part(cur, batch_id, "rows", part, 0)
+            if earlier is not None:
+                return {"part": part, "skipped": True, **earlier}
+            rows = 0
+            per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
+            clock = clock or TaskClock()
+            it = iter(batches)
+            while True:
+                with clock.stage("wait_upstream"):
+                    b = next(it, None)
+                if b is None:
+                    break
+                if b.num_rows == 0:
+                    continue
+                with clock.stage("encode"):
+                    fmt, data = encode(b)
+                with clock.stage("copy"):
+                    _copy(cur, into, b.schema.names, data, fmt)
+                rows += b.num_rows
+                _count_coordinates(b, per_tp)
+            clock.count("rows", rows)
+            cur.execute("""UPDATE offsetflow.staged_parts
+                              SET rows_staged = %s, per_partition = %s
+                            WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
+                        (rows, json.dumps(per_tp), batch_id, part))
+        return {"part": part, "skipped": False, "rows": rows, "bad": 0, "per_partition": per_tp}
+    finally:
+        conn.close()
+
+
+def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
+    t = pa.Table.from_batches([b]).select(["topic", "partition", "offset"])
+    g = t.group_by(["topic", "partition"]).aggregate(
+        [("offset", "count"), ("offset", "min"), ("offset", "max")])
+    for topic, p, n, lo, hi in zip(*(g.column(i).to_pylist() for i in range(5)), strict=True):
+        k = f"{topic}/{p}"
+        if k in acc:
+            c = acc[k]
+            acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
+        else:
+            acc[k] = [n, lo, hi]
+
+
+def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: str,
+                      rows: Sequence[dict[str, Any]], write_rows: bool) -> None:
+    """Record one chunk of bad records of one sub-range: always the marker with a sample
+    (so the driver can fail the batch naming them); the rows too under `dead_letter`."""
+    if not rows:
+        return
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
+                return
+            if write_rows:
+                t = pa.table({
+                    "pipeline": [pipeline] * len(rows),
+                    "topic": [r["topic"] for r in rows],
+                    "partition": pa.array([r["partition"] for r in rows], pa.int32()),
+                    "offset": pa.array([r["offset"] for r in rows], pa.int64()),
+                    "timestamp": pa.array([r["timestamp"] for r in rows],
+                                          pa.timestamp("us", tz="UTC")),
+                    "key": [_hex(r["key"]) for r in rows],
+                    "value": [_hex(r["value"]) for r in rows],
+                    "error": [r["error"] for r in rows],
+                    "stage": [r.get("stage", "deserialize") for r in rows],
+                })
+                _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
+            sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")}
+                      for r in rows[:5]]
+            cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
+                            WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
+                        (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
+    finally:
+        conn.close()
+
+
+def _hex(b: bytes | None) -> str | None:
+    return None if b is None else "\\x" + b.hex()
+
+
+def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
+    with ledger.transaction() as cur:
+        cur.execute("""SELECT COALESCE(sum(bad_records), 0), array_agg(per_partition)
+                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'bad'""",
+                    (batch_id,))
+        row = cur.fetchone()
+    assert row is not None
+    samples = [s for pp in (row[1] or []) if pp for s in pp.get("sample", [])]
+    samples.sort(key=lambda s: (s["topic"], s["partition"], s["offset"]))
+    return int(row[0]), samples
+
