@@ -325,24 +325,40 @@ class PartwiseCommit:
                                          3)
 
 
+def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch
+                        ) -> dict[tuple[str, int], tuple[int, int | None]]:
+    """Per range: the committed position the batch was planned from (the range's
+    `from_offset`, or the older position a `data_loss: continue` gap skipped) and the
+    position found now (None: the partition has none yet)."""
+    cur.execute("""SELECT br.topic, br.partition,
+                          COALESCE(br.expected_position, br.from_offset), p.next_offset
+                     FROM offsetflow.batch_ranges br
+                     LEFT JOIN offsetflow.positions p
+                       ON p.pipeline = %s AND p.topic = br.topic AND p.partition = br.partition
+                    WHERE br.batch_id = %s""", (batch.pipeline, batch.batch_id))
+    return {(t, int(p)): (int(exp), None if found is None else int(found))
+            for t, p, exp, found in cur.fetchall()}
+
+
 def check_fence(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
     """Step 3's test without its lock or update: a batch planned from positions that have
     moved since (a zombie, or a run that lost a race) is refused before it reads anything
     or writes a row. Step 3 itself still decides at commit time."""
     if not batch.moves_positions:
         return
+    expected = _expected_positions(cur, batch)
     for r in batch.ranges:
-        cur.execute("""SELECT next_offset FROM offsetflow.positions
-                        WHERE pipeline = %s AND topic = %s AND partition = %s""",
-                    (batch.pipeline, r.topic, r.partition))
-        found = cur.fetchone()
-        if found is not None and int(found[0]) != r.from_offset:
-            raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset,
-                                    int(found[0]))
+        exp, found = expected.get(r.topic_partition, (r.from_offset, None))
+        if found is not None and found != exp:
+            raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp, found)
 
 
 def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+    """Move each position from the value the batch expects (`batch_ranges.expected_position`,
+    else `from_offset`) to the range's `until_offset`, or refuse the whole commit."""
+    expected = _expected_positions(cur, batch)
     for r in batch.ranges:
+        exp, _ = expected.get(r.topic_partition, (r.from_offset, None))
         cur.execute("""UPDATE offsetflow.positions p
                           SET next_offset = %s, batch_id = %s, updated_at = now(),
                               topic_id = COALESCE(br.topic_id, p.topic_id)
@@ -352,14 +368,14 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                           AND p.pipeline = %s AND p.topic = %s AND p.partition = %s
                           AND p.next_offset = %s""",
                     (r.until_offset, batch.batch_id, batch.batch_id, batch.pipeline, r.topic,
-                     r.partition, r.from_offset))
+                     r.partition, exp))
         if cur.rowcount == 0:
             cur.execute("""SELECT next_offset FROM offsetflow.positions
                             WHERE pipeline = %s AND topic = %s AND partition = %s""",
                         (batch.pipeline, r.topic, r.partition))
             found = cur.fetchone()
             if found is not None:
-                raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset,
+                raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp,
                                         int(found[0]))
             # first batch of this partition: the position row is created here, once
             cur.execute("""INSERT INTO offsetflow.positions
@@ -374,11 +390,15 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                                         None)
             old = None
         else:
-            old = r.from_offset
+            old = exp
+        reason = "commit" if exp == r.from_offset else (
+            f"commit; offsets [{exp}, {r.from_offset}) were gone from Kafka (data_loss: "
+            f"continue)")
         cur.execute("""INSERT INTO offsetflow.position_history
                          (pipeline, topic, partition, old_offset, new_offset, batch_id, reason)
-                       VALUES (%s, %s, %s, %s, %s, %s, 'commit')""",
-                    (batch.pipeline, r.topic, r.partition, old, r.until_offset, batch.batch_id))
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)""",
+                    (batch.pipeline, r.topic, r.partition, old, r.until_offset, batch.batch_id,
+                     reason))
 
 
 def _delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib import resources
@@ -294,9 +294,12 @@ class Ledger:
                      ranges: Sequence[OffsetRange], target_table: str,
                      config_fingerprint: str, split_offsets: int, started_by: str,
                      moves_positions: bool = True, params: dict[str, Any] | None = None,
-                     topic_ids: dict[str, str] | None = None) -> int:
+                     topic_ids: Mapping[str, str] | None = None,
+                     expected_positions: Mapping[TopicPartition, int] | None = None) -> int:
         """`config_fingerprint` and `split_offsets` are what `config_drift` compares a run's
-        config with; a batch without them would look like one planned before 0003."""
+        config with; a batch without them would look like one planned before 0003.
+        `expected_positions`: the committed position a range's commit must find when it is
+        not the range's `from_offset` (a `data_loss: continue` gap); the fence uses it."""
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches
@@ -310,10 +313,12 @@ class Ledger:
         batch_id = int(row[0])
         psycopg2.extras.execute_values(
             cur, """INSERT INTO offsetflow.batch_ranges
-                      (batch_id, topic, partition, from_offset, until_offset, topic_id)
+                      (batch_id, topic, partition, from_offset, until_offset, topic_id,
+                       expected_position)
                     VALUES %s""",
             [(batch_id, r.topic, r.partition, r.from_offset, r.until_offset,
-              (topic_ids or {}).get(r.topic)) for r in ranges])
+              (topic_ids or {}).get(r.topic),
+              (expected_positions or {}).get(r.topic_partition)) for r in ranges])
         return batch_id
 
     def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,

@@ -5,10 +5,12 @@ Order matters and is followed step by step in `plan_next`:
   2. an open batch (planned, running, failed) is returned unchanged: a re-run reads the
      same ranges, like Structured Streaming's offset log;
   3. read committed positions, then partitions and earliest/latest offsets from Kafka;
-  4. plan (pure); record data-loss gaps in the ledger, and stop for the `fail` policy
+  4. plan (pure); under the `fail` policy record data-loss gaps in the ledger and stop
      (the gap record is committed, the batch is not);
   5. give partitions seen for the first time their starting position; an empty plan
-     inserts no batch; otherwise insert the batch and its ranges; commit.
+     inserts no batch; otherwise insert the batch and its ranges, each with the position
+     its commit expects (under `continue` a range skipping a gap starts above it), and
+     the gaps it skips (`data_loss` rows naming the batch); commit.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             log.warning("pipeline %s: %s[%d] has a committed position but no longer exists "
                         "in Kafka", cfg.name, *tp)
         if plan.data_loss:
-            ledger.record_data_loss(cur, cfg.name, plan.data_loss, cfg.data_loss)
+            if cfg.data_loss == "fail":  # under `continue` the gap is recorded with its batch
+                ledger.record_data_loss(cur, cfg.name, plan.data_loss, cfg.data_loss)
             for g in plan.data_loss:
                 log.error("pipeline %s: data loss on %s[%d]: offsets [%d, %d) are gone "
                           "(policy %s)", cfg.name, g.topic, g.partition, g.missing_from,
@@ -90,7 +93,16 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                 cur, pipeline=cfg.name, kind="scheduled", ranges=ranges,
                 target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
                 split_offsets=cfg.spark.max_offsets_per_task,
-                started_by=started_by, topic_ids=topic_ids, params={"lag_at_plan": lag})
+                started_by=started_by, topic_ids=topic_ids, params={"lag_at_plan": lag},
+                # a range that skips a data-loss gap starts above its position: the fence
+                # expects the position it was planned from, so it can still commit
+                expected_positions={tp: committed[tp] for tp in (r.topic_partition
+                                                                 for r in ranges)
+                                    if tp in committed})
+            skipped = [g for g in plan.data_loss if any(
+                r.topic_partition == (g.topic, g.partition) for r in ranges)]
+            if skipped:  # a gap of a partition left out of this batch is recorded when read
+                ledger.record_data_loss(cur, cfg.name, skipped, cfg.data_loss, batch_id)
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
                      batch_id, len(ranges), plan.offset_span)

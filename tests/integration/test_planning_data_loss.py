@@ -1,0 +1,107 @@
+"""Data loss under both policies on real Kafka: records deleted past a committed position.
+
+`data_loss: continue` must commit (skipping the gap, recorded in offsetflow.data_loss) while
+the fence still refuses zombies; `data_loss: fail` names topic, partition and missing offsets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import TopicPartition as KTP
+from confluent_kafka.admin import AdminClient
+
+from offsetflow.errors import DataLossError, FencedCommitError
+from offsetflow.job import run_batch
+from offsetflow.ledger import Ledger
+from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
+from tests.integration.helpers import pipeline_for, produce_plain, query
+
+
+def _delete_before(bootstrap: str, topic: str, partition: int, offset: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.delete_records([KTP(topic, partition, offset)]).values():
+        f.result(timeout=30)
+
+
+def test_data_loss_continue_commits_past_a_gap_after_a_position(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("dlc", 2)
+    first = produce_plain(kafka_bootstrap, topic, 200, f"a{unique}", 2)  # 100 per partition
+    table = f"dlc_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    run_cycle(cfg, pg_dsn, spark)
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 100, (topic, 1): 100}
+    more = produce_plain(kafka_bootstrap, topic, 200, f"b{unique}", 2, start_seq=200)
+    _delete_before(kafka_bootstrap, topic, 0, 150)  # offsets [100, 150) of partition 0 gone
+
+    results = run_until_caught_up(cfg, pg_dsn, spark, max_batches=3)
+    assert results[0].report is not None
+    assert results[0].report.result.status == "committed"
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 200, (topic, 1): 200}
+        loss = [(x["topic"], x["partition"], x["missing_from"], x["missing_until"],
+                 x["policy"], x["batch_id"]) for x in ledger.data_loss_events(cfg.name)]
+        assert loss == [(topic, 0, 100, 150, "continue", results[0].report.batch_id)]
+        cur_hist = ledger.conn.cursor()
+        cur_hist.execute("""SELECT old_offset, new_offset FROM offsetflow.position_history
+                             WHERE pipeline = %s AND partition = 0 AND reason LIKE 'commit%%'
+                             ORDER BY id""", (cfg.name,))
+        assert cur_hist.fetchall() == [(0, 100), (100, 200)]
+    # rows: all of the first 200, the second batch's except the deleted 50, each once
+    rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
+    assert set(rows.values()) == {1}
+    gone = {f"b{unique}-{i}" for i in range(200, 400) if i % 2 == 0 and (i - 200) // 2 < 50}
+    assert set(rows) == set(first.committed) | (set(more.committed) - gone)
+
+
+def test_data_loss_continue_still_fences_a_zombie(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A batch planned across the gap carries the position it expects; once the position
+    has moved (another run committed), a stale copy of it is refused."""
+    topic = make_topic("dlz", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    table = f"dlz_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    run_cycle(cfg, pg_dsn, spark)
+    produce_plain(kafka_bootstrap, topic, 100, f"b{unique}", 1, start_seq=100)
+    _delete_before(kafka_bootstrap, topic, 0, 130)
+    planned = plan_only(cfg, pg_dsn).batch
+    assert planned is not None and planned.ranges[0].from_offset == 130
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:  # a zombie copy of it
+        zombie = ledger.insert_batch(cur, pipeline=cfg.name, kind="replay",
+                                     ranges=planned.ranges, target_table=table,
+                                     config_fingerprint=cfg.fingerprint(),
+                                     split_offsets=cfg.spark.max_offsets_per_task,
+                                     started_by="zombie", expected_positions={(topic, 0): 100})
+        cur.execute("UPDATE offsetflow.batches SET kind = 'scheduled', status = 'abandoned', "
+                    "moves_positions = true WHERE batch_id = %s", (zombie,))
+    assert run_batch(spark, cfg, planned.batch_id, pg_dsn).result.status == "committed"
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        cur.execute("UPDATE offsetflow.batches SET status = 'planned' WHERE batch_id = %s",
+                    (zombie,))
+    with pytest.raises(FencedCommitError, match=f"batch {zombie} fenced.*expected committed "
+                                                f"position 100, found 200"):
+        run_batch(spark, cfg, zombie, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 170
+
+
+def test_data_loss_fail_names_topic_partition_and_offsets(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("dlf", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    table = f"dlf_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table)  # data_loss: fail (default)
+    run_cycle(cfg, pg_dsn, spark)
+    produce_plain(kafka_bootstrap, topic, 100, f"b{unique}", 1, start_seq=100)
+    _delete_before(kafka_bootstrap, topic, 0, 140)
+    with pytest.raises(DataLossError, match=rf"data loss on {topic}\[0\]: offsets \[100, 140\) "
+                                            r"\(40 offsets\).*data_loss: continue"):
+        plan_only(cfg, pg_dsn)
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 100}
+        assert [(x["missing_from"], x["missing_until"], x["policy"])
+                for x in ledger.data_loss_events(cfg.name)] == [(100, 140, "fail")]
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 100
