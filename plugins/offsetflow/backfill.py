@@ -12,7 +12,7 @@ overlaps an open batch; insert one batch per cut, in order; commit.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig
@@ -43,6 +43,8 @@ class WindowPlan:
     window: dict[TopicPartition, tuple[int, int]]
     batches: list[tuple[OffsetRange, ...]]
     gone: list[tuple[TopicPartition, int, int]]
+    # Kafka topic ids at planning: a run checks them before reading (a recreated topic)
+    topic_ids: dict[str, str] = field(default_factory=dict)
 
     @property
     def target_table(self) -> str | None:
@@ -91,7 +93,8 @@ def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
     gone = gone_from_kafka(window, offsets)
     if req.kind == "replay":
         check_replay_window(window, ledger.positions(cfg.name))
-    return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone)
+    return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone,
+                      kafka.topic_ids(topics))
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
@@ -113,7 +116,7 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,
                 target_table=wp.target_table or cfg.sink.table,
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
-                moves_positions=False, params=params,
+                moves_positions=False, params=params, topic_ids=wp.topic_ids,
                 split_offsets=cfg.spark.max_offsets_per_task))
     log.info("pipeline %s: %s of %d offsets planned as batches %s", cfg.name, wp.request.kind,
              sum(hi - lo for lo, hi in wp.window.values()), ids)

@@ -121,10 +121,35 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 
 
 def cmd_reset_position(args: argparse.Namespace) -> int:
+    """Set positions and record the topic's current Kafka id with them: after a topic was
+    recreated, planning accepts only positions that carry the new id."""
+    from offsetflow.config import validate_table_name
+    from offsetflow.positions import reset_positions
+    from offsetflow.runner import kafka_for
+
     cfg = _pipeline(args)
+    if args.offset < 0:
+        raise ConfigError("command line", "--offset", f"must be >= 0, got {args.offset}")
+    if args.archive_to is not None:
+        validate_table_name("command line", "--archive-to", args.archive_to)
+    kafka = kafka_for(cfg)
+    kafka.topics([args.topic])  # an unknown topic is an error naming it
+    topic_id = kafka.topic_ids([args.topic])[args.topic]
     with Ledger(_dsn(args, cfg)) as ledger:
-        ledger.set_position(cfg.name, args.topic, args.partition, args.offset, args.reason)
-    print(f"{cfg.name}: {args.topic}[{args.partition}] position set to {args.offset}")
+        if args.all_partitions:
+            known = {p for t, p in ledger.positions(cfg.name) if t == args.topic}
+            partitions = sorted(known | {p for _, p in kafka.partitions([args.topic])})
+        else:
+            partitions = [args.partition]
+        moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
+                                args.reason, topic_id=topic_id, target_table=cfg.sink.table,
+                                archive_to=args.archive_to)
+    for p in partitions:
+        print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
+              f"(topic id {topic_id} recorded)")
+    if moved:
+        print(f"{cfg.name}: moved {moved} rows of {args.topic} at offsets >= {args.offset} "
+              f"from {cfg.sink.table} to {args.archive_to}")
     return 0
 
 
@@ -245,8 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))
     sp.add_argument("--topic", required=True)
-    sp.add_argument("--partition", type=int, required=True)
+    g = sp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--partition", type=int)
+    g.add_argument("--all-partitions", action="store_true",
+                   help="every partition the topic has in Kafka or in the ledger")
     sp.add_argument("--offset", type=int, required=True)
+    sp.add_argument("--archive-to", metavar="TABLE",
+                    help="move sink rows at or beyond the new position to TABLE (else they "
+                         "refuse the reset)")
     sp.add_argument("--reason", required=True)
     sp.set_defaults(fn=cmd_reset_position)
 

@@ -67,17 +67,39 @@ class OffsetsResetError(OffsetFlowError):
 
 
 class TopicRecreatedError(OffsetFlowError):
-    """The topic now has another Kafka topic id than the committed positions: it was deleted
-    and recreated, so its offsets mean something else. Nothing is planned."""
+    """The topic now has another Kafka topic id than the committed positions (or an open
+    batch) belong to: it was deleted and recreated, so its offsets mean something else.
+    Nothing is planned or read; the message gives the commands of the way out."""
 
-    def __init__(self, topic: str, committed_id: str, current_id: str) -> None:
+    def __init__(self, topic: str, committed_id: str, current_id: str,
+                 partitions: Sequence[int] = (), pipeline: str | None = None,
+                 batch_id: int | None = None) -> None:
         self.topic = topic
         self.committed_id = committed_id
         self.current_id = current_id
-        super().__init__(
-            f"topic {topic} was deleted and recreated (topic id {committed_id} -> "
-            f"{current_id}); its offsets restarted. Check what was lost, then reset the "
-            f"positions (offsetflow reset-position) to continue")
+        self.partitions = tuple(partitions)
+        self.batch_id = batch_id
+        p = f"-p {pipeline}" if pipeline else "-p PIPELINE"
+        reset = (f"offsetflow reset-position {p} --topic {topic} --all-partitions --offset 0 "
+                 f"--reason '...' (add --archive-to TABLE when the sink holds the old "
+                 f"topic's rows)")
+        if batch_id is not None:
+            msg = (f"batch {batch_id} was planned for topic {topic} with topic id "
+                   f"{committed_id}, but {topic} was deleted and recreated (topic id now "
+                   f"{current_id}); its ranges name the old topic's offsets, so nothing was "
+                   f"read. Abandon it (offsetflow abandon --batch-id {batch_id} --reason "
+                   f"'...'), then reset the positions: {reset}")
+        else:
+            parts = f" of partition(s) {list(self.partitions)}" if self.partitions else ""
+            msg = (f"topic {topic} was deleted and recreated (topic id {committed_id} -> "
+                   f"{current_id}); its offsets restarted and the committed positions{parts} "
+                   f"belong to the old topic. Check what was lost, then reset them: {reset}")
+        super().__init__(msg)
+
+
+class PositionResetError(OffsetFlowError):
+    """A position reset would make the pipeline write records whose coordinates are already
+    taken by rows in the sink (e.g. rows of a topic's earlier incarnation)."""
 
 
 class BadRecordError(OffsetFlowError):

@@ -32,6 +32,7 @@ from offsetflow.errors import (
     ConfigError,
     OffsetFlowError,
     SparkUnavailableError,
+    TopicRecreatedError,
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
@@ -298,6 +299,11 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             res = CommitResult(batch_id, "already_committed", batch.rows_written or 0,
                                batch.bad_records or 0, {})
             return RunReport(batch_id, res)
+        try:
+            _check_topic_identity(cfg, ledger, batch)
+        except OffsetFlowError as e:
+            ledger.mark_failed(batch_id, str(e))
+            raise
         drift = config_drift(cfg, batch.config_fingerprint, batch.split_offsets)
         if drift.output_changed and not accept_config_change:
             err = BatchStateError(
@@ -334,6 +340,21 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             raise
     timings["total_s"] = round(time.monotonic() - t0, 3)
     return report
+
+
+def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> None:
+    """Before anything is read: a topic deleted and recreated since the batch was planned
+    has restarted its offsets, so the batch's ranges would name the new topic's records."""
+    from offsetflow.kafka_meta import KafkaMetadata
+
+    planned = ledger.range_topic_ids(batch.batch_id)
+    if not planned:
+        return
+    current = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level).topic_ids(sorted(planned))
+    for topic, old in sorted(planned.items()):
+        if current.get(topic) != old:
+            raise TopicRecreatedError(topic, old, current.get(topic, "none"),
+                                      pipeline=cfg.name, batch_id=batch.batch_id)
 
 
 def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,

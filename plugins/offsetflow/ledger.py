@@ -389,29 +389,13 @@ class Ledger:
                         (reason, batch_id))
             self._drop_staging(cur, batch_id)
 
-    def set_position(self, pipeline: str, topic: str, partition: int, next_offset: int,
-                     reason: str) -> None:
-        """Operator override of a position (e.g. after a topic was recreated)."""
+    def range_topic_ids(self, batch_id: int) -> dict[str, str]:
+        """The Kafka topic id each topic of a batch had when the batch was planned (topics
+        planned without one, before ledger migration 0002, are left out)."""
         with self.transaction() as cur:
-            self.lock_pipeline(cur, pipeline)
-            if self.open_batch(cur, pipeline) is not None:
-                raise BatchStateError(f"pipeline {pipeline} has an open batch; abandon or "
-                                      f"finish it before moving a position")
-            cur.execute("""SELECT next_offset FROM offsetflow.positions
-                            WHERE pipeline=%s AND topic=%s AND partition=%s FOR UPDATE""",
-                        (pipeline, topic, partition))
-            row = cur.fetchone()
-            cur.execute("""INSERT INTO offsetflow.positions (pipeline, topic, partition,
-                                                            next_offset, updated_at)
-                           VALUES (%s, %s, %s, %s, now())
-                           ON CONFLICT (pipeline, topic, partition)
-                           DO UPDATE SET next_offset = EXCLUDED.next_offset, updated_at = now()""",
-                        (pipeline, topic, partition, next_offset))
-            cur.execute("""INSERT INTO offsetflow.position_history
-                             (pipeline, topic, partition, old_offset, new_offset, reason)
-                           VALUES (%s, %s, %s, %s, %s, %s)""",
-                        (pipeline, topic, partition, row[0] if row else None, next_offset,
-                         f"manual: {reason}"))
+            cur.execute("""SELECT DISTINCT topic, topic_id FROM offsetflow.batch_ranges
+                            WHERE batch_id = %s AND topic_id IS NOT NULL""", (batch_id,))
+            return {t: i for t, i in cur.fetchall()}
 
     @staticmethod
     def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> None:

@@ -78,12 +78,17 @@ def resolve_start(
 
 
 def check_topic_identity(committed_ids: Mapping[TopicPartition, str | None],
-                         current_ids: Mapping[str, str]) -> None:
-    """Refuse positions that belong to an earlier incarnation of a topic."""
-    for (topic, _), old in sorted(committed_ids.items()):
+                         current_ids: Mapping[str, str], pipeline: str | None = None) -> None:
+    """Refuse positions that belong to an earlier incarnation of a topic; the error lists
+    every partition of the first such topic, so one reset covers them all."""
+    stale: dict[tuple[str, str], list[int]] = {}
+    for (topic, partition), old in sorted(committed_ids.items()):
         new = current_ids.get(topic)
         if old and new and old != new:
-            raise TopicRecreatedError(topic, old, new)
+            stale.setdefault((topic, old), []).append(partition)
+    if stale:
+        (topic, old), partitions = next(iter(sorted(stale.items())))
+        raise TopicRecreatedError(topic, old, current_ids[topic], partitions, pipeline)
 
 
 def fair_share(spans: Mapping[TopicPartition, int], cap: int) -> dict[TopicPartition, int]:

@@ -51,7 +51,8 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
         committed = ledger.positions(cfg.name, cur)  # 3
         topics = kafka.topics(cfg.topics, cfg.topic_pattern)
         topic_ids = kafka.topic_ids(topics)
-        check_topic_identity(ledger.position_topic_ids(cur, cfg.name), topic_ids)
+        check_topic_identity(ledger.position_topic_ids(cur, cfg.name), topic_ids,
+                             cfg.name)
         tps = kafka.partitions(topics)
         offsets = kafka.partition_offsets(tps)
         by_ts = None

@@ -113,6 +113,13 @@ def test_recreated_topic_is_refused() -> None:
     check_topic_identity({T0: "a", T1: None}, {"t": "a"})
     with pytest.raises(TopicRecreatedError, match="t was deleted and recreated"):
         check_topic_identity({T0: "a"}, {"t": "b"})
+    # every partition still on the old id is named, with the command that resets them
+    with pytest.raises(TopicRecreatedError, match=r"partition\(s\) \[0, 1\] belong to the "
+                                                  r"old topic.*reset-position -p orders "
+                                                  r"--topic t --all-partitions") as ei:
+        check_topic_identity({T0: "a", T1: "a", ("u", 0): "x"}, {"t": "b", "u": "x"},
+                             "orders")
+    assert ei.value.partitions == (0, 1)
 
 
 def test_lag_rows_and_time_headroom() -> None:

@@ -1,0 +1,92 @@
+"""Operator override of committed positions (`offsetflow reset-position`).
+
+The way out of a recreated topic or a deliberate skip: positions move here only when no
+batch of the pipeline is open, in one transaction with their history and the current Kafka
+topic id (so planning accepts them), and never under rows that would collide with what the
+pipeline reads next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from offsetflow.errors import BatchStateError, PositionResetError
+from offsetflow.ledger import Ledger, qualified
+
+
+def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Sequence[int],
+                    next_offset: int, reason: str, *, topic_id: str | None,
+                    target_table: str | None = None, archive_to: str | None = None) -> int:
+    """Operator override of positions (e.g. after a topic was recreated), in one
+    transaction. `topic_id`: the topic's current Kafka id, recorded with the positions
+    so planning accepts them. Rows of `target_table` at or beyond the new position of a
+    partition would collide with the records read from there: they are refused, or
+    moved to `archive_to` in the same transaction. Returns the rows moved."""
+    with ledger.transaction() as cur:
+        ledger.lock_pipeline(cur, pipeline)
+        open_batch = ledger.open_batch(cur, pipeline)
+        if open_batch is not None:
+            raise BatchStateError(
+                f"pipeline {pipeline} has open batch {open_batch.batch_id} "
+                f"({open_batch.status}); run it to its commit or abandon it (offsetflow "
+                f"abandon --batch-id {open_batch.batch_id} --reason '...') before moving a "
+                f"position")
+        moved = _clear_rows_beyond(cur, topic, partitions, next_offset, target_table,
+                                   archive_to)
+        for partition in sorted(set(partitions)):
+            cur.execute("""SELECT next_offset FROM offsetflow.positions
+                            WHERE pipeline=%s AND topic=%s AND partition=%s FOR UPDATE""",
+                        (pipeline, topic, partition))
+            row = cur.fetchone()
+            cur.execute("""INSERT INTO offsetflow.positions (pipeline, topic, partition,
+                                                            next_offset, topic_id,
+                                                            updated_at)
+                           VALUES (%s, %s, %s, %s, %s, now())
+                           ON CONFLICT (pipeline, topic, partition)
+                           DO UPDATE SET next_offset = EXCLUDED.next_offset,
+                                         topic_id = EXCLUDED.topic_id, updated_at = now()""",
+                        (pipeline, topic, partition, next_offset, topic_id))
+            cur.execute("""INSERT INTO offsetflow.position_history
+                             (pipeline, topic, partition, old_offset, new_offset, reason)
+                           VALUES (%s, %s, %s, %s, %s, %s)""",
+                        (pipeline, topic, partition, row[0] if row else None, next_offset,
+                         f"manual: {reason}" + (f" (topic id {topic_id})" if topic_id
+                                                else "")))
+    return moved
+
+def _clear_rows_beyond(cur: psycopg2.extensions.cursor, topic: str,
+                       partitions: Sequence[int], next_offset: int,
+                       target_table: str | None, archive_to: str | None) -> int:
+    if target_table is None:
+        return 0
+    cur.execute("SELECT to_regclass(%s)", (target_table,))
+    row = cur.fetchone()
+    if row is None or row[0] is None:
+        return 0
+    where = sql.SQL("topic = %s AND partition = ANY(%s) AND \"offset\" >= %s")
+    args = (topic, list(partitions), next_offset)
+    cur.execute(sql.SQL("SELECT partition, count(*) FROM {} WHERE {} GROUP BY 1 ORDER BY 1")
+                .format(qualified(target_table), where), args)
+    found = {int(p): int(n) for p, n in cur.fetchall()}
+    if not found:
+        return 0
+    if archive_to is None:
+        raise PositionResetError(
+            f"{target_table} holds {sum(found.values())} rows of {topic} at offsets >= "
+            f"{next_offset} (partition(s) {sorted(found)}), written before the reset (from "
+            f"the topic's earlier incarnation if it was recreated); the records read from "
+            f"offset {next_offset} on would collide with them. Nothing was changed. Give "
+            f"--archive-to TABLE to move these rows there in the same transaction, or "
+            f"choose another offset")
+    schema = archive_to.split(".")[0] if "." in archive_to else "public"
+    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS)")
+                .format(qualified(archive_to), qualified(target_table)))
+    cur.execute(sql.SQL("WITH moved AS (DELETE FROM {t} WHERE {w} RETURNING *) "
+                        "INSERT INTO {a} SELECT * FROM moved").format(
+                            t=qualified(target_table), w=where, a=qualified(archive_to)),
+                args)
+    return int(cur.rowcount)
