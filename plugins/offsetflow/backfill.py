@@ -5,8 +5,10 @@ Both never move the pipeline's live positions (`moves_positions = false`) and bo
 range is never duplicated. A replay only covers offsets the pipeline already committed.
 
 Steps of `submit_window`: resolve the window against Kafka (timestamps to offsets);
-refuse offsets that are gone from Kafka; under the pipeline lock refuse a window that
-overlaps an open batch; insert one batch per cut, in order; commit.
+refuse offsets that are gone from Kafka; under the pipeline lock refuse a replay, or a
+backfill into the pipeline's own table, that reaches beyond the live position (the live
+batches write those offsets), and a window that overlaps an open batch; insert one batch
+per cut, in order; commit.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.config import PipelineConfig
+from offsetflow.config import PipelineConfig, split_table_name
 from offsetflow.errors import RequestError
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
@@ -23,6 +25,7 @@ from offsetflow.planner import cut_window
 from offsetflow.ranges import OffsetRange, TopicPartition
 from offsetflow.requests import (
     WindowRequest,
+    check_backfill_window,
     check_replay_window,
     gone_from_kafka,
     resolve_window,
@@ -45,6 +48,7 @@ class WindowPlan:
     gone: list[tuple[TopicPartition, int, int]]
     # Kafka topic ids at planning: a run checks them before reading (a recreated topic)
     topic_ids: dict[str, str] = field(default_factory=dict)
+    refused: str | None = None  # why submitting it would be refused (the live position)
 
     @property
     def target_table(self) -> str | None:
@@ -62,7 +66,7 @@ class WindowPlan:
                                  "until_offset": hi} for tp, lo, hi in self.gone],
             "note": "offset counts are an upper bound on records: transaction markers, "
                     "aborted and compacted records take offsets too",
-        }
+        } | ({"refused": self.refused} if self.refused else {})
 
 
 def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
@@ -91,10 +95,27 @@ def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
     window = resolve_window(req, tps, by_time)
     offsets = kafka.partition_offsets(list(window))
     gone = gone_from_kafka(window, offsets)
+    committed = ledger.positions(cfg.name)
     if req.kind == "replay":
-        check_replay_window(window, ledger.positions(cfg.name))
+        check_replay_window(window, committed)
+    refused = None
+    try:  # a dry run shows the refusal in its report; submit_window raises it
+        _check_live_positions(cfg, req, window, committed)
+    except RequestError as e:
+        refused = str(e)
     return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone,
-                      kafka.topic_ids(topics))
+                      kafka.topic_ids(topics), refused)
+
+
+def _check_live_positions(cfg: PipelineConfig, req: WindowRequest,
+                          window: dict[TopicPartition, tuple[int, int]],
+                          committed: dict[TopicPartition, int]) -> None:
+    """A replay, or a backfill into the pipeline's own table, covers committed offsets only."""
+    if req.kind == "replay":
+        check_replay_window(window, committed)
+    elif req.target_table is None or (split_table_name(req.target_table)
+                                      == split_table_name(cfg.sink.table)):
+        check_backfill_window(window, committed, cfg.sink.table)
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
@@ -105,6 +126,8 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
     ids: list[int] = []
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)
+        # again under the lock: the dry run's answer may be stale by now
+        _check_live_positions(cfg, wp.request, wp.window, ledger.positions(cfg.name, cur))
         overlapping = ledger.open_batches_overlapping(cur, cfg.name, window_ranges(wp.window))
         if overlapping:
             raise RequestError(f"the window overlaps open batch(es) {overlapping} of pipeline "

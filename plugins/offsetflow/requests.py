@@ -175,6 +175,24 @@ def check_replay_window(window: Mapping[TopicPartition, tuple[int, int]],
                 f"(committed position: {pos}); use a backfill or wait for the scheduled run")
 
 
+def check_backfill_window(window: Mapping[TopicPartition, tuple[int, int]],
+                          committed: Mapping[TopicPartition, int], table: str) -> None:
+    """A backfill into the pipeline's own table may only cover offsets the live pipeline
+    has committed: a row beyond the live position would be written again by the next live
+    batch, which the table's coordinates index refuses (every live batch would fail)."""
+    for tp, (lo, hi) in sorted(window.items()):
+        pos = committed.get(tp)
+        if pos is None or hi > pos:
+            live = "none yet" if pos is None else str(pos)
+            raise RequestError(
+                f"cannot backfill {tp[0]}[{tp[1]}] [{lo}, {hi}) into the pipeline's own "
+                f"table {table}: the live pipeline has not committed offsets from "
+                f"{pos if pos is not None else lo} on (live position {live}) and will write "
+                f"them itself. Backfill into another table (target_table), end the window "
+                f"at the live position, or wait until the live position reaches {hi}; to "
+                f"re-process committed offsets use a replay")
+
+
 def gone_from_kafka(window: Mapping[TopicPartition, tuple[int, int]],
                     offsets: Mapping[TopicPartition, PartitionOffsets]
                     ) -> list[tuple[TopicPartition, int, int]]:

@@ -65,3 +65,15 @@ def test_gone_from_kafka_names_missing_parts() -> None:
     window = {("t", 0): (0, 10), ("t", 1): (5, 30)}
     offs = {("t", 0): PartitionOffsets(4, 50), ("t", 1): PartitionOffsets(0, 20)}
     assert gone_from_kafka(window, offs) == [(("t", 0), 0, 4), (("t", 1), 20, 30)]
+
+
+def test_backfill_into_own_table_only_below_the_live_position() -> None:
+    from offsetflow.requests import check_backfill_window
+
+    check_backfill_window({("t", 0): (0, 50), ("t", 1): (5, 10)}, {("t", 0): 50, ("t", 1): 60},
+                          "orders")
+    with pytest.raises(RequestError, match=r"t\[0\] \[40, 60\).*not committed offsets from 50 "
+                                           r"on \(live position 50\).*another table"):
+        check_backfill_window({("t", 0): (40, 60)}, {("t", 0): 50}, "orders")
+    with pytest.raises(RequestError, match=r"t\[1\] \[0, 5\).*live position none yet"):
+        check_backfill_window({("t", 1): (0, 5)}, {("t", 0): 50}, "orders")
