@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -416,24 +416,28 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     )
 
 
+def _utc_ms(dt: datetime) -> int:
+    """Epoch ms of a start time; a time without a zone is UTC, never the machine's zone
+    (YAML gives an unquoted one as a naive datetime, a quoted one as a string: same rule)."""
+    return int((dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp() * 1000)
+
+
 def _parse_starting(r: _Reader, v: Any) -> StartingPolicy:
     fld = "source.starting"
     if v in ("earliest", "latest"):
         return StartingPolicy(kind=v)
     if isinstance(v, Mapping) and len(v) == 1 and "timestamp" in v:
         ts = v["timestamp"]
-        if isinstance(ts, datetime):
-            return StartingPolicy("timestamp", timestamp_ms=int(ts.timestamp() * 1000))
+        if isinstance(ts, datetime):  # unquoted in YAML
+            return StartingPolicy("timestamp", timestamp_ms=_utc_ms(ts))
         if isinstance(ts, int) and not isinstance(ts, bool) and ts >= 0:
             return StartingPolicy("timestamp", timestamp_ms=ts)
         if isinstance(ts, str):
             try:
-                dt = datetime.fromisoformat(ts.replace("Z", "+00:00"))
+                dt = datetime.fromisoformat(ts.strip().replace("Z", "+00:00"))
             except ValueError as e:
                 raise r.err(f"{fld}.timestamp", f"{ts!r} is not an ISO-8601 time") from e
-            if dt.tzinfo is None:
-                raise r.err(f"{fld}.timestamp", f"{ts!r} needs a time zone (e.g. 'Z')")
-            return StartingPolicy("timestamp", timestamp_ms=int(dt.timestamp() * 1000))
+            return StartingPolicy("timestamp", timestamp_ms=_utc_ms(dt))
         raise r.err(f"{fld}.timestamp", "must be epoch milliseconds or an ISO-8601 time")
     if isinstance(v, Mapping) and len(v) == 1 and "offsets" in v:
         offs = v["offsets"]

@@ -50,8 +50,8 @@ def test_defaults_are_safe() -> None:
          "source.max_records_per_partition", ">= 1"),
         ({"source": {"topics": ["a"], "starting": "yesterday"}}, "source.starting",
          "use earliest"),
-        ({"source": {"topics": ["a"], "starting": {"timestamp": "2026-01-01T00:00:00"}}},
-         "source.starting.timestamp", "time zone"),
+        ({"source": {"topics": ["a"], "starting": {"timestamp": "2026-13-01T00:00:00"}}},
+         "source.starting.timestamp", "not an ISO-8601 time"),
         ({"source": {"topics": ["a"], "data_loss": "ignore"}}, "source.data_loss", "not one of"),
         ({"sink": {"table": "x; DROP TABLE y"}}, "sink.table", "not a valid table name"),
         ({"sink": {"table": "a.b.c"}}, "sink.table", "not a valid table name"),
@@ -173,3 +173,35 @@ def test_bad_connect_url_error_never_shows_its_token() -> None:
     with pytest.raises(ValueError, match="not a Spark Connect URL") as ei:
         connect_address("grpc://h:1/;token=s3cret")
     assert "s3cret" not in str(ei.value)
+
+
+@pytest.mark.parametrize("tz", ["UTC", "America/New_York", "Asia/Kolkata"])
+@pytest.mark.parametrize("value", ["2026-01-01 00:00:00", "'2026-01-01 00:00:00'",
+                                   "'2026-01-01T00:00:00'", "2026-01-01T00:00:00Z",
+                                   "'2026-01-01T01:00:00+01:00'", "1767225600000"])
+def test_start_time_without_zone_is_utc_whatever_the_machine_zone(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, tz: str, value: str) -> None:
+    """Unquoted, YAML gives a zone-less time as a naive datetime; quoted, as a string. Both
+    mean UTC (2026-01-01T00:00:00Z = 1767225600000 ms), never the machine's local time."""
+    import time
+
+    from offsetflow.config import load_pipeline
+
+    monkeypatch.setenv("TZ", tz)
+    time.tzset()
+    try:
+        f = tmp_path / "orders.yaml"
+        f.write_text(f"""
+kafka: {{bootstrap_servers: "127.0.0.1:19092"}}
+source:
+  topics: [orders]
+  starting: {{timestamp: {value}}}
+format: {{type: json, schema: {{id: string}}}}
+sink: {{table: orders, connection: "postgresql://h/db"}}
+""")
+        cfg = load_pipeline(f)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert cfg.starting.kind == "timestamp"
+    assert cfg.starting.timestamp_ms == 1767225600000
