@@ -2,29 +2,52 @@
 
 Thin edge over confluent-kafka's AdminClient; planning itself is pure (`planner`).
 Under read_committed, "latest" is the last stable offset, so a batch never names an
-offset of a transaction that is still open.
+offset of a transaction that is still open. Errors that mean "ask again" (a broker that
+just restarted, a leader being elected) are retried with backoff (`kafka_retry`), a
+warning per retry; the last one fails naming the topic/partition.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
-from confluent_kafka import IsolationLevel, KafkaException, TopicCollection
+from confluent_kafka import IsolationLevel, KafkaError, KafkaException, TopicCollection
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from offsetflow.errors import KafkaUnavailableError
+from offsetflow.kafka_retry import RetryPolicy, is_retriable
 from offsetflow.planner import PartitionOffsets
 from offsetflow.ranges import TopicPartition
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _CallFailed(Exception):
+    """A Kafka error and what it concerns (a topic, a partition, or the whole call)."""
+
+    def __init__(self, where: str, error: Any) -> None:
+        super().__init__(where, error)
+        self.where = where
+        self.error = error
+
+    @property
+    def code(self) -> int | None:
+        return self.error.code() if isinstance(self.error, KafkaError) else None
+
+
+def _failed(where: str, e: KafkaException) -> _CallFailed:
+    return _CallFailed(where, e.args[0] if e.args else e)
 
 
 class KafkaMetadata:
     def __init__(self, admin_conf: Mapping[str, str], isolation_level: str = "read_committed",
-                 timeout_s: float = 15.0) -> None:
+                 timeout_s: float = 15.0, retry: RetryPolicy | None = None) -> None:
+        self._retry = retry or RetryPolicy()
         self._conf = dict(admin_conf)
         self._isolation = (IsolationLevel.READ_COMMITTED if isolation_level == "read_committed"
                            else IsolationLevel.READ_UNCOMMITTED)
@@ -37,12 +60,31 @@ class KafkaMetadata:
             self._admin = AdminClient(dict(self._conf))  # type: ignore[arg-type]
         return self._admin
 
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """`call` until it succeeds, a non-retriable error, or the policy's last attempt."""
+        delays = self._retry.delays()
+        for attempt in range(len(delays) + 1):
+            try:
+                return call()
+            except KafkaException as e:
+                failed = _failed("", e)
+            except _CallFailed as e:
+                failed = e
+            where = f" of {failed.where}" if failed.where else ""
+            code = failed.code
+            if code is None or not is_retriable(code) or attempt == len(delays):
+                tries = f" after {attempt + 1} attempts" if attempt else ""
+                raise KafkaUnavailableError(
+                    f"{what}{where} failed{tries} (Kafka at "
+                    f"{self._conf.get('bootstrap.servers')}): {failed.error}") from None
+            log.warning("%s%s: retriable Kafka error %s; retry %d of %d in %.2f s", what,
+                        where, failed.error, attempt + 1, len(delays), delays[attempt])
+            time.sleep(delays[attempt])
+        raise AssertionError("unreachable")
+
     def _cluster(self) -> Any:
-        try:
-            return self.admin.list_topics(timeout=self._timeout)
-        except KafkaException as e:
-            raise KafkaUnavailableError(
-                f"cannot reach Kafka at {self._conf.get('bootstrap.servers')}: {e}") from e
+        return self._retrying("listing topics",
+                              lambda: self.admin.list_topics(timeout=self._timeout))
 
     def topics(self, names: Iterable[str] = (), pattern: str | None = None) -> list[str]:
         """Existing topics: the listed names (an unknown one is an error) or a pattern match."""
@@ -60,27 +102,35 @@ class KafkaMetadata:
         return names
 
     def partitions(self, topics: Iterable[str]) -> list[TopicPartition]:
-        md = self._cluster()
-        out: list[TopicPartition] = []
-        for t in topics:
-            tm = md.topics.get(t)
-            if tm is None or tm.error is not None:
-                raise KafkaUnavailableError(f"no metadata for topic {t}: "
-                                            f"{tm.error if tm else 'unknown topic'}")
-            out.extend((t, p) for p in sorted(tm.partitions))
-        return out
+        names = list(topics)
+
+        def call() -> list[TopicPartition]:
+            md = self.admin.list_topics(timeout=self._timeout)
+            out: list[TopicPartition] = []
+            for t in names:
+                tm = md.topics.get(t)
+                if tm is None or tm.error is not None:
+                    raise _CallFailed(f"topic {t}", tm.error if tm else "unknown topic")
+                out.extend((t, p) for p in sorted(tm.partitions))
+            return out
+        return self._retrying("reading partition metadata", call)
 
     def topic_ids(self, topics: Iterable[str]) -> dict[str, str]:
         """Kafka's topic id per topic: it changes when a topic is deleted and recreated."""
         names = list(topics)
         if not names:
             return {}
-        try:
+        def call() -> dict[str, str]:
             futures = self.admin.describe_topics(TopicCollection(names),
                                                  request_timeout=self._timeout)
-            return {t: str(f.result().topic_id) for t, f in futures.items()}
-        except KafkaException as e:
-            raise KafkaUnavailableError(f"describing topics {names} failed: {e}") from e
+            out = {}
+            for t, f in futures.items():
+                try:
+                    out[t] = str(f.result().topic_id)
+                except KafkaException as e:
+                    raise _failed(f"topic {t}", e) from e
+            return out
+        return self._retrying("describing topics", call)
 
     def retention_ms(self, topics: Iterable[str]) -> dict[str, int | None]:
         """Topic retention.ms (None: unlimited)."""
@@ -140,13 +190,18 @@ class KafkaMetadata:
         if not specs:
             return {}
         req = {KTopicPartition(t, p): s for (t, p), s in specs.items()}
-        try:
+
+        def call() -> dict[TopicPartition, int]:
             futures = self.admin.list_offsets(req, isolation_level=self._isolation,
                                               request_timeout=self._timeout)
-            return {(tp.topic, tp.partition): int(f.result().offset)
-                    for tp, f in futures.items()}
-        except KafkaException as e:
-            raise KafkaUnavailableError(f"listing offsets failed: {e}") from e
+            out = {}
+            for tp, f in futures.items():
+                try:
+                    out[(tp.topic, tp.partition)] = int(f.result().offset)
+                except KafkaException as e:
+                    raise _failed(f"{tp.topic}[{tp.partition}]", e) from e
+            return out
+        return self._retrying("listing offsets", call)
 
     def partition_offsets(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition,
                                                                        PartitionOffsets]:
