@@ -91,9 +91,14 @@ def check_topic_identity(committed_ids: Mapping[TopicPartition, str | None],
         raise TopicRecreatedError(topic, old, current_ids[topic], partitions, pipeline)
 
 
-def fair_share(spans: Mapping[TopicPartition, int], cap: int) -> dict[TopicPartition, int]:
+def fair_share(spans: Mapping[TopicPartition, int], cap: int,
+               priority: Mapping[TopicPartition, int] | None = None) -> dict[TopicPartition, int]:
     """Split a total record cap across partitions by water-filling: small partitions get
-    all they have, the rest share what is left equally (lowest partitions get remainders)."""
+    all they have, the rest share what is left equally. The remainder of the division goes
+    to the highest `priority` first (the lag, default the span; ties: lowest partition):
+    with a cap below the number of partitions the remainder is all there is, and always
+    giving it to the lowest partitions would never read the others."""
+    prio = priority if priority is not None else spans
     if cap < 0:
         raise ValueError("cap must not be negative")
     alloc: dict[TopicPartition, int] = {}
@@ -104,7 +109,8 @@ def fair_share(spans: Mapping[TopicPartition, int], cap: int) -> dict[TopicParti
         small = [(tp, s) for tp, s in pending if s <= share]
         if not small:
             extra = remaining - share * len(pending)
-            for i, (tp, s) in enumerate(sorted(pending)):
+            for i, (tp, s) in enumerate(sorted(pending, key=lambda kv: (-prio.get(kv[0], 0),
+                                                                        kv[0]))):
                 alloc[tp] = min(s, share + (1 if i < extra else 0))
             return alloc
         for tp, s in small:
@@ -159,7 +165,8 @@ def plan_batch(
     spans = {tp: min(offsets[tp].latest - s, max_records_per_partition)
              for tp, s in starts.items()}
     if max_records_per_batch is not None:
-        spans = fair_share(spans, max_records_per_batch)
+        lag = {tp: offsets[tp].latest - s for tp, s in starts.items()}
+        spans = fair_share(spans, max_records_per_batch, priority=lag)
     ranges = tuple(OffsetRange(tp[0], tp[1], starts[tp], starts[tp] + spans[tp])
                    for tp in sorted(starts))
     vanished = tuple(sorted(tp for tp in committed if tp not in offsets))

@@ -138,3 +138,25 @@ def test_lag_rows_and_time_headroom() -> None:
     assert timed[T0].warning is not None and "ages out in 10s" in timed[T0].warning
     assert timed[T1].warning is not None and "data loss" in timed[T1].warning
     assert timed[T2].lag_seconds == 0.0 and timed[T2].warning is None
+
+
+def test_total_cap_below_partition_count_serves_every_partition_in_turn() -> None:
+    """max_records_per_batch smaller than the number of partitions: the remainder went to
+    the lowest partitions every time, so the others were never read (lag grew forever)."""
+    tps = [("t", p) for p in range(5)]
+    committed = {tp: 0 for tp in tps}
+    for step in range(6):
+        # producers write one record per partition between plans; the per-partition limit
+        # clamps every span to the same value
+        offsets = {tp: PartitionOffsets(0, 100 + step) for tp in tps}
+        plan = plan_batch(committed, offsets, EARLIEST, max_records_per_partition=10,
+                          max_records_per_batch=2)
+        assert plan.offset_span == 2
+        for r in plan.ranges:
+            committed[r.topic_partition] = r.until_offset
+    assert all(v > 0 for v in committed.values()), committed
+
+
+def test_fair_share_remainder_goes_to_the_largest_lag_first() -> None:
+    assert fair_share({T0: 10, T1: 10, T2: 10}, 2, priority={T0: 5, T1: 50, T2: 40}) == \
+        {T0: 0, T1: 1, T2: 1}
