@@ -377,17 +377,22 @@ class Ledger:
                         "split_offsets = %s WHERE batch_id = %s",
                         (fingerprint, split_offsets, batch_id))
 
-    def abandon(self, batch_id: int, reason: str) -> None:
-        """Close an open batch for good and drop its staged data."""
-        with self.transaction() as cur:
-            b = self.get_batch(batch_id, cur, for_update=True)
-            if not b.is_open:
-                raise BatchStateError(f"batch {batch_id} is {b.status}; only open batches "
-                                      f"can be abandoned")
-            cur.execute("""UPDATE offsetflow.batches SET status = 'abandoned', error = %s,
-                                  finished_at = now() WHERE batch_id = %s""",
-                        (reason, batch_id))
-            self._drop_staging(cur, batch_id)
+    def abandon(self, batch_id: int, reason: str,
+                cur: psycopg2.extensions.cursor | None = None) -> None:
+        """Close an open batch for good and drop its staged data (in `cur`'s transaction
+        when given, e.g. planning's, which holds the pipeline lock)."""
+        if cur is None:
+            with self.transaction() as c:
+                self.abandon(batch_id, reason, c)
+            return
+        b = self.get_batch(batch_id, cur, for_update=True)
+        if not b.is_open:
+            raise BatchStateError(f"batch {batch_id} is {b.status}; only open batches "
+                                  f"can be abandoned")
+        cur.execute("""UPDATE offsetflow.batches SET status = 'abandoned', error = %s,
+                              finished_at = now() WHERE batch_id = %s""",
+                    (reason, batch_id))
+        self._drop_staging(cur, batch_id)
 
     def range_topic_ids(self, batch_id: int) -> dict[str, str]:
         """The Kafka topic id each topic of a batch had when the batch was planned (topics

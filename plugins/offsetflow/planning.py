@@ -3,7 +3,9 @@
 Order matters and is followed step by step in `plan_next`:
   1. take the per-pipeline lock (transaction-scoped advisory lock);
   2. an open batch (planned, running, failed) is returned unchanged: a re-run reads the
-     same ranges, like Structured Streaming's offset log;
+     same ranges, like Structured Streaming's offset log; except under `data_loss:
+     continue` when Kafka deleted some of its offsets before it read them: it could never
+     be read, so it is abandoned (in this transaction) and a new batch is planned;
   3. read committed positions, then partitions and earliest/latest offsets from Kafka;
   4. plan (pure); under the `fail` policy record data-loss gaps in the ledger and stop
      (the gap record is committed, the batch is not);
@@ -38,16 +40,34 @@ class PlanOutcome:
         return self.batch.batch_id if self.batch else None
 
 
+def _deleted_before_read(batch: Batch, kafka: KafkaMetadata) -> str:
+    """The offsets of an open batch's ranges that Kafka no longer holds ("" if none)."""
+    offsets = kafka.partition_offsets([r.topic_partition for r in batch.ranges])
+    gone = [f"{r.topic}[{r.partition}] offsets [{r.from_offset}, "
+            f"{min(r.until_offset, offsets[r.topic_partition].earliest)})"
+            for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]
+    return ", ".join(gone)
+
+
 def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
               started_by: str = "cli") -> PlanOutcome:
     pending_error: DataLossError | None = None
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1
         existing = ledger.open_batch(cur, cfg.name)  # 2
-        if existing is not None:
+        unreadable = _deleted_before_read(existing, kafka) \
+            if existing is not None and cfg.data_loss == "continue" else ""
+        if existing is not None and not unreadable:
             log.info("pipeline %s: re-using open batch %d (%s, %d ranges)", cfg.name,
                      existing.batch_id, existing.status, len(existing.ranges))
             return PlanOutcome(existing, reused=True, plan=None)
+        if existing is not None:
+            # it can never be read; `continue` means plan again from the earliest offsets
+            reason = (f"{unreadable} were deleted from Kafka before this batch read them; "
+                      f"data_loss: continue planned a new batch past the gap")
+            ledger.abandon(existing.batch_id, reason, cur)
+            log.warning("pipeline %s: abandoned open batch %d: %s", cfg.name,
+                        existing.batch_id, reason)
         committed = ledger.positions(cfg.name, cur)  # 3
         topics = kafka.topics(cfg.topics, cfg.topic_pattern)
         topic_ids = kafka.topic_ids(topics)

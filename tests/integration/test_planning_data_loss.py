@@ -105,3 +105,32 @@ def test_data_loss_fail_names_topic_partition_and_offsets(
         assert [(x["missing_from"], x["missing_until"], x["policy"])
                 for x in ledger.data_loss_events(cfg.name)] == [(100, 140, "fail")]
     assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 100
+
+
+def test_data_loss_continue_replans_an_open_batch_whose_records_were_deleted(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Records deleted after planning but before the read: under `continue` the open batch
+    can never be read (it failed with DataLossError on every retry); the next plan abandons
+    it and plans past the gap."""
+    topic = make_topic("dlo", 1)
+    produced = produce_plain(kafka_bootstrap, topic, 200, f"a{unique}", 1)
+    table = f"dlo_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    stale = plan_only(cfg, pg_dsn).batch
+    assert stale is not None
+    _delete_before(kafka_bootstrap, topic, 0, 80)
+    with pytest.raises(Exception, match=r"data loss on .*\[0\]: offsets \[0, 80\)"):
+        run_batch(spark, cfg, stale.batch_id, pg_dsn)
+
+    res = run_cycle(cfg, pg_dsn, spark)  # the scheduled run: plan (or re-use), read, commit
+    assert res.report is not None and res.report.batch_id != stale.batch_id
+    assert res.report.result.status == "committed"
+    with Ledger(pg_dsn) as ledger:
+        old = ledger.get_batch(stale.batch_id)
+        assert old.status == "abandoned" and "[0, 80)" in (old.error or "")
+        assert ledger.positions(cfg.name) == {(topic, 0): 200}
+        assert [(x["missing_from"], x["missing_until"], x["batch_id"])
+                for x in ledger.data_loss_events(cfg.name)] == [(0, 80, res.report.batch_id)]
+    rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
+    assert rows == {f"a{unique}-{i}": 1 for i in range(80, 200)}
+    assert len(produced.committed) == 200
