@@ -63,6 +63,7 @@ class KafkaMetadata:
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
         """`call` until it succeeds, a non-retriable error, or the policy's last attempt."""
         delays = self._retry.delays()
+        t0 = time.monotonic()
         for attempt in range(len(delays) + 1):
             try:
                 return call()
@@ -72,7 +73,8 @@ class KafkaMetadata:
                 failed = e
             where = f" of {failed.where}" if failed.where else ""
             code = failed.code
-            if code is None or not is_retriable(code) or attempt == len(delays):
+            if code is None or not is_retriable(code) or \
+                    not self._retry.may_retry(attempt, time.monotonic() - t0):
                 tries = f" after {attempt + 1} attempts" if attempt else ""
                 raise KafkaUnavailableError(
                     f"{what}{where} failed{tries} (Kafka at "

@@ -39,15 +39,24 @@ def is_retriable(code: int) -> bool:
 @dataclass(frozen=True)
 class RetryPolicy:
     """`attempts` calls in all; the waits between them double from `base_s` up to `cap_s`
-    (0.25, 0.5, 1, 2, 4, 4, 4 s by default: ~16 s of waiting, enough for a broker restart)."""
+    (0.25, 0.5, 1, 2, 4, 4, 4 s by default: ~16 s of waiting, enough for a broker restart).
+    No retry starts after `max_elapsed_s`: planning holds the pipeline's lock meanwhile, and
+    each call may itself wait for its request timeout."""
 
     attempts: int = 8
     base_s: float = 0.25
     cap_s: float = 4.0
+    max_elapsed_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1 or self.base_s < 0 or self.cap_s < self.base_s:
+        if self.attempts < 1 or self.base_s < 0 or self.cap_s < self.base_s \
+                or self.max_elapsed_s < 0:
             raise ValueError(f"invalid retry policy {self}")
+
+    def may_retry(self, attempt: int, elapsed_s: float) -> bool:
+        """After failed attempt `attempt` (0-based) and `elapsed_s` since the first call."""
+        delays = self.delays()
+        return attempt < len(delays) and elapsed_s + delays[attempt] <= self.max_elapsed_s
 
     def delays(self) -> tuple[float, ...]:
         """The wait before each retry (one fewer than the attempts)."""

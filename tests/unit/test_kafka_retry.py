@@ -36,6 +36,20 @@ def test_backoff_doubles_up_to_its_cap() -> None:
     assert RetryPolicy(attempts=4, base_s=1, cap_s=3).delays() == (1, 2, 3)
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
+    p = RetryPolicy(attempts=3, base_s=1, cap_s=1, max_elapsed_s=10)
+    assert p.may_retry(0, 0.0) and p.may_retry(1, 9.0)
+    assert not p.may_retry(1, 9.5)  # the wait would end past the time budget
+    assert not p.may_retry(2, 0.0)  # no attempts left
+
+
+def test_no_retry_starts_past_the_time_budget() -> None:
+    admin = _Admin([KafkaError.REQUEST_TIMED_OUT] * 10)
+    km = KafkaMetadata({"bootstrap.servers": "b:1"},
+                       retry=RetryPolicy(attempts=8, base_s=0.0, cap_s=0.0, max_elapsed_s=0.0))
+    km._admin = admin  # type: ignore[assignment]
+    with pytest.raises(KafkaUnavailableError, match=r"listing offsets of t\[1\] failed"):
+        km._list_offsets({("t", 1): OffsetSpec.earliest()})
+    assert admin.calls == 1
 
 
 class _Done:
