@@ -343,14 +343,23 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
 
 
 def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> None:
-    """Before anything is read: a topic deleted and recreated since the batch was planned
-    has restarted its offsets, so the batch's ranges would name the new topic's records."""
+    """Before anything is read: a topic deleted since the batch was planned makes it
+    unreadable for good; one deleted and recreated has restarted its offsets, so the
+    batch's ranges would name the new topic's records. Either way: name the way out."""
     from offsetflow.kafka_meta import KafkaMetadata
 
+    kafka = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level)
+    gone = kafka.missing(sorted({r.topic for r in batch.ranges}))
+    if gone:
+        raise BatchStateError(
+            f"batch {batch.batch_id} reads topic {gone[0]}, which no longer exists in Kafka; "
+            f"it can never be read. Abandon it (offsetflow abandon --batch-id "
+            f"{batch.batch_id} --reason '...'); if the topic comes back, see "
+            f"reset-position")
     planned = ledger.range_topic_ids(batch.batch_id)
     if not planned:
         return
-    current = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level).topic_ids(sorted(planned))
+    current = kafka.topic_ids(sorted(planned))
     for topic, old in sorted(planned.items()):
         if current.get(topic) != old:
             raise TopicRecreatedError(topic, old, current.get(topic, "none"),

@@ -103,6 +103,11 @@ class KafkaMetadata:
                                         f"{self._conf.get('bootstrap.servers')}")
         return names
 
+    def missing(self, topics: Iterable[str]) -> list[str]:
+        """Those of `topics` that do not exist in Kafka (deleted)."""
+        existing = self._cluster().topics
+        return sorted(t for t in topics if t not in existing)
+
     def partitions(self, topics: Iterable[str]) -> list[TopicPartition]:
         names = list(topics)
 

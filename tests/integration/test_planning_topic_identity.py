@@ -160,3 +160,25 @@ def test_topic_recreation_documented_recovery(
     assert archived == {k: 1 for k in old.committed}
     with Ledger(pg_dsn) as ledger:
         assert ledger.positions(cfg.name) == {(topic_name, 0): 250, (topic_name, 1): 250}
+
+
+def test_open_batch_of_a_deleted_topic_names_the_way_out(
+        tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, unique: str, topic_name: str,
+        spark: Any) -> None:
+    """The topic of an open batch was deleted (and not recreated): the batch can never be
+    read; the error says so and names the command that closes it."""
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic_name, 1, 1)])[topic_name].result(30)
+    f = _pipeline_file(tmp_path, f"rdt_{unique}", topic_name, pg_dsn, kafka_bootstrap)
+    cfg = load_pipeline(f)
+    produce_plain(kafka_bootstrap, topic_name, 50, f"o{unique}", 1)
+    stale = plan_only(cfg, pg_dsn).batch
+    assert stale is not None
+    admin.delete_topics([topic_name])[topic_name].result(30)
+    deadline = time.monotonic() + 60
+    while topic_name in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
+        time.sleep(1)
+    with pytest.raises(Exception, match=rf"batch {stale.batch_id} reads topic {topic_name}, "
+                                        rf"which no longer exists in Kafka.*offsetflow abandon "
+                                        rf"--batch-id {stale.batch_id}"):
+        run_batch(spark, cfg, stale.batch_id, pg_dsn)
