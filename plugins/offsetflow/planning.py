@@ -4,8 +4,9 @@ Order matters and is followed step by step in `plan_next`:
   1. take the per-pipeline lock (transaction-scoped advisory lock);
   2. an open batch (planned, running, failed) is returned unchanged: a re-run reads the
      same ranges, like Structured Streaming's offset log; except under `data_loss:
-     continue` when Kafka deleted some of its offsets before it read them: it could never
-     be read, so it is abandoned (in this transaction) and a new batch is planned;
+     continue` when Kafka deleted some of its offsets before it read them and its stage
+     does not hold them: it could never be read, so it is abandoned (in this transaction)
+     and a new batch is planned (a running batch is never abandoned: planning fails);
   3. read committed positions, then partitions and earliest/latest offsets from Kafka;
   4. plan (pure); under the `fail` policy record data-loss gaps in the ledger and stop
      (the gap record is committed, the batch is not);
@@ -20,11 +21,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import psycopg2.extensions
+
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import DataLossError
+from offsetflow.errors import BatchStateError, DataLossError
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.planner import Plan, check_topic_identity, plan_batch
+from offsetflow.ranges import split_ranges
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +44,35 @@ class PlanOutcome:
         return self.batch.batch_id if self.batch else None
 
 
-def _deleted_before_read(batch: Batch, kafka: KafkaMetadata) -> str:
-    """The offsets of an open batch's ranges that Kafka no longer holds ("" if none)."""
+def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
+                         kafka: KafkaMetadata, cfg: PipelineConfig) -> str:
+    """The offsets of an open batch's ranges that Kafka no longer holds and its stage does
+    not hold either ("" if none: the batch can still be run, maybe from its stage).
+
+    A part staged by an earlier attempt is never read again, so deleted offsets inside
+    staged parts are not lost: the run commits them from the stage. On the fused path
+    (no transform) part i stages sub-range i, so coverage is exact; after a transform the
+    parts need not follow the sub-ranges, so any staged part keeps the batch (the
+    conservative side: abandoning would drop staged records for good)."""
     offsets = kafka.partition_offsets([r.topic_partition for r in batch.ranges])
-    gone = [f"{r.topic}[{r.partition}] offsets [{r.from_offset}, "
-            f"{min(r.until_offset, offsets[r.topic_partition].earliest)})"
-            for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]
-    return ", ".join(gone)
+    deleted = [(r, min(r.until_offset, offsets[r.topic_partition].earliest))
+               for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]
+    if not deleted:
+        return ""
+    cur.execute("""SELECT DISTINCT part FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows'""", (batch.batch_id,))
+    staged = {int(p) for (p,) in cur.fetchall()}
+    if staged and batch.split_offsets == cfg.spark.max_offsets_per_task:
+        # (a changed split makes the run drop the stage and read again: nothing covered)
+        if cfg.transform:
+            return ""
+        subs = split_ranges(batch.ranges, batch.split_offsets)
+        deleted = [(r, gone) for r, gone in deleted
+                   if any(i not in staged for i, s in enumerate(subs)
+                          if s.topic_partition == r.topic_partition
+                          and s.from_offset < gone and s.until_offset > r.from_offset)]
+    return ", ".join(f"{r.topic}[{r.partition}] offsets [{r.from_offset}, {gone})"
+                     for r, gone in deleted)
 
 
 def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
@@ -55,16 +81,25 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1
         existing = ledger.open_batch(cur, cfg.name)  # 2
-        unreadable = _deleted_before_read(existing, kafka) \
+        unreadable = _deleted_before_read(cur, existing, kafka, cfg) \
             if existing is not None and cfg.data_loss == "continue" else ""
         if existing is not None and not unreadable:
             log.info("pipeline %s: re-using open batch %d (%s, %d ranges)", cfg.name,
                      existing.batch_id, existing.status, len(existing.ranges))
             return PlanOutcome(existing, reused=True, plan=None)
+        if existing is not None and existing.status == "running":
+            # a live job (or a zombie) may be staging or committing it right now: never
+            # drop its stage under it; only an operator can tell a dead one from a live one
+            raise BatchStateError(
+                f"pipeline {cfg.name}: batch {existing.batch_id} is running, but {unreadable} "
+                f"were deleted from Kafka before it read them, so it can never complete. If "
+                f"no job is running it any more, abandon it (offsetflow abandon --batch-id "
+                f"{existing.batch_id} --reason '...'); the next plan skips the gap")
         if existing is not None:
             # it can never be read; `continue` means plan again from the earliest offsets
-            reason = (f"{unreadable} were deleted from Kafka before this batch read them; "
-                      f"data_loss: continue planned a new batch past the gap")
+            reason = (f"{unreadable} were deleted from Kafka before this batch could read "
+                      f"them (not in its stage either); data_loss: continue planned a new "
+                      f"batch past the gap")
             ledger.abandon(existing.batch_id, reason, cur)
             log.warning("pipeline %s: abandoned open batch %d: %s", cfg.name,
                         existing.batch_id, reason)

@@ -12,7 +12,7 @@ import pytest
 from confluent_kafka import TopicPartition as KTP
 from confluent_kafka.admin import AdminClient
 
-from offsetflow.errors import DataLossError, FencedCommitError
+from offsetflow.errors import BatchStateError, DataLossError, FencedCommitError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
@@ -134,3 +134,71 @@ def test_data_loss_continue_replans_an_open_batch_whose_records_were_deleted(
     rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
     assert rows == {f"a{unique}-{i}": 1 for i in range(80, 200)}
     assert len(produced.committed) == 200
+
+
+def _fail_inserts(dsn: str, table: str, on: bool) -> None:
+    """A trigger that makes every insert into `table` fail: the commit fails after staging."""
+    if on:
+        query(dsn, f"CREATE OR REPLACE FUNCTION fail_{table}() RETURNS trigger "
+                   f"LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'test: commit refused'; "
+                   f"END $$")
+        query(dsn, f"CREATE TRIGGER fail_ins BEFORE INSERT ON {table} "
+                   f"FOR EACH ROW EXECUTE FUNCTION fail_{table}()")
+    else:
+        query(dsn, f"DROP TRIGGER fail_ins ON {table}")
+
+
+def test_data_loss_continue_commits_a_staged_batch_whose_records_were_deleted(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A batch read and staged in full whose commit failed: retention then deletes part of
+    its offsets. Its stage still holds those records, so planning must re-use it (not
+    abandon it as 'deleted before read') and the run commits them all."""
+    topic = make_topic("dls", 1)
+    produced = produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    table = f"dls_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue",
+                       mode="upsert", key=["event_id"])
+    run_cycle(cfg, pg_dsn, spark)
+    produce_plain(kafka_bootstrap, topic, 500, f"a{unique}", 1, produced, start_seq=100)
+    _fail_inserts(pg_dsn, table, True)
+    with pytest.raises(Exception, match="commit refused"):
+        run_cycle(cfg, pg_dsn, spark)
+    _fail_inserts(pg_dsn, table, False)
+    with Ledger(pg_dsn) as ledger:
+        failed = ledger.open_batch(ledger.conn.cursor(), cfg.name)
+    assert failed is not None and failed.status == "failed"
+    assert query(pg_dsn, "SELECT sum(rows_staged) FROM offsetflow.staged_parts "
+                         "WHERE batch_id = %s AND kind = 'rows'", (failed.batch_id,)) \
+        == [(500,)]
+    _delete_before(kafka_bootstrap, topic, 0, 300)  # [100, 300) gone from Kafka, not stage
+
+    res = run_cycle(cfg, pg_dsn, spark)
+    assert res.report is not None and res.report.batch_id == failed.batch_id
+    assert res.report.result.status == "committed"
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 600}
+        assert ledger.data_loss_events(cfg.name) == []
+    rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
+    assert rows == {k: 1 for k in produced.committed}
+
+
+def test_data_loss_continue_never_abandons_a_running_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A running batch (a live job, or a zombie) whose offsets were deleted is not
+    abandoned under it: planning fails naming the batch and `offsetflow abandon`."""
+    topic = make_topic("dlr", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    table = f"dlr_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    planned = plan_only(cfg, pg_dsn).batch
+    assert planned is not None
+    with Ledger(pg_dsn) as ledger:
+        ledger.mark_running(planned.batch_id)
+    _delete_before(kafka_bootstrap, topic, 0, 50)
+    with pytest.raises(BatchStateError, match=rf"batch {planned.batch_id} is running.*"
+                                              rf"offsetflow abandon --batch-id "
+                                              rf"{planned.batch_id}"):
+        plan_only(cfg, pg_dsn)
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.get_batch(planned.batch_id).status == "running"
+        assert ledger.data_loss_events(cfg.name) == []
