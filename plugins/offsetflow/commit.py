@@ -350,7 +350,8 @@ def check_fence(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
     for r in batch.ranges:
         exp, found = expected.get(r.topic_partition, (r.from_offset, None))
         if found is not None and found != exp:
-            raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp, found)
+            raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp, found,
+                                    open_scheduled=batch.kind == "scheduled")
 
 
 def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
@@ -376,7 +377,7 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
             found = cur.fetchone()
             if found is not None:
                 raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp,
-                                        int(found[0]))
+                                        int(found[0]), open_scheduled=batch.kind == "scheduled")
             # first batch of this partition: the position row is created here, once
             cur.execute("""INSERT INTO offsetflow.positions
                              (pipeline, topic, partition, next_offset, batch_id, topic_id)

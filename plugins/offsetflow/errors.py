@@ -139,15 +139,22 @@ class FencedCommitError(OffsetFlowError):
     (a zombie or a concurrent run) and must not commit. Nothing was written."""
 
     def __init__(self, batch_id: int, topic: str, partition: int, expected: int,
-                 found: int | None) -> None:
+                 found: int | None, *, open_scheduled: bool = False) -> None:
         self.batch_id = batch_id
         self.topic = topic
         self.partition = partition
         self.expected = expected
         self.found = found
+        # the pipeline's open scheduled batch is re-used by every plan: unless another
+        # run of it committed, it fails this way forever, so say how to get out
+        way_out = (f"nothing was written. Unless another run of this batch committed "
+                   f"first, no run can commit it: abandon it (offsetflow abandon --batch-id "
+                   f"{batch_id} --reason '...') and the next plan starts from the committed "
+                   f"position") if open_scheduled else \
+            "another run committed first, nothing was written"
         super().__init__(
             f"batch {batch_id} fenced on {topic}[{partition}]: expected committed position "
-            f"{expected}, found {found}; another run committed first, nothing was written"
+            f"{expected}, found {found}; {way_out}"
         )
 
 

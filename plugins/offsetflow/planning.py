@@ -27,7 +27,7 @@ from offsetflow.config import PipelineConfig
 from offsetflow.errors import BatchStateError, DataLossError
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Batch, Ledger
-from offsetflow.planner import Plan, check_topic_identity, plan_batch
+from offsetflow.planner import DataLossGap, Plan, check_topic_identity, plan_batch
 from offsetflow.ranges import split_ranges
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,37 @@ def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
                      for r, gone in deleted)
 
 
+def _adopt_skipped_gaps(cur: psycopg2.extensions.cursor, ledger: Ledger,
+                        cfg: PipelineConfig, batch: Batch, kafka: KafkaMetadata) -> None:
+    """Unwedge a batch the release before ledger migration 0005 planned past a data-loss
+    gap: its ranges start above the committed position and carry no expected position, so
+    the fence (expecting from_offset) refused it on every run. When every offset between
+    the position and the range's start is gone from Kafka, nothing readable is skipped:
+    the range expects the position (as a range planned now would) and the gap is recorded
+    with the batch."""
+    cur.execute("""SELECT br.topic, br.partition, p.next_offset, br.from_offset
+                     FROM offsetflow.batch_ranges br
+                     JOIN offsetflow.positions p
+                       ON p.pipeline = %s AND p.topic = br.topic AND p.partition = br.partition
+                    WHERE br.batch_id = %s AND br.expected_position IS NULL
+                      AND p.next_offset < br.from_offset""", (cfg.name, batch.batch_id))
+    found = [(t, int(p), int(pos), int(frm)) for t, p, pos, frm in cur.fetchall()]
+    if not found:
+        return
+    offsets = kafka.partition_offsets([(t, p) for t, p, _, _ in found])
+    gaps = [DataLossGap(t, p, pos, frm) for t, p, pos, frm in found
+            if offsets[(t, p)].earliest >= frm]
+    for g in gaps:
+        cur.execute("""UPDATE offsetflow.batch_ranges SET expected_position = %s
+                        WHERE batch_id = %s AND topic = %s AND partition = %s""",
+                    (g.missing_from, batch.batch_id, g.topic, g.partition))
+        log.warning("pipeline %s: open batch %d skips %s[%d] offsets [%d, %d), gone from "
+                    "Kafka (planned before ledger migration 0005); it now expects position "
+                    "%d", cfg.name, batch.batch_id, g.topic, g.partition, g.missing_from,
+                    g.missing_until, g.missing_from)
+    ledger.record_data_loss(cur, cfg.name, gaps, cfg.data_loss, batch.batch_id)
+
+
 def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
               started_by: str = "cli") -> PlanOutcome:
     pending_error: DataLossError | None = None
@@ -84,6 +115,8 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
         unreadable = _deleted_before_read(cur, existing, kafka, cfg) \
             if existing is not None and cfg.data_loss == "continue" else ""
         if existing is not None and not unreadable:
+            if cfg.data_loss == "continue" and existing.moves_positions:
+                _adopt_skipped_gaps(cur, ledger, cfg, existing, kafka)
             log.info("pipeline %s: re-using open batch %d (%s, %d ranges)", cfg.name,
                      existing.batch_id, existing.status, len(existing.ranges))
             return PlanOutcome(existing, reused=True, plan=None)

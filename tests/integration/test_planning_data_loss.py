@@ -15,6 +15,7 @@ from confluent_kafka.admin import AdminClient
 from offsetflow.errors import BatchStateError, DataLossError, FencedCommitError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
+from offsetflow.ranges import OffsetRange
 from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
@@ -202,3 +203,56 @@ def test_data_loss_continue_never_abandons_a_running_batch(
     with Ledger(pg_dsn) as ledger:
         assert ledger.get_batch(planned.batch_id).status == "running"
         assert ledger.data_loss_events(cfg.name) == []
+
+
+def _wedged_by_the_old_release(cfg: Any, pg_dsn: str, kafka_bootstrap: str, topic: str,
+                               unique: str, spark: Any) -> int:
+    """Position 100, offsets [100, 130) deleted, and the open batch the release before
+    ledger migration 0005 planned past the gap: [130, 200) without an expected position
+    (NULL after the migration), and its gap recorded without a batch."""
+    produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    run_cycle(cfg, pg_dsn, spark)
+    produce_plain(kafka_bootstrap, topic, 100, f"b{unique}", 1, start_seq=100)
+    _delete_before(kafka_bootstrap, topic, 0, 130)
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        batch_id = ledger.insert_batch(
+            cur, pipeline=cfg.name, kind="scheduled",
+            ranges=[OffsetRange(topic, 0, 130, 200)], target_table=cfg.sink.table,
+            config_fingerprint=cfg.fingerprint(),
+            split_offsets=cfg.spark.max_offsets_per_task, started_by="old release")
+        cur.execute("""INSERT INTO offsetflow.data_loss (pipeline, topic, partition,
+                         missing_from, missing_until, policy)
+                       VALUES (%s, %s, 0, 100, 130, 'continue')""", (cfg.name, topic))
+    return batch_id
+
+
+def test_data_loss_continue_unwedges_a_batch_planned_by_the_old_release(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("dlw", 1)
+    table = f"dlw_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    wedged = _wedged_by_the_old_release(cfg, pg_dsn, kafka_bootstrap, topic, unique, spark)
+
+    res = run_cycle(cfg, pg_dsn, spark)
+    assert res.report is not None and res.report.batch_id == wedged
+    assert res.report.result.status == "committed"
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 200}
+        assert [(x["missing_from"], x["missing_until"], x["batch_id"])
+                for x in ledger.data_loss_events(cfg.name)] == [(100, 130, wedged)]
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}") \
+        == [(170, 170)]
+
+
+def test_a_fenced_open_scheduled_batch_names_the_way_out(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Under `fail` the old release's batch is not adopted; its fence error must say how
+    to get out (it would otherwise fail the same way forever)."""
+    topic = make_topic("dlx", 1)
+    table = f"dlx_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table)
+    wedged = _wedged_by_the_old_release(cfg, pg_dsn, kafka_bootstrap, topic, unique, spark)
+    assert plan_only(cfg, pg_dsn).batch_id == wedged
+    with pytest.raises(FencedCommitError, match=rf"expected committed position 130, found "
+                                                rf"100.*offsetflow abandon --batch-id {wedged}"):
+        run_batch(spark, cfg, wedged, pg_dsn)
