@@ -143,13 +143,15 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
             partitions = [args.partition]
         moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
                                 args.reason, topic_id=topic_id, target_table=cfg.sink.table,
-                                archive_to=args.archive_to)
+                                archive_to=args.archive_to,
+                                dead_letter_table=cfg.dead_letter_table)
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")
     if moved:
         print(f"{cfg.name}: moved {moved} rows of {args.topic} at offsets >= {args.offset} "
-              f"from {cfg.sink.table} to {args.archive_to}")
+              f"from {cfg.sink.table} to {args.archive_to} (its dead letters in "
+              f"{cfg.dead_letter_table}, if any, to {args.archive_to}_dead_letter)")
     return 0
 
 

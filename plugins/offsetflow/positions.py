@@ -14,17 +14,20 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.errors import BatchStateError, PositionResetError
-from offsetflow.ledger import Ledger, qualified
+from offsetflow.ledger import OPEN_STATUSES, Ledger, qualified
 
 
 def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Sequence[int],
                     next_offset: int, reason: str, *, topic_id: str | None,
-                    target_table: str | None = None, archive_to: str | None = None) -> int:
+                    target_table: str | None = None, archive_to: str | None = None,
+                    dead_letter_table: str | None = None) -> int:
     """Operator override of positions (e.g. after a topic was recreated), in one
     transaction. `topic_id`: the topic's current Kafka id, recorded with the positions
-    so planning accepts them. Rows of `target_table` at or beyond the new position of a
-    partition would collide with the records read from there: they are refused, or
-    moved to `archive_to` in the same transaction. Returns the rows moved."""
+    so planning accepts them. Rows of `target_table` (and the pipeline's dead letters in
+    `dead_letter_table`) at or beyond the new position of a partition would collide with
+    (or be written again by) the records read from there: they are refused, or moved to
+    `archive_to` (dead letters to `archive_to`_dead_letter) in the same transaction.
+    Returns the rows moved."""
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, pipeline)
         open_batch = ledger.open_batch(cur, pipeline)
@@ -34,8 +37,12 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                 f"({open_batch.status}); run it to its commit or abandon it (offsetflow "
                 f"abandon --batch-id {open_batch.batch_id} --reason '...') before moving a "
                 f"position")
+        _refuse_open_batches_beyond(cur, pipeline, topic, partitions, next_offset)
         moved = _clear_rows_beyond(cur, topic, partitions, next_offset, target_table,
                                    archive_to)
+        moved += _clear_rows_beyond(cur, topic, partitions, next_offset, dead_letter_table,
+                                    f"{archive_to}_dead_letter" if archive_to else None,
+                                    pipeline=pipeline)
         for partition in sorted(set(partitions)):
             cur.execute("""SELECT next_offset FROM offsetflow.positions
                             WHERE pipeline=%s AND topic=%s AND partition=%s FOR UPDATE""",
@@ -57,17 +64,49 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                                                 else "")))
     return moved
 
+def _refuse_open_batches_beyond(cur: psycopg2.extensions.cursor, pipeline: str, topic: str,
+                                partitions: Sequence[int], next_offset: int) -> None:
+    """An open backfill or replay of these partitions reaching past the new position was
+    accepted against the old one: committed after the reset, its rows collide with the
+    live batches that read those offsets again."""
+    cur.execute("""SELECT b.batch_id, b.kind, b.status, br.partition, br.from_offset,
+                          br.until_offset
+                     FROM offsetflow.batches b JOIN offsetflow.batch_ranges br USING (batch_id)
+                    WHERE b.pipeline = %s AND b.status = ANY(%s) AND br.topic = %s
+                      AND br.partition = ANY(%s) AND br.until_offset > %s
+                    ORDER BY b.batch_id, br.partition""",
+                (pipeline, list(OPEN_STATUSES), topic, list(partitions), next_offset))
+    found = cur.fetchall()
+    if found:
+        b, kind, status, part, lo, hi = found[0]
+        more = f" (and {len(found) - 1} more range(s))" if len(found) > 1 else ""
+        raise BatchStateError(
+            f"pipeline {pipeline} has open batch {b} ({kind}, {status}) reading "
+            f"{topic}[{part}] [{lo}, {hi}){more}, past the new position {next_offset}; "
+            f"committed after the reset, its rows would collide with the records read "
+            f"again from there. Nothing was changed. Let it commit first, or abandon it "
+            f"(offsetflow abandon --batch-id {b} --reason '...')")
+
+
 def _clear_rows_beyond(cur: psycopg2.extensions.cursor, topic: str,
                        partitions: Sequence[int], next_offset: int,
-                       target_table: str | None, archive_to: str | None) -> int:
+                       target_table: str | None, archive_to: str | None,
+                       pipeline: str | None = None) -> int:
+    """`pipeline`: the table is a dead-letter table, shared by pipelines: only that
+    pipeline's rows count."""
     if target_table is None:
         return 0
-    cur.execute("SELECT to_regclass(%s)", (target_table,))
+    # the quoted name: to_regclass folds an unquoted one to lower case (Orders -> orders)
+    cur.execute(sql.SQL("SELECT to_regclass(%s)"), (qualified(target_table).as_string(cur),))
     row = cur.fetchone()
     if row is None or row[0] is None:
         return 0
-    where = sql.SQL("topic = %s AND partition = ANY(%s) AND \"offset\" >= %s")
-    args = (topic, list(partitions), next_offset)
+    where: sql.Composable = sql.SQL("topic = %s AND partition = ANY(%s) AND \"offset\" >= %s")
+    args: tuple[object, ...] = (topic, list(partitions), next_offset)
+    if pipeline is not None:
+        where = sql.SQL("pipeline = %s AND ") + where
+        args = (pipeline, *args)
+    what = "dead letters" if pipeline is not None else "rows"
     cur.execute(sql.SQL("SELECT partition, count(*) FROM {} WHERE {} GROUP BY 1 ORDER BY 1")
                 .format(qualified(target_table), where), args)
     found = {int(p): int(n) for p, n in cur.fetchall()}
@@ -75,12 +114,14 @@ def _clear_rows_beyond(cur: psycopg2.extensions.cursor, topic: str,
         return 0
     if archive_to is None:
         raise PositionResetError(
-            f"{target_table} holds {sum(found.values())} rows of {topic} at offsets >= "
+            f"{target_table} holds {sum(found.values())} {what} of {topic} at offsets >= "
             f"{next_offset} (partition(s) {sorted(found)}), written before the reset (from "
             f"the topic's earlier incarnation if it was recreated); the records read from "
-            f"offset {next_offset} on would collide with them. Nothing was changed. Give "
-            f"--archive-to TABLE to move these rows there in the same transaction, or "
-            f"choose another offset")
+            f"offset {next_offset} on would collide with them"
+            f"{' (or be dead-lettered again)' if pipeline else ''}. Nothing was changed. "
+            f"Give --archive-to TABLE to move these {what} "
+            f"{'to TABLE_dead_letter' if pipeline else 'there'} in the same transaction, "
+            f"or choose another offset")
     schema = archive_to.split(".")[0] if "." in archive_to else "public"
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
     cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {} INCLUDING DEFAULTS)")
