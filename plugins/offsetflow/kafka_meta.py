@@ -24,6 +24,7 @@ from offsetflow.planner import PartitionOffsets
 from offsetflow.ranges import TopicPartition
 
 log = logging.getLogger(__name__)
+ZERO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"  # Uuid(0, 0): "no topic id"
 T = TypeVar("T")
 
 
@@ -123,7 +124,9 @@ class KafkaMetadata:
         return self._retrying("reading partition metadata", call)
 
     def topic_ids(self, topics: Iterable[str]) -> dict[str, str]:
-        """Kafka's topic id per topic: it changes when a topic is deleted and recreated."""
+        """Kafka's topic id per topic: it changes when a topic is deleted and recreated.
+        A topic without one (the zero Uuid a broker without topic ids answers) is left
+        out: recorded as an id, every such topic would look like the same one."""
         names = list(topics)
         if not names:
             return {}
@@ -133,9 +136,11 @@ class KafkaMetadata:
             out = {}
             for t, f in futures.items():
                 try:
-                    out[t] = str(f.result().topic_id)
+                    tid = f.result().topic_id
                 except KafkaException as e:
                     raise _failed(f"topic {t}", e) from e
+                if tid is not None and str(tid) != ZERO_TOPIC_ID:
+                    out[t] = str(tid)
             return out
         return self._retrying("describing topics", call)
 

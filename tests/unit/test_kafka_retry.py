@@ -113,3 +113,29 @@ def test_a_non_retriable_error_fails_at_once() -> None:
     with pytest.raises(KafkaUnavailableError, match=r"listing offsets of t\[1\] failed \("):
         _meta(admin)._list_offsets({("t", 1): OffsetSpec.earliest()})
     assert admin.calls == 1
+
+
+class _Described:
+    def __init__(self, topic_id: Any) -> None:
+        self.topic_id = topic_id
+
+
+class _DescribeAdmin:
+    """describe_topics answers with the given topic ids."""
+
+    def __init__(self, ids: dict[str, Any]) -> None:
+        self.ids = ids
+
+    def describe_topics(self, topics: Any, **_: Any) -> dict[str, _Done]:
+        return {t: _Done(result=_Described(self.ids[t])) for t in topics.topic_names}
+
+
+def test_a_zero_topic_id_is_no_id() -> None:
+    """A broker without topic ids answers the zero Uuid ("AAAAAAAAAAAAAAAAAAAAAA"): taken
+    for a real id it would be recorded with positions and compared as one."""
+    from confluent_kafka import Uuid
+
+    real = Uuid(12345, 67890)
+    km = _meta(_Admin([]))
+    km._admin = _DescribeAdmin({"a": Uuid(0, 0), "b": real})  # type: ignore[assignment]
+    assert km.topic_ids(["a", "b"]) == {"b": str(real)}
