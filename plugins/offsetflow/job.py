@@ -32,7 +32,6 @@ from offsetflow.errors import (
     ConfigError,
     OffsetFlowError,
     SparkUnavailableError,
-    TopicRecreatedError,
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
@@ -343,27 +342,13 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
 
 
 def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> None:
-    """Before anything is read: a topic deleted since the batch was planned makes it
-    unreadable for good; one deleted and recreated has restarted its offsets, so the
-    batch's ranges would name the new topic's records. Either way: name the way out."""
+    """Before anything is read: the batch's topics are the ones it was planned with."""
     from offsetflow.kafka_meta import KafkaMetadata
+    from offsetflow.planning import check_batch_topics
 
-    kafka = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level)
-    gone = kafka.missing(sorted({r.topic for r in batch.ranges}))
-    if gone:
-        raise BatchStateError(
-            f"batch {batch.batch_id} reads topic {gone[0]}, which no longer exists in Kafka; "
-            f"it can never be read. Abandon it (offsetflow abandon --batch-id "
-            f"{batch.batch_id} --reason '...'); if the topic comes back, see "
-            f"reset-position")
-    planned = ledger.range_topic_ids(batch.batch_id)
-    if not planned:
-        return
-    current = kafka.topic_ids(sorted(planned))
-    for topic, old in sorted(planned.items()):
-        if current.get(topic) != old:
-            raise TopicRecreatedError(topic, old, current.get(topic, "none"),
-                                      pipeline=cfg.name, batch_id=batch.batch_id)
+    with ledger.transaction() as cur:
+        check_batch_topics(cur, KafkaMetadata(cfg.admin_settings(), cfg.isolation_level),
+                           batch, cfg.name)
 
 
 def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,

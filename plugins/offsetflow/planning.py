@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import psycopg2.extensions
 
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import BatchStateError, DataLossError
+from offsetflow.errors import BatchStateError, DataLossError, TopicRecreatedError
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.planner import DataLossGap, Plan, check_topic_identity, plan_batch
@@ -42,6 +42,31 @@ class PlanOutcome:
     @property
     def batch_id(self) -> int | None:
         return self.batch.batch_id if self.batch else None
+
+
+def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, batch: Batch,
+                       pipeline: str) -> None:
+    """Before an open batch is read (or its offsets looked up): a topic deleted since it
+    was planned makes it unreadable for good; one deleted and recreated has restarted its
+    offsets, so its ranges would name the new topic's records. Either way: name the way
+    out."""
+    gone = kafka.missing(sorted({r.topic for r in batch.ranges}))
+    if gone:
+        raise BatchStateError(
+            f"batch {batch.batch_id} reads topic {gone[0]}, which no longer exists in Kafka; "
+            f"it can never be read. Abandon it (offsetflow abandon --batch-id "
+            f"{batch.batch_id} --reason '...'); if the topic comes back, see "
+            f"reset-position")
+    cur.execute("""SELECT DISTINCT topic, topic_id FROM offsetflow.batch_ranges
+                    WHERE batch_id = %s AND topic_id IS NOT NULL""", (batch.batch_id,))
+    planned = {t: i for t, i in cur.fetchall()}
+    if not planned:
+        return
+    current = kafka.topic_ids(sorted(planned))
+    for topic, old in sorted(planned.items()):
+        if current.get(topic) != old:
+            raise TopicRecreatedError(topic, old, current.get(topic, "none"),
+                                      pipeline=pipeline, batch_id=batch.batch_id)
 
 
 def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
@@ -112,6 +137,10 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1
         existing = ledger.open_batch(cur, cfg.name)  # 2
+        if existing is not None and cfg.data_loss == "continue":
+            # its offsets are looked up next: a deleted or recreated topic must be named
+            # as such first, not failed on as an unknown partition or taken for deletions
+            check_batch_topics(cur, kafka, existing, cfg.name)
         unreadable = _deleted_before_read(cur, existing, kafka, cfg) \
             if existing is not None and cfg.data_loss == "continue" else ""
         if existing is not None and not unreadable:

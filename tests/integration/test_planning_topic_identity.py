@@ -14,7 +14,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from offsetflow.cli import main as cli
 from offsetflow.config import load_pipeline
-from offsetflow.errors import TopicRecreatedError
+from offsetflow.errors import BatchStateError, TopicRecreatedError
 from offsetflow.job import run_batch
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
@@ -25,7 +25,8 @@ from tests.integration.helpers import SCHEMA, produce_plain, query
 def _recreate(bootstrap: str, topic: str, partitions: int) -> str:
     """Delete `topic`, create it again; returns the new topic id."""
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.delete_topics([topic])[topic].result(30)
+    if topic in admin.list_topics(timeout=10).topics:  # (or just create it again)
+        admin.delete_topics([topic])[topic].result(30)
     deadline = time.monotonic() + 90
     while True:
         try:
@@ -182,3 +183,33 @@ def test_open_batch_of_a_deleted_topic_names_the_way_out(
                                         rf"which no longer exists in Kafka.*offsetflow abandon "
                                         rf"--batch-id {stale.batch_id}"):
         run_batch(spark, cfg, stale.batch_id, pg_dsn)
+
+
+def test_continue_plans_past_no_open_batch_of_a_deleted_or_recreated_topic(
+        tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, unique: str, topic_name: str) -> None:
+    """Under `data_loss: continue` planning looks at an open batch's offsets in Kafka: its
+    topic's identity is checked first, so a deleted topic gives the way out, not a raw
+    UNKNOWN_TOPIC_OR_PART, and a recreated one is not taken for deleted offsets."""
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic_name, 1, 1)])[topic_name].result(30)
+    f = _pipeline_file(tmp_path, f"rcd_{unique}", topic_name, pg_dsn, kafka_bootstrap,
+                       data_loss="continue")
+    cfg = load_pipeline(f)
+    produce_plain(kafka_bootstrap, topic_name, 50, f"o{unique}", 1)
+    stale = plan_only(cfg, pg_dsn).batch
+    assert stale is not None
+    admin.delete_topics([topic_name])[topic_name].result(30)
+    deadline = time.monotonic() + 60
+    while topic_name in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
+        time.sleep(1)
+    with pytest.raises(BatchStateError, match=rf"batch {stale.batch_id} reads topic "
+                                              rf"{topic_name}, which no longer exists.*"
+                                              rf"offsetflow abandon --batch-id {stale.batch_id}"):
+        plan_only(cfg, pg_dsn)
+    _recreate(kafka_bootstrap, topic_name, 1)
+    produce_plain(kafka_bootstrap, topic_name, 80, f"n{unique}", 1)
+    with pytest.raises(TopicRecreatedError, match=rf"batch {stale.batch_id}"):
+        plan_only(cfg, pg_dsn)
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.get_batch(stale.batch_id).status == "planned"
+        assert ledger.data_loss_events(cfg.name) == []
