@@ -324,29 +324,24 @@ class Ledger:
     def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,
                          gaps: Sequence[DataLossGap], policy: str,
                          batch_id: int | None = None) -> None:
-        """Record each gap once: a gap already recorded without a batch (by a plan that
-        failed under `fail`, or by a release before ledger migration 0005) gets
-        `batch_id`; one already recorded with this batch (or without one, when `batch_id`
-        is None) is not recorded again."""
+        """Record each gap once per (partition, missing_from): a later plan that finds
+        the same gap (a re-plan under `fail`, a batch abandoned and planned again, a gap
+        first recorded when no batch covered it) extends that row and links it to
+        `batch_id` when given, instead of adding an overlapping one."""
         for g in gaps:
-            key = (pipeline, g.topic, g.partition, g.missing_from, g.missing_until)
-            if batch_id is not None:
-                cur.execute("""UPDATE offsetflow.data_loss SET batch_id = %s
-                                WHERE pipeline = %s AND topic = %s AND partition = %s
-                                  AND missing_from = %s AND missing_until = %s
-                                  AND batch_id IS NULL""", (batch_id, *key))
-                if cur.rowcount:
-                    continue
-            cur.execute("""SELECT 1 FROM offsetflow.data_loss
+            key = (pipeline, g.topic, g.partition, g.missing_from)
+            cur.execute("""UPDATE offsetflow.data_loss
+                              SET missing_until = GREATEST(missing_until, %s),
+                                  batch_id = COALESCE(%s, batch_id), policy = %s
                             WHERE pipeline = %s AND topic = %s AND partition = %s
-                              AND missing_from = %s AND missing_until = %s
-                              AND batch_id IS NOT DISTINCT FROM %s""", (*key, batch_id))
-            if cur.fetchone() is not None:
+                              AND missing_from = %s""",
+                        (g.missing_until, batch_id, policy, *key))
+            if cur.rowcount:
                 continue
             cur.execute("""INSERT INTO offsetflow.data_loss
                              (pipeline, topic, partition, missing_from, missing_until, policy,
                               batch_id) VALUES (%s, %s, %s, %s, %s, %s, %s)""",
-                        (*key, policy, batch_id))
+                        (*key, g.missing_until, policy, batch_id))
 
     def data_loss_events(self, pipeline: str) -> list[dict[str, Any]]:
         with self.transaction() as cur:

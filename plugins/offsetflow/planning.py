@@ -13,7 +13,8 @@ Order matters and is followed step by step in `plan_next`:
   5. give partitions seen for the first time their starting position; an empty plan
      inserts no batch; otherwise insert the batch and its ranges, each with the position
      its commit expects (under `continue` a range skipping a gap starts above it), and
-     the gaps it skips (`data_loss` rows naming the batch); commit.
+     the gaps it skips (`data_loss` rows naming the batch; a gap no batch covers yet is
+     recorded without one, once); commit.
 """
 
 from __future__ import annotations
@@ -219,12 +220,18 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                                     if tp in committed})
             skipped = [g for g in plan.data_loss if any(
                 r.topic_partition == (g.topic, g.partition) for r in ranges)]
-            if skipped:  # a gap of a partition left out of this batch is recorded when read
+            if skipped:
                 ledger.record_data_loss(cur, cfg.name, skipped, cfg.data_loss, batch_id)
+            # a gap of a partition left out of this batch (nothing after it to read yet, or
+            # the batch cap) is recorded now and linked to the batch that later skips it
+            ledger.record_data_loss(cur, cfg.name, [g for g in plan.data_loss
+                                                    if g not in skipped], cfg.data_loss)
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
                      batch_id, len(ranges), plan.offset_span)
             return PlanOutcome(batch, reused=False, plan=plan)
+        if pending_error is None and plan.data_loss:  # `continue`, nothing to read past it
+            ledger.record_data_loss(cur, cfg.name, plan.data_loss, cfg.data_loss)
     if pending_error is not None:
         raise pending_error
     log.info("pipeline %s: nothing new to read", cfg.name)

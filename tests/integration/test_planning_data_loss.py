@@ -256,3 +256,29 @@ def test_a_fenced_open_scheduled_batch_names_the_way_out(
     with pytest.raises(FencedCommitError, match=rf"expected committed position 130, found "
                                                 rf"100.*offsetflow abandon --batch-id {wedged}"):
         run_batch(spark, cfg, wedged, pg_dsn)
+
+
+def test_data_loss_continue_records_a_gap_once_even_with_nothing_left_to_read(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Every record after the position deleted (earliest == latest): no batch covers the
+    partition, the gap is still recorded, once, and linked to the batch that skips it."""
+    topic = make_topic("dle", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    table = f"dle_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue")
+    run_cycle(cfg, pg_dsn, spark)
+    produce_plain(kafka_bootstrap, topic, 100, f"b{unique}", 1, start_seq=100)
+    _delete_before(kafka_bootstrap, topic, 0, 200)
+
+    def loss() -> list[tuple[int, int, Any]]:
+        with Ledger(pg_dsn) as ledger:
+            return [(x["missing_from"], x["missing_until"], x["batch_id"])
+                    for x in ledger.data_loss_events(cfg.name)]
+    assert plan_only(cfg, pg_dsn).batch is None
+    assert plan_only(cfg, pg_dsn).batch is None
+    assert loss() == [(100, 200, None)]
+    produce_plain(kafka_bootstrap, topic, 10, f"c{unique}", 1, start_seq=200)
+    res = run_cycle(cfg, pg_dsn, spark)
+    assert res.report is not None and res.report.result.status == "committed"
+    assert loss() == [(100, 200, res.report.batch_id)]
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}") == [(110,)]
