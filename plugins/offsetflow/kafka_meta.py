@@ -9,9 +9,10 @@ warning per retry; the last one fails naming the topic/partition.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from confluent_kafka import IsolationLevel, KafkaError, KafkaException, TopicCollection
@@ -54,6 +55,7 @@ class KafkaMetadata:
                            else IsolationLevel.READ_UNCOMMITTED)
         self._timeout = timeout_s
         self._admin: AdminClient | None = None
+        self._budget_t0: float | None = None  # set by retry_budget()
 
     @property
     def admin(self) -> AdminClient:
@@ -61,10 +63,25 @@ class KafkaMetadata:
             self._admin = AdminClient(dict(self._conf))  # type: ignore[arg-type]
         return self._admin
 
+    @contextlib.contextmanager
+    def retry_budget(self) -> Iterator[None]:
+        """Calls made inside share one `max_elapsed_s` for their retries (from the first
+        call on): planning makes several under the pipeline's lock, and per-call budgets
+        would add up to minutes. Nested uses keep the outer budget."""
+        if self._budget_t0 is not None:
+            yield
+            return
+        self._budget_t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._budget_t0 = None
+
     def _retrying(self, what: str, call: Callable[[], T]) -> T:
-        """`call` until it succeeds, a non-retriable error, or the policy's last attempt."""
+        """`call` until it succeeds, a non-retriable error, or the policy's last attempt
+        (or the time budget: the call's own, or the one of `retry_budget`)."""
         delays = self._retry.delays()
-        t0 = time.monotonic()
+        t0 = self._budget_t0 if self._budget_t0 is not None else time.monotonic()
         for attempt in range(len(delays) + 1):
             try:
                 return call()

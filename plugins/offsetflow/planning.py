@@ -134,6 +134,13 @@ def _adopt_skipped_gaps(cur: psycopg2.extensions.cursor, ledger: Ledger,
 
 def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
               started_by: str = "cli") -> PlanOutcome:
+    # one retry budget for all Kafka calls made while the pipeline's lock is held
+    with kafka.retry_budget():
+        return _plan_next(cfg, ledger, kafka, started_by)
+
+
+def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
+               started_by: str) -> PlanOutcome:
     pending_error: DataLossError | None = None
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1

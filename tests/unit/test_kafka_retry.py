@@ -3,6 +3,7 @@ and that the adapter retries exactly those (a fake admin client; no broker neede
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -139,3 +140,33 @@ def test_a_zero_topic_id_is_no_id() -> None:
     km = _meta(_Admin([]))
     km._admin = _DescribeAdmin({"a": Uuid(0, 0), "b": real})  # type: ignore[assignment]
     assert km.topic_ids(["a", "b"]) == {"b": str(real)}
+
+
+def test_one_retry_budget_for_all_calls_of_a_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning holds the pipeline's lock across several metadata calls: inside
+    `retry_budget()` their retries share one `max_elapsed_s`, instead of each call getting
+    its own (several minutes in all)."""
+    import offsetflow.kafka_meta as km_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(km_mod.time, "monotonic", lambda: clock[0])
+
+    class _Slow(_Admin):  # every call takes 6 s
+        def list_offsets(self, req: Any, **kw: Any) -> dict[Any, _Done]:
+            clock[0] += 6.0
+            return super().list_offsets(req, **kw)
+
+    def calls(budget: bool) -> None:
+        admin = _Slow([KafkaError.REQUEST_TIMED_OUT, None, KafkaError.REQUEST_TIMED_OUT])
+        km = KafkaMetadata({"bootstrap.servers": "b:1"},
+                           retry=RetryPolicy(attempts=4, base_s=0.0, cap_s=0.0,
+                                             max_elapsed_s=10.0))
+        km._admin = admin  # type: ignore[assignment]
+        specs = {("t", 0): OffsetSpec.latest(), ("t", 1): OffsetSpec.latest()}
+        with km.retry_budget() if budget else contextlib.nullcontext():
+            km._list_offsets(specs)  # fails at 6 s, retried: done at 12 s
+            km._list_offsets(specs)  # fails at 18 s: past the plan's 10 s budget?
+
+    calls(budget=False)  # each call its own 10 s: both succeed
+    with pytest.raises(KafkaUnavailableError, match="listing offsets of t\\[1\\] failed"):
+        calls(budget=True)
