@@ -76,10 +76,9 @@ def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
     not hold either ("" if none: the batch can still be run, maybe from its stage).
 
     A part staged by an earlier attempt is never read again, so deleted offsets inside
-    staged parts are not lost: the run commits them from the stage. On the fused path
-    (no transform) part i stages sub-range i, so coverage is exact; after a transform the
-    parts need not follow the sub-ranges, so any staged part keeps the batch (the
-    conservative side: abandoning would drop staged records for good)."""
+    staged parts are not lost: the run commits them from the stage. The job reads sub-range
+    i in Spark partition i and stages it as part i (fused path, and a transform that keeps
+    the partitioning); a transform that repartitions breaks that mapping (README)."""
     offsets = kafka.partition_offsets([r.topic_partition for r in batch.ranges])
     deleted = [(r, min(r.until_offset, offsets[r.topic_partition].earliest))
                for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]
@@ -90,8 +89,6 @@ def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
     staged = {int(p) for (p,) in cur.fetchall()}
     if staged and batch.split_offsets == cfg.spark.max_offsets_per_task:
         # (a changed split makes the run drop the stage and read again: nothing covered)
-        if cfg.transform:
-            return ""
         subs = split_ranges(batch.ranges, batch.split_offsets)
         deleted = [(r, gone) for r, gone in deleted
                    if any(i not in staged for i, s in enumerate(subs)
