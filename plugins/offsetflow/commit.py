@@ -280,7 +280,12 @@ def move_stage_dead_letters(cur: psycopg2.extensions.cursor, batch: Batch, spec:
                 .format(dl=qualified(spec.dead_letter_table), cols=dl_cols,
                         lin=sql.Identifier(LINEAGE_COLUMN),
                         st=dead_letter_stage_table(batch.batch_id)), (batch.batch_id,))
-    moved.dead += int(cur.rowcount)
+    found, expected = int(cur.rowcount), _task_bad_records(cur, batch.batch_id)
+    if found != expected:
+        raise StagedRowsLostError(batch.batch_id, None, f"the dead-letter stage holds {found} "
+                                                        f"bad records but its markers count "
+                                                        f"{expected}")
+    moved.dead += found
 
 
 def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
@@ -326,14 +331,16 @@ def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[st
 
 def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
     """After a refused commit rolled back: drop the named parts' markers and rows (None:
-    every part), so the next attempt's tasks stage them again from Kafka."""
+    the whole stage, bad records included), so the next attempt's tasks stage them again
+    from Kafka."""
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
             if parts is None:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
-                            "AND kind = 'rows'", (batch_id,))
-                cur.execute(sql.SQL("TRUNCATE {}").format(stage_table(batch_id)))
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
+                            (batch_id,))
+                cur.execute(sql.SQL("TRUNCATE {}, {}").format(
+                    stage_table(batch_id), dead_letter_stage_table(batch_id)))
             else:
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
                             "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
