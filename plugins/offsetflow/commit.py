@@ -24,10 +24,11 @@ same steps, step 4 part by part while the batch is still being read):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import psycopg2
@@ -132,24 +133,17 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
         raise
 
 
-@dataclass
-class lock_errors:  # noqa: N801 - used as a context manager, like contextlib's
+@contextlib.contextmanager
+def lock_errors(dsn: str, batch_id: int) -> Iterator[None]:
     """Turns a lock wait cut by `lock_timeout` into `CommitLockTimeoutError`."""
-
-    dsn: str
-    batch_id: int
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
-        if isinstance(exc, psycopg2.errors.LockNotAvailable):
-            raise CommitLockTimeoutError(
-                f"batch {self.batch_id}: the commit waited more than {lock_timeout_s():.0f}s "
-                f"for a lock held by {lock_holders(self.dsn)}; if that is a run that died, "
-                f"its session ends when TCP keepalives notice (about a minute), or end it "
-                f"with pg_terminate_backend(pid); then re-run the batch") from exc
+    try:
+        yield
+    except psycopg2.errors.LockNotAvailable as e:
+        raise CommitLockTimeoutError(
+            f"batch {batch_id}: the commit waited more than {lock_timeout_s():.0f}s for a "
+            f"lock held by {lock_holders(dsn)}; if that is a run that died, its session ends "
+            f"when TCP keepalives notice (about a minute), or end it with "
+            f"pg_terminate_backend(pid); then re-run the batch") from e
 
 
 def lock_holders(dsn: str) -> str:
