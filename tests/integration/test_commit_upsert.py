@@ -232,3 +232,26 @@ def test_json_tombstone_deletes_its_key_in_upsert_mode(spark: Any, pg_dsn: str,
     res = run_cycle(cfg, pg_dsn, spark)
     assert res.report is not None and res.report.result.status == "committed"
     assert rows(pg_dsn, table) == {"b": 2.0}
+
+
+def test_a_key_in_two_partitions_is_ordered_by_timestamp_and_replay_keeps_the_newest(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("upx", 2)
+    now = int(time.time() * 1000)
+    produce(kafka_bootstrap, topic, [("a", ev("a", 1.0), now + 60_000)], partition=0)
+    produce(kafka_bootstrap, topic, [("a", ev("a", 2.0), now)], partition=1)
+    table = f"upx_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert rows(pg_dsn, table) == {"a": 1.0}  # across partitions: the later timestamp
+    produce(kafka_bootstrap, topic, [("a", ev("a", 3.0), now + 120_000)], partition=1)
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert rows(pg_dsn, table) == {"a": 3.0}
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        replay = ledger.insert_batch(cur, pipeline=cfg.name, kind="replay",
+                                     ranges=[OffsetRange(topic, 0, 0, 1)], target_table=table,
+                                     config_fingerprint=cfg.fingerprint(),
+                                     split_offsets=cfg.spark.max_offsets_per_task,
+                                     started_by="test", moves_positions=False)
+    assert run_batch(spark, cfg, replay, pg_dsn).result.status == "committed"
+    assert rows(pg_dsn, table) == {"a": 3.0}  # the replayed older record does not win
