@@ -63,9 +63,17 @@ class SinkConfig:
         return split_table_name(self.table)
 
 
-# what a record with a null value (a tombstone) does, by sink mode: the first is the default
+# what a record with a null value (a tombstone) does, by sink mode
 TOMBSTONE_POLICIES = {"upsert": ("delete", "dead_letter"), "append": ("dead_letter", "null_row")}
-DEFAULT_TOMBSTONES = {mode: choices[0] for mode, choices in TOMBSTONE_POLICIES.items()}
+
+
+def default_tombstones(mode: str, format_type: str) -> str:
+    """upsert: delete. append: raw format keeps main's behaviour (a row whose value is NULL,
+    so upgrading never silently stops writing those rows); JSON routes them to the
+    dead-letter table (main made them bad records, which needed a dead-letter table too)."""
+    if mode == "upsert":
+        return "delete"
+    return "null_row" if format_type == "raw" else "dead_letter"
 
 # parts of ~100k records: with the part-wise commit only the last wave of parts is moved
 # after the read, so smaller parts shorten that tail (1M on 2 cores: 250k -> 7.2 s,
@@ -112,7 +120,7 @@ class PipelineConfig:
 
     @property
     def tombstone_policy(self) -> str:
-        return self.tombstones or DEFAULT_TOMBSTONES[self.sink.mode]
+        return self.tombstones or default_tombstones(self.sink.mode, self.format_type)
 
     def matches_topic(self, topic: str) -> bool:
         if self.topic_pattern is not None:
@@ -148,7 +156,8 @@ class PipelineConfig:
             # only when not the default: fingerprints of batches planned before the option
             # existed stay the same
             **({"tombstones": self.tombstone_policy}
-               if self.tombstone_policy != DEFAULT_TOMBSTONES[self.sink.mode] else {}),
+               if self.tombstone_policy != default_tombstones(self.sink.mode, self.format_type)
+               else {}),
         }
 
     def fingerprint(self) -> str:
@@ -381,7 +390,8 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     allowed = TOMBSTONE_POLICIES[mode or "append"]
     if tombstones and tombstones not in allowed:
         raise r.err("tombstones", f"{tombstones!r} is not a tombstone policy of sink.mode "
-                                  f"{mode}; use one of {list(allowed)} (default {allowed[0]})")
+                                  f"{mode}; use one of {list(allowed)} (default "
+                                  f"{default_tombstones(mode or 'append', format_type or 'json')})")
     dlt = validate_table_name(source, "dead_letter_table",
                               raw.get("dead_letter_table", "offsetflow_dead_letter"))
 

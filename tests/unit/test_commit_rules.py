@@ -31,6 +31,18 @@ def test_tombstone_policy_defaults_by_mode() -> None:
         "null_row"
 
 
+def test_raw_append_keeps_writing_tombstones_as_rows_by_default() -> None:
+    """main wrote a raw record with a null value as a row with value NULL: the default stays
+    so for raw append; JSON append (where main made it a bad record) routes it."""
+    raw_fmt = raw(format={"type": "raw"})
+    assert parse_pipeline(raw_fmt, "o.yaml", ENV).tombstone_policy == "null_row"
+    assert parse_pipeline({**raw_fmt, "tombstones": "dead_letter"}, "o.yaml",
+                          ENV).tombstone_policy == "dead_letter"
+    plain = parse_pipeline(raw_fmt, "o.yaml", ENV)
+    explicit = parse_pipeline({**raw_fmt, "tombstones": "null_row"}, "o.yaml", ENV)
+    assert plain.fingerprint() == explicit.fingerprint()
+
+
 @pytest.mark.parametrize("mode, bad", [("append", "delete"), ("upsert", "null_row"),
                                        ("append", "drop")])
 def test_tombstone_policy_must_fit_the_mode(mode: str, bad: str) -> None:
