@@ -1,23 +1,34 @@
-"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction, in this order:
-  1. lock the batch row; already committed -> no-op, say so; abandoned -> refuse;
-  2. check that every part the job produced is staged (no partial stage commits);
-  3. fence: advance each partition's position only if it still equals the range's
-     `from_offset` (a missing position counts only for a partition seen for the first
-     time); any mismatch rolls everything back with FencedCommitError;
-  4. move staged rows into the target (append, or upsert on the key), and dead letters
-     into the dead-letter table; in append mode `PartwiseCommit` runs this step part by
-     part in the same transaction while the batch is still being read;
-  5. record per-range counts, position history, and mark the batch committed;
-  6. drop the stage tables; COMMIT. Any failure before COMMIT leaves nothing visible.
+"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction. `commit_batch`
+calls one function per step, in this order (`offsetflow.partwise.PartwiseCommit` runs the
+same steps, step 4 part by part while the batch is still being read):
+  1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
+     `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
+     abandoned -> refuse;
+  2. `check_staged`: every part the job produced has its marker, and the stage holds, per
+     topic-partition, exactly the rows the markers count. A stage that lost rows (markers
+     are UNLOGGED like the stage, so a crash empties both, but whatever else removes rows)
+     is refused with `StagedRowsLostError` and dropped with its markers after the rollback,
+     so the next attempt re-stages it from Kafka instead of committing less;
+  3. `_fence_and_advance`: advance each partition's position only if it still equals the
+     range's `from_offset` (a missing position counts only for a partition seen for the
+     first time); any mismatch rolls everything back with FencedCommitError;
+  4. `move_rows`: replay/backfill first deletes what its ranges produced before; rows that
+     broke the quality suite go to the dead-letter table; the stage goes into the target
+     (append, or upsert by the rule in `offsetflow.upsert`), tombstones by the pipeline's
+     `tombstones` policy; the tasks' bad records join the dead-letter table. Every count is
+     checked against the markers (an INSERT's rowcount, not a second scan);
+  5. `record_batch`: per-range counts, the batch marked committed;
+  6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
+     included: a retry routes the same rows again, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import threading
-import time
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import psycopg2
@@ -25,18 +36,31 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from offsetflow.errors import BatchStateError, FencedCommitError, StagingIncompleteError
+from offsetflow.dead_letters import Coordinate, dead_letters_from, route_quality_failures
+from offsetflow.errors import (
+    BatchStateError,
+    CommitLockTimeoutError,
+    FencedCommitError,
+    StagedRowsLostError,
+    StagingIncompleteError,
+)
 from offsetflow.ledger import (
     Batch,
     Ledger,
+    connect,
     dead_letter_stage_table,
     qualified,
     stage_part_table,
     stage_table,
 )
 from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN
+from offsetflow.upsert import apply_upsert
 
 log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT_ENV = "OFFSETFLOW_COMMIT_LOCK_TIMEOUT_S"
+DEFAULT_LOCK_TIMEOUT_S = 120.0
+TOMBSTONE_ERROR = "tombstone (null value); the pipeline has tombstones: dead_letter"
 
 
 @dataclass(frozen=True)
@@ -55,128 +79,237 @@ class CommitResult:
                 f"{self.bad_records} dead letters")
 
 
+@dataclass(frozen=True)
+class CommitSpec:
+    """What step 4 writes and where; the same for every attempt of a batch.
+
+    `tombstones`: upsert `delete` | `dead_letter`; append `dead_letter` | `null_row`. A
+    tombstone is a staged row whose `value` IS NULL; without a `value` column (a transform
+    dropped it) or without a dead-letter table nothing is told apart."""
+
+    columns: tuple[str, ...]
+    mode: str = "append"
+    key: tuple[str, ...] = ()
+    tombstones: str = "dead_letter"
+    dead_letter_table: str | None = None
+    bad_records_staged: bool = False  # the tasks staged bad records (bad_records: dead_letter)
+    quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
+
+    @property
+    def routes_tombstones(self) -> bool:
+        return (self.mode == "append" and self.tombstones == "dead_letter"
+                and "value" in self.columns and self.dead_letter_table is not None)
+
 
 @dataclass
-class MovedRows:
-    """Rows a `PartwiseCommit` moved into the target earlier in the commit's transaction."""
+class Moved:
+    """Step 4's counts; `PartwiseCommit` adds to them part by part."""
 
     rows: int = 0
+    dead: int = 0
     per_range: dict[str, int] = field(default_factory=dict)
 
 
-def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, columns: Sequence[str],
-                 mode: str, key: Sequence[str], dead_letter_table: str | None,
-                 timings: dict[str, float] | None = None,
-                 stage_changed: bool = True) -> CommitResult:
-    """Step 3 of the lifecycle; see the module docstring for the numbered steps.
-
-    `stage_changed=False` says no row left the stage since it was staged (no quality
-    routing), so per-range counts come from the stage markers instead of a scan."""
-    with ledger.transaction() as cur:
-        return _commit(cur, ledger, batch_id, expected_parts=expected_parts, columns=columns,
-                       mode=mode, key=key, dead_letter_table=dead_letter_table,
-                       timings=timings, moved=None, stage_changed=stage_changed)
+def lock_timeout_s() -> float:
+    return float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
 
 
-def _commit(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int, *,
-            expected_parts: int, columns: Sequence[str], mode: str, key: Sequence[str],
-            dead_letter_table: str | None, timings: dict[str, float] | None,
-            moved: MovedRows | None, stage_changed: bool) -> CommitResult:
-    """Steps 1-6 in the caller's transaction. With `moved`, step 4's rows are already in
-    the target (moved part by part, in this same transaction) and are only checked."""
-    batch = ledger.get_batch(batch_id, cur, for_update=True)  # 1
-    if batch.status == "committed":
-        log.info("batch %d is already committed; this commit changes nothing", batch_id)
-        return CommitResult(batch_id, "already_committed", batch.rows_written or 0,
-                            batch.bad_records or 0, {})
+def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
+                 timings: dict[str, float] | None = None) -> CommitResult:
+    """Steps 1-6 in one transaction; see the module docstring."""
+    try:
+        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id):
+            batch = lock_batch(cur, ledger, batch_id)  # 1
+            if batch.status == "committed":
+                return already_committed(batch)
+            staged, per_range = check_staged(cur, batch, expected_parts, scan=True)  # 2
+            if batch.moves_positions:  # 3
+                _fence_and_advance(cur, batch)
+            moved = move_rows(cur, batch, spec, staged, timings)  # 4
+            moved.per_range = per_range
+            return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
+    except StagedRowsLostError as e:
+        forget_parts(ledger.dsn, batch_id, e.parts)
+        raise
+
+
+@contextlib.contextmanager
+def lock_errors(dsn: str, batch_id: int) -> Iterator[None]:
+    """Turns a lock wait cut by `lock_timeout` into `CommitLockTimeoutError`."""
+    try:
+        yield
+    except psycopg2.errors.LockNotAvailable as e:
+        raise CommitLockTimeoutError(
+            f"batch {batch_id}: the commit waited more than {lock_timeout_s():.0f}s for a "
+            f"lock held by {lock_holders(dsn)}; if that is a run that died, its session ends "
+            f"when TCP keepalives notice (about a minute), or end it with "
+            f"pg_terminate_backend(pid); then re-run the batch") from e
+
+
+def lock_holders(dsn: str) -> str:
+    """Sessions holding locks on the ledger's batch and position rows, for the error."""
+    try:
+        conn = connect(dsn)
+        try:
+            with conn, conn.cursor() as cur:
+                cur.execute("""SELECT DISTINCT a.pid, a.application_name, a.client_addr,
+                                      a.state, round(extract(epoch FROM now() - a.xact_start))
+                                 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+                                WHERE l.granted AND a.pid <> pg_backend_pid()
+                                  AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
+                                  AND l.relation IN ('offsetflow.batches'::regclass,
+                                                     'offsetflow.positions'::regclass)""")
+                rows = cur.fetchall()
+        finally:
+            conn.close()
+    except psycopg2.Error as e:
+        return f"another session (could not list it: {e})"
+    if not rows:
+        return "another session (gone by now)"
+    return "; ".join(f"pid {pid} ({app or 'no application_name'} from {addr or 'local'}, "
+                     f"{state}, transaction open {age}s)" for pid, app, addr, state, age in rows)
+
+
+def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -> Batch:
+    """Step 1. Every lock the commit takes from here waits at most `lock_timeout_s`."""
+    cur.execute("SELECT set_config('lock_timeout', %s, true)",
+                (f"{int(lock_timeout_s() * 1000)}ms",))
+    batch = ledger.get_batch(batch_id, cur, for_update=True)
     if batch.status == "abandoned":
         raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")
+    return batch
+
+
+def already_committed(batch: Batch) -> CommitResult:
+    log.info("batch %d is already committed; this commit changes nothing", batch.batch_id)
+    return CommitResult(batch.batch_id, "already_committed", batch.rows_written or 0,
+                        batch.bad_records or 0, {})
+
+
+def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: int,
+                 scan: bool) -> tuple[int, dict[str, int]]:
+    """Step 2. Returns the rows the markers count and their split by topic/partition. With
+    `scan`, the stage itself is counted against the markers (the upsert, quality and
+    transform paths); without, the caller checks each part as it moves it."""
     cur.execute("""SELECT count(*), COALESCE(sum(rows_staged), 0)
                      FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows'""",
-                (batch_id,))
+                (batch.batch_id,))
     row = cur.fetchone()
     assert row is not None
-    parts, staged_rows = int(row[0]), int(row[1])
-    if parts != expected_parts:  # 2
-        raise StagingIncompleteError(
-            f"batch {batch_id}: {parts} of {expected_parts} parts are staged; not committing")
-    if moved is not None and moved.rows != staged_rows:
-        raise StagingIncompleteError(
-            f"batch {batch_id}: the stage markers count {staged_rows} rows but "
-            f"{moved.rows} were found in the stage tables; not committing")
-    if batch.moves_positions:  # 3
-        _fence_and_advance(cur, batch)
-    t_insert = time.monotonic()
-    if moved is None:  # 4
-        if batch.kind in ("replay", "backfill"):
-            _delete_range_rows(cur, batch, dead_letter_table)
-        rows_written = _insert_stage(cur, batch, columns, mode, key)
+    parts, staged = int(row[0]), int(row[1])
+    if parts != expected_parts:
+        raise StagingIncompleteError(f"batch {batch.batch_id}: {parts} of {expected_parts} "
+                                     f"parts are staged; not committing")
+    per_range = _staged_per_range(cur, batch.batch_id)
+    if scan:
+        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2")
+                    .format(stage_table(batch.batch_id)))
+        found = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
+        for tp in sorted(set(found) | set(per_range)):
+            if found.get(tp, 0) != per_range.get(tp, 0):
+                raise StagedRowsLostError(
+                    batch.batch_id, None,
+                    f"the stage holds {found.get(tp, 0)} rows of {tp} but its markers count "
+                    f"{per_range.get(tp, 0)}")
+    return staged, per_range
+
+
+def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, staged: int,
+              timings: dict[str, float] | None) -> Moved:
+    """Step 4 for the whole stage at once."""
+    moved = Moved()
+    stage = stage_table(batch.batch_id)
+    if batch.kind in ("replay", "backfill"):
+        delete_range_rows(cur, batch, spec.dead_letter_table)
+    if spec.quality_routes:
+        assert spec.dead_letter_table is not None
+        moved.dead += route_quality_failures(cur, batch, spec.dead_letter_table, stage,
+                                             spec.quality_routes, spec.columns)
+    if spec.mode == "upsert":
+        assert spec.dead_letter_table is not None
+        rows, _deleted, dead = apply_upsert(cur, batch, stage, spec.columns, spec.key,
+                                            spec.tombstones, spec.dead_letter_table)
+        moved.rows += rows
+        moved.dead += dead
     else:
-        rows_written = moved.rows
-    bad = 0
-    if dead_letter_table:
-        dl_cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in DEAD_LETTER_COLUMNS)
-        cur.execute(sql.SQL("INSERT INTO {dl} ({cols}, {lin}) SELECT {cols}, %s FROM {st}")
-                    .format(dl=qualified(dead_letter_table), cols=dl_cols,
-                            lin=sql.Identifier(LINEAGE_COLUMN),
-                            st=dead_letter_stage_table(batch_id)), (batch_id,))
-        bad = cur.rowcount
-    if timings is not None:
-        timings["commit_insert_s"] = round(
-            timings.get("commit_insert_s", 0.0) + time.monotonic() - t_insert, 3)
-    if moved is not None:
-        per_range = dict(moved.per_range)
-    elif stage_changed:
-        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2").format(
-            stage_table(batch_id)))
-        per_range = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
-    else:
-        per_range = _staged_per_range(cur, batch_id)
-    for r in batch.ranges:  # 5
+        append_part(cur, batch, spec, stage, staged - moved.dead, "the stage", None, moved)
+    move_stage_dead_letters(cur, batch, spec, moved)
+    return moved
+
+
+def append_part(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec,
+                source: sql.Composable, expected: int, what: str, part: int | None,
+                moved: Moved) -> None:
+    """Step 4 in append mode for one source (a part table, or the stage): its rows into the
+    target, tombstones routed by policy, and the total checked against `expected` (the
+    marker's count) from the INSERTs' rowcounts, so the fast path scans each part once."""
+    where = sql.SQL(" WHERE s.value IS NOT NULL") if spec.routes_tombstones else sql.SQL("")
+    collist = sql.SQL(", ").join(sql.Identifier(c) for c in spec.columns)
+    cur.execute(sql.SQL("INSERT INTO {t} ({cols}, {lin}) SELECT {cols}, %s FROM {src} s{w}")
+                .format(t=qualified(batch.target_table), cols=collist,
+                        lin=sql.Identifier(LINEAGE_COLUMN), src=source, w=where),
+                (batch.batch_id,))
+    rows, dead = int(cur.rowcount), 0
+    if rows < expected and spec.routes_tombstones:
+        assert spec.dead_letter_table is not None
+        dead = dead_letters_from(cur, batch, spec.dead_letter_table,
+                                 sql.SQL("{} s").format(source), spec.columns,
+                                 sql.SQL("s.value IS NULL"), sql.Literal(TOMBSTONE_ERROR),
+                                 "tombstone")
+    if rows + dead != expected:
+        raise StagedRowsLostError(
+            batch.batch_id, None if part is None else [part],
+            f"{what} holds {rows + dead} rows but its marker counts {expected}")
+    moved.rows += rows
+    moved.dead += dead
+
+
+def move_stage_dead_letters(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec,
+                            moved: Moved) -> None:
+    """Step 4's end: bad records the tasks staged (bad_records: dead_letter)."""
+    if not (spec.bad_records_staged and spec.dead_letter_table):
+        return
+    dl_cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in DEAD_LETTER_COLUMNS)
+    cur.execute(sql.SQL("INSERT INTO {dl} ({cols}, {lin}) SELECT {cols}, %s FROM {st}")
+                .format(dl=qualified(spec.dead_letter_table), cols=dl_cols,
+                        lin=sql.Identifier(LINEAGE_COLUMN),
+                        st=dead_letter_stage_table(batch.batch_id)), (batch.batch_id,))
+    found, expected = int(cur.rowcount), _task_bad_records(cur, batch.batch_id)
+    if found != expected:
+        raise StagedRowsLostError(batch.batch_id, None, f"the dead-letter stage holds {found} "
+                                                        f"bad records but its markers count "
+                                                        f"{expected}")
+    moved.dead += found
+
+
+def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
+                 staged: int, timings: dict[str, float] | None) -> CommitResult:
+    """Steps 5 and 6: per-range counts (records staged), the batch committed, the stage
+    dropped; the caller's COMMIT makes it all visible at once."""
+    for r in batch.ranges:
         cur.execute("""UPDATE offsetflow.batch_ranges SET records = %s
                         WHERE batch_id = %s AND topic = %s AND partition = %s""",
-                    (per_range.get(f"{r.topic}/{r.partition}", 0), batch_id, r.topic,
-                     r.partition))
+                    (moved.per_range.get(f"{r.topic}/{r.partition}", 0), batch.batch_id,
+                     r.topic, r.partition))
     cur.execute("""UPDATE offsetflow.batches
                       SET status = 'committed', finished_at = now(), records_read = %s,
                           rows_written = %s, bad_records = %s, error = NULL,
                           timings = %s
                     WHERE batch_id = %s""",
-                (staged_rows + bad, rows_written, bad, json.dumps(timings or {}), batch_id))
-    ledger._drop_staging(cur, batch_id)  # 6
-    log.info("batch %d committed: %d rows into %s, %d dead letters", batch_id, rows_written,
-             batch.target_table, bad)
-    return CommitResult(batch_id, "committed", rows_written, bad, per_range)
+                (staged + _task_bad_records(cur, batch.batch_id), moved.rows, moved.dead,
+                 json.dumps(timings or {}), batch.batch_id))
+    ledger._drop_staging(cur, batch.batch_id)  # 6
+    log.info("batch %d committed: %d rows into %s, %d dead letters", batch.batch_id,
+             moved.rows, batch.target_table, moved.dead)
+    return CommitResult(batch.batch_id, "committed", moved.rows, moved.dead,
+                        dict(moved.per_range))
 
 
-def _insert_stage(cur: psycopg2.extensions.cursor, batch: Batch, columns: Sequence[str],
-                  mode: str, key: Sequence[str]) -> int:
-    target = qualified(batch.target_table)
-    collist = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
-    if mode == "upsert":
-        order = sql.SQL(", ").join(sql.Identifier(k) for k in key)
-        updates = sql.SQL(", ").join(
-            sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
-            for c in [*columns, LINEAGE_COLUMN] if c not in key)
-        cur.execute(sql.SQL(
-            "INSERT INTO {t} ({cols}, {lin}) "
-            "SELECT DISTINCT ON ({key}) {cols}, %s FROM {stage} "
-            "ORDER BY {key}, \"timestamp\" DESC NULLS LAST, \"offset\" DESC "
-            "ON CONFLICT ({key}) DO UPDATE SET {updates}").format(
-                t=target, cols=collist, lin=sql.Identifier(LINEAGE_COLUMN), key=order,
-                stage=stage_table(batch.batch_id), updates=updates), (batch.batch_id,))
-    else:
-        _append_from(cur, batch, columns, stage_table(batch.batch_id))
-    return int(cur.rowcount)
-
-
-def _append_from(cur: psycopg2.extensions.cursor, batch: Batch, columns: Sequence[str],
-                 source: sql.Composable) -> int:
-    collist = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
-    cur.execute(sql.SQL("INSERT INTO {t} ({cols}, {lin}) SELECT {cols}, %s FROM {src}")
-                .format(t=qualified(batch.target_table), cols=collist,
-                        lin=sql.Identifier(LINEAGE_COLUMN), src=source), (batch.batch_id,))
-    return int(cur.rowcount)
+def _task_bad_records(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+    cur.execute("""SELECT COALESCE(sum(bad_records), 0) FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'bad'""", (batch_id,))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[str, int]:
@@ -190,139 +323,27 @@ def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[st
     return per_range
 
 
-class _Aborted(Exception):
-    """The run failed before the commit could finish; roll the moved parts back."""
-
-
-class PartwiseCommit:
-    """An append-mode commit that starts while the batch is still being read.
-
-    The commit's single INSERT of the whole stage is serial in one PostgreSQL backend (one
-    core busy, the rest idle while the driver waits). Here the same transaction moves each
-    part into the target as soon as its task has staged it, while later parts are still
-    read, so only the last parts are left for the end. One transaction, on a connection of
-    its own, in this order:
-      a. replay/backfill: delete what the ranges produced before (the start of step 4);
-      b. while tasks run: each part whose stage marker is visible is moved from its part
-         table into the target (step 4, part by part). A marker commits with its task's
-         COPY, so a failed task attempt moves nothing and a retried part is moved once;
-      c. `finish()`: the parts left and any rows staged into the stage table itself, then
-         steps 1-3 and 5-6 of `commit_batch`, the moved rows checked against the markers;
-         COMMIT. `abort()` (or any error) rolls back everything, moved parts included.
-    Append only: an upsert keeps the latest record per key across the whole batch, so it
-    waits for all parts; a quality gate checks the whole stage before anything moves.
-    """
-
-    POLL_S = 0.05
-
-    def __init__(self, dsn: str, batch: Batch, *, columns: Sequence[str], parts: int,
-                 dead_letter_table: str | None, timings: dict[str, float]) -> None:
-        self.dsn = dsn
-        self.batch = batch
-        self.columns = list(columns)
-        self.parts = parts
-        self.dead_letter_table = dead_letter_table
-        self.timings = timings
-        self._moved_parts: set[int] = set()
-        self._finish = threading.Event()
-        self._aborted = False
-        self._expected_parts = 0
-        self._result: CommitResult | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"offsetflow-commit-b{batch.batch_id}")
-
-    def __enter__(self) -> PartwiseCommit:
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        if self._thread.is_alive():
-            self.abort()
-        if exc_type is not None and self._error is not None:
-            log.warning("batch %d: the commit had failed too: %s: %s", self.batch.batch_id,
-                        type(self._error).__name__, str(self._error)[:500])
-
-    def abort(self) -> None:
-        self._aborted = True
-        self._finish.set()
-        self._thread.join()
-
-    def finish(self, expected_parts: int) -> CommitResult:
-        self._expected_parts = expected_parts
-        self._finish.set()
-        self._thread.join()
-        if self._error is not None:
-            error, self._error = self._error, None  # shown once, by the caller
-            raise error
-        assert self._result is not None
-        return self._result
-
-    def _run(self) -> None:
-        try:
-            with Ledger(self.dsn) as ledger, ledger.transaction() as cur:
-                # step 1's lock, taken first: a second run of the batch waits for this one
-                # here (or at mark_running) instead of racing it part by part
-                batch = ledger.get_batch(self.batch.batch_id, cur, for_update=True)
-                moving = batch.is_open
-                if moving and self.batch.kind in ("replay", "backfill"):  # a
-                    _delete_range_rows(cur, self.batch, self.dead_letter_table)
-                moved = MovedRows()
-                while not self._finish.is_set():  # b
-                    if moving:
-                        self._move_staged_parts(cur, moved, "commit_overlapped_s")
-                    self._finish.wait(self.POLL_S)
-                if self._aborted:
-                    raise _Aborted
-                # c: finish() comes after the last task committed, so this pass sees all
-                t = time.monotonic()
-                if moving:
-                    self._move_staged_parts(cur, moved, "commit_insert_s")
-                    moved.rows += _append_from(cur, self.batch, self.columns, sql.SQL(
-                        "ONLY {}").format(stage_table(self.batch.batch_id)))
-                self.timings["commit_insert_s"] = round(time.monotonic() - t, 3)
-                self._result = _commit(
-                    cur, ledger, self.batch.batch_id, expected_parts=self._expected_parts,
-                    columns=self.columns, mode="append", key=(),
-                    dead_letter_table=self.dead_letter_table, timings=self.timings,
-                    moved=moved, stage_changed=False)
-        except _Aborted:
-            log.info("batch %d: commit aborted; the parts moved so far are rolled back",
-                     self.batch.batch_id)
-        except psycopg2.errors.UniqueViolation as e:
-            self._error = self._fenced_or(e)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
-            self._error = e
-
-    def _fenced_or(self, e: psycopg2.errors.UniqueViolation) -> BaseException:
-        """A part's rows already in the target: if positions moved meanwhile, another run
-        committed these ranges first and this one is fenced; else the rows came from
-        elsewhere, and the unique violation is the error to show."""
-        try:
-            with Ledger(self.dsn) as ledger, ledger.transaction() as cur:
-                check_fence(cur, self.batch)
-        except FencedCommitError as fenced:
-            fenced.__cause__ = e
-            return fenced
-        except psycopg2.Error:
-            pass
-        return e
-
-    def _move_staged_parts(self, cur: psycopg2.extensions.cursor, moved: MovedRows,
-                           timing: str) -> None:
-        cur.execute("""SELECT part, per_partition FROM offsetflow.staged_parts
-                        WHERE batch_id = %s AND kind = 'rows' AND NOT (part = ANY(%s))
-                        ORDER BY part""", (self.batch.batch_id, sorted(self._moved_parts)))
-        for part, per_tp in cur.fetchall():
-            t = time.monotonic()
-            if part < self.parts:  # else an earlier attempt staged it into the stage table
-                moved.rows += _append_from(cur, self.batch, self.columns, sql.SQL("ONLY {}")
-                                           .format(stage_part_table(self.batch.batch_id, part)))
-            for tp, (n, _lo, _hi) in (per_tp or {}).items():
-                moved.per_range[tp] = moved.per_range.get(tp, 0) + int(n)
-            self._moved_parts.add(part)
-            self.timings[timing] = round(self.timings.get(timing, 0.0) + time.monotonic() - t,
-                                         3)
+def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
+    """After a refused commit rolled back: drop the named parts' markers and rows (None:
+    the whole stage, bad records included), so the next attempt's tasks stage them again
+    from Kafka."""
+    conn = connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            if parts is None:
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
+                            (batch_id,))
+                cur.execute(sql.SQL("TRUNCATE {}, {}").format(
+                    stage_table(batch_id), dead_letter_stage_table(batch_id)))
+            else:
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
+                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
+                for part in parts:
+                    cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
+    finally:
+        conn.close()
+    log.warning("batch %d: staged part(s) %s had lost rows and were dropped; the next run "
+                "re-stages them", batch_id, "all" if parts is None else parts)
 
 
 def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch
@@ -402,7 +423,7 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                      reason))
 
 
-def _delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,
+def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,
                        dead_letter_table: str | None) -> None:
     """Replay/backfill: what the ranges produced before is replaced, not duplicated."""
     for r in batch.ranges:

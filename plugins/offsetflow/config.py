@@ -63,6 +63,18 @@ class SinkConfig:
         return split_table_name(self.table)
 
 
+# what a record with a null value (a tombstone) does, by sink mode
+TOMBSTONE_POLICIES = {"upsert": ("delete", "dead_letter"), "append": ("dead_letter", "null_row")}
+
+
+def default_tombstones(mode: str, format_type: str) -> str:
+    """upsert: delete. append: raw format keeps main's behaviour (a row whose value is NULL,
+    so upgrading never silently stops writing those rows); JSON routes them to the
+    dead-letter table (main made them bad records, which needed a dead-letter table too)."""
+    if mode == "upsert":
+        return "delete"
+    return "null_row" if format_type == "raw" else "dead_letter"
+
 # parts of ~100k records: with the part-wise commit only the last wave of parts is moved
 # after the read, so smaller parts shorten that tail (1M on 2 cores: 250k -> 7.2 s,
 # 100k -> 6.1 s, 60k -> 6.7 s as per-task costs take over)
@@ -104,6 +116,11 @@ class PipelineConfig:
     quality_suite: str | None = None
     quality_policy: str = "fail"
     description: str = ""
+    tombstones: str = ""  # upsert: delete | dead_letter; append: dead_letter | null_row
+
+    @property
+    def tombstone_policy(self) -> str:
+        return self.tombstones or default_tombstones(self.sink.mode, self.format_type)
 
     def matches_topic(self, topic: str) -> bool:
         if self.topic_pattern is not None:
@@ -136,6 +153,11 @@ class PipelineConfig:
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
             "bad_records": [self.bad_records, self.dead_letter_table],
             "isolation_level": self.isolation_level,
+            # only when not the default: fingerprints of batches planned before the option
+            # existed stay the same
+            **({"tombstones": self.tombstone_policy}
+               if self.tombstone_policy != default_tombstones(self.sink.mode, self.format_type)
+               else {}),
         }
 
     def fingerprint(self) -> str:
@@ -259,7 +281,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     r = _Reader(raw, source, env)
     r.unknown(raw, "", {"name", "description", "schedule", "retries", "pool", "kafka", "source",
                         "format", "transform", "sink", "bad_records", "dead_letter_table",
-                        "spark", "quality"})
+                        "spark", "quality", "tombstones"})
     stem = Path(source).stem
     name = r.string(raw, "name", "", default=stem) or stem
     if not NAME_RE.match(name):
@@ -364,6 +386,12 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         raise r.err("sink.key", "a key is only used with mode: upsert")
 
     bad_records = r.string(raw, "bad_records", "", "fail", {"fail", "dead_letter"})
+    tombstones = r.string(raw, "tombstones", "") or ""
+    allowed = TOMBSTONE_POLICIES[mode or "append"]
+    if tombstones and tombstones not in allowed:
+        raise r.err("tombstones", f"{tombstones!r} is not a tombstone policy of sink.mode "
+                                  f"{mode}; use one of {list(allowed)} (default "
+                                  f"{default_tombstones(mode or 'append', format_type or 'json')})")
     dlt = validate_table_name(source, "dead_letter_table",
                               raw.get("dead_letter_table", "offsetflow_dead_letter"))
 
@@ -413,6 +441,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         bad_records=bad_records or "fail", dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy or "fail", description=str(desc or ""),
+        tombstones=tombstones,
     )
 
 

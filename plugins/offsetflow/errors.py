@@ -170,6 +170,25 @@ class StagingIncompleteError(OffsetFlowError):
     """The commit found fewer staged parts than the job produced; refusing to commit."""
 
 
+class StagedRowsLostError(StagingIncompleteError):
+    """A staged part holds fewer rows than its marker counts (its rows were lost, e.g. by a
+    crash that emptied the unlogged stage). Nothing was committed; the parts named in
+    `parts` (None: the whole stage) are dropped with their markers, so the next attempt
+    re-stages them from Kafka."""
+
+    def __init__(self, batch_id: int, parts: list[int] | None, detail: str) -> None:
+        self.batch_id = batch_id
+        self.parts = parts
+        super().__init__(
+            f"batch {batch_id}: {detail}; nothing was committed, the lost part(s) were "
+            f"dropped and the next run re-stages them from Kafka")
+
+
+class CommitLockTimeoutError(OffsetFlowError):
+    """The commit waited too long for a lock another session holds (often a driver that died
+    without closing its connection). Names the batch and the holder."""
+
+
 class SchemaMismatchError(OffsetFlowError):
     """The existing target table cannot hold the batch's columns."""
 

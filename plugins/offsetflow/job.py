@@ -4,12 +4,13 @@ DataFrame API only (`mapInArrow`), so the same job runs on a local SparkSession,
 spark-submit on a cluster, or over Spark Connect. One Spark task per (sub-)range reads it
 with `offsetflow.reader`; rows are staged by the tasks and committed by the driver in one
 PostgreSQL transaction (`offsetflow.commit.commit_batch`; in append mode
-`offsetflow.commit.PartwiseCommit`, which starts moving parts while later ones are read).
+`offsetflow.partwise.PartwiseCommit`, which starts moving parts while later ones are read).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from offsetflow.commit import CommitResult, PartwiseCommit, check_fence, commit_batch
+from offsetflow.commit import CommitResult, CommitSpec, check_fence, commit_batch
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
-from offsetflow.dead_letters import route_rows_to_dead_letter
+from offsetflow.dead_letters import Coordinate
 from offsetflow.errors import (
     BadRecordError,
     BatchStateError,
@@ -35,6 +36,7 @@ from offsetflow.errors import (
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
+from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.staging import bad_record_summary, binary_encoder, stage_bad_records, stage_rows
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
@@ -351,10 +353,11 @@ def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> 
                            batch, cfg.name)
 
 
-def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
-                  stage_columns: list[str]) -> bool:
-    """Run the suite on the staged batch. Returns True when rows were routed to the
-    dead-letter table; raises QualityGateError when the batch must not commit."""
+def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger
+                  ) -> dict[Coordinate, list[str]]:
+    """Run the suite on the staged batch. Returns the rows to route to the dead-letter
+    table (the commit routes them, in its own transaction, so a failed commit routes
+    nothing); raises QualityGateError when the batch must not commit."""
     from offsetflow.quality import QualityGateError, validate_stage
 
     assert cfg.quality_suite is not None
@@ -362,24 +365,20 @@ def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
     result.policy = cfg.quality_policy
     log.info("batch %d quality suite %s: %s", batch.batch_id, cfg.quality_suite,
              "passed" if result.success else f"FAILED: {result.summary_text()}")
-    routed = False
+    rows: dict[Coordinate, list[str]] = {}
     if not result.success:
         rows = result.failing_coordinates() if cfg.quality_policy == "dead_letter" else {}
         if not rows:
             ledger.mark_failed(batch.batch_id, str(QualityGateError(batch.batch_id, result)),
                                quality=result.to_dict())
             raise QualityGateError(batch.batch_id, result)
-        with connect_ctx(dsn) as cur:
-            ensure_dead_letter(cur, cfg.dead_letter_table)
-        result.routed_rows = route_rows_to_dead_letter(
-            dsn, batch.batch_id, cfg.name, rows, "quality", stage_columns)
-        routed = True
-        log.warning("batch %d: %d rows that broke the suite go to %s; the rest commits",
-                    batch.batch_id, result.routed_rows, cfg.dead_letter_table)
+        result.routed_rows = len(rows)
+        log.warning("batch %d: %d rows that broke the suite go to %s with the commit; the "
+                    "rest commits", batch.batch_id, result.routed_rows, cfg.dead_letter_table)
     with ledger.transaction() as cur:
         cur.execute("UPDATE offsetflow.batches SET quality = %s WHERE batch_id = %s",
                     (json.dumps(result.to_dict(), default=str), batch.batch_id))
-    return routed
+    return rows
 
 
 def _publish_lag(cfg: PipelineConfig, ledger: Ledger) -> None:
@@ -432,8 +431,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                                  STATS_DDL)
     with connect_ctx(dsn) as cur:
         ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
-        if cfg.bad_records == "dead_letter":
-            ensure_dead_letter(cur, cfg.dead_letter_table)
+        # every pipeline may route rows there in its commit: bad records, quality
+        # failures, upsert rows without a key, tombstones
+        ensure_dead_letter(cur, cfg.dead_letter_table)
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
@@ -442,10 +442,13 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
 
     # append without a quality gate: the commit moves parts while later ones are read
     partwise = fused and cfg.sink.mode == "append" and not cfg.quality_suite
+    spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
+                      key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
+                      dead_letter_table=cfg.dead_letter_table,
+                      bad_records_staged=cfg.bad_records == "dead_letter")
     committer = PartwiseCommit(
-        dsn, batch, columns=[c for c, _ in columns], parts=n,
-        dead_letter_table=cfg.dead_letter_table if cfg.bad_records == "dead_letter" else None,
-        timings=timings) if partwise else None
+        dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
+        timings=timings, spec=spec) if partwise else None
     with committer if committer is not None else contextlib.nullcontext():
         t = time.monotonic()
         stats = staging.collect()
@@ -460,22 +463,17 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
             first = samples[0]
             raise BadRecordError(first["topic"], first["partition"], first["offset"],
                                  first["error"], more=bad_count - 1)
-        use_dead_letter = cfg.bad_records == "dead_letter"
-        routed = False
         if cfg.quality_suite:
             t = time.monotonic()
-            routed = _quality_gate(cfg, batch, dsn, ledger, [c for c, _ in columns])
-            use_dead_letter = routed or use_dead_letter
+            spec = dataclasses.replace(spec, quality_routes=_quality_gate(cfg, batch, dsn,
+                                                                          ledger))
             timings["quality_s"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))
         else:
-            result = commit_batch(
-                ledger, batch.batch_id, expected_parts=len(stats),
-                columns=[c for c, _ in columns], mode=cfg.sink.mode, key=cfg.sink.key,
-                dead_letter_table=cfg.dead_letter_table if use_dead_letter else None,
-                timings=timings, stage_changed=routed)
+            result = commit_batch(ledger, batch.batch_id, expected_parts=len(stats),
+                                  spec=spec, timings=timings)
         timings["commit_s"] = round(time.monotonic() - t, 3)
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,8 +158,11 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
     asset = ds.add_table_asset(asset_name, table_name=f"b{int(batch_id)}",
                                schema_name="offsetflow_stage")
     batch_def = asset.add_batch_definition_whole_table("batch")
-    vd = gx.ValidationDefinition(name=f"offsetflow_{suite_name}_b{int(batch_id)}",
-                                 data=batch_def, suite=suite)
+    # one name per attempt: a retried batch (its commit failed after the suite ran) must not
+    # meet the definition an earlier attempt left behind ("Store already has the key")
+    vd = gx.ValidationDefinition(
+        name=f"offsetflow_{suite_name}_b{int(batch_id)}_{uuid.uuid4().hex[:8]}",
+        data=batch_def, suite=suite)
     res = vd.run(result_format={"result_format": "COMPLETE",
                                 "unexpected_index_column_names": ["topic", "partition",
                                                                   "offset"]})
@@ -171,8 +175,8 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
                                    / "index.html")
         except Exception as e:  # noqa: BLE001 - docs are a convenience, not the gate
             log.warning("could not build GX Data Docs: %s", e)
+    with contextlib.suppress(Exception):  # per-batch definitions are not project files;
+        ctx.validation_definitions.delete(vd.name)  # before the asset it refers to goes
     with contextlib.suppress(Exception):
         ds.delete_asset(asset_name)
-    with contextlib.suppress(Exception):  # per-batch definitions are not project files
-        ctx.validation_definitions.delete(vd.name)
     return result

@@ -3,9 +3,11 @@ table, and a batch's stage tables. DDL only; see `staging` and `commit` for the 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 
+import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
@@ -54,6 +56,57 @@ def pg_type(spark_type: str) -> str:
 
 
 
+def index_name(table: str, suffix: str) -> str:
+    """`{table}_{suffix}`, unique per table and within PostgreSQL's 63 bytes: a long name is
+    cut and a hash of the whole qualified name added, so two long names that share their
+    first 63 bytes never share an index name (IF NOT EXISTS would skip the second guard)."""
+    base = table.split(".")[-1]
+    name = f"{base}_{suffix}"
+    if len(name.encode()) <= 63:
+        return name
+    digest = hashlib.sha1(table.encode()).hexdigest()[:10]
+    keep = 63 - len(suffix) - len(digest) - 2
+    cut = base.encode()[:keep].decode(errors="ignore")
+    return f"{cut}_{digest}_{suffix}"
+
+
+def unique_indexes(cur: psycopg2.extensions.cursor, table: str) -> list[tuple[str, ...]]:
+    """The column lists of the table's unique (non-partial, plain-column) indexes."""
+    cur.execute("""SELECT array_agg(a.attname ORDER BY k.ord)
+                     FROM pg_index i
+                     JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord) ON true
+                     JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                    WHERE i.indrelid = %s::regclass AND i.indisunique AND i.indisvalid
+                      AND i.indpred IS NULL
+                    GROUP BY i.indexrelid""", (qualified(table).as_string(cur),))
+    return [tuple(r[0]) for r in cur.fetchall()]
+
+
+def _ensure_guard(cur: psycopg2.extensions.cursor, table: str, mode: str,
+                  key: Sequence[str]) -> None:
+    """The index that makes the sink idempotent, checked by definition on an existing
+    target (not by name): append needs one unique on the coordinates, upsert one unique on
+    the key (its ON CONFLICT target). Created if missing; a table whose rows break it is a
+    clear error."""
+    want = tuple(key) if mode == "upsert" else COORDINATE_INDEX_ORDER
+    if any(set(cols) == set(want) and len(cols) == len(want)
+           for cols in unique_indexes(cur, table)):
+        return
+    name = index_name(table, "key_uq" if mode == "upsert" else "coords_uq")
+    try:
+        cur.execute("SAVEPOINT offsetflow_guard")
+        cur.execute(sql.SQL("CREATE UNIQUE INDEX {} ON {} ({})").format(
+            sql.Identifier(name), qualified(table),
+            sql.SQL(", ").join(sql.Identifier(c) for c in want)))
+        cur.execute("RELEASE SAVEPOINT offsetflow_guard")
+    except (psycopg2.errors.UniqueViolation, psycopg2.errors.DuplicateTable) as e:
+        cur.execute("ROLLBACK TO SAVEPOINT offsetflow_guard")
+        raise SchemaMismatchError(
+            f"target table {table} has no unique index on ({', '.join(want)}) and one cannot "
+            f"be created ({str(e).strip().splitlines()[0]}); without it a record could be "
+            f"written twice. Deduplicate the table or point sink.table at a new one") from e
+
+
 def existing_columns(cur: psycopg2.extensions.cursor, table: str) -> dict[str, str]:
     schema, name = (table.split(".") + [""])[:2] if "." in table else ("public", table)
     cur.execute("""SELECT column_name, data_type FROM information_schema.columns
@@ -81,18 +134,12 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
         cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
         cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
             qualified(table), sql.SQL(", ").join(cols)))
-        base = table.split(".")[-1]
         coords = sql.SQL(", ").join(sql.Identifier(c) for c in COORDINATE_INDEX_ORDER)
         if mode == "upsert":
-            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_key_uq"), qualified(table),
-                sql.SQL(", ").join(sql.Identifier(k) for k in key)))
-            cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_coords_idx"), qualified(table), coords))
-        else:
-            # one source record -> at most one row: a second copy cannot even be inserted
-            cur.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{base}_coords_uq"), qualified(table), coords))
+            cur.execute(sql.SQL("CREATE INDEX {} ON {} ({})").format(
+                sql.Identifier(index_name(table, "coords_idx")), qualified(table), coords))
+        # append: one source record -> at most one row, a second copy cannot be inserted
+        _ensure_guard(cur, table, mode, key)
         return
     missing = [c for c, _ in columns if c not in have]
     if LINEAGE_COLUMN not in have:
@@ -101,6 +148,7 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
         raise SchemaMismatchError(
             f"target table {table} exists but lacks column(s) {missing}; add them or "
             f"point sink.table at a new table")
+    _ensure_guard(cur, table, mode, key)
 
 
 def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:
@@ -113,9 +161,8 @@ def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:
     cols.append(sql.SQL("recorded_at timestamptz NOT NULL DEFAULT now()"))
     cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
         qualified(table), sql.SQL(", ").join(cols)))
-    base = table.split(".")[-1]
     cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (pipeline, topic, partition, "
-                        "\"offset\")").format(sql.Identifier(f"{base}_coords_idx"),
+                        "\"offset\")").format(sql.Identifier(index_name(table, "coords_idx")),
                                               qualified(table)))
 
 

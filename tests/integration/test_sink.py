@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from offsetflow.commit import PartwiseCommit
 from offsetflow.errors import FencedCommitError
 from offsetflow.job import ReadContext, read_subrange, run_batch, stage_columns
 from offsetflow.ledger import Batch, Ledger, stage_part_table
 from offsetflow.metrics import TaskClock
+from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
 from offsetflow.staging import binary_encoder, stage_rows

@@ -1,0 +1,123 @@
+"""Step 4 of the commit in upsert mode: the stage's records applied to the target by key.
+
+The rule (README "Upsert"): Kafka orders records within a partition by offset, so
+  - within one partition the record with the highest offset wins, whatever its timestamp;
+  - a target row is replaced (or deleted by a tombstone) only by a record at the same or a
+    later offset of the same topic-partition: a replay or backfill of an old window never
+    moves a key backwards, and re-applying the same record is a no-op;
+  - a key in several partitions (a producer that does not partition by key, or partitions
+    added since) is ordered across partitions by record timestamp, ties broken by topic and
+    partition; without a `timestamp` column (a transform dropped it) the later commit wins.
+Rows whose key columns are NULL, and tombstones under `tombstones: dead_letter`, go to the
+dead-letter table in this same transaction. A tombstone (`value IS NULL`) under `delete`
+removes its key's row by the same rule and is remembered in `offsetflow.deleted_keys` with its
+coordinates: a deleted key leaves no row to compare with, so without that memory a replay of
+an older window would bring the key back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg2.extensions
+from psycopg2 import sql
+
+from offsetflow.dead_letters import dead_letters_from
+from offsetflow.ledger import Batch, qualified
+from offsetflow.tables import LINEAGE_COLUMN
+
+WINNERS = sql.Identifier("offsetflow_winners")
+
+
+def newer_or_same(new: str, old: str, has_timestamp: bool) -> sql.Composable:
+    """SQL: record `new` may replace row `old` (aliases), by the module's rule."""
+    n, o = sql.Identifier(new), sql.Identifier(old)
+    cross = (sql.SQL("({n}.\"timestamp\" >= {o}.\"timestamp\" OR {o}.\"timestamp\" IS NULL "
+                     "OR {n}.\"timestamp\" IS NULL)") if has_timestamp else sql.SQL("true"))
+    return sql.SQL(
+        "(({n}.topic = {o}.topic AND {n}.partition = {o}.partition "
+        "AND {n}.\"offset\" >= {o}.\"offset\") OR (({n}.topic <> {o}.topic "
+        "OR {n}.partition <> {o}.partition) AND {cross}))").format(
+            n=n, o=o, cross=cross.format(n=n, o=o))
+
+
+def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Composable,
+                 columns: Sequence[str], key: Sequence[str], tombstones: str,
+                 dead_letter_table: str) -> tuple[int, int, int]:
+    """Returns (rows inserted or updated, rows deleted by tombstones, dead letters)."""
+    keys = [sql.Identifier(k) for k in key]
+    key_list = sql.SQL(", ").join(keys)
+    null_key = sql.SQL(" OR ").join(sql.SQL("s.{} IS NULL").format(k) for k in keys)
+    has_value = "value" in columns
+    has_ts = "timestamp" in columns
+    src = sql.SQL("{} s").format(stage)
+    dead = dead_letters_from(
+        cur, batch, dead_letter_table, src, columns, null_key,
+        sql.Literal(f"upsert key column(s) {', '.join(key)} NULL: no key to upsert on"),
+        "upsert_key")
+    keep = sql.SQL("NOT ({})").format(null_key)
+    if has_value and tombstones == "dead_letter":
+        tomb = sql.SQL("({}) AND s.value IS NULL").format(keep)
+        dead += dead_letters_from(
+            cur, batch, dead_letter_table, src, columns, tomb,
+            sql.Literal("tombstone (null value); the pipeline has tombstones: dead_letter"),
+            "tombstone")
+        keep = sql.SQL("({}) AND s.value IS NOT NULL").format(keep)
+    cols = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
+    across = sql.SQL("\"timestamp\" DESC NULLS LAST, ") if has_ts else sql.SQL("")
+    # the last record of each key in each partition, then one of those per key
+    cur.execute(sql.SQL("DROP TABLE IF EXISTS {w}").format(w=WINNERS))
+    cur.execute(sql.SQL(
+        "CREATE TEMP TABLE {w} ON COMMIT DROP AS SELECT DISTINCT ON ({k}) * FROM ("
+        "SELECT DISTINCT ON ({k}, topic, partition) {cols} FROM {src} WHERE {keep} "
+        "ORDER BY {k}, topic, partition, \"offset\" DESC) last "
+        "ORDER BY {k}, {across}topic DESC, partition DESC").format(
+            w=WINNERS, k=key_list, cols=cols, src=src, keep=keep, across=across))
+    target = qualified(batch.target_table)
+    deleted = 0
+    live: sql.Composable = sql.SQL("true")
+    if has_value and tombstones == "delete":
+        match = sql.SQL(" AND ").join(sql.SQL("t.{k} = w.{k}").format(k=k) for k in keys)
+        cur.execute(sql.SQL("DELETE FROM {t} t USING {w} w WHERE w.value IS NULL AND {m} "
+                            "AND {rule}").format(t=target, w=WINNERS, m=match,
+                                                 rule=newer_or_same("w", "t", has_ts)))
+        deleted = int(cur.rowcount)
+        _remember_deletions(cur, batch, keys, has_ts)
+        live = sql.SQL("w.value IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
+                       "offsetflow.deleted_keys d WHERE d.target_table = {tt} AND d.key = "
+                       "{jk} AND NOT {rule})").format(
+                           tt=sql.Literal(batch.target_table), jk=_json_key("w", keys),
+                           rule=newer_or_same("w", "d", has_ts))
+    updates = sql.SQL(", ").join(
+        sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
+        for c in [*columns, LINEAGE_COLUMN] if c not in key)
+    cur.execute(sql.SQL(
+        "INSERT INTO {t} AS t ({cols}, {lin}) SELECT {wcols}, %s FROM {w} w WHERE {live} "
+        "ON CONFLICT ({k}) DO UPDATE SET {updates} WHERE {rule}").format(
+            t=target, cols=cols, lin=sql.Identifier(LINEAGE_COLUMN), w=WINNERS, live=live,
+            wcols=sql.SQL(", ").join(sql.SQL("w.{}").format(sql.Identifier(c))
+                                     for c in columns),
+            k=key_list, updates=updates, rule=newer_or_same("excluded", "t", has_ts)),
+        (batch.batch_id,))
+    return int(cur.rowcount), deleted, dead
+
+
+def _json_key(alias: str, keys: Sequence[sql.Identifier]) -> sql.Composable:
+    return sql.SQL("jsonb_build_array({})").format(sql.SQL(", ").join(
+        sql.SQL("{}.{}").format(sql.Identifier(alias), k) for k in keys))
+
+
+def _remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch,
+                        keys: Sequence[sql.Identifier], has_ts: bool) -> None:
+    """Each tombstone winner's coordinates, kept per key unless a later one is there."""
+    ts = sql.SQL("w.\"timestamp\"") if has_ts else sql.SQL("NULL::timestamptz")
+    cur.execute(sql.SQL(
+        "INSERT INTO offsetflow.deleted_keys AS d (target_table, key, topic, partition, "
+        "\"offset\", \"timestamp\", batch_id) SELECT %s, {jk}, w.topic, w.partition, "
+        "w.\"offset\", {ts}, %s FROM {w} w WHERE w.value IS NULL "
+        "ON CONFLICT (target_table, key) DO UPDATE SET topic = EXCLUDED.topic, "
+        "partition = EXCLUDED.partition, \"offset\" = EXCLUDED.\"offset\", "
+        "\"timestamp\" = EXCLUDED.\"timestamp\", batch_id = EXCLUDED.batch_id "
+        "WHERE {rule}").format(jk=_json_key("w", keys), ts=ts, w=WINNERS,
+                               rule=newer_or_same("excluded", "d", True)),
+        (batch.target_table, batch.batch_id))
