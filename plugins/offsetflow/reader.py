@@ -193,7 +193,14 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
                     chunk.nbytes += len(value)
                 if key is not None:
                     chunk.nbytes += len(key)
-                hdrs = m.headers()
+                try:
+                    hdrs = m.headers()
+                except Exception as e:  # noqa: BLE001 - a header name that is not UTF-8
+                    # makes confluent-kafka raise SystemError; the record is refused
+                    chunk.refused[len(chunk.offsets) - 1] = (
+                        f"its headers cannot be read (a header name that is not UTF-8?): "
+                        f"{type(e).__name__}")
+                    hdrs = None
                 chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs]
                                      if hdrs else None)
                 reached = off + 1

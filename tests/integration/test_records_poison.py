@@ -249,3 +249,65 @@ def test_staging_bisects_a_refused_binary_copy_and_keeps_the_marker_with_the_row
                             "offsetflow.staged_parts WHERE batch_id = %s ORDER BY kind",
                     (batch_id,))
     assert markers == [("bad", 0, len(bad_at)), ("rows", n - len(bad_at), 0)]
+
+
+def _produce_with_raw_header_name(bootstrap: str, topic: str, partition: int, name: bytes,
+                                  value: bytes) -> None:
+    """Produce through librdkafka's C API: Python clients cannot send a header name that is
+    not UTF-8 (confluent-kafka str()s bytes), other clients can."""
+    import ctypes
+    import glob
+    import os
+
+    import confluent_kafka
+
+    libdir = os.path.join(os.path.dirname(confluent_kafka.__file__), "..",
+                          "confluent_kafka.libs")
+    lib = ctypes.CDLL(glob.glob(os.path.join(libdir, "librdkafka*.so*"))[0])
+    lib.rd_kafka_conf_new.restype = ctypes.c_void_p
+    lib.rd_kafka_new.restype = ctypes.c_void_p
+    lib.rd_kafka_conf_set.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p,
+                                      ctypes.c_char_p, ctypes.c_size_t]
+    lib.rd_kafka_new.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p,
+                                 ctypes.c_size_t]
+    lib.rd_kafka_flush.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.rd_kafka_destroy.argtypes = [ctypes.c_void_p]
+    err = ctypes.create_string_buffer(512)
+    conf = lib.rd_kafka_conf_new()
+    assert lib.rd_kafka_conf_set(conf, b"bootstrap.servers", bootstrap.encode(), err, 512) == 0
+    rk = lib.rd_kafka_new(0, conf, err, 512)  # 0: producer
+    assert rk, err.value
+    # rd_kafka_producev(rk, TOPIC, PARTITION, VALUE, HEADER(name, value, size), END)
+    rc = lib.rd_kafka_producev(
+        ctypes.c_void_p(rk), ctypes.c_int(1), ctypes.c_char_p(topic.encode()),
+        ctypes.c_int(3), ctypes.c_int32(partition),
+        ctypes.c_int(4), ctypes.c_char_p(value), ctypes.c_size_t(len(value)),
+        ctypes.c_int(9), ctypes.c_char_p(name), ctypes.c_char_p(b"hv"), ctypes.c_ssize_t(2),
+        ctypes.c_int(0))
+    assert rc == 0, rc
+    assert lib.rd_kafka_flush(rk, 10000) == 0
+    lib.rd_kafka_destroy(rk)
+
+
+def test_header_name_that_is_not_utf8_is_a_dead_letter(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("hdrname", 1)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(5):
+        p.produce(topic, json.dumps({"event_id": f"e-{i}", "seq": i}).encode(), partition=0,
+                  headers=[("trace", b"t")])
+    assert p.flush(30) == 0
+    _produce_with_raw_header_name(kafka_bootstrap, topic, 0, b"\xff\xfe-name",
+                                  b'{"event_id":"hdr","seq":99}')
+    p.produce(topic, json.dumps({"event_id": "e-5", "seq": 5}).encode(), partition=0)
+    assert p.flush(30) == 0
+    cfg = _config(topic, pg_dsn, kafka_bootstrap, f"hdrname_{unique}", "dead_letter")
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    report = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    assert report.result.status == "committed", report.result
+    assert [r[0] for r in query(pg_dsn, f"SELECT event_id FROM {cfg.sink.table} "
+                                        f'ORDER BY "offset"')] == [f"e-{i}" for i in range(6)]
+    dead = query(pg_dsn, f'SELECT "offset", value, error FROM {cfg.dead_letter_table}')
+    assert len(dead) == 1 and dead[0][0] == 5
+    assert bytes(dead[0][1]) == b'{"event_id":"hdr","seq":99}' and "header" in dead[0][2]
