@@ -257,13 +257,14 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
           newlines: bool = False) -> tuple[pa.Table, list[BadRecord], list[int]] | None:
     """The chunk through pyarrow's reader, or None when a record needs the slow path
     (`errors` gets the reader's complaint)."""
-    if not newlines and not all(b"\n" not in v and b"\r" not in v  # type: ignore[operator]
-                                for v in values):
+    buf = b"\n".join(values)  # type: ignore[arg-type]
+    # one record per line: no newline inside a value (counted on the joined buffer, at
+    # memchr speed, instead of a Python test per value)
+    if not newlines and (buf.count(b"\n") != len(values) - 1 or b"\r" in buf):
         return None
     # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
     read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
                              for f in target])
-    buf = b"\n".join(values)  # type: ignore[arg-type]
     try:
         _check_utf8(buf)  # pyarrow passes invalid UTF-8 through into string columns
         table = pajson.read_json(
