@@ -221,6 +221,8 @@ def _refused_row(b: pa.RecordBatch, reason: str) -> dict[str, Any]:
             raw = col.cast(pa.binary())[0].as_py()
             return None if raw is None else (
                 bytes.fromhex(raw[2:].decode()) if raw.startswith(b"\\x") else raw)
+        if pa.types.is_timestamp(col.type):  # as microseconds: any year, no datetime
+            return col.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())[0].as_py()
         return col[0].as_py()
     return {"topic": get("topic"), "partition": get("partition"), "offset": get("offset"),
             "timestamp": get("timestamp"), "key": get("key"), "value": get("value"),

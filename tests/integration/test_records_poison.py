@@ -35,6 +35,7 @@ SCHEMA = {"event_id": "string", "seq": "long", "small": "int", "ratio": "float",
 # a CreateTime the broker accepts once the topic allows future timestamps, but no
 # microsecond timestamp can hold
 FAR_FUTURE_MS = 2**62
+FAR_US = 600_000_000_000_000_000  # microseconds: year ~20,983
 DEEP = "[" * 50_000 + "]" * 50_000
 
 # (event id, value, Kafka timestamp or None, what the dead letter's reason must name);
@@ -224,7 +225,9 @@ def test_staging_bisects_a_refused_binary_copy_and_keeps_the_marker_with_the_row
     cols: dict[str, pa.Array] = {
         "topic": pa.array([topic] * n), "partition": pa.array([0] * n, pa.int32()),
         "offset": pa.array(range(n), pa.int64()),
-        "timestamp": pa.array([0] * n, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        # past Python's datetime (year 9999) but within PostgreSQL's range
+        "timestamp": pa.array([FAR_US if i % 2 else 0 for i in range(n)], pa.int64())
+        .cast(pa.timestamp("us", tz="UTC")),
         "timestamp_type": pa.array([1] * n, pa.int32()),
         "key": pa.nulls(n, pa.binary()),
         "value": pa.array([f"v{i}".encode() for i in range(n)], pa.binary()),
@@ -241,10 +244,11 @@ def test_staging_bisects_a_refused_binary_copy_and_keeps_the_marker_with_the_row
     staged = query(pg_dsn, f"SELECT \"offset\" FROM offsetflow_stage.b{batch_id}_p0 "
                            f"ORDER BY 1")
     assert [r[0] for r in staged] == [i for i in range(n) if i not in bad_at]
-    dead = query(pg_dsn, f"SELECT \"offset\", value, error FROM offsetflow_stage.b{batch_id}"
-                         f"_dead ORDER BY 1")
+    dead = query(pg_dsn, f"SELECT \"offset\", value, error, (extract(epoch FROM timestamp) * "
+                         f"1e6)::bigint FROM offsetflow_stage.b{batch_id}_dead ORDER BY 1")
     assert [r[0] for r in dead] == sorted(bad_at)
-    assert all(bytes(v) == f"v{o}".encode() and "column note" in e for o, v, e in dead)
+    assert all(bytes(v) == f"v{o}".encode() and "column note" in e for o, v, e, _ in dead)
+    assert [ts for *_, ts in dead] == [FAR_US if o % 2 else 0 for o in sorted(bad_at)]
     markers = query(pg_dsn, "SELECT kind, rows_staged, bad_records FROM "
                             "offsetflow.staged_parts WHERE batch_id = %s ORDER BY kind",
                     (batch_id,))
