@@ -11,6 +11,7 @@ partition before `until_offset`, or finding the start deleted, is an error.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -193,13 +194,9 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
                     chunk.nbytes += len(value)
                 if key is not None:
                     chunk.nbytes += len(key)
-                try:
-                    hdrs = m.headers()
-                except Exception as e:  # noqa: BLE001 - a header name that is not UTF-8
-                    # makes confluent-kafka raise SystemError; the record is refused
-                    chunk.refused[len(chunk.offsets) - 1] = (
-                        f"its headers cannot be read (a header name that is not UTF-8?): "
-                        f"{type(e).__name__}")
+                hdrs = _headers(m)
+                if hdrs is _UNREADABLE:
+                    chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
                     hdrs = None
                 chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs]
                                      if hdrs else None)
@@ -214,6 +211,28 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
             yield chunk
     finally:
         consumer.close()
+
+
+_UNREADABLE: list[tuple[str, bytes | None]] = []
+UNREADABLE_HEADERS = ("its headers cannot be read: a header name is not UTF-8 (the record's "
+                      "key and value are kept)")
+
+
+def _headers(m: Any) -> list[tuple[str, bytes | None]] | None:
+    """The record's headers, or `_UNREADABLE`. A header name that is not UTF-8 makes
+    confluent-kafka build a (NULL, value) tuple and return it with the UnicodeDecodeError
+    still set: Python raises SystemError then, or (once the call site is specialised) hands
+    back the broken list, whose NULL item crashes the process when read, with the error
+    pending. Tuples visit only their non-NULL items for the garbage collector, so counting
+    those finds a NULL without touching it, and the checked call surfaces a pending error
+    as SystemError here rather than somewhere later."""
+    try:
+        hdrs = m.headers()
+        if hdrs and len(gc.get_referents(*hdrs)) != 2 * len(hdrs):
+            return _UNREADABLE
+    except SystemError:
+        return _UNREADABLE
+    return hdrs  # type: ignore[no-any-return]
 
 
 def _watermarks(consumer: Consumer, r: OffsetRange, limit_s: float = 5.0) -> tuple[int, int]:

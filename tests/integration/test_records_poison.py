@@ -295,23 +295,56 @@ def _produce_with_raw_header_name(bootstrap: str, topic: str, partition: int, na
 
 def test_header_name_that_is_not_utf8_is_a_dead_letter(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
-    topic = make_topic("hdrname", 1)
-    p = Producer({"bootstrap.servers": kafka_bootstrap})
-    for i in range(5):
-        p.produce(topic, json.dumps({"event_id": f"e-{i}", "seq": i}).encode(), partition=0,
-                  headers=[("trace", b"t")])
-    assert p.flush(30) == 0
-    _produce_with_raw_header_name(kafka_bootstrap, topic, 0, b"\xff\xfe-name",
-                                  b'{"event_id":"hdr","seq":99}')
-    p.produce(topic, json.dumps({"event_id": "e-5", "seq": 5}).encode(), partition=0)
-    assert p.flush(30) == 0
+    topic = _topic_with_unreadable_header(kafka_bootstrap, make_topic)
     cfg = _config(topic, pg_dsn, kafka_bootstrap, f"hdrname_{unique}", "dead_letter")
     planned = plan_only(cfg, pg_dsn, started_by="test")
     assert planned.batch is not None
     report = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
     assert report.result.status == "committed", report.result
     assert [r[0] for r in query(pg_dsn, f"SELECT event_id FROM {cfg.sink.table} "
-                                        f'ORDER BY "offset"')] == [f"e-{i}" for i in range(6)]
-    dead = query(pg_dsn, f'SELECT "offset", value, error FROM {cfg.dead_letter_table}')
-    assert len(dead) == 1 and dead[0][0] == 5
-    assert bytes(dead[0][1]) == b'{"event_id":"hdr","seq":99}' and "header" in dead[0][2]
+                                        f'ORDER BY "offset"')] == [f"e-{i}" for i in range(41)]
+    dead = query(pg_dsn, f'SELECT "offset", value, error FROM {cfg.dead_letter_table} '
+                         f'ORDER BY "offset"')
+    assert [d[0] for d in dead] == [20, 42]
+    assert bytes(dead[0][1]) == b'{"event_id":"hdr-20","seq":99}'
+    assert all("header name is not UTF-8" in d[2] for d in dead)
+
+
+def _topic_with_unreadable_header(bootstrap: str, make_topic: Any) -> str:
+    """41 records with headers, and at offsets 20 and 42 one whose header name is not
+    UTF-8 (late enough that the reader's call site is specialised by the interpreter)."""
+    topic = make_topic("hdrname", 1)
+    p = Producer({"bootstrap.servers": bootstrap})
+    for i in range(41):
+        if i == 20:
+            assert p.flush(30) == 0
+            _produce_with_raw_header_name(bootstrap, topic, 0, b"\xff\xfe-name",
+                                          b'{"event_id":"hdr-20","seq":99}')
+        p.produce(topic, json.dumps({"event_id": f"e-{i}", "seq": i}).encode(), partition=0,
+                  headers=[("trace", b"t"), ("n", str(i).encode())])
+    assert p.flush(30) == 0
+    _produce_with_raw_header_name(bootstrap, topic, 0, b"\xc3-name",
+                                  b'{"event_id":"hdr-42","seq":99}')
+    return topic
+
+
+def test_unreadable_header_name_never_crashes_the_reader(kafka_bootstrap: str,
+                                                         make_topic: Any) -> None:
+    """confluent-kafka hands such headers back with a NULL inside; reading them crashes
+    the process once the interpreter has specialised the call (after a few reads), so read
+    the range many times in this process."""
+    from offsetflow.ranges import OffsetRange
+    from offsetflow.reader import read_range
+
+    topic = _topic_with_unreadable_header(kafka_bootstrap, make_topic)
+    conf = {"bootstrap.servers": kafka_bootstrap, "group.id": "hdr-test",
+            "enable.auto.commit": "false", "auto.offset.reset": "error",
+            "enable.partition.eof": "true"}
+    for _ in range(30):
+        chunks = list(read_range(conf, OffsetRange(topic, 0, 0, 43)))
+        assert sum(len(c) for c in chunks) == 43
+        refused = {c.offsets[i]: why for c in chunks for i, why in c.refused.items()}
+        assert set(refused) == {20, 42}
+        headers = [h for c in chunks for h in c.headers]
+        assert headers[20] is None and headers[42] is None
+        assert headers[21] == [{"key": "trace", "value": b"t"}, {"key": "n", "value": b"20"}]
