@@ -348,3 +348,23 @@ def test_unreadable_header_name_never_crashes_the_reader(kafka_bootstrap: str,
         headers = [h for c in chunks for h in c.headers]
         assert headers[20] is None and headers[42] is None
         assert headers[21] == [{"key": "trace", "value": b"t"}, {"key": "n", "value": b"20"}]
+
+
+def test_rows_refused_at_staging_fail_the_batch_under_fail_policy(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("refusedf", 1)
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
+    for i in range(20):
+        p.produce(topic, json.dumps({"event_id": f"e-{i}", "seq": i, "note": "x"}).encode(),
+                  partition=0)
+    assert p.flush(30) == 0
+    cfg = _config(topic, pg_dsn, kafka_bootstrap, f"refusedf_{unique}", "fail",
+                  transform="tests.integration.test_records_poison.nul_transform")
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    with pytest.raises(BadRecordError) as e:
+        run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    assert f"{topic}[0]@3" in str(e.value) and "(and 1 more bad records" in str(e.value)
+    assert "PostgreSQL refused the row at staging" in e.value.reason
+    assert "column note" in e.value.reason
+    assert query(pg_dsn, f"SELECT count(*) FROM {cfg.sink.table}")[0][0] == 0
