@@ -2,6 +2,7 @@ import datetime as dt
 from decimal import Decimal
 
 import pyarrow as pa
+import pytest
 
 from offsetflow.deserialize import deserialize_json
 
@@ -163,3 +164,24 @@ def good_schema() -> pa.Schema:
     from offsetflow.deserialize import arrow_schema
 
     return arrow_schema(POISON_SCHEMA)
+
+
+def test_one_bad_record_sends_only_a_small_piece_of_its_chunk_to_the_slow_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import offsetflow.deserialize as d
+
+    calls = []
+    real = d.parse_json_record
+
+    def counting(value: bytes | None, schema: dict[str, str]) -> dict[str, object]:
+        calls.append(value)
+        return real(value, schema)
+
+    monkeypatch.setattr(d, "parse_json_record", counting)
+    vals = [b'{"id":"r%d","n":%d}' % (i, i) for i in range(20_000)]
+    vals[12_345] = b'{"id":"bad","n":"x"}'
+    table, bad, good = deserialize_json(vals, {"id": "string", "n": "long"})
+    assert [b.index for b in bad] == [12_345] and "field 'n'" in bad[0].reason
+    assert good == [i for i in range(20_000) if i != 12_345]
+    assert table.column("n").to_pylist() == [i for i in range(20_000) if i != 12_345]
+    assert len(calls) <= d.SLOW_PATH_ROWS
