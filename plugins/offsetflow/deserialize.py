@@ -1,25 +1,39 @@
 """Deserializers: Kafka values (bytes) to typed Arrow columns, with a reason for every bad one.
 
 Fast path: pyarrow's C++ JSON reader over a chunk of newline-delimited values with the
-declared schema. If the chunk has any bad record, the slow path parses record by record in
-Python to say exactly which offsets are bad and why. Nothing is dropped silently: every
-input record comes out either as a good row or as a `BadRecord`.
+declared schema, then a few vectorised checks for what pyarrow accepts but PostgreSQL or the
+declared type cannot hold (invalid UTF-8, NUL in strings, float overflow). If the chunk has
+any bad record, the slow path parses record by record in Python to say exactly which
+offsets are bad and why. Nothing is dropped silently and nothing raises: every input record
+comes out either as a good row or as a `BadRecord`.
+
+A null value (a tombstone) is a row too: its fields are null, except those the Kafka key
+fills when the key is a JSON object with fields of the schema's names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 
 from offsetflow.config import DECIMAL_RE
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+NUL_ESCAPE = b"\\u0000"  # the only way a JSON text can hold a NUL character
+# a chunk the fast path refuses is halved down to this size before records are parsed one
+# by one in Python (~10x slower than the fast path per record)
+SLOW_PATH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,44 @@ def arrow_schema(schema: Mapping[str, str]) -> pa.Schema:
     return pa.schema([pa.field(name, arrow_type(t)) for name, t in schema.items()])
 
 
+def _string(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("contains a NUL character (\\u0000), which PostgreSQL text cannot "
+                         "store")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate ({value[e.start]!r}), which is "
+                         f"not valid Unicode") from e
+    return value
+
+
+def _decimal(value: Any, t: str) -> Decimal:
+    """As PostgreSQL's numeric(p,s): round to the scale (half away from zero), refuse what
+    then needs more than p - s digits before the point."""
+    m = DECIMAL_RE.match(t)
+    assert m is not None
+    precision, scale = int(m.group(1)), int(m.group(2))
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a decimal, got {value!r}")
+    try:
+        d = Decimal(str(value))
+    except InvalidOperation as e:
+        raise ValueError(f"{value!r} is not a decimal") from e
+    if not d.is_finite():
+        raise ValueError(f"{value!r} is not a finite decimal")
+    too_big = ValueError(f"{value} does not fit in {t} (at most {precision - scale} digits "
+                         f"before the point)")
+    if d and d.adjusted() >= precision - scale:
+        raise too_big
+    with localcontext() as ctx:
+        ctx.prec = 2 * precision + 2
+        q = d.quantize(Decimal(1).scaleb(-scale), rounding=ROUND_HALF_UP)
+    if q and q.adjusted() >= precision - scale:  # 999.995 -> 1000.00
+        raise too_big
+    return q
+
+
 def _coerce(value: Any, t: str) -> Any:
     """Check/convert one JSON value to the declared type; raise ValueError with why."""
     if value is None:
@@ -50,7 +102,7 @@ def _coerce(value: Any, t: str) -> Any:
     if t == "string":
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {type(value).__name__}")
-        return value
+        return _string(value)
     if t in ("long", "int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {value!r}")
@@ -61,7 +113,13 @@ def _coerce(value: Any, t: str) -> Any:
     if t in ("double", "float"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"expected a number, got {value!r}")
-        return float(value)
+        try:
+            f = float(value)
+        except OverflowError as e:
+            raise ValueError(f"{value} overflows {t}") from e
+        if f in (float("inf"), float("-inf")) or (t == "float" and abs(f) > FLOAT32_MAX):
+            raise ValueError(f"{value!r} overflows {t}")
+        return f
     if t == "boolean":
         if not isinstance(value, bool):
             raise ValueError(f"expected true/false, got {value!r}")
@@ -76,61 +134,120 @@ def _coerce(value: Any, t: str) -> Any:
             return date.fromisoformat(value)
         raise ValueError(f"expected an ISO-8601 date string, got {value!r}")
     if DECIMAL_RE.match(t):
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ValueError(f"expected a decimal, got {value!r}")
-        try:
-            return Decimal(str(value))
-        except InvalidOperation as e:
-            raise ValueError(f"{value!r} is not a decimal") from e
+        return _decimal(value, t)
     raise ValueError(f"unsupported type {t}")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"invalid JSON: {name} is not a JSON number")
+
+
+class _TooDeep(ValueError):
+    """Nested deeper than Python's recursive JSON parser goes."""
+
+
+def _loads(value: bytes) -> Any:
+    """json.loads that refuses what pyarrow refuses too (not UTF-8, NaN/Infinity)."""
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"value is not UTF-8: {e.reason} at byte {e.start}") from e
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON: {e.msg} (character {e.pos})") from e
+    except RecursionError as e:
+        raise _TooDeep("JSON nested too deeply") from e
+
+
+def _parse_deep(value: bytes, schema: Mapping[str, str]) -> dict[str, Any]:
+    """A record too deep for Python's parser goes through pyarrow's (no recursion), alone,
+    with the same checks as the fast path: both paths agree on it."""
+    errors: list[str] = []
+    res = _fast([value], arrow_schema(schema), errors, newlines=True)
+    if res is None:
+        raise ValueError(f"invalid JSON or a field that does not fit its type: "
+                         f"{errors[0] if errors else 'refused by the JSON reader'}")
+    table, bad, _ = res
+    if bad:
+        raise ValueError(bad[0].reason)
+    return table.to_pylist()[0]  # type: ignore[no-any-return]
 
 
 def parse_json_record(value: bytes | None, schema: Mapping[str, str]) -> dict[str, Any]:
     """Parse one record; raise ValueError naming the field and the problem."""
     if value is None:
-        raise ValueError("value is null (tombstone); a JSON pipeline needs a JSON object")
+        raise ValueError("value is null (tombstone)")
     try:
-        doc = json.loads(value)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"value is not UTF-8: {e.reason}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"invalid JSON: {e.msg} (character {e.pos})") from e
+        doc = _loads(value)
+    except _TooDeep:
+        return _parse_deep(value, schema)
     if not isinstance(doc, dict):
         raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
     out: dict[str, Any] = {}
     for name, t in schema.items():
         try:
             out[name] = _coerce(doc.get(name), t)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             raise ValueError(f"field {name!r}: {e}") from e
     return out
 
 
-def deserialize_json(values: Sequence[bytes | None], schema: Mapping[str, str]
+def tombstone_fields(key: bytes | None, schema: Mapping[str, str]) -> dict[str, Any]:
+    """The fields of a tombstone's row: from its key when the key is a JSON object with
+    fields of the schema's names (each coerced, or null if it does not fit), else null."""
+    out: dict[str, Any] = dict.fromkeys(schema)
+    if key is None:
+        return out
+    try:
+        doc = _loads(key)
+    except ValueError:
+        return out
+    if isinstance(doc, dict):
+        for name, t in schema.items():
+            with contextlib.suppress(ValueError, OverflowError, TypeError):
+                out[name] = _coerce(doc.get(name), t)
+    return out
+
+
+def deserialize_json(values: Sequence[bytes | None], schema: Mapping[str, str],
+                     keys: Sequence[bytes | None] | None = None
                      ) -> tuple[pa.Table, list[BadRecord], list[int]]:
     """Parse a chunk. Returns the good rows' typed table, the bad records, and the chunk
-    indices of the good rows (so raw columns can be aligned)."""
+    indices of the good rows (so raw columns can be aligned). Tombstones (null values) are
+    good rows whose fields come from `keys` (see `tombstone_fields`)."""
     target = arrow_schema(schema)
-    # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
-    read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
-                             for f in target])
-    fast_ok = all(v is not None and b"\n" not in v and b"\r" not in v for v in values)
-    if fast_ok and values:
-        try:
-            buf = b"\n".join(values)  # type: ignore[arg-type]
-            table = pajson.read_json(
-                io.BytesIO(buf),
-                read_options=pajson.ReadOptions(use_threads=False, block_size=max(1 << 20,
-                                                                                 len(buf) + 1)),
-                parse_options=pajson.ParseOptions(explicit_schema=read_schema,
-                                                  unexpected_field_behavior="ignore",
-                                                  newlines_in_values=False))
-            if table.num_rows == len(values):
-                table = table.select(target.names).cast(target)
-                if table.schema.equals(target):
-                    return table, [], list(range(len(values)))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            pass
+    if None not in values:
+        return _deserialize_values(values, schema, target)
+    present = [i for i, v in enumerate(values) if v is not None]
+    tombs = [i for i, v in enumerate(values) if v is None]
+    table, bad, good = _deserialize_values([values[i] for i in present], schema, target)
+    bad = [BadRecord(present[b.index], b.reason) for b in bad]
+    good = [present[i] for i in good]
+    rows = [tombstone_fields(keys[i] if keys is not None else None, schema) for i in tombs]
+    tomb_table, tomb_bad = _to_table(rows, target)
+    assert not tomb_bad  # coerced values always fit
+    merged = pa.concat_tables([table, tomb_table])
+    indices = good + tombs
+    order = np.argsort(np.asarray(indices, dtype=np.int64), kind="stable")
+    return merged.take(pa.array(order)), bad, sorted(indices)
+
+
+def _deserialize_values(values: Sequence[bytes | None], schema: Mapping[str, str],
+                        target: pa.Schema) -> tuple[pa.Table, list[BadRecord], list[int]]:
+    """Fast path for the chunk; if it has a record the fast path cannot take, halve it
+    and try again, so only pieces of `SLOW_PATH_ROWS` around such records are parsed in
+    Python (both paths give the same result for every record)."""
+    if values:
+        fast = _fast(values, target)
+        if fast is not None:
+            return fast
+    if len(values) > SLOW_PATH_ROWS:
+        mid = len(values) // 2
+        t1, b1, g1 = _deserialize_values(values[:mid], schema, target)
+        t2, b2, g2 = _deserialize_values(values[mid:], schema, target)
+        return (pa.concat_tables([t1, t2]), b1 + [BadRecord(b.index + mid, b.reason) for b in b2],
+                g1 + [g + mid for g in g2])
     rows: list[dict[str, Any]] = []
     good: list[int] = []
     bad: list[BadRecord] = []
@@ -140,6 +257,97 @@ def deserialize_json(values: Sequence[bytes | None], schema: Mapping[str, str]
             good.append(i)
         except ValueError as e:
             bad.append(BadRecord(i, str(e)))
-    cols = {name: pa.array([r[name] for r in rows], type=target.field(name).type)
-            for name in target.names}
-    return pa.table(cols, schema=target), bad, good
+    table, refused = _to_table(rows, target)
+    if refused:  # values the checks above let through but Arrow refuses: bad, not fatal
+        bad = sorted(bad + [BadRecord(good[j], why) for j, why in refused],
+                     key=lambda b: b.index)
+        good = [g for j, g in enumerate(good) if j not in dict(refused)]
+    return table, bad, good
+
+
+def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] | None = None,
+          newlines: bool = False) -> tuple[pa.Table, list[BadRecord], list[int]] | None:
+    """The chunk through pyarrow's reader, or None when a record needs the slow path
+    (`errors` gets the reader's complaint)."""
+    buf = b"\n".join(values)  # type: ignore[arg-type]
+    # one record per line: no newline inside a value (counted on the joined buffer, at
+    # memchr speed, instead of a Python test per value)
+    if not newlines and (buf.count(b"\n") != len(values) - 1 or b"\r" in buf):
+        return None
+    # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
+    read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
+                             for f in target])
+    try:
+        _check_utf8(buf)  # pyarrow passes invalid UTF-8 through into string columns
+        table = pajson.read_json(
+            io.BytesIO(buf),
+            read_options=pajson.ReadOptions(use_threads=False,
+                                            block_size=max(1 << 20, len(buf) + 1)),
+            parse_options=pajson.ParseOptions(explicit_schema=read_schema,
+                                              unexpected_field_behavior="ignore",
+                                              newlines_in_values=newlines))
+        if table.num_rows != len(values):
+            return None
+        table = table.select(target.names).cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        if errors is not None:
+            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+    if not table.schema.equals(target):
+        return None
+    for f in target:  # JSON has no infinity: an infinite float32 is an overflow
+        if pa.types.is_float32(f.type) and pc.any(pc.is_inf(table.column(f.name))).as_py():
+            if errors is not None:
+                errors.append(f"field {f.name!r} overflows float")
+            return None
+    good = list(range(len(values)))
+    if NUL_ESCAPE not in buf:  # one memchr-speed scan; the usual case ends here
+        return table, [], good
+    return _drop_nul_rows(table, target)
+
+
+def _check_utf8(buf: bytes) -> None:
+    """Raise ArrowInvalid if `buf` is not UTF-8 (Arrow's vectorised validation, no copy)."""
+    offsets = pa.py_buffer(np.array([0, len(buf)], dtype=np.int32).tobytes())
+    pa.StringArray.from_buffers(1, offsets, pa.py_buffer(buf)).validate(full=True)
+
+
+def _drop_nul_rows(table: pa.Table, target: pa.Schema
+                   ) -> tuple[pa.Table, list[BadRecord], list[int]]:
+    reasons: dict[int, str] = {}
+    for f in target:
+        if not pa.types.is_string(f.type):
+            continue
+        hit = pc.fill_null(pc.match_substring(table.column(f.name), "\x00"), False)
+        for i in np.flatnonzero(np.asarray(hit.to_numpy(zero_copy_only=False))):
+            reasons.setdefault(int(i), f"field {f.name!r}: contains a NUL character "
+                                       f"(\\u0000), which PostgreSQL text cannot store")
+    if not reasons:
+        return table, [], list(range(table.num_rows))
+    keep = np.ones(table.num_rows, dtype=bool)
+    keep[list(reasons)] = False
+    bad = [BadRecord(i, r) for i, r in sorted(reasons.items())]
+    return table.filter(pa.array(keep)), bad, [int(i) for i in np.flatnonzero(keep)]
+
+
+def _to_table(rows: list[dict[str, Any]], target: pa.Schema
+              ) -> tuple[pa.Table, list[tuple[int, str]]]:
+    """Rows to a typed table. Should a value still not fit its Arrow type, that row (by
+    position in `rows`) is returned as refused with Arrow's reason instead of raising."""
+    try:
+        cols = {name: pa.array([r[name] for r in rows], type=target.field(name).type)
+                for name in target.names}
+        return pa.table(cols, schema=target), []
+    except (pa.ArrowException, ValueError, TypeError, OverflowError):
+        pass
+    refused: list[tuple[int, str]] = []
+    for j, r in enumerate(rows):
+        for name in target.names:
+            try:
+                pa.array([r[name]], type=target.field(name).type)
+            except (pa.ArrowException, ValueError, TypeError, OverflowError) as e:
+                refused.append((j, f"field {name!r}: {e}"))
+                break
+    bad = {j for j, _ in refused}
+    table, _ = _to_table([r for j, r in enumerate(rows) if j not in bad], target)
+    return table, refused

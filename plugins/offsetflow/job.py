@@ -38,7 +38,13 @@ from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.staging import bad_record_summary, binary_encoder, stage_bad_records, stage_rows
+from offsetflow.staging import (
+    BadRows,
+    bad_record_summary,
+    binary_encoder,
+    stage_bad_records,
+    stage_rows,
+)
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
 
 if TYPE_CHECKING:
@@ -157,8 +163,9 @@ class ReadContext:
 
 def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.RecordBatch]:
     """Raw columns + typed fields of sub-range `idx`, chunk by chunk; bad records are
-    recorded in the ledger (and staged as dead letters under that policy)."""
-    from offsetflow.deserialize import arrow_schema, deserialize_json
+    recorded in the ledger (and staged as dead letters under that policy). A tombstone
+    (null value) is a row with a null `value` (see `deserialize.tombstone_fields`)."""
+    from offsetflow.deserialize import BadRecord, arrow_schema, deserialize_json
     from offsetflow.reader import read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
@@ -171,13 +178,14 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.Re
             return
         chunk_no, chunk = item
         clock.count("records", len(chunk))
-        if typed_schema is None:
-            with clock.stage("to_arrow"):
-                out = chunk.to_arrow(r.topic, r.partition)
-            yield out
-            continue
-        with clock.stage("deserialize"):
-            typed, bad, good = deserialize_json(chunk.values, rc.schema)
+        typed: pa.Table | None = None
+        good: list[int] | None = None
+        bad: list[BadRecord] = []
+        if typed_schema is not None:
+            with clock.stage("deserialize"):
+                typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
+        if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
+            good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
         if bad:
             stage_bad_records(rc.dsn, rc.batch_id, idx, chunk_no, rc.pipeline, [
                 {"topic": r.topic, "partition": r.partition, "offset": chunk.offsets[x.index],
@@ -186,11 +194,30 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.Re
                 write_rows=rc.write_dead)
         with clock.stage("to_arrow"):
             raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+            if typed is None or typed_schema is None:
+                yield raw
+                continue
             cols = list(raw.columns) + list(typed.combine_chunks().columns)
             out = pa.RecordBatch.from_arrays(
                 [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
                 names=raw.schema.names + typed_schema.names)
         yield out
+
+
+def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
+                  typed: pa.Table | None, bad: list[Any]
+                  ) -> tuple[list[int], pa.Table | None, list[Any]]:
+    """Take the reader's refused records out of the good rows and into the bad ones."""
+    from offsetflow.deserialize import BadRecord
+
+    good = list(range(n)) if good is None else good
+    keep = [j for j, g in enumerate(good) if g not in refused]
+    if typed is not None:
+        typed = typed.take(pa.array(keep, pa.int64()))
+    already = {b.index for b in bad}
+    bad = sorted([*bad, *(BadRecord(i, why) for i, why in refused.items() if i not in already)],
+                 key=lambda b: b.index)
+    return [good[j] for j in keep], typed, bad
 
 
 def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
@@ -223,12 +250,14 @@ def _task_part() -> int:
     return ctx.partitionId() if ctx is not None else 0
 
 
-def make_writer(dsn: str, batch_id: int
+def make_writer(dsn: str, batch_id: int, bad: BadRows
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """DataFrame path: stage the transform's output (in stage form); rows PostgreSQL
+    refuses become bad records under `bad`'s policy."""
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         part = _task_part()
         clock = TaskClock()
-        stats = stage_rows(dsn, batch_id, part, batches, clock)
+        stats = stage_rows(dsn, batch_id, part, batches, clock, bad=bad)
         clock.emit(batch_id, "stage", part)
         yield _stats_batch(part, stats)
     return write
@@ -252,7 +281,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                 for idx in b.column("id").to_pylist():
                     yield from read_subrange(rc, idx, clock)
         stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
-                           table=stage_part_table(batch_id, part))
+                           table=stage_part_table(batch_id, part),
+                           bad=BadRows(rc.pipeline, rc.write_dead))
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
@@ -424,7 +454,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                               f"{cfg.transform} dropped the source coordinates {missing}; "
                               f"target rows must keep topic, partition and offset")
         columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
-        staging = to_stage_form(df).mapInArrow(make_writer(dsn, batch.batch_id), STATS_DDL)
+        staging = to_stage_form(df).mapInArrow(
+            make_writer(dsn, batch.batch_id,
+                        BadRows(cfg.name, cfg.bad_records == "dead_letter")), STATS_DDL)
     else:
         columns = stage_columns(cfg)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs),

@@ -11,6 +11,7 @@ partition before `until_offset`, or finding the start deleted, is an error.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,19 @@ RAW_SCHEMA = pa.schema([
 ])
 
 REQUIRED_SETTINGS = {"enable.auto.commit": "false", "auto.offset.reset": "error"}
+# A chunk is cut at whichever comes first: rows or bytes of keys + values. The byte cap keeps
+# a task's memory flat and every Arrow array far below its 2 GiB offsets limit when records
+# are large (1 MB records x 20,000 rows would be 20 GB); a chunk exceeds it by one record at
+# most.
+MAX_CHUNK_ROWS = 20_000
+MAX_CHUNK_BYTES = 64 << 20
+# Kafka timestamps are int64 milliseconds; Arrow/PostgreSQL timestamps are int64
+# microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
+# message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
+MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
+# Transient errors (leader moving, broker restarting): retried with exponential backoff for
+# as long as a read may stall (`stall_timeout_s`)
+RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
@@ -51,6 +65,8 @@ class RawChunk:
     keys: list[bytes | None] = field(default_factory=list)
     values: list[bytes | None] = field(default_factory=list)
     headers: list[list[dict[str, Any]] | None] = field(default_factory=list)
+    nbytes: int = 0  # keys + values
+    refused: dict[int, str] = field(default_factory=dict)  # index -> why it cannot be written
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -72,6 +88,40 @@ class RawChunk:
         ], schema=RAW_SCHEMA)
 
 
+def consumer_conf(conf: Mapping[str, str]) -> dict[str, str]:
+    """The pipeline's consumer settings as the reader uses them. Records larger than
+    `max.partition.fetch.bytes` (1 MB) still come, one batch per fetch (KIP-74), so a
+    10 MB record needs no setting; the prefetch queue is bounded (librdkafka's default,
+    stated here so a task's memory is: chunk + queue + one fetch)."""
+    out = dict(conf)
+    out.setdefault("queued.max.messages.kbytes", str(64 << 10))
+    return out
+
+
+@dataclass
+class Backoff:
+    """Bounded exponential backoff for transient errors: `wait()` sleeps the next step, or
+    returns False once errors have come for `limit_s` without progress (`reset()`)."""
+
+    limit_s: float
+    steps: tuple[float, ...] = RETRY_BACKOFF_S
+    failures: int = 0
+    since: float | None = None
+
+    def wait(self) -> bool:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        elif now - self.since > self.limit_s:
+            return False
+        time.sleep(self.steps[min(self.failures, len(self.steps) - 1)])
+        self.failures += 1
+        return True
+
+    def reset(self) -> None:
+        self.failures, self.since = 0, None
+
+
 def check_preconditions(conf: Mapping[str, str]) -> None:
     """Refuse consumer settings that would let Kafka, not the ledger, decide offsets."""
     for k, v in REQUIRED_SETTINGS.items():
@@ -79,19 +129,22 @@ def check_preconditions(conf: Mapping[str, str]) -> None:
             raise ValueError(f"reader consumer needs {k}={v}, got {conf.get(k)!r}")
 
 
-def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
-               poll_timeout_s: float = 1.0, stall_timeout_s: float = 300.0
-               ) -> Iterator[RawChunk]:
-    """Yield the records of `r` in offset order, in chunks of at most `max_rows`."""
+def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUNK_ROWS,
+               poll_timeout_s: float = 1.0, stall_timeout_s: float = 300.0,
+               max_bytes: int = MAX_CHUNK_BYTES) -> Iterator[RawChunk]:
+    """Yield the records of `r` in offset order, in chunks of at most `max_rows` records
+    and about `max_bytes` of keys and values (a chunk ends after the record that passes it).
+    A record whose timestamp cannot be written is kept, with its reason in `refused`."""
     if r.is_empty:
         return
     check_preconditions(conf)
-    consumer = Consumer(dict(conf))
+    consumer = Consumer(consumer_conf(conf))
     try:
         consumer.assign([KTopicPartition(r.topic, r.partition, r.from_offset)])
         chunk = RawChunk()
         reached = r.from_offset  # every offset below this is accounted for
         last_progress = time.monotonic()
+        backoff = Backoff(stall_timeout_s)
         while reached < r.until_offset:
             # consume() waits for num_messages or the timeout: never ask for more than the
             # range can still hold, or every range's tail pays a full poll timeout
@@ -113,7 +166,7 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
             for m in msgs:  # the hot loop: one pass per record, locals only
                 err = m.error()
                 if err is not None:
-                    reached = _handle_error(consumer, r, err, m.offset(), reached)
+                    reached = _handle_error(consumer, r, err, m.offset(), reached, backoff)
                     if reached >= until:
                         break
                     continue
@@ -126,37 +179,94 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = 20_000,
                 if off < reached:  # never yield an offset twice
                     continue
                 ts_type, ts = m.timestamp()
+                if ts_type and ts > MAX_TIMESTAMP_MS:
+                    chunk.refused[len(chunk.offsets)] = (
+                        f"Kafka timestamp {ts} ms is beyond the largest timestamp "
+                        f"PostgreSQL and Arrow hold (year ~294,000)")
+                    ts_type = 0
                 chunk.offsets.append(off)
                 chunk.timestamps.append(ts * 1000 if ts_type else None)
                 chunk.timestamp_types.append(ts_type)
-                chunk.keys.append(m.key())
-                chunk.values.append(m.value())
-                hdrs = m.headers()
+                key, value = m.key(), m.value()
+                chunk.keys.append(key)
+                chunk.values.append(value)
+                if value is not None:
+                    chunk.nbytes += len(value)
+                if key is not None:
+                    chunk.nbytes += len(key)
+                hdrs = _headers(m)
+                if hdrs is _UNREADABLE:
+                    chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
+                    hdrs = None
                 chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs]
                                      if hdrs else None)
                 reached = off + 1
-                if len(chunk.offsets) >= max_rows:
+                if len(chunk.offsets) >= max_rows or chunk.nbytes >= max_bytes:
                     yield chunk
                     chunk = RawChunk()
             if reached > before:
                 last_progress = time.monotonic()
+                backoff.reset()
         if len(chunk):
             yield chunk
     finally:
         consumer.close()
 
 
-def _watermarks(consumer: Consumer, r: OffsetRange) -> tuple[int, int]:
+_UNREADABLE: list[tuple[str, bytes | None]] = []
+UNREADABLE_HEADERS = ("its headers cannot be read: a header name is not UTF-8 (the record's "
+                      "key and value are kept)")
+
+
+def _headers(m: Any) -> list[tuple[str, bytes | None]] | None:
+    """The record's headers, or `_UNREADABLE`. A header name that is not UTF-8 makes
+    confluent-kafka build a (NULL, value) tuple and return it with the UnicodeDecodeError
+    still set: Python raises SystemError then, or (once the call site is specialised) hands
+    back the broken list, whose NULL item crashes the process when read, with the error
+    pending. Tuples visit only their non-NULL items for the garbage collector, so counting
+    those finds a NULL without touching it, and the checked call surfaces a pending error
+    as SystemError here rather than somewhere later."""
     try:
-        lo, hi = consumer.get_watermark_offsets(KTopicPartition(r.topic, r.partition),
-                                                timeout=10)
-        return int(lo), int(hi)
-    except KafkaException:
-        return -1, -1
+        hdrs = m.headers()
+        if hdrs and len(gc.get_referents(*hdrs)) != 2 * len(hdrs):
+            return _UNREADABLE
+    except SystemError:
+        return _UNREADABLE
+    return hdrs  # type: ignore[no-any-return]
+
+
+def _watermarks(consumer: Consumer, r: OffsetRange, limit_s: float = 5.0) -> tuple[int, int]:
+    """Low and high watermark, retried with backoff; (-1, -1) if the broker never answers
+    (callers use them for diagnostics and treat -1 as unknown)."""
+    backoff = Backoff(limit_s)
+    while True:
+        try:
+            lo, hi = consumer.get_watermark_offsets(KTopicPartition(r.topic, r.partition),
+                                                    timeout=10)
+            return int(lo), int(hi)
+        except KafkaException as e:
+            if not _retriable(e.args[0]) or not backoff.wait():
+                log.warning("%s: no watermarks from the broker: %s", r, e)
+                return -1, -1
+
+
+TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+             KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
+             KafkaError.REQUEST_TIMED_OUT, KafkaError.NETWORK_EXCEPTION,
+             KafkaError.NOT_ENOUGH_REPLICAS, KafkaError._TRANSPORT, KafkaError._TIMED_OUT,
+             KafkaError._ALL_BROKERS_DOWN, KafkaError._MSG_TIMED_OUT,
+             KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.OFFSET_NOT_AVAILABLE,
+             KafkaError.KAFKA_STORAGE_ERROR}
+
+
+def _retriable(err: object) -> bool:
+    if not isinstance(err, KafkaError):
+        return False
+    return bool(err.retriable()) or err.code() in TRANSIENT
 
 
 def _handle_error(consumer: Consumer, r: OffsetRange, err: KafkaError, at: int | None,
-                  reached: int) -> int:
+                  reached: int, backoff: Backoff | None = None) -> int:
     code = err.code()
     if code == KafkaError._PARTITION_EOF:
         # Everything up to the end (the last stable offset under read_committed) is read;
@@ -181,5 +291,13 @@ def _handle_error(consumer: Consumer, r: OffsetRange, err: KafkaError, at: int |
                                KafkaError.TOPIC_AUTHORIZATION_FAILED):
         raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset, reached,
                              str(err))
-    log.warning("%s: transient Kafka error, retrying: %s", r, err)
+    # leader moving, broker restarting, a timeout: librdkafka retries the fetch itself;
+    # wait a little longer each time this surfaces, and give up after a bound
+    backoff = backoff or Backoff(300.0)
+    log.warning("%s: transient Kafka error (%d in a row), retrying: %s", r,
+                backoff.failures + 1, err)
+    if not backoff.wait():
+        raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset, reached,
+                             f"transient Kafka errors for {backoff.limit_s:.0f}s without "
+                             f"progress ({backoff.failures} retries), last: {err}")
     return reached

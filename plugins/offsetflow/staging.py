@@ -1,15 +1,23 @@
 """Staging, run in Spark tasks: each task COPYs its rows into its part of the batch's stage
 and, in the same PostgreSQL transaction, writes the part's `staged_parts` marker; a retried
 or speculative attempt finds the marker (or blocks on it) and stages nothing twice. Bad
-records are recorded the same way, chunk by chunk."""
+records are recorded the same way, chunk by chunk.
+
+Safety net: a chunk whose COPY PostgreSQL refuses with a data error (a value the
+deserializer's checks did not foresee, or one a transform produced) is rolled back to a
+savepoint and bisected; each row PostgreSQL refuses becomes a bad record with its error as
+the reason, the rest is staged, and its marker is written in the same transaction."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -75,14 +83,30 @@ def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part:
     return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
 
 
+@dataclass(frozen=True)
+class BadRows:
+    """Where rows PostgreSQL refuses go: always a marker naming them (so a `fail` pipeline
+    fails naming the first), the rows too in the dead-letter stage under `dead_letter`."""
+
+    pipeline: str
+    write_rows: bool
+
+
+# the bad-record marker chunk of rows refused at staging (a part's own chunks count from 0)
+REFUSED_CHUNK = -1
+
+
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
-               table: sql.Composed | None = None) -> dict[str, Any]:
+               table: sql.Composed | None = None, bad: BadRows | None = None
+               ) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
     form (binary as `\\x..` hex, nested as JSON), `binary_encoder` for raw Arrow batches.
     `table` is the part's own stage table (`stage_part_table`), else the stage table.
+    With `bad`, rows PostgreSQL refuses are bad records (see the module docstring);
+    without it a refused COPY fails the task.
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
@@ -94,6 +118,7 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                 return {"part": part, "skipped": True, **earlier}
             rows = 0
             per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
+            refused: list[dict[str, Any]] = []
             clock = clock or TaskClock()
             it = iter(batches)
             while True:
@@ -103,20 +128,105 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                     break
                 if b.num_rows == 0:
                     continue
-                with clock.stage("encode"):
-                    fmt, data = encode(b)
-                with clock.stage("copy"):
-                    _copy(cur, into, b.schema.names, data, fmt)
-                rows += b.num_rows
-                _count_coordinates(b, per_tp)
+                if bad is None:
+                    with clock.stage("encode"):
+                        fmt, data = encode(b)
+                    with clock.stage("copy"):
+                        _copy(cur, into, b.schema.names, data, fmt)
+                    staged = [b]
+                else:
+                    staged = _copy_or_bisect(cur, into, b, encode, clock, refused)
+                for s in staged:
+                    rows += s.num_rows
+                    _count_coordinates(s, per_tp)
             clock.count("rows", rows)
             cur.execute("""UPDATE offsetflow.staged_parts
                               SET rows_staged = %s, per_partition = %s
                             WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
                         (rows, json.dumps(per_tp), batch_id, part))
-        return {"part": part, "skipped": False, "rows": rows, "bad": 0, "per_partition": per_tp}
+            if refused:
+                assert bad is not None
+                _write_bad(cur, batch_id, part, REFUSED_CHUNK, bad, refused)
+        return {"part": part, "skipped": False, "rows": rows, "bad": len(refused),
+                "per_partition": per_tp}
     finally:
         conn.close()
+
+
+def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
+                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]]
+                    ) -> list[pa.RecordBatch]:
+    """COPY `b` under a savepoint. On a data error, roll back and bisect until the refused
+    rows are single; returns the slices that were staged, appends the refused rows. Costs
+    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when it is."""
+    with clock.stage("encode"):
+        fmt, data = encode(b)
+    with clock.stage("copy"):
+        cur.execute("SAVEPOINT offsetflow_chunk")
+        try:
+            _copy(cur, into, b.schema.names, data, fmt)
+        except psycopg2.DataError as e:
+            cur.execute("ROLLBACK TO SAVEPOINT offsetflow_chunk")
+            cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
+            error = e
+        else:
+            cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
+            return [b]
+    if b.num_rows == 1:
+        refused.append(_refused_row(b, _pg_reason(error, b)))
+        return []
+    mid = b.num_rows // 2
+    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused)
+            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused))
+
+
+_COLUMN_RE = re.compile(r"column (\S+?)(?::|$)")
+
+
+def _pg_reason(e: psycopg2.Error, row: pa.RecordBatch) -> str:
+    """PostgreSQL's message and the column: from COPY's context, or for encoding errors
+    (found before COPY splits the line into columns) the text column holding NUL or
+    invalid UTF-8."""
+    msg = (e.diag.message_primary or str(e).strip().splitlines()[0]).strip()
+    m = _COLUMN_RE.search(e.diag.context or "")
+    column = m.group(1) if m else _bad_text_column(row)
+    where = f" (column {column})" if column else ""
+    return f"PostgreSQL refused the row at staging: {msg}{where}"
+
+
+def _bad_text_column(row: pa.RecordBatch) -> str | None:
+    for f, col in zip(row.schema, row.columns, strict=True):
+        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+            v = col.cast(pa.binary())[0].as_py()
+            if v is None:
+                continue
+            try:
+                v.decode("utf-8")
+            except UnicodeDecodeError:
+                return f.name
+            if b"\x00" in v:
+                return f.name
+    return None
+
+
+def _refused_row(b: pa.RecordBatch, reason: str) -> dict[str, Any]:
+    """One refused row's coordinates and raw key/value, from raw or stage-form columns."""
+    def get(name: str) -> Any:
+        if name not in b.schema.names:
+            return None
+        col = b.column(name)
+        if name in ("key", "value") and (pa.types.is_string(col.type)
+                                         or pa.types.is_large_string(col.type)):
+            # stage form: hex text; other text (a transform's) as its bytes
+            raw = col.cast(pa.binary())[0].as_py()
+            return None if raw is None else (
+                bytes.fromhex(raw[2:].decode()) if raw.startswith(b"\\x") else raw)
+        if pa.types.is_timestamp(col.type):  # as microseconds: any year, no datetime
+            return col.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())[0].as_py()
+        return col[0].as_py()
+    return {"topic": get("topic"), "partition": get("partition"), "offset": get("offset"),
+            "timestamp": get("timestamp"), "key": get("key"), "value": get("value"),
+            "error": reason, "stage": "stage"}
 
 
 def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
@@ -141,29 +251,33 @@ def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: 
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
-            if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
-                return
-            if write_rows:
-                t = pa.table({
-                    "pipeline": [pipeline] * len(rows),
-                    "topic": [r["topic"] for r in rows],
-                    "partition": pa.array([r["partition"] for r in rows], pa.int32()),
-                    "offset": pa.array([r["offset"] for r in rows], pa.int64()),
-                    "timestamp": pa.array([r["timestamp"] for r in rows],
-                                          pa.timestamp("us", tz="UTC")),
-                    "key": [_hex(r["key"]) for r in rows],
-                    "value": [_hex(r["value"]) for r in rows],
-                    "error": [r["error"] for r in rows],
-                    "stage": [r.get("stage", "deserialize") for r in rows],
-                })
-                _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
-            sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")}
-                      for r in rows[:5]]
-            cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
-                            WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
-                        (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
+            _write_bad(cur, batch_id, part, chunk, BadRows(pipeline, write_rows), rows)
     finally:
         conn.close()
+
+
+def _write_bad(cur: psycopg2.extensions.cursor, batch_id: int, part: int, chunk: int,
+               bad: BadRows, rows: Sequence[dict[str, Any]]) -> None:
+    if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
+        return
+    if bad.write_rows:
+        t = pa.table({
+            "pipeline": [bad.pipeline] * len(rows),
+            "topic": [r["topic"] for r in rows],
+            "partition": pa.array([r["partition"] for r in rows], pa.int32()),
+            "offset": pa.array([r["offset"] for r in rows], pa.int64()),
+            "timestamp": pa.array([r["timestamp"] for r in rows],
+                                  pa.timestamp("us", tz="UTC")),
+            "key": [_hex(r["key"]) for r in rows],
+            "value": [_hex(r["value"]) for r in rows],
+            "error": [r["error"] for r in rows],
+            "stage": [r.get("stage", "deserialize") for r in rows],
+        })
+        _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
+    sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")} for r in rows[:5]]
+    cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
+                    WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
+                (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
 
 
 def _hex(b: bytes | None) -> str | None:
