@@ -208,12 +208,8 @@ pg_bindir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 
 pg_bin() {  # installs the server from Debian packages when it is missing
   local d; d="$(pg_bindir)"
   if [[ -z "$d" || ! -x "$d/postgres" ]]; then
-    log "PostgreSQL server not found; installing it with apt-get"
-    local sudo=(); is_root || sudo=(sudo)
-    "${sudo[@]}" apt-get update -qq >/dev/null \
-      && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null \
-      || die "postgres: apt-get install postgresql failed"
-    # the Debian package starts a default cluster on 5432; we do not use it
+    log "PostgreSQL server not found; installing the system packages"
+    bash "$HERE/system-packages.sh" >&2 || die "postgres: installing the server failed"
     d="$(pg_bindir)"
     [[ -x "$d/postgres" ]] || die "postgres: no server binaries under /usr/lib/postgresql/*/bin after install"
   fi
