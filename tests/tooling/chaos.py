@@ -348,27 +348,37 @@ def _proc_table() -> dict[int, tuple[int, int, str]]:
     return table
 
 
-def python_workers(pgid: int) -> list[int]:
-    """Spark's Python workers of one job (its process group, as run_batch_process starts
-    it): the processes that `pyspark.daemon` forked for tasks, not the daemon itself."""
+def python_workers(job_pid: int) -> list[int]:
+    """Spark's Python workers of one job: the processes that its `pyspark.daemon` forked
+    for tasks, not the daemon itself. Found by ancestry: the daemon puts itself in a process
+    group of its own."""
     table = _proc_table()
-    daemons = {pid for pid, (_, group, cmd) in table.items()
-               if group == pgid and "pyspark.daemon" in cmd}
-    roots = {pid for pid in daemons if table[pid][0] not in daemons}
+
+    def in_job(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == job_pid:
+                return True
+            pid = table.get(pid, (0, 0, ""))[0]
+            seen += 1
+        return False
+
+    daemons = {pid for pid, (_, _, cmd) in table.items() if "pyspark.daemon" in cmd}
+    roots = {pid for pid in daemons if table[pid][0] not in daemons and in_job(pid)}
     return sorted(pid for pid, (ppid, _, _) in table.items() if ppid in roots)
 
 
-def kill_python_worker(pgid: int, timeout_s: float = 180) -> int:
+def kill_python_worker(job_pid: int, timeout_s: float = 180) -> int:
     """kill -9 one Python worker of the job as soon as one runs a task (a worker exists only
     once a task has started); returns its pid. Spark sees the task fail with "Python worker
     exited unexpectedly" and retries it when the master allows retries (local[N,F])."""
     found: list[int] = []
 
     def worker() -> bool:
-        found[:] = python_workers(pgid)
+        found[:] = python_workers(job_pid)
         return bool(found)
 
-    wait_for(worker, timeout_s, f"a Spark Python worker in process group {pgid}", every_s=0.02)
+    wait_for(worker, timeout_s, f"a Spark Python worker of job process {job_pid}", every_s=0.02)
     os.kill(found[0], signal.SIGKILL)
     return found[0]
 
