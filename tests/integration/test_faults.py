@@ -26,6 +26,8 @@ from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
 from tests.tooling import chaos
 from tests.tooling.checker import check
 
+pytestmark = pytest.mark.slow  # each test runs jobs as processes and breaks a service
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
