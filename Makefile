@@ -58,5 +58,6 @@ clean: down
 bench: up
 	$(ENV) $(PY) include/bench/bench.py $(BENCH_ARGS)
 
+# SOAK_ARGS e.g. "--faults kill_kafka,kill_executor --seed 3"
 soak: up
-	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10}
+	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)

@@ -82,6 +82,7 @@ class Soak:
         self.faults: Counter[str] = Counter()
         self.fault_errors: Counter[str] = Counter()  # the injection itself went wrong
         self.producer_errors = 0
+        self.wedged: int | None = None  # a batch that never committed in the drain
         self.workload_lock = threading.Lock()  # the producer thread and the cycles share it
 
     # -- producers ------------------------------------------------------------------------
@@ -201,11 +202,21 @@ class Soak:
         return True
 
     def drain(self) -> None:
+        """Run batches until caught up; a batch that fails three runs in a row is wedged (the
+        check then reports what it kept from the sink) and ends the drain."""
+        tries: Counter[int] = Counter()
         for _ in range(100):
             planned = plan_only(self.cfg, self.dsn, started_by="soak-drain")
             if planned.batch is None:
                 return
-            self.job(planned.batch.batch_id).wait(timeout=600)
+            bid = planned.batch.batch_id
+            tries[bid] += 1
+            if tries[bid] > 3:
+                self.wedged = bid
+                log.error("batch %d did not commit in 3 runs; see %s", bid,
+                          self.out / "jobs.log")
+                return
+            self.job(bid).wait(timeout=600)
 
     def run(self) -> int:
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
@@ -260,10 +271,11 @@ class Soak:
             "batches": len(batches),
             "batches_retried": sum(1 for b in batches if b.attempts > 1),
             "producer_errors": self.producer_errors,
+            "wedged_batch": self.wedged,
         }
         (self.out / "figures.json").write_text(json.dumps(figures, indent=2))
         print(json.dumps(figures, indent=2))
-        ok = rep.ok and rep.expected == self.workload.committed_count
+        ok = rep.ok and rep.expected == self.workload.committed_count and self.wedged is None
         print(f"SOAK {'OK' if ok else 'FAILED'}: {rep.explain()}")
         return 0 if ok else 1
 
