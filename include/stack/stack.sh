@@ -98,6 +98,9 @@ export AIRFLOW__API_AUTH__JWT_SECRET="offsetflow-local-stack-jwt-secret"
 export AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5"
 export AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="5"
 export AIRFLOW__LOGGING__LOGGING_LEVEL="INFO"
+# a task's calls to the execution API: the 5 s default timed out (httpx.ReadTimeout, task
+# SIGKILLed, run failed) on a 2-core machine under a full test suite's load
+export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="30"
 EOF
   mv -f "$STACK/env.sh.tmp" "$STACK/env.sh"
   printf '%s\n' "OFFSETFLOW_KAFKA_PORT=$KAFKA_PORT" "OFFSETFLOW_KAFKA_CONTROLLER_PORT=$CONTROLLER_PORT" \
