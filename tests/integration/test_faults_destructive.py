@@ -17,7 +17,6 @@ from offsetflow.errors import StagingIncompleteError
 from offsetflow.runner import run_until_caught_up
 from tests.integration.test_faults import Case
 from tests.tooling import chaos
-from tests.tooling.checker import check
 
 pytestmark = pytest.mark.slow
 
@@ -29,22 +28,12 @@ def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
     return Case(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
 
 
-def assert_exactly_once(case: Case, tombstones: str = "dead_letter") -> None:
-    """Rows and dead letters against everything produced, everything committed."""
-    cfg = case.cfg
-    rep = check(case.workload.produced.values(), chaos.sink_rows(case.dsn, case.table),
-                case.positions(), chaos.dead_letters(case.dsn, cfg.dead_letter_table, cfg.name),
-                tombstones=tombstones)
-    assert rep.ok, rep.explain()
-    assert rep.expected == case.workload.committed_count, rep.explain()
-
-
 def finish(case: Case, spark: Any, bid: int) -> None:
     """What the scheduler does next: re-run the open batch (or plan the next) until caught
     up; the faulted batch must end committed."""
     run_until_caught_up(case.cfg, case.dsn, spark)
     assert case.batch(bid).status == "committed"
-    assert_exactly_once(case)
+    case.assert_exactly_once()
 
 
 def test_kafka_killed_while_a_batch_reads_commits_once(case: Case, spark: Any) -> None:
@@ -125,7 +114,7 @@ def test_large_records_and_tombstones_exactly_once(case: Case, spark: Any, path:
     case.workload.large(6)
     run_until_caught_up(case.cfg, case.dsn, spark)
     assert case.workload.kinds["large"] == 18 and case.workload.kinds["tombstone"] == 40
-    assert_exactly_once(case)
+    case.assert_exactly_once()
     dead = chaos.dead_letters(case.dsn, case.cfg.dead_letter_table, case.cfg.name)
     assert len(dead) == 40 and all("tombstone" in d.error or "null" in d.error for d in dead), \
         [d.error for d in dead[:3]]
