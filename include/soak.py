@@ -10,7 +10,8 @@ the job killed after its commit (the retry must be a no-op), two runs of one bat
 and faults that destroy state: PostgreSQL crashed during the commit (`-m immediate`: unlogged
 data gone), the broker killed with kill -9 while a batch reads, a Spark Python worker killed
 mid-task (Spark retries it), 1 MB records, tombstones (dead letters under `bad_records:
-dead_letter`). `--faults a,b` runs a subset.
+dead_letter`). The first round always completes, so every fault is injected at least
+once however short `--minutes` is; `--faults a,b` runs a subset.
 Prints: records produced, committed, lost, duplicated, aborted visible, dead letters, faults
 by kind, batches retried.
 """
@@ -227,21 +228,27 @@ class Soak:
         producer.start()
         deadline = time.monotonic() + self.args.minutes * 60
         cycles = 0
-        while time.monotonic() < deadline and (not self.args.cycles
-                                                or cycles < self.args.cycles):
+        rounds = 0
+
+        def over() -> bool:  # the first round always completes: every fault injected once
+            return (rounds > 0 and time.monotonic() >= deadline) or bool(
+                self.args.cycles and cycles >= self.args.cycles)
+
+        while not over():
             order = self.args.faults[:]
             self.rng.shuffle(order)
             for fault in order:
-                if time.monotonic() >= deadline:
+                if over():
                     break
                 t = time.monotonic()
                 while not self.cycle(fault):  # wait for data to inject this fault on
-                    if time.monotonic() >= deadline:
-                        break
+                    if time.monotonic() >= deadline + 600:
+                        raise RuntimeError(f"no data to inject {fault} on for 10 minutes")
                     time.sleep(1)
                 cycles += 1
                 log.info("cycle %d: %s done in %.1fs; produced so far %d", cycles, fault,
                          time.monotonic() - t, len(self.workload.produced))
+            rounds += 1
         self.stop.set()
         producer.join(timeout=120)
         self.drain()
@@ -253,7 +260,7 @@ class Soak:
                     chaos.sink_rows(self.dsn, self.cfg.sink.table), positions, dead,
                     tombstones="dead_letter")
         figures = {
-            "minutes": self.args.minutes, "cycles": cycles,
+            "minutes": self.args.minutes, "cycles": cycles, "rounds": rounds,
             "records_produced": len(self.workload.produced),
             "records_committed_by_producers": self.workload.committed_count,
             "records_aborted_by_producers": len(self.workload.produced)
