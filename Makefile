@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv up down status demo test unit lint bench soak clean
+.PHONY: venv system system-browser up down status demo test unit lint bench soak clean
 
 venv: .venv/.installed
 
@@ -19,7 +19,15 @@ venv: .venv/.installed
 	@$(PY) -c "import pyspark, sys; v = pyspark.__version__; print('pyspark', v); sys.exit(0 if v.startswith('4.') else 1)"
 	@touch $@
 
-up: venv
+# Debian packages the stack needs (PostgreSQL, curl, a JDK, Maven); the UI tests also need
+# Chromium. Installs only what is missing (apt-get, sudo when not root); fast when all is there.
+system:
+	@bash include/stack/system-packages.sh
+
+system-browser:
+	@bash include/stack/system-packages.sh --browser
+
+up: venv system
 	$(STACK) up
 
 down:
@@ -34,12 +42,14 @@ demo: up
 unit: venv
 	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
 
-test: up
+# all tests (what CI runs); a quick local subset: make test PYTEST_ARGS="-m 'not slow'"
+test: system-browser up
 	$(ENV) $(PY) -m pytest tests -v -rs --timeout=900 $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check plugins dags spark_jobs include tests
 	$(PY) -m mypy
+	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
 
 clean: down
 	rm -rf .stack
@@ -48,5 +58,6 @@ clean: down
 bench: up
 	$(ENV) $(PY) include/bench/bench.py $(BENCH_ARGS)
 
+# SOAK_ARGS e.g. "--faults kill_kafka,kill_executor --seed 3"
 soak: up
-	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10}
+	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)

@@ -6,8 +6,14 @@ faults of every kind are injected; at the end the exactly-once checker judges th
 Faults (round-robin, in random order each round): the job killed after planning (mid-read),
 a Spark task failing mid-range (retried by Spark), the job killed after staging, the commit
 connection cut, PostgreSQL restarted during the commit, Kafka restarted while a batch reads,
-the job killed after its commit (the retry must be a no-op), and two runs of one batch at once.
-Prints: records produced, committed, lost, duplicated, faults by kind, batches retried.
+the job killed after its commit (the retry must be a no-op), two runs of one batch at once;
+and faults that destroy state: PostgreSQL crashed during the commit (`-m immediate`: unlogged
+data gone), the broker killed with kill -9 while a batch reads, a Spark Python worker killed
+mid-task (Spark retries it), 1 MB records, tombstones (dead letters under `bad_records:
+dead_letter`). The first round always completes, so every fault is injected at least
+once however short `--minutes` is; `--faults a,b` runs a subset.
+Prints: records produced, committed, lost, duplicated, aborted visible, dead letters, faults
+by kind, batches retried.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from tests.tooling.checker import check  # noqa: E402 - after the sys.path line
 
 log = logging.getLogger("offsetflow.soak")
 FAULTS = ["kill_after_plan", "task_failure", "kill_after_staging", "cut_commit_connection",
-          "restart_postgres", "restart_kafka", "kill_after_commit", "zombie_same_batch"]
+          "restart_postgres", "restart_kafka", "kill_after_commit", "zombie_same_batch",
+          "crash_postgres", "kill_kafka", "kill_executor", "large_records", "tombstones"]
+COMMIT_WINDOW = ("kill_after_staging", "cut_commit_connection", "restart_postgres",
+                 "crash_postgres")
 
 
 class Soak:
@@ -61,8 +70,9 @@ class Soak:
         self.file.write_text(yaml.safe_dump({
             "name": self.name, "kafka": {"bootstrap_servers": self.bootstrap},
             "source": {"topics": [self.topic], "max_records_per_partition": 20_000},
-            "format": {"type": "json", "schema": dict(chaos.SCHEMA)},
+            "format": {"type": "json", "schema": dict(chaos.SCHEMA_WITH_PAD)},
             "transform": "tests.tooling.chaos.maybe_fail_task",
+            "bad_records": "dead_letter",  # tombstones become dead letters
             "sink": {"connection": self.dsn, "table": f"soak_{run}"},
             "spark": {"master": "local[2,4]", "max_offsets_per_task": 10_000}}))
         self.cfg = load_pipeline(self.file)
@@ -71,7 +81,10 @@ class Soak:
         self.producing.set()
         self.stop = threading.Event()
         self.faults: Counter[str] = Counter()
+        self.fault_errors: Counter[str] = Counter()  # the injection itself went wrong
         self.producer_errors = 0
+        self.wedged: int | None = None  # a batch that never committed in the drain
+        self.workload_lock = threading.Lock()  # the producer thread and the cycles share it
 
     # -- producers ------------------------------------------------------------------------
     def produce_forever(self) -> None:
@@ -80,7 +93,8 @@ class Soak:
             if not self.producing.wait(timeout=1):
                 continue
             try:
-                self.workload.mixed(rng.randint(200, 1500), rng, abort_ratio=0.3)
+                with self.workload_lock:
+                    self.workload.mixed(rng.randint(200, 1500), rng, abort_ratio=0.3)
             except Exception as e:  # noqa: BLE001 - a failed write is simply not counted
                 self.producer_errors += 1
                 log.warning("producer error (records not counted as produced): %s", e)
@@ -102,6 +116,12 @@ class Soak:
             return ledger.get_batch(batch_id).status
 
     def cycle(self, fault: str) -> bool:
+        if fault in ("large_records", "tombstones"):
+            with self.workload_lock:
+                if fault == "large_records":
+                    self.workload.large(self.rng.randint(2, 6))
+                else:
+                    self.workload.tombstones(self.rng.randint(10, 100))
         planned = plan_only(self.cfg, self.dsn, started_by="soak")
         if planned.batch is None:
             return False
@@ -114,7 +134,7 @@ class Soak:
         elif fault == "task_failure":
             p = self.job(bid, {"OFFSETFLOW_CHAOS_TASK_FAIL": "1"})
             p.wait(timeout=600)
-        elif fault in ("kill_after_staging", "cut_commit_connection", "restart_postgres"):
+        elif fault in COMMIT_WINDOW:
             p = None
             try:
                 with chaos.hold_positions(self.dsn, self.name):
@@ -124,15 +144,38 @@ class Soak:
                         chaos.kill(p)
                     elif fault == "cut_commit_connection":
                         chaos.cut_commit_connection(self.dsn)
+                    elif fault == "crash_postgres":
+                        chaos.crash_postgres(restart=False)
                     else:
                         chaos.stack("pg-stop")
             except Exception as e:  # noqa: BLE001 - our lock connection dies with the server
                 log.info("fault %s: %s", fault, e)
             finally:
-                if fault == "restart_postgres":
+                if fault in ("restart_postgres", "crash_postgres"):
                     chaos.stack("pg-start")
             if p is not None:
                 p.wait(timeout=300)
+        elif fault in ("kill_kafka", "kill_executor"):
+            if fault == "kill_kafka":
+                self.producing.clear()  # a producer cut mid-transaction cannot say what landed
+                time.sleep(1)
+            p = self.job(bid)
+            try:
+                if fault == "kill_kafka":
+                    # a Python worker exists once a task runs: the batch is reading
+                    chaos.wait_for(lambda: bool(chaos.python_workers(p.pid)), 300, "a task")
+                    chaos.kill_kafka(restart=False)
+                    time.sleep(self.rng.uniform(1, 5))
+                else:
+                    chaos.kill_python_worker(p.pid, timeout_s=300)
+            except Exception as e:  # noqa: BLE001 - e.g. the job ended before a task ran
+                self.fault_errors[fault] += 1
+                log.warning("fault %s not injected: %s", fault, e)
+            finally:
+                if fault == "kill_kafka":
+                    chaos.start_kafka()
+                    self.producing.set()
+            p.wait(timeout=600)
         elif fault == "restart_kafka":
             self.producing.clear()
             time.sleep(1)
@@ -143,6 +186,8 @@ class Soak:
             chaos.start_kafka()
             self.producing.set()
             p.wait(timeout=600)
+        elif fault in ("large_records", "tombstones"):
+            self.job(bid).wait(timeout=600)  # the workload is the fault
         elif fault == "kill_after_commit":
             p = self.job(bid)
             p.wait(timeout=600)
@@ -158,11 +203,21 @@ class Soak:
         return True
 
     def drain(self) -> None:
+        """Run batches until caught up; a batch that fails three runs in a row is wedged (the
+        check then reports what it kept from the sink) and ends the drain."""
+        tries: Counter[int] = Counter()
         for _ in range(100):
             planned = plan_only(self.cfg, self.dsn, started_by="soak-drain")
             if planned.batch is None:
                 return
-            self.job(planned.batch.batch_id).wait(timeout=600)
+            bid = planned.batch.batch_id
+            tries[bid] += 1
+            if tries[bid] > 3:
+                self.wedged = bid
+                log.error("batch %d did not commit in 3 runs; see %s", bid,
+                          self.out / "jobs.log")
+                return
+            self.job(bid).wait(timeout=600)
 
     def run(self) -> int:
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
@@ -173,48 +228,61 @@ class Soak:
         producer.start()
         deadline = time.monotonic() + self.args.minutes * 60
         cycles = 0
-        while time.monotonic() < deadline and (not self.args.cycles
-                                                or cycles < self.args.cycles):
-            order = FAULTS[:]
+        rounds = 0
+
+        def over() -> bool:  # the first round always completes: every fault injected once
+            return (rounds > 0 and time.monotonic() >= deadline) or bool(
+                self.args.cycles and cycles >= self.args.cycles)
+
+        while not over():
+            order = self.args.faults[:]
             self.rng.shuffle(order)
             for fault in order:
-                if time.monotonic() >= deadline:
+                if over():
                     break
                 t = time.monotonic()
                 while not self.cycle(fault):  # wait for data to inject this fault on
-                    if time.monotonic() >= deadline:
-                        break
+                    if time.monotonic() >= deadline + 600:
+                        raise RuntimeError(f"no data to inject {fault} on for 10 minutes")
                     time.sleep(1)
                 cycles += 1
                 log.info("cycle %d: %s done in %.1fs; produced so far %d", cycles, fault,
                          time.monotonic() - t, len(self.workload.produced))
+            rounds += 1
         self.stop.set()
         producer.join(timeout=120)
         self.drain()
         with Ledger(self.dsn) as ledger:
             positions = ledger.positions(self.name)
             batches = ledger.recent_batches(self.name, 100_000)
+        dead = chaos.dead_letters(self.dsn, self.cfg.dead_letter_table, self.name)
         rep = check(self.workload.produced.values(),
-                    chaos.sink_rows(self.dsn, self.cfg.sink.table), positions)
+                    chaos.sink_rows(self.dsn, self.cfg.sink.table), positions, dead,
+                    tombstones="dead_letter")
         figures = {
-            "minutes": self.args.minutes, "cycles": cycles,
+            "minutes": self.args.minutes, "cycles": cycles, "rounds": rounds,
             "records_produced": len(self.workload.produced),
             "records_committed_by_producers": self.workload.committed_count,
             "records_aborted_by_producers": len(self.workload.produced)
             - self.workload.committed_count,
             "transactions": self.workload.transactions,
-            "rows_in_sink": rep.found, "expected": rep.expected,
+            "records_by_kind": dict(sorted(self.workload.kinds.items())),
+            "rows_in_sink": rep.found, "dead_letters": rep.dead_letters,
+            "expected": rep.expected,
             "lost": len(rep.lost), "duplicated": len(rep.duplicated),
             "aborted_visible": len(rep.aborted_visible), "corrupted": len(rep.corrupted),
-            "beyond_position": len(rep.beyond_position),
+            "beyond_position": len(rep.beyond_position), "misrouted": len(rep.misrouted),
+            "unknown": len(rep.unknown),
             "faults_injected": dict(sorted(self.faults.items())),
+            "faults_not_injected": dict(sorted(self.fault_errors.items())),
             "batches": len(batches),
             "batches_retried": sum(1 for b in batches if b.attempts > 1),
             "producer_errors": self.producer_errors,
+            "wedged_batch": self.wedged,
         }
         (self.out / "figures.json").write_text(json.dumps(figures, indent=2))
         print(json.dumps(figures, indent=2))
-        ok = rep.ok and rep.expected == self.workload.committed_count
+        ok = rep.ok and rep.expected == self.workload.committed_count and self.wedged is None
         print(f"SOAK {'OK' if ok else 'FAILED'}: {rep.explain()}")
         return 0 if ok else 1
 
@@ -225,9 +293,15 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=0, help="stop after N cycles (0: by time)")
     ap.add_argument("--partitions", type=int, default=3)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--faults", type=lambda v: [f for f in v.split(",") if f], default=FAULTS,
+                    help=f"comma-separated subset of: {','.join(FAULTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("offsetflow.runner").setLevel(logging.WARNING)
-    return Soak(ap.parse_args()).run()
+    args = ap.parse_args()
+    unknown = sorted(set(args.faults) - set(FAULTS))
+    if unknown or not args.faults:
+        ap.error(f"--faults: unknown {unknown}; choose from {','.join(FAULTS)}")
+    return Soak(args).run()
 
 
 if __name__ == "__main__":

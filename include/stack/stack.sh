@@ -98,6 +98,9 @@ export AIRFLOW__API_AUTH__JWT_SECRET="offsetflow-local-stack-jwt-secret"
 export AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL="5"
 export AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="5"
 export AIRFLOW__LOGGING__LOGGING_LEVEL="INFO"
+# a task's calls to the execution API: the 5 s default timed out (httpx.ReadTimeout, task
+# SIGKILLed, run failed) on a 2-core machine under a full test suite's load
+export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="30"
 EOF
   mv -f "$STACK/env.sh.tmp" "$STACK/env.sh"
   printf '%s\n' "OFFSETFLOW_KAFKA_PORT=$KAFKA_PORT" "OFFSETFLOW_KAFKA_CONTROLLER_PORT=$CONTROLLER_PORT" \
@@ -208,12 +211,8 @@ pg_bindir() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 
 pg_bin() {  # installs the server from Debian packages when it is missing
   local d; d="$(pg_bindir)"
   if [[ -z "$d" || ! -x "$d/postgres" ]]; then
-    log "PostgreSQL server not found; installing it with apt-get"
-    local sudo=(); is_root || sudo=(sudo)
-    "${sudo[@]}" apt-get update -qq >/dev/null \
-      && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null \
-      || die "postgres: apt-get install postgresql failed"
-    # the Debian package starts a default cluster on 5432; we do not use it
+    log "PostgreSQL server not found; installing the system packages"
+    bash "$HERE/system-packages.sh" >&2 || die "postgres: installing the server failed"
     d="$(pg_bindir)"
     [[ -x "$d/postgres" ]] || die "postgres: no server binaries under /usr/lib/postgresql/*/bin after install"
   fi

@@ -215,10 +215,6 @@ def test_replay_does_not_resurrect_a_key_deleted_after_the_window(
     assert state() == {b"k1": b"v1-again", b"k2": b"v2", b"k3": b"v3"}
 
 
-@pytest.mark.xfail(reason="needs the reader side of the tombstone contract (helper B): a JSON "
-                          "record with a null value staged as a row with value NULL and its "
-                          "key fields filled from a JSON-object Kafka key; today the "
-                          "deserializer makes it a bad record", strict=False)
 def test_json_tombstone_deletes_its_key_in_upsert_mode(spark: Any, pg_dsn: str,
                                                        kafka_bootstrap: str, make_topic: Any,
                                                        unique: str) -> None:

@@ -18,6 +18,8 @@ from offsetflow.cli import main as offsetflow_main
 from offsetflow.ledger import Ledger
 from tests.integration.helpers import SCHEMA, produce_plain, query
 
+pytestmark = pytest.mark.slow  # Airflow runs each DAG (dags test) with a Spark job
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

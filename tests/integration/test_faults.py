@@ -26,6 +26,8 @@ from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
 from tests.tooling import chaos
 from tests.tooling.checker import check
 
+pytestmark = pytest.mark.slow  # each test runs jobs as processes and breaks a service
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -61,9 +63,14 @@ class Case:
         with Ledger(self.dsn) as ledger:
             return ledger.get_batch(batch_id)
 
-    def assert_exactly_once(self, expect_all: bool = True) -> None:
+    def assert_exactly_once(self, expect_all: bool = True,
+                            tombstones: str = "dead_letter") -> None:
+        """Target rows and the pipeline's dead letters against everything produced."""
+        cfg = self.cfg
         rep = check(self.workload.produced.values(), chaos.sink_rows(self.dsn, self.table),
-                    self.positions())
+                    self.positions(),
+                    chaos.dead_letters(self.dsn, cfg.dead_letter_table, cfg.name),
+                    tombstones=tombstones)
         assert rep.ok, rep.explain()
         if expect_all:
             assert rep.expected == self.workload.committed_count, rep.explain()

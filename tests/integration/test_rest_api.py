@@ -27,6 +27,8 @@ from offsetflow.ledger import Ledger
 from offsetflow.runner import run_until_caught_up
 from tests.integration.helpers import SCHEMA, produce_plain, query
 
+pytestmark = pytest.mark.slow  # a real airflow standalone
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 18095  # its own port: other UI tests may run their own standalone
 

@@ -31,6 +31,8 @@ from offsetflow.runner import run_cycle
 from offsetflow.status import pipeline_status
 from tests.integration.helpers import SCHEMA, produce_plain
 
+pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 18090  # its own port: 18080 is the stack's standalone, 18095 the REST API test's
 URL = f"http://127.0.0.1:{PORT}"

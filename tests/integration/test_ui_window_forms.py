@@ -18,6 +18,8 @@ from offsetflow.runner import run_until_caught_up
 from tests.integration import test_rest_api
 from tests.integration.helpers import produce_plain, query
 
+pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "test-output" / "ui"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

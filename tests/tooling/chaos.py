@@ -16,6 +16,7 @@ import random
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,17 +24,37 @@ from typing import Any
 import psycopg2
 from confluent_kafka import KafkaError, Message, Producer
 
-from tests.tooling.checker import ProducedRecord, SinkRow
+from tests.tooling.checker import DeadLetter, ProducedRecord, SinkRow
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "include" / "stack" / "stack.sh"
 SCHEMA = {"event_id": "string", "seq": "long", "amount": "double", "checksum": "string"}
+# with large records: `pad` carries the bulk; the checker compares its md5 (see sink_rows)
+SCHEMA_WITH_PAD = {**SCHEMA, "pad": "string"}
+LARGE_RECORD_BYTES = 1_000_000  # Kafka's default maximum is 1,048,588 bytes per batch
+# a producer's own cap (librdkafka's default is 1,000,000 bytes, key and headers included)
+PRODUCER_MAX_BYTES = 1_048_588
 
 
 def payload(event_id: str, seq: int) -> dict[str, Any]:
     amount = round(random.Random(seq).uniform(0, 1000), 2)
     return {"event_id": event_id, "seq": seq, "amount": amount,
             "checksum": hashlib.sha1(f"{event_id}|{seq}|{amount}".encode()).hexdigest()}
+
+
+def pad_text(seq: int, size: int) -> str:
+    """`size` ASCII bytes that differ per record (a truncated or mixed-up value shows)."""
+    unit = hashlib.sha1(str(seq).encode()).hexdigest()
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def expected_checksum(checksum: str, pad: str | None) -> str:
+    """What sink_rows reports for a row: the payload checksum, with the pad's md5 if any."""
+    return f"{checksum}:{hashlib.md5(pad.encode()).hexdigest()}" if pad else checksum
+
+
+# one record as the producer sees it: (record id, checksum the sink must show, tombstone?)
+Pending = list[tuple[str, str, bool, Message]]
 
 
 class Workload:
@@ -48,41 +69,79 @@ class Workload:
         self._seq = 0
         self._tx: Producer | None = None
         self.transactions = {"committed": 0, "aborted": 0}
+        self.kinds: Counter[str] = Counter()  # records acknowledged, by kind
 
-    def _next(self) -> tuple[str, bytes, int]:
+    def _next(self, pad_bytes: int = 0) -> tuple[str, bytes, int, str]:
         seq = self._seq
         self._seq += 1
         rec = payload(f"{self.prefix}-{seq}", seq)
-        return rec["event_id"], json.dumps(rec).encode(), seq % self.partitions
+        pad = pad_text(seq, pad_bytes) if pad_bytes else None
+        if pad:
+            rec["pad"] = pad
+        return (rec["event_id"], json.dumps(rec).encode(), seq % self.partitions,
+                expected_checksum(rec["checksum"], pad))
+
+    def _next_tombstone(self) -> tuple[str, int]:
+        seq = self._seq
+        self._seq += 1
+        return f"{self.prefix}-{seq}", seq % self.partitions
 
     @staticmethod
-    def _on_delivery(pending: list[tuple[str, str, Message]]
+    def _on_delivery(pending: Pending, rid: str, checksum: str, tombstone: bool
                      ) -> Callable[[KafkaError | None, Message], None]:
         def cb(err: KafkaError | None, msg: Message) -> None:
             if err is None:
-                rec = json.loads(msg.value() or b"{}")
-                pending.append((rec["event_id"], rec["checksum"], msg))
+                pending.append((rid, checksum, tombstone, msg))
         return cb
 
-    def _record(self, pending: list[tuple[str, str, Message]], committed: bool) -> None:
-        for rid, checksum, msg in pending:
+    def _record(self, pending: Pending, committed: bool, kind: str = "plain") -> None:
+        for rid, checksum, tombstone, msg in pending:
             self.produced[rid] = ProducedRecord(rid, checksum, msg.topic() or self.topic,
                                                 int(msg.partition() or 0),
-                                                int(msg.offset() or 0), committed)
+                                                int(msg.offset() or 0), committed, tombstone)
+        self.kinds[kind] += len(pending)
+
+    def _producer(self, **conf: Any) -> Producer:
+        return Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
+                         "linger.ms": 20, **conf})
 
     def plain(self, n: int) -> None:
-        p = Producer({"bootstrap.servers": self.bootstrap, "enable.idempotence": True,
-                      "linger.ms": 20})
-        pending: list[tuple[str, str, Message]] = []
-        cb = self._on_delivery(pending)
+        p = self._producer()
+        pending: Pending = []
         for i in range(n):
-            _, value, part = self._next()
-            p.produce(self.topic, value, partition=part, on_delivery=cb)
+            rid, value, part, checksum = self._next()
+            p.produce(self.topic, value, partition=part,
+                      on_delivery=self._on_delivery(pending, rid, checksum, False))
             if i % 10_000 == 0:
                 p.poll(0)
         if p.flush(60):
             raise RuntimeError("not every record was delivered")
         self._record(pending, True)
+
+    def large(self, n: int, size: int = LARGE_RECORD_BYTES) -> None:
+        """`n` records whose value is about `size` bytes (1 MB: Kafka's default maximum)."""
+        p = self._producer(**{"message.max.bytes": PRODUCER_MAX_BYTES})
+        pending: Pending = []
+        for _ in range(n):
+            rid, value, part, checksum = self._next(pad_bytes=size - 200)
+            p.produce(self.topic, value, partition=part,
+                      on_delivery=self._on_delivery(pending, rid, checksum, False))
+            p.poll(0)
+        if p.flush(120):
+            raise RuntimeError("not every large record was delivered")
+        self._record(pending, True, "large")
+
+    def tombstones(self, n: int) -> None:
+        """`n` records with a key and a null value: "delete this key" on a changelog."""
+        p = self._producer()
+        pending: Pending = []
+        for _ in range(n):
+            rid, part = self._next_tombstone()
+            p.produce(self.topic, None, key=rid.encode(), partition=part,
+                      on_delivery=self._on_delivery(pending, rid, "", True))
+        if p.flush(60):
+            raise RuntimeError("not every tombstone was delivered")
+        self._record(pending, True, "tombstone")
 
     def transaction(self, n: int, commit: bool) -> None:
         if self._tx is None:
@@ -90,12 +149,12 @@ class Workload:
                                  "transactional.id": f"offsetflow-chaos-{self.prefix}"})
             self._tx.init_transactions(60)
         tx = self._tx
-        pending: list[tuple[str, str, Message]] = []
-        cb = self._on_delivery(pending)
+        pending: Pending = []
         tx.begin_transaction()
         for _ in range(n):
-            _, value, part = self._next()
-            tx.produce(self.topic, value, partition=part, on_delivery=cb)
+            rid, value, part, checksum = self._next()
+            tx.produce(self.topic, value, partition=part,
+                       on_delivery=self._on_delivery(pending, rid, checksum, False))
         tx.flush(60)
         if commit:
             tx.commit_transaction(60)
@@ -103,7 +162,7 @@ class Workload:
         else:
             tx.abort_transaction(60)
             self.transactions["aborted"] += 1
-        self._record(pending, commit)
+        self._record(pending, commit, "transactional" if commit else "aborted")
 
     def mixed(self, n: int, rng: random.Random, abort_ratio: float = 0.3) -> None:
         """About `n` records: plain writes and transactions, some aborted at random."""
@@ -122,6 +181,8 @@ class Workload:
 
 
 def sink_rows(dsn: str, table: str) -> list[SinkRow]:
+    """The target's rows as the checker sees them; with a `pad` column (large records) the
+    checksum carries the pad's md5, so a truncated or swapped value is caught."""
     from psycopg2 import sql
 
     from offsetflow.ledger import qualified
@@ -129,9 +190,33 @@ def sink_rows(dsn: str, table: str) -> list[SinkRow]:
     conn = psycopg2.connect(dsn)
     try:
         with conn, conn.cursor() as cur:
-            cur.execute(sql.SQL("SELECT event_id, checksum, topic, partition, \"offset\" "
-                                "FROM {}").format(qualified(table)))
+            cur.execute(sql.SQL("SELECT * FROM {} LIMIT 0").format(qualified(table)))
+            names = {d[0] for d in cur.description or ()}
+            checksum = sql.SQL("checksum || CASE WHEN coalesce(pad, '') = '' THEN '' "
+                               "ELSE ':' || md5(pad) END" if "pad" in names else "checksum")
+            cur.execute(sql.SQL("SELECT event_id, {}, topic, partition, \"offset\" "
+                                "FROM {}").format(checksum, qualified(table)))
             return [SinkRow(*r) for r in cur.fetchall()]
+    finally:
+        conn.close()
+
+
+def dead_letters(dsn: str, table: str, pipeline: str) -> list[DeadLetter]:
+    """The pipeline's rows in its dead-letter table (none if the table does not exist)."""
+    from psycopg2 import sql
+
+    from offsetflow.ledger import qualified
+
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT to_regclass(%s)", (table,))
+            row = cur.fetchone()
+            if not row or row[0] is None:
+                return []
+            cur.execute(sql.SQL("SELECT topic, partition, \"offset\", error FROM {} "
+                                "WHERE pipeline = %s").format(qualified(table)), (pipeline,))
+            return [DeadLetter(*r) for r in cur.fetchall()]
     finally:
         conn.close()
 
@@ -217,8 +302,18 @@ def stack(*args: str, timeout_s: float = 180) -> None:
 
 
 def restart_postgres() -> None:
+    """A clean stop and start (`-m fast`: unlogged tables keep their data)."""
     stack("pg-stop")
     stack("pg-start")
+
+
+def crash_postgres(restart: bool = True) -> None:
+    """`pg_ctl stop -m immediate`: no shutdown checkpoint, so recovery replays WAL and
+    empties every UNLOGGED table, as a host crash or a failover does. Then start it again
+    unless `restart` is False (the caller starts it with `stack("pg-start")`)."""
+    stack("pg-crash")
+    if restart:
+        stack("pg-start")
 
 
 def stop_kafka() -> None:
@@ -229,13 +324,73 @@ def start_kafka() -> None:
     stack("kafka-start")
 
 
-def run_batch_process(pipeline_file: Path, batch_id: int, log: Path) -> subprocess.Popen[Any]:
+def kill_kafka(restart: bool = True) -> None:
+    """kill -9 of the broker (no controlled shutdown, no log flush), then start it again
+    unless `restart` is False."""
+    stack("kafka-kill")
+    if restart:
+        stack("kafka-start")
+
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (parent pid, process group, command line) of every process we can read."""
+    table: dict[int, tuple[int, int, str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        table[int(d.name)] = (int(fields[1]), int(fields[2]), cmd)
+    return table
+
+
+def python_workers(job_pid: int) -> list[int]:
+    """Spark's Python workers of one job: the processes that its `pyspark.daemon` forked
+    for tasks, not the daemon itself. Found by ancestry: the daemon puts itself in a process
+    group of its own."""
+    table = _proc_table()
+
+    def in_job(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid == job_pid:
+                return True
+            pid = table.get(pid, (0, 0, ""))[0]
+            seen += 1
+        return False
+
+    daemons = {pid for pid, (_, _, cmd) in table.items() if "pyspark.daemon" in cmd}
+    roots = {pid for pid in daemons if table[pid][0] not in daemons and in_job(pid)}
+    return sorted(pid for pid, (ppid, _, _) in table.items() if ppid in roots)
+
+
+def kill_python_worker(job_pid: int, timeout_s: float = 180) -> int:
+    """kill -9 one Python worker of the job as soon as one runs a task (a worker exists only
+    once a task has started); returns its pid. Spark sees the task fail with "Python worker
+    exited unexpectedly" and retries it when the master allows retries (local[N,F])."""
+    found: list[int] = []
+
+    def worker() -> bool:
+        found[:] = python_workers(job_pid)
+        return bool(found)
+
+    wait_for(worker, timeout_s, f"a Spark Python worker of job process {job_pid}", every_s=0.02)
+    os.kill(found[0], signal.SIGKILL)
+    return found[0]
+
+
+def run_batch_process(pipeline_file: Path, batch_id: int, log: Path,
+                      env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
     """`offsetflow run-batch` as its own process group (so a kill takes its JVM too)."""
     out = log.open("ab")
     return subprocess.Popen(
         ["offsetflow", "run-batch", "--pipeline-file", str(pipeline_file), "--batch-id",
          str(batch_id)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "OFFSETFLOW_SPARK_LOG_LEVEL": "ERROR"})
+        env={**os.environ, "OFFSETFLOW_SPARK_LOG_LEVEL": "ERROR", **(env or {})})
 
 
 def maybe_fail_task(df: Any) -> Any:

@@ -1,12 +1,15 @@
 """Exactly-once checker: what was produced against what the sink holds.
 
 Pure. The producer side records every record it wrote (unique id, payload checksum, its
-coordinates from the delivery report, and whether its transaction committed); the sink side
-is the target rows and the ledger's positions. The verdict:
-  - every committed record below the position of its partition is in the sink exactly once,
-    with the same payload;
-  - nothing at or beyond a position is in the sink;
-  - nothing from an aborted transaction is in the sink.
+coordinates from the delivery report, whether its transaction committed, and whether it was
+a tombstone); the sink side is the target rows, the pipeline's dead letters and the ledger's
+positions. The verdict:
+  - every committed record below the position of its partition is delivered exactly once,
+    with the same payload: a record as a target row, a tombstone where the pipeline's
+    tombstone policy puts it (a dead letter today: `bad_records: dead_letter`; or a row with
+    null payload columns);
+  - nothing at or beyond a position is in the sink or the dead letters;
+  - nothing from an aborted transaction is in either.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 
 from offsetflow.ranges import TopicPartition
 
+Coordinates = tuple[str, int, int]
+TOMBSTONE_POLICIES = ("dead_letter", "row")
+
 
 @dataclass(frozen=True)
 class ProducedRecord:
@@ -26,78 +32,129 @@ class ProducedRecord:
     partition: int
     offset: int
     committed: bool = True  # False: its transaction was aborted
+    tombstone: bool = False  # a null value (key only)
+
+    @property
+    def coordinates(self) -> Coordinates:
+        return (self.topic, self.partition, self.offset)
 
 
 @dataclass(frozen=True)
 class SinkRow:
-    record_id: str
-    checksum: str
+    record_id: str | None  # None: a row with null payload columns (a tombstone kept as a row)
+    checksum: str | None
     topic: str
     partition: int
     offset: int
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    topic: str
+    partition: int
+    offset: int
+    error: str = ""
 
 
 @dataclass
 class CheckReport:
     produced: int = 0
     expected: int = 0  # committed and below the positions
-    found: int = 0
+    found: int = 0  # target rows
+    dead_letters: int = 0
     lost: list[str] = field(default_factory=list)
     duplicated: list[str] = field(default_factory=list)
     beyond_position: list[str] = field(default_factory=list)
     aborted_visible: list[str] = field(default_factory=list)
     corrupted: list[str] = field(default_factory=list)
+    misrouted: list[str] = field(default_factory=list)  # a row where a dead letter belongs, or back
     unknown: list[str] = field(default_factory=list)
+
+    VIOLATIONS = ("lost", "duplicated", "beyond_position", "aborted_visible", "corrupted",
+                  "misrouted", "unknown")
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicated or self.beyond_position
-                    or self.aborted_visible or self.corrupted or self.unknown)
+        return not any(getattr(self, name) for name in self.VIOLATIONS)
 
     def summary(self) -> dict[str, int]:
         return {"produced": self.produced, "expected": self.expected, "found": self.found,
-                "lost": len(self.lost), "duplicated": len(self.duplicated),
-                "beyond_position": len(self.beyond_position),
-                "aborted_visible": len(self.aborted_visible),
-                "corrupted": len(self.corrupted), "unknown": len(self.unknown)}
+                "dead_letters": self.dead_letters,
+                **{name: len(getattr(self, name)) for name in self.VIOLATIONS}}
 
     def explain(self, limit: int = 5) -> str:
         parts = [f"{k}={v}" for k, v in self.summary().items()]
-        for name in ("lost", "duplicated", "beyond_position", "aborted_visible", "corrupted",
-                     "unknown"):
+        for name in self.VIOLATIONS:
             ids = getattr(self, name)
             if ids:
                 parts.append(f"{name} e.g. {ids[:limit]}")
         return ", ".join(parts)
 
 
+def _label(coords: Coordinates) -> str:
+    return f"{coords[0]}[{coords[1]}]@{coords[2]}"
+
+
 def check(produced: Iterable[ProducedRecord], rows: Iterable[SinkRow],
-          positions: Mapping[TopicPartition, int]) -> CheckReport:
+          positions: Mapping[TopicPartition, int],
+          dead_letters: Iterable[DeadLetter] = (),
+          tombstones: str = "dead_letter") -> CheckReport:
+    """Judge the sink. `tombstones`: where the pipeline puts a null value ("dead_letter": a
+    dead letter at its coordinates; "row": a target row with null payload columns)."""
+    if tombstones not in TOMBSTONE_POLICIES:
+        raise ValueError(f"tombstones must be one of {TOMBSTONE_POLICIES}, not {tombstones!r}")
     rep = CheckReport()
     by_id: dict[str, ProducedRecord] = {}
+    by_coords: dict[Coordinates, ProducedRecord] = {}
     for p in produced:
         by_id[p.record_id] = p
+        by_coords[p.coordinates] = p
     rep.produced = len(by_id)
-    seen: Counter[str] = Counter()
+    in_rows: Counter[str] = Counter()
+    in_dead: Counter[str] = Counter()
+
+    def visible(src: ProducedRecord, coords: Coordinates, where: str) -> None:
+        if not src.committed:
+            rep.aborted_visible.append(src.record_id)
+        if coords[2] >= positions.get((coords[0], coords[1]), 0):
+            rep.beyond_position.append(src.record_id)
+        wants_dead = src.tombstone and tombstones == "dead_letter"
+        if wants_dead != (where == "dead_letter"):
+            rep.misrouted.append(src.record_id)
+
     for row in rows:
         rep.found += 1
-        seen[row.record_id] += 1
-        src = by_id.get(row.record_id)
-        if src is None:
-            rep.unknown.append(row.record_id)
+        coords = (row.topic, row.partition, row.offset)
+        if row.record_id is None:  # null payload: only a tombstone kept as a row looks so
+            src = by_coords.get(coords)
+            if src is None or not src.tombstone:
+                rep.unknown.append(f"null row at {_label(coords)}")
+                continue
+        else:
+            found = by_id.get(row.record_id)
+            if found is None:
+                rep.unknown.append(row.record_id)
+                continue
+            src = found
+            if row.checksum != src.checksum or coords != src.coordinates:
+                rep.corrupted.append(src.record_id)
+        in_rows[src.record_id] += 1
+        visible(src, coords, "row")
+    for dl in dead_letters:
+        rep.dead_letters += 1
+        coords = (dl.topic, dl.partition, dl.offset)
+        dsrc = by_coords.get(coords)
+        if dsrc is None:
+            rep.unknown.append(f"dead letter at {_label(coords)}")
             continue
-        if not src.committed:
-            rep.aborted_visible.append(row.record_id)
-        if row.offset >= positions.get((row.topic, row.partition), 0):
-            rep.beyond_position.append(row.record_id)
-        if (row.checksum != src.checksum or (row.topic, row.partition, row.offset)
-                != (src.topic, src.partition, src.offset)):
-            rep.corrupted.append(row.record_id)
-    rep.duplicated = sorted(rid for rid, n in seen.items() if n > 1)
+        in_dead[dsrc.record_id] += 1
+        visible(dsrc, coords, "dead_letter")
+    rep.duplicated = sorted(rid for rid in by_id if in_rows[rid] + in_dead[rid] > 1)
     for rid, src in by_id.items():
         if src.committed and src.offset < positions.get((src.topic, src.partition), 0):
             rep.expected += 1
-            if seen[rid] == 0:
+            if in_rows[rid] + in_dead[rid] == 0:
                 rep.lost.append(rid)
-    rep.lost.sort()
+    for name in CheckReport.VIOLATIONS:
+        getattr(rep, name).sort()
     return rep

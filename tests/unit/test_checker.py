@@ -1,4 +1,4 @@
-from tests.tooling.checker import ProducedRecord, SinkRow, check
+from tests.tooling.checker import DeadLetter, ProducedRecord, SinkRow, check
 
 
 def prod(i: int, committed: bool = True, partition: int = 0) -> ProducedRecord:
@@ -27,3 +27,48 @@ def test_each_violation_is_reported() -> None:
     assert rep.unknown == ["zz"]
     assert not rep.ok
     assert "lost=3" in rep.explain()
+
+
+def tomb(i: int, committed: bool = True) -> ProducedRecord:
+    return ProducedRecord(f"k{i}", "", "t", 0, i, committed, tombstone=True)
+
+
+def dead(i: int) -> DeadLetter:
+    return DeadLetter("t", 0, i, "value is null (tombstone)")
+
+
+def test_tombstones_are_expected_as_dead_letters_exactly_once() -> None:
+    produced = [prod(0), tomb(1), prod(2), tomb(3)]
+    rep = check(produced, [row(0), row(2)], {("t", 0): 4}, [dead(1), dead(3)])
+    assert rep.ok, rep.explain()
+    assert rep.expected == 4 and rep.dead_letters == 2
+
+    rep = check(produced, [row(0), row(2)], {("t", 0): 4}, [dead(1)])
+    assert rep.lost == ["k3"]
+    rep = check(produced, [row(0), row(2)], {("t", 0): 4}, [dead(1), dead(1), dead(3)])
+    assert rep.duplicated == ["k1"]
+
+
+def test_dead_letters_are_judged_like_rows() -> None:
+    produced = [prod(0), tomb(1, committed=False), tomb(2), prod(3)]
+    rep = check(produced, [row(3)], {("t", 0): 2},
+                [dead(0), dead(1), dead(2), DeadLetter("t", 0, 99)])
+    assert rep.misrouted == ["r0"]  # a good record dead-lettered instead of written
+    assert rep.aborted_visible == ["k1"]
+    assert rep.beyond_position == ["k2", "r3"]
+    assert rep.unknown == ["dead letter at t[0]@99"]
+    assert not rep.ok
+
+
+def test_tombstones_kept_as_null_rows() -> None:
+    produced = [prod(0), tomb(1)]
+    null_row = SinkRow(None, None, "t", 0, 1)
+    rep = check(produced, [row(0), null_row], {("t", 0): 2}, tombstones="row")
+    assert rep.ok, rep.explain()
+    # under the dead-letter policy the same row is in the wrong place
+    rep = check(produced, [row(0), null_row], {("t", 0): 2})
+    assert rep.misrouted == ["k1"]
+    # a null row where no tombstone was produced
+    rep = check(produced, [row(0), null_row, SinkRow(None, None, "t", 0, 0)], {("t", 0): 2},
+                tombstones="row")
+    assert rep.unknown == ["null row at t[0]@0"] and rep.duplicated == []
