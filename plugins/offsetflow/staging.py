@@ -171,12 +171,38 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
         conn.close()
 
 
+# failed COPYs of one chunk after which bisecting stops: where most rows are refused it
+# would cost ~2n COPYs, each of the first ones copying half the chunk
+BISECT_FAILURES = 4
+
+
 def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
-                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]]
-                    ) -> list[pa.RecordBatch]:
+                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
+                    failures: list[int] | None = None) -> list[pa.RecordBatch]:
     """COPY `b` under a savepoint. On a data error, roll back and bisect until the refused
     rows are single; returns the slices that were staged, appends the refused rows. Costs
-    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when it is."""
+    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when a few
+    rows are refused; after BISECT_FAILURES failures the rest goes row by row
+    (`_copy_row_by_row`), so a chunk of mostly refused rows costs about a COPY per row."""
+    failures = [0] if failures is None else failures
+    error = _try_copy(cur, into, b, encode, clock)
+    if error is None:
+        return [b]
+    failures[0] += 1
+    if b.num_rows == 1:
+        refused.append(_refused_row(b, _pg_reason(error, b)))
+        return []
+    if failures[0] > BISECT_FAILURES:
+        return _copy_row_by_row(cur, into, b, encode, clock, refused, error)
+    mid = b.num_rows // 2
+    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused, failures)
+            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused, failures))
+
+
+def _try_copy(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
+              encode: Encoder, clock: TaskClock) -> psycopg2.DataError | None:
+    """COPY `b` under a savepoint; PostgreSQL's data error (rolled back) or None. The
+    error carries the payload's format in `offsetflow_fmt`."""
     with clock.stage("encode"):
         fmt, data = encode(b)
     with clock.stage("copy"):
@@ -186,16 +212,63 @@ def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.R
         except psycopg2.DataError as e:
             cur.execute("ROLLBACK TO SAVEPOINT offsetflow_chunk")
             cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-            error = e
-        else:
-            cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-            return [b]
-    if b.num_rows == 1:
-        refused.append(_refused_row(b, _pg_reason(error, b)))
-        return []
-    mid = b.num_rows // 2
-    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused)
-            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused))
+            e.offsetflow_fmt = fmt  # type: ignore[attr-defined]
+            return e
+        cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
+    return None
+
+
+_LINE_RE = re.compile(r"^COPY \S+, line (\d+)")
+
+
+def _copy_row_by_row(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
+                     encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
+                     error: psycopg2.DataError) -> list[pa.RecordBatch]:
+    """Stage `b`, whose COPY just failed with `error`, a refused row at a time. A binary
+    COPY's error names the tuple it refused (its "line"): the rows before it go in one
+    COPY, and the rest is tried again. Otherwise (CSV, whose "line" is not a row where a
+    value holds a newline) each row is COPYed on its own."""
+    staged: list[pa.RecordBatch] = []
+    i, n = 0, b.num_rows
+    err: psycopg2.DataError | None = error
+    while i < n:
+        rest = b.slice(i)
+        if err is None:
+            err = _try_copy(cur, into, rest, encode, clock)
+            if err is None:
+                staged.append(rest)
+                return staged
+        m = _LINE_RE.search(err.diag.context or "") \
+            if getattr(err, "offsetflow_fmt", None) == "binary" else None
+        line = int(m.group(1)) if m else 0
+        if not 1 <= line <= rest.num_rows:  # not named: each row on its own
+            for j in range(rest.num_rows):
+                row = rest.slice(j, 1)
+                row_err = _try_copy(cur, into, row, encode, clock)
+                if row_err is None:
+                    staged.append(row)
+                else:
+                    refused.append(_refused_row(row, _pg_reason(row_err, row)))
+            return staged
+        good = rest.slice(0, line - 1)
+        if good.num_rows:
+            # the named row's predecessors passed once; should they not (a wrong line),
+            # they go row by row too
+            good_err = _try_copy(cur, into, good, encode, clock)
+            if good_err is None:
+                staged.append(good)
+            else:
+                staged += _copy_row_by_row(cur, into, good, encode, clock, refused,
+                                           _unnamed(good_err))
+        row = rest.slice(line - 1, 1)
+        refused.append(_refused_row(row, _pg_reason(err, row)))
+        i, err = i + line, None
+    return staged
+
+
+def _unnamed(e: psycopg2.DataError) -> psycopg2.DataError:
+    e.offsetflow_fmt = None  # type: ignore[attr-defined]
+    return e
 
 
 _COLUMN_RE = re.compile(r"column (\S+?)(?::|$)")
