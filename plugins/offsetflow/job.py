@@ -64,6 +64,20 @@ def spark_ddl(cfg: PipelineConfig) -> str:
     return ", ".join([RAW_DDL, *fields])
 
 
+# Arrow batches Spark hands a Python task (the DataFrame path's writer) are cut at 10,000
+# rows by default and not by bytes: with 1 MB records that is 10 GB per batch, past Arrow's
+# 2 GiB array limit. Spark 4 can cut them by bytes too (spark.conf of a pipeline overrides).
+ARROW_MAX_BYTES_PER_BATCH = 64 << 20
+
+
+def _arrow_conf() -> dict[str, str]:
+    import pyspark
+
+    if int(pyspark.__version__.split(".")[0]) < 4:
+        return {}
+    return {"spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_MAX_BYTES_PER_BATCH)}
+
+
 def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     """A SparkSession for the pipeline: spark-submit's if running under it, a warm Spark
     Connect server when `spark.launch: connect`, else a local one from `spark.master`."""
@@ -81,7 +95,7 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8"))
-    for k, v in cfg.spark.conf.items():
+    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
@@ -101,7 +115,8 @@ def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
             f"{cfg.source_file}, spark.launch: connect): {e}. Start one (locally: "
             f"include/stack/stack.sh connect-start) or use spark.launch: submit") from e
     spark = builder.remote(url).getOrCreate()
-    for k, v in {"spark.sql.session.timeZone": "UTC", **cfg.spark.conf}.items():
+    for k, v in {"spark.sql.session.timeZone": "UTC", **_arrow_conf(),
+                 **cfg.spark.conf}.items():
         try:
             spark.conf.set(k, v)
         except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here

@@ -38,7 +38,12 @@ def _conf(bootstrap: str) -> dict[str, str]:
             "auto.offset.reset": "error", "enable.partition.eof": "true"}
 
 
-def _config(topic: str, dsn: str, bootstrap: str, table: str, fmt: str) -> Any:
+def identity(df: Any) -> Any:
+    return df
+
+
+def _config(topic: str, dsn: str, bootstrap: str, table: str, fmt: str,
+            transform: str | None = None) -> Any:
     fmt_raw: dict[str, Any] = {"type": fmt}
     if fmt == "json":
         fmt_raw["schema"] = {"event_id": "string", "blob": "string"}
@@ -46,7 +51,8 @@ def _config(topic: str, dsn: str, bootstrap: str, table: str, fmt: str) -> Any:
         "name": table, "kafka": {"bootstrap_servers": bootstrap},
         "source": {"topics": [topic], "starting": "earliest"}, "format": fmt_raw,
         "sink": {"connection": dsn, "table": table},
-        "spark": {"master": "local[2]", "max_offsets_per_task": 1000}},
+        "spark": {"master": "local[2]", "max_offsets_per_task": 1000},
+        **({"transform": transform} if transform else {})},
         f"<test {table}>", {})
 
 
@@ -150,3 +156,27 @@ def test_one_consume_call_returns_about_a_chunk_at_most(
     # the first call probes with a few records (8 x 200 kB), later ones ask for what the
     # chunk has room for (1 MiB + the record that passes it)
     assert max(returned) <= 2 * MIB, [r // 1000 for r in returned]
+
+
+def test_transform_pipeline_with_1mb_records_commits_in_bounded_arrow_batches(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """The DataFrame path hands the writer Arrow batches Spark cuts: build_spark bounds them
+    by bytes (10,000 rows of 1 MB records would be 10 GB, past Arrow's 2 GiB)."""
+    from offsetflow.job import build_spark
+
+    n = 40
+    topic = make_topic("bigtf", 2, config={"max.message.bytes": str(2 * MIB)})
+    _produce_big(kafka_bootstrap, topic, n // 2, MIB, partition=0)
+    _produce_big(kafka_bootstrap, topic, n - n // 2, MIB, partition=1)
+    cfg = _config(topic, pg_dsn, kafka_bootstrap, f"bigtf_{unique}", "json",
+                  transform="tests.integration.test_records_large.identity")
+    session = build_spark(cfg, "offsetflow-tests")  # the test session, configured
+    cap = session.conf.get("spark.sql.execution.arrow.maxBytesPerBatch")
+    assert int(str(cap).rstrip("b")) == 64 * MIB, cap
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    report = run_batch(session, cfg, planned.batch.batch_id, pg_dsn)
+    assert report.result.status == "committed" and report.result.rows_written == n
+    rows = query(pg_dsn, f"SELECT count(DISTINCT (partition, \"offset\")), min(length(blob)) "
+                         f"FROM {cfg.sink.table}")
+    assert rows[0] == (n, MIB - 40)
