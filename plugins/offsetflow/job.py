@@ -39,10 +39,11 @@ from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.staging import (
+    BadBuffer,
     BadRows,
+    SubrangeBad,
     bad_record_summary,
     binary_encoder,
-    stage_bad_records,
     stage_rows,
 )
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
@@ -65,6 +66,20 @@ def spark_ddl(cfg: PipelineConfig) -> str:
     return ", ".join([RAW_DDL, *fields])
 
 
+# Arrow batches Spark hands a Python task (the DataFrame path's writer) are cut at 10,000
+# rows by default and not by bytes: with 1 MB records that is 10 GB per batch, past Arrow's
+# 2 GiB array limit. Spark 4 can cut them by bytes too (spark.conf of a pipeline overrides).
+ARROW_MAX_BYTES_PER_BATCH = 64 << 20
+
+
+def _arrow_conf() -> dict[str, str]:
+    import pyspark
+
+    if int(pyspark.__version__.split(".")[0]) < 4:
+        return {}
+    return {"spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_MAX_BYTES_PER_BATCH)}
+
+
 def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     """A SparkSession for the pipeline: spark-submit's if running under it, a warm Spark
     Connect server when `spark.launch: connect`, else a local one from `spark.master`."""
@@ -82,7 +97,7 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8"))
-    for k, v in cfg.spark.conf.items():
+    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
@@ -102,7 +117,8 @@ def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
             f"{cfg.source_file}, spark.launch: connect): {e}. Start one (locally: "
             f"include/stack/stack.sh connect-start) or use spark.launch: submit") from e
     spark = builder.remote(url).getOrCreate()
-    for k, v in {"spark.sql.session.timeZone": "UTC", **cfg.spark.conf}.items():
+    for k, v in {"spark.sql.session.timeZone": "UTC", **_arrow_conf(),
+                 **cfg.spark.conf}.items():
         try:
             spark.conf.set(k, v)
         except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
@@ -161,22 +177,32 @@ class ReadContext:
                    cfg.format_type, cfg.bad_records == "dead_letter", specs)
 
 
-def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.RecordBatch]:
-    """Raw columns + typed fields of sub-range `idx`, chunk by chunk; bad records are
-    recorded in the ledger (and staged as dead letters under that policy). A tombstone
-    (null value) is a row with a null `value` (see `deserialize.tombstone_fields`)."""
+def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
+                  bad_sink: BadBuffer | None = None) -> Iterator[pa.RecordBatch]:
+    """Raw columns + typed fields of sub-range `idx`, chunk by chunk. Bad records go to
+    `bad_sink` (the caller's staging transaction), else to a `SubrangeBad` that records
+    them keyed by coordinates and writes the sub-range's marker when it is read to its end.
+    A tombstone (null value) is a row with a null `value` (see
+    `deserialize.tombstone_fields`)."""
     from offsetflow.deserialize import BadRecord, arrow_schema, deserialize_json
     from offsetflow.reader import read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
     typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
-    chunks = enumerate(read_range(rc.consumer_conf, r))
+    own: SubrangeBad | None = None
+    sink: BadBuffer | SubrangeBad
+    if bad_sink is None:
+        sink = own = SubrangeBad(rc.dsn, rc.batch_id, idx, BadRows(rc.pipeline, rc.write_dead))
+    else:
+        sink = bad_sink
+    chunks = iter(read_range(rc.consumer_conf, r))
     while True:
         with clock.stage("read"):
-            item = next(chunks, None)
-        if item is None:
+            chunk = next(chunks, None)
+        if chunk is None:
+            if own is not None:
+                own.close()
             return
-        chunk_no, chunk = item
         clock.count("records", len(chunk))
         typed: pa.Table | None = None
         good: list[int] | None = None
@@ -187,11 +213,10 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock) -> Iterator[pa.Re
         if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
             good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
         if bad:
-            stage_bad_records(rc.dsn, rc.batch_id, idx, chunk_no, rc.pipeline, [
+            sink.add([
                 {"topic": r.topic, "partition": r.partition, "offset": chunk.offsets[x.index],
                  "timestamp": chunk.timestamps[x.index], "key": chunk.keys[x.index],
-                 "value": chunk.values[x.index], "error": x.reason} for x in bad],
-                write_rows=rc.write_dead)
+                 "value": chunk.values[x.index], "error": x.reason} for x in bad])
         with clock.stage("to_arrow"):
             raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
             if typed is None or typed_schema is None:
@@ -276,13 +301,15 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
         part = _task_part()
         clock = TaskClock(ignore=("wait_upstream",))  # here upstream is read + deserialize
 
+        bad_in = BadBuffer()  # read-side bad records: written in the part's transaction
+
         def rows() -> Iterator[pa.RecordBatch]:
             for b in batches:
                 for idx in b.column("id").to_pylist():
-                    yield from read_subrange(rc, idx, clock)
+                    yield from read_subrange(rc, idx, clock, bad_in)
         stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
                            table=stage_part_table(batch_id, part),
-                           bad=BadRows(rc.pipeline, rc.write_dead))
+                           bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in)
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage

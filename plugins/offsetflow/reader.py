@@ -40,12 +40,16 @@ RAW_SCHEMA = pa.schema([
 ])
 
 REQUIRED_SETTINGS = {"enable.auto.commit": "false", "auto.offset.reset": "error"}
-# A chunk is cut at whichever comes first: rows or bytes of keys + values. The byte cap keeps
-# a task's memory flat and every Arrow array far below its 2 GiB offsets limit when records
-# are large (1 MB records x 20,000 rows would be 20 GB); a chunk exceeds it by one record at
-# most.
+# A chunk is cut at whichever comes first: rows or bytes of keys + values + header names and
+# values. The byte cap keeps a task's memory flat and every Arrow array far below its 2 GiB
+# offsets limit when records are large (1 MB records x 20,000 rows would be 20 GB); a chunk
+# exceeds it by one record at most. One consume() call asks for no more records than the
+# chunk has room for (by the range's average record size so far; the first asks for
+# FIRST_CONSUME), since what it returns is in memory next to the chunk.
 MAX_CHUNK_ROWS = 20_000
 MAX_CHUNK_BYTES = 64 << 20
+MAX_CONSUME = 10_000
+FIRST_CONSUME = 8
 # Kafka timestamps are int64 milliseconds; Arrow/PostgreSQL timestamps are int64
 # microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
 # message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
@@ -65,7 +69,7 @@ class RawChunk:
     keys: list[bytes | None] = field(default_factory=list)
     values: list[bytes | None] = field(default_factory=list)
     headers: list[list[dict[str, Any]] | None] = field(default_factory=list)
-    nbytes: int = 0  # keys + values
+    nbytes: int = 0  # keys + values + headers
     refused: dict[int, str] = field(default_factory=dict)  # index -> why it cannot be written
 
     def __len__(self) -> int:
@@ -122,6 +126,19 @@ class Backoff:
         self.failures, self.since = 0, None
 
 
+def consume_size(room_rows: int, room_bytes: int, left_in_range: int, seen_records: int,
+                 seen_bytes: int) -> int:
+    """How many records to ask one consume() call for: what the chunk has room for, in rows
+    and (by the average record size seen so far) in bytes, never more than the range can
+    still hold (consume() waits for them or its timeout), at least one."""
+    want = min(room_rows, MAX_CONSUME, left_in_range)
+    if seen_records == 0:
+        want = min(want, FIRST_CONSUME)
+    elif seen_bytes > 0:
+        want = min(want, room_bytes * seen_records // seen_bytes)
+    return max(1, want)
+
+
 def check_preconditions(conf: Mapping[str, str]) -> None:
     """Refuse consumer settings that would let Kafka, not the ledger, decide offsets."""
     for k, v in REQUIRED_SETTINGS.items():
@@ -133,7 +150,8 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
                poll_timeout_s: float = 1.0, stall_timeout_s: float = 300.0,
                max_bytes: int = MAX_CHUNK_BYTES) -> Iterator[RawChunk]:
     """Yield the records of `r` in offset order, in chunks of at most `max_rows` records
-    and about `max_bytes` of keys and values (a chunk ends after the record that passes it).
+    and about `max_bytes` of keys, values and headers (a chunk ends after the record that
+    passes it).
     A record whose timestamp cannot be written is kept, with its reason in `refused`."""
     if r.is_empty:
         return
@@ -145,10 +163,10 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
         reached = r.from_offset  # every offset below this is accounted for
         last_progress = time.monotonic()
         backoff = Backoff(stall_timeout_s)
+        seen_records = seen_bytes = 0
         while reached < r.until_offset:
-            # consume() waits for num_messages or the timeout: never ask for more than the
-            # range can still hold, or every range's tail pays a full poll timeout
-            want = max(1, min(max_rows - len(chunk), 10_000, r.until_offset - reached))
+            want = consume_size(max_rows - len(chunk), max_bytes - chunk.nbytes,
+                                r.until_offset - reached, seen_records, seen_bytes)
             msgs = consumer.consume(num_messages=want, timeout=poll_timeout_s)
             if not msgs:
                 stalled = time.monotonic() - last_progress
@@ -190,16 +208,25 @@ def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUN
                 key, value = m.key(), m.value()
                 chunk.keys.append(key)
                 chunk.values.append(value)
+                nb = 0
                 if value is not None:
-                    chunk.nbytes += len(value)
+                    nb = len(value)
                 if key is not None:
-                    chunk.nbytes += len(key)
+                    nb += len(key)
                 hdrs = _headers(m)
                 if hdrs is _UNREADABLE:
                     chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
                     hdrs = None
-                chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs]
-                                     if hdrs else None)
+                if hdrs:
+                    chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
+                    # names as characters (ASCII in practice), values as bytes
+                    nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0)
+                              for h in hdrs)
+                else:
+                    chunk.headers.append(None)
+                chunk.nbytes += nb
+                seen_bytes += nb
+                seen_records += 1
                 reached = off + 1
                 if len(chunk.offsets) >= max_rows or chunk.nbytes >= max_bytes:
                     yield chunk

@@ -1,7 +1,12 @@
 """Staging, run in Spark tasks: each task COPYs its rows into its part of the batch's stage
 and, in the same PostgreSQL transaction, writes the part's `staged_parts` marker; a retried
-or speculative attempt finds the marker (or blocks on it) and stages nothing twice. Bad
-records are recorded the same way, chunk by chunk.
+or speculative attempt finds the marker (or blocks on it) and stages nothing twice.
+
+Bad records never depend on chunk boundaries, which a retry may draw differently (another
+chunk size, records compacted away meanwhile): on the fused path they are written in the
+part's own transaction (`BadBuffer`), on the DataFrame path, where reading and staging are
+separate tasks, they are keyed by their coordinates (`SubrangeBad`) and the sub-range's
+marker is written once it is read to its end.
 
 Safety net: a chunk whose COPY PostgreSQL refuses with a data error (a value the
 deserializer's checks did not foresee, or one a transform produced) is rolled back to a
@@ -14,7 +19,7 @@ import io
 import json
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg2
@@ -35,7 +40,7 @@ def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
     return buf.getvalue()
 
 
-def _copy(cur: psycopg2.extensions.cursor, table: sql.Composed, columns: Sequence[str],
+def _copy(cur: psycopg2.extensions.cursor, table: sql.Composable, columns: Sequence[str],
           data: bytes, fmt: str = "csv") -> None:
     cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
         table, sql.SQL(", ").join(sql.Identifier(c) for c in columns),
@@ -98,15 +103,16 @@ REFUSED_CHUNK = -1
 
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
-               table: sql.Composed | None = None, bad: BadRows | None = None
-               ) -> dict[str, Any]:
+               table: sql.Composed | None = None, bad: BadRows | None = None,
+               bad_in: BadBuffer | None = None) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
     form (binary as `\\x..` hex, nested as JSON), `binary_encoder` for raw Arrow batches.
     `table` is the part's own stage table (`stage_part_table`), else the stage table.
     With `bad`, rows PostgreSQL refuses are bad records (see the module docstring);
-    without it a refused COPY fails the task.
+    without it a refused COPY fails the task. `bad_in` holds the bad records the reader of
+    `batches` finds; they are written here, in the part's transaction, as they come.
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
@@ -119,11 +125,18 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
             rows = 0
             per_tp: dict[str, list[int]] = {}  # "topic/partition" -> [count, min, max]
             refused: list[dict[str, Any]] = []
+            tally = BadTally()
             clock = clock or TaskClock()
             it = iter(batches)
             while True:
                 with clock.stage("wait_upstream"):
                     b = next(it, None)
+                if bad_in is not None and bad_in.rows:
+                    assert bad is not None
+                    rows_in = bad_in.take()
+                    if bad.write_rows:
+                        _copy_dead(cur, batch_id, bad.pipeline, rows_in)
+                    tally.add(rows_in)
                 if b is None:
                     break
                 if b.num_rows == 0:
@@ -146,19 +159,50 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                         (rows, json.dumps(per_tp), batch_id, part))
             if refused:
                 assert bad is not None
-                _write_bad(cur, batch_id, part, REFUSED_CHUNK, bad, refused)
-        return {"part": part, "skipped": False, "rows": rows, "bad": len(refused),
+                if bad.write_rows:
+                    _copy_dead(cur, batch_id, bad.pipeline, refused)
+                tally.add(refused)
+            if tally.count:
+                _claim_part(cur, batch_id, "bad", part, REFUSED_CHUNK)
+                tally.mark(cur, batch_id, part, REFUSED_CHUNK)
+        return {"part": part, "skipped": False, "rows": rows, "bad": tally.count,
                 "per_partition": per_tp}
     finally:
         conn.close()
 
 
+# failed COPYs of one chunk after which bisecting stops: where most rows are refused it
+# would cost ~2n COPYs, each of the first ones copying half the chunk
+BISECT_FAILURES = 4
+
+
 def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
-                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]]
-                    ) -> list[pa.RecordBatch]:
+                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
+                    failures: list[int] | None = None) -> list[pa.RecordBatch]:
     """COPY `b` under a savepoint. On a data error, roll back and bisect until the refused
     rows are single; returns the slices that were staged, appends the refused rows. Costs
-    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when it is."""
+    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when a few
+    rows are refused; after BISECT_FAILURES failures the rest goes row by row
+    (`_copy_row_by_row`), so a chunk of mostly refused rows costs about a COPY per row."""
+    failures = [0] if failures is None else failures
+    error = _try_copy(cur, into, b, encode, clock)
+    if error is None:
+        return [b]
+    failures[0] += 1
+    if b.num_rows == 1:
+        refused.append(_refused_row(b, _pg_reason(error, b)))
+        return []
+    if failures[0] > BISECT_FAILURES:
+        return _copy_row_by_row(cur, into, b, encode, clock, refused, error)
+    mid = b.num_rows // 2
+    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused, failures)
+            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused, failures))
+
+
+def _try_copy(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
+              encode: Encoder, clock: TaskClock) -> psycopg2.DataError | None:
+    """COPY `b` under a savepoint; PostgreSQL's data error (rolled back) or None. The
+    error carries the payload's format in `offsetflow_fmt`."""
     with clock.stage("encode"):
         fmt, data = encode(b)
     with clock.stage("copy"):
@@ -168,16 +212,63 @@ def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.R
         except psycopg2.DataError as e:
             cur.execute("ROLLBACK TO SAVEPOINT offsetflow_chunk")
             cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-            error = e
-        else:
-            cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-            return [b]
-    if b.num_rows == 1:
-        refused.append(_refused_row(b, _pg_reason(error, b)))
-        return []
-    mid = b.num_rows // 2
-    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused)
-            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused))
+            e.offsetflow_fmt = fmt  # type: ignore[attr-defined]
+            return e
+        cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
+    return None
+
+
+_LINE_RE = re.compile(r"^COPY \S+, line (\d+)")
+
+
+def _copy_row_by_row(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
+                     encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
+                     error: psycopg2.DataError) -> list[pa.RecordBatch]:
+    """Stage `b`, whose COPY just failed with `error`, a refused row at a time. A binary
+    COPY's error names the tuple it refused (its "line"): the rows before it go in one
+    COPY, and the rest is tried again. Otherwise (CSV, whose "line" is not a row where a
+    value holds a newline) each row is COPYed on its own."""
+    staged: list[pa.RecordBatch] = []
+    i, n = 0, b.num_rows
+    err: psycopg2.DataError | None = error
+    while i < n:
+        rest = b.slice(i)
+        if err is None:
+            err = _try_copy(cur, into, rest, encode, clock)
+            if err is None:
+                staged.append(rest)
+                return staged
+        m = _LINE_RE.search(err.diag.context or "") \
+            if getattr(err, "offsetflow_fmt", None) == "binary" else None
+        line = int(m.group(1)) if m else 0
+        if not 1 <= line <= rest.num_rows:  # not named: each row on its own
+            for j in range(rest.num_rows):
+                row = rest.slice(j, 1)
+                row_err = _try_copy(cur, into, row, encode, clock)
+                if row_err is None:
+                    staged.append(row)
+                else:
+                    refused.append(_refused_row(row, _pg_reason(row_err, row)))
+            return staged
+        good = rest.slice(0, line - 1)
+        if good.num_rows:
+            # the named row's predecessors passed once; should they not (a wrong line),
+            # they go row by row too
+            good_err = _try_copy(cur, into, good, encode, clock)
+            if good_err is None:
+                staged.append(good)
+            else:
+                staged += _copy_row_by_row(cur, into, good, encode, clock, refused,
+                                           _unnamed(good_err))
+        row = rest.slice(line - 1, 1)
+        refused.append(_refused_row(row, _pg_reason(err, row)))
+        i, err = i + line, None
+    return staged
+
+
+def _unnamed(e: psycopg2.DataError) -> psycopg2.DataError:
+    e.offsetflow_fmt = None  # type: ignore[attr-defined]
+    return e
 
 
 _COLUMN_RE = re.compile(r"column (\S+?)(?::|$)")
@@ -242,42 +333,121 @@ def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
             acc[k] = [n, lo, hi]
 
 
-def stage_bad_records(dsn: str, batch_id: int, part: int, chunk: int, pipeline: str,
-                      rows: Sequence[dict[str, Any]], write_rows: bool) -> None:
-    """Record one chunk of bad records of one sub-range: always the marker with a sample
-    (so the driver can fail the batch naming them); the rows too under `dead_letter`."""
-    if not rows:
-        return
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            _write_bad(cur, batch_id, part, chunk, BadRows(pipeline, write_rows), rows)
-    finally:
-        conn.close()
+@dataclass
+class BadTally:
+    """How many bad records a marker counts, and a sample of each Kafka partition's first
+    (so the driver can fail a `fail` batch naming the first one)."""
+
+    count: int = 0
+    sample: dict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=dict)
+
+    def add(self, rows: Sequence[dict[str, Any]]) -> None:
+        self.count += len(rows)
+        for r in rows:
+            s = self.sample.setdefault((r["topic"], r["partition"]), [])
+            if len(s) < 5:
+                s.append({k: r[k] for k in ("topic", "partition", "offset", "error")})
+
+    def mark(self, cur: psycopg2.extensions.cursor, batch_id: int, part: int,
+             chunk: int) -> None:
+        sample = [x for s in self.sample.values() for x in s]
+        cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
+                        WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
+                    (self.count, json.dumps({"sample": sample}), batch_id, part, chunk))
 
 
-def _write_bad(cur: psycopg2.extensions.cursor, batch_id: int, part: int, chunk: int,
-               bad: BadRows, rows: Sequence[dict[str, Any]]) -> None:
-    if _claim_part(cur, batch_id, "bad", part, chunk) is not None:
+@dataclass
+class BadBuffer:
+    """The fused path's bad records on their way from the reader into the part's own
+    transaction (`stage_rows(bad_in=...)`): one chunk's at a time."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, rows: Sequence[dict[str, Any]]) -> None:
+        self.rows.extend(rows)
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.rows = self.rows, []
+        return out
+
+
+class SubrangeBad:
+    """The DataFrame path's bad records of one sub-range, read by a task that stages no
+    rows. Dead letters are written chunk by chunk keyed by their coordinates (a unique index
+    on the dead-letter stage; a retry's or a concurrent attempt's copy is dropped), and the
+    sub-range's marker, counting them all, once it is read to its end (`close`)."""
+
+    # a sub-range's marker; rows refused at staging use REFUSED_CHUNK, rows use 0 of kind rows
+    CHUNK = 0
+
+    def __init__(self, dsn: str, batch_id: int, idx: int, bad: BadRows) -> None:
+        self.dsn, self.batch_id, self.idx, self.bad = dsn, batch_id, idx, bad
+        self.tally = BadTally()
+        self._indexed = False
+
+    def add(self, rows: Sequence[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        self.tally.add(rows)
+        if not self.bad.write_rows:
+            return
+        conn = connect(self.dsn)
+        try:
+            with conn, conn.cursor() as cur:
+                if not self._indexed:
+                    _ensure_coordinate_index(cur, self.batch_id)
+                    self._indexed = True
+                _copy_dead(cur, self.batch_id, self.bad.pipeline, rows, keyed=True)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        if not self.tally.count:
+            return
+        conn = connect(self.dsn)
+        try:
+            with conn, conn.cursor() as cur:
+                if _claim_part(cur, self.batch_id, "bad", self.idx, self.CHUNK) is None:
+                    self.tally.mark(cur, self.batch_id, self.idx, self.CHUNK)
+        finally:
+            conn.close()
+
+
+def _ensure_coordinate_index(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
+    """Read-side dead letters are unique by coordinates (rows refused at staging are not: a
+    transform may turn one record into several rows). Created by the first task that needs
+    it; the lock keeps concurrent tasks from racing on the catalog."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow_dead_index'), %s)",
+                (int(batch_id),))
+    cur.execute(sql.SQL("""CREATE UNIQUE INDEX IF NOT EXISTS {} ON {}
+                           (topic, partition, "offset") WHERE stage = 'deserialize'""").format(
+        sql.Identifier(f"b{int(batch_id)}_dead_coordinates"), dead_letter_stage_table(batch_id)))
+
+
+def _copy_dead(cur: psycopg2.extensions.cursor, batch_id: int, pipeline: str,
+               rows: Sequence[dict[str, Any]], keyed: bool = False) -> None:
+    """Bad records into the dead-letter stage; `keyed`: skip those already there."""
+    t = pa.table({
+        "pipeline": [pipeline] * len(rows),
+        "topic": [r["topic"] for r in rows],
+        "partition": pa.array([r["partition"] for r in rows], pa.int32()),
+        "offset": pa.array([r["offset"] for r in rows], pa.int64()),
+        "timestamp": pa.array([r["timestamp"] for r in rows], pa.timestamp("us", tz="UTC")),
+        "key": [_hex(r["key"]) for r in rows],
+        "value": [_hex(r["value"]) for r in rows],
+        "error": [r["error"] for r in rows],
+        "stage": [r.get("stage", "deserialize") for r in rows],
+    })
+    dead = dead_letter_stage_table(batch_id)
+    if not keyed:
+        _copy(cur, dead, t.schema.names, _csv_bytes(t))
         return
-    if bad.write_rows:
-        t = pa.table({
-            "pipeline": [bad.pipeline] * len(rows),
-            "topic": [r["topic"] for r in rows],
-            "partition": pa.array([r["partition"] for r in rows], pa.int32()),
-            "offset": pa.array([r["offset"] for r in rows], pa.int64()),
-            "timestamp": pa.array([r["timestamp"] for r in rows],
-                                  pa.timestamp("us", tz="UTC")),
-            "key": [_hex(r["key"]) for r in rows],
-            "value": [_hex(r["value"]) for r in rows],
-            "error": [r["error"] for r in rows],
-            "stage": [r.get("stage", "deserialize") for r in rows],
-        })
-        _copy(cur, dead_letter_stage_table(batch_id), t.schema.names, _csv_bytes(t))
-    sample = [{k: r[k] for k in ("topic", "partition", "offset", "error")} for r in rows[:5]]
-    cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
-                    WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
-                (len(rows), json.dumps({"sample": sample}), batch_id, part, chunk))
+    cur.execute(sql.SQL("CREATE TEMP TABLE offsetflow_dead_in (LIKE {}) ON COMMIT DROP")
+                .format(dead))
+    _copy(cur, sql.SQL("offsetflow_dead_in"), t.schema.names, _csv_bytes(t))
+    cur.execute(sql.SQL("""INSERT INTO {} SELECT * FROM offsetflow_dead_in
+                           ON CONFLICT (topic, partition, "offset") WHERE stage = 'deserialize'
+                           DO NOTHING""").format(dead))
 
 
 def _hex(b: bytes | None) -> str | None:

@@ -78,11 +78,11 @@ def _produce(bootstrap: str, topic: str, partitions: int, good: int) -> None:
 
 
 def _config(topic: str, dsn: str, bootstrap: str, table: str, policy: str,
-            transform: str | None = None) -> Any:
+            transform: str | None = None, schema: dict[str, str] | None = None) -> Any:
     raw: dict[str, Any] = {
         "name": table, "kafka": {"bootstrap_servers": bootstrap},
         "source": {"topics": [topic], "starting": "earliest"},
-        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "format": {"type": "json", "schema": dict(schema or SCHEMA)},
         "sink": {"connection": dsn, "table": table},
         "bad_records": policy, "dead_letter_table": f"dl_{table}",
         "spark": {"master": "local[2]", "max_offsets_per_task": 40}}
@@ -368,3 +368,71 @@ def test_rows_refused_at_staging_fail_the_batch_under_fail_policy(
     assert "PostgreSQL refused the row at staging" in e.value.reason
     assert "column note" in e.value.reason
     assert query(pg_dsn, f"SELECT count(*) FROM {cfg.sink.table}")[0][0] == 0
+
+
+@pytest.mark.parametrize("fmt", ["binary", "csv"])
+@pytest.mark.parametrize("every", [1, 3], ids=["all_refused", "every_third_refused"])
+def test_a_chunk_of_mostly_refused_rows_costs_about_one_copy_per_row(
+        monkeypatch: pytest.MonkeyPatch, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str, fmt: str, every: int) -> None:
+    """Bisecting a chunk where most rows are refused costs ~2n COPYs (and each of the first
+    ones copies half the chunk): after a few failures staging goes row by row instead (the
+    binary COPY's error names the refused row, so good runs go in one COPY)."""
+    from offsetflow import staging
+    from offsetflow.stage_form import stage_form
+    from offsetflow.staging import BadRows, binary_encoder, csv_encoder, stage_rows
+
+    topic = make_topic("mostlybad", 1)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topic, b'{"event_id":"e"}', partition=0)
+    assert p.flush(30) == 0
+    # types with a binary COPY layout (numeric has none), so the binary COPY is used
+    small = {"event_id": "string", "seq": "long", "note": "string"}
+    cfg = _config(topic, pg_dsn, kafka_bootstrap, f"mostlybad_{unique}", "dead_letter",
+                  schema=small)
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    batch_id = planned.batch.batch_id
+    columns = stage_columns(cfg)
+    create_stage_tables(pg_dsn, batch_id, columns, parts=1)
+    names = [c for c, _ in columns]
+    n = 240
+    bad_at = set(range(0, n, every))
+    typed = arrow_schema(small)
+    cols: dict[str, pa.Array] = {
+        "topic": pa.array([topic] * n), "partition": pa.array([0] * n, pa.int32()),
+        "offset": pa.array(range(n), pa.int64()),
+        "timestamp": pa.array([0] * n, pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+        "timestamp_type": pa.array([1] * n, pa.int32()), "key": pa.nulls(n, pa.binary()),
+        "value": pa.array([f"v{i}".encode() for i in range(n)], pa.binary()),
+        "headers": pa.nulls(n, HEADER_TYPE),
+        "note": pa.array([f"bad\x00{i}" if i in bad_at else f"ok{i}" for i in range(n)]),
+    }
+    arrays = [cols[c] if c in cols else pa.nulls(n, typed.field(c).type) for c in names]
+    batch = pa.RecordBatch.from_arrays(arrays, names=names)
+    copies = []
+    orig = staging._copy
+
+    def counting(*a: Any, **kw: Any) -> None:
+        copies.append(1)
+        orig(*a, **kw)
+    monkeypatch.setattr(staging, "_copy", counting)
+    if fmt == "binary":
+        encode = binary_encoder([t for _, t in columns])
+        assert encode(batch.slice(0, 1))[0] == "binary"
+    else:
+        def encode(b: pa.RecordBatch) -> tuple[str, bytes]:
+            return csv_encoder(stage_form(b))
+    stats = stage_rows(pg_dsn, batch_id, 0, [batch], encode=encode,
+                       table=stage_part_table(batch_id, 0),
+                       bad=BadRows(cfg.name, write_rows=True))
+    assert stats["rows"] == n - len(bad_at) and stats["bad"] == len(bad_at)
+    staged = query(pg_dsn, f'SELECT "offset" FROM offsetflow_stage.b{batch_id}_p0 ORDER BY 1')
+    assert [r[0] for r in staged] == [i for i in range(n) if i not in bad_at]
+    dead = query(pg_dsn, f'SELECT "offset", error FROM offsetflow_stage.b{batch_id}_dead '
+                         f"ORDER BY 1")
+    assert [r[0] for r in dead] == sorted(bad_at) and all("column note" in e for _, e in dead)
+    # COPYs of rows (the dead-letter COPY is one more): the binary COPY names the refused
+    # row, so good runs go in one COPY; CSV goes row by row
+    bound = min(n, 2 * len(bad_at)) + 10 if fmt == "binary" else n + 10
+    assert len(copies) - 1 <= bound, len(copies)
