@@ -53,7 +53,7 @@ from offsetflow.ledger import (
     stage_part_table,
     stage_table,
 )
-from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN
+from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.upsert import apply_upsert
 
 log = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, s
     moved = Moved()
     stage = stage_table(batch.batch_id)
     if batch.kind in ("replay", "backfill"):
-        delete_range_rows(cur, batch, spec.dead_letter_table)
+        delete_range_rows(cur, batch, spec)
     if spec.quality_routes:
         assert spec.dead_letter_table is not None
         moved.dead += route_quality_failures(cur, batch, spec.dead_letter_table, stage,
@@ -402,17 +402,26 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                     (batch.pipeline, r.topic, r.partition, old, r.until_offset, batch.batch_id))
 
 
-def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,
-                       dead_letter_table: str | None) -> None:
-    """Replay/backfill: what the ranges produced before is replaced, not duplicated."""
+def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec) -> None:
+    """Replay/backfill: what the ranges produced before is replaced, not duplicated. In an
+    upsert target, rows of another incarnation of the topic (deleted and recreated, same
+    offsets again) are not the window's and stay."""
+    other_incarnation: sql.Composable = sql.SQL("")
+    if spec.mode == "upsert":
+        other_incarnation = sql.SQL(
+            " AND NOT COALESCE({tid} <> (SELECT topic_id FROM offsetflow.batch_ranges WHERE "
+            "batch_id = %s AND topic = %s AND partition = %s), false)").format(
+                tid=sql.Identifier(TOPIC_ID_COLUMN))
     for r in batch.ranges:
+        args: tuple[object, ...] = (r.topic, r.partition, r.from_offset, r.until_offset)
+        if spec.mode == "upsert":
+            args += (batch.batch_id, r.topic, r.partition)
         cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
-                            "AND \"offset\" >= %s AND \"offset\" < %s").format(
-                                qualified(batch.target_table)),
-                    (r.topic, r.partition, r.from_offset, r.until_offset))
-        if dead_letter_table:
+                            "AND \"offset\" >= %s AND \"offset\" < %s{}").format(
+                                qualified(batch.target_table), other_incarnation), args)
+        if spec.dead_letter_table:
             cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
                                 "AND partition = %s AND \"offset\" >= %s "
-                                "AND \"offset\" < %s").format(qualified(dead_letter_table)),
+                                "AND \"offset\" < %s").format(
+                                    qualified(spec.dead_letter_table)),
                         (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))
-

@@ -112,7 +112,7 @@ class PartwiseCommit:
                 batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
                 moving = batch.is_open
                 if moving and batch.kind in ("replay", "backfill"):  # a
-                    delete_range_rows(cur, batch, self.spec.dead_letter_table)
+                    delete_range_rows(cur, batch, self.spec)
                 moved = Moved()
                 while not self._finish.is_set():  # b
                     if moving:
