@@ -108,7 +108,7 @@ class PartwiseCommit:
         bid = self.batch.batch_id
         try:
             with Ledger(self.dsn) as ledger, ledger.transaction() as cur, \
-                    lock_errors(self.dsn, bid):
+                    lock_errors(self.dsn, bid, ledger.conn.get_backend_pid()):
                 batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
                 moving = batch.is_open
                 if moving and batch.kind in ("replay", "backfill"):  # a

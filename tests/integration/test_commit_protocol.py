@@ -92,6 +92,37 @@ def test_commit_waiting_on_a_lock_gives_up_naming_batch_and_holder(
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
 
 
+def test_lock_timeout_names_only_the_session_that_blocks(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the commit's own session, not a healthy commit of another pipeline that holds row
+    locks on other ledger rows meanwhile: only the real blocker (review item 7)."""
+    monkeypatch.setenv("OFFSETFLOW_COMMIT_LOCK_TIMEOUT_S", "3")
+    topic = make_topic("lockb", 1)
+    produce_plain(kafka_bootstrap, topic, 50, f"lb{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"lockb_{unique}")
+    other = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"lockother_{unique}")
+    assert run_cycle(cfg, pg_dsn, spark).report is not None  # positions exist
+    produce_plain(kafka_bootstrap, topic, 50, f"lb2{unique}", 1)
+    planned, other_planned = plan_only(cfg, pg_dsn), plan_only(other, pg_dsn)
+    assert planned.batch is not None and other_planned.batch is not None
+    healthy = psycopg2.connect(pg_dsn, application_name="healthy-other-commit")
+    try:
+        with healthy.cursor() as cur:  # another pipeline's commit, in the middle of step 1
+            cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                        (other_planned.batch.batch_id,))
+            with chaos.hold_positions(pg_dsn, cfg.name), \
+                    pytest.raises(CommitLockTimeoutError) as err:
+                run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+        healthy.rollback()
+    finally:
+        healthy.close()
+    msg = str(err.value)
+    assert "offsetflow-chaos" in msg
+    assert "healthy-other-commit" not in msg and msg.count("pid ") == 1, msg
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.status == "committed"
+
+
 @pytest.fixture
 def repeatable_read_dsn(admin_dsn: str, unique: str) -> Iterator[str]:
     """A database whose default isolation is REPEATABLE READ, with the ledger."""
