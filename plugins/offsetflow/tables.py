@@ -44,6 +44,12 @@ _SIMPLE_TYPES = {
 _DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
 
 
+def canonical_table(table: str) -> str:
+    """`schema.table` for a validated sink table name: `orders` and `public.orders` are the
+    same table (as `qualified` quotes them) and must be one key in the ledger."""
+    return table if "." in table else f"public.{table}"
+
+
 def pg_type(spark_type: str) -> str:
     """PostgreSQL column type for a Spark `simpleString()` type; nested types are jsonb."""
     t = spark_type.strip().lower()

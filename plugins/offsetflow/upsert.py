@@ -27,7 +27,7 @@ from psycopg2 import sql
 
 from offsetflow.dead_letters import dead_letters_from
 from offsetflow.ledger import Batch, qualified
-from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN
+from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN, canonical_table
 
 WINNERS = sql.Identifier("offsetflow_winners")
 
@@ -116,7 +116,8 @@ def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Compo
         live = sql.SQL("w.value IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
                        "offsetflow.deleted_keys d WHERE d.target_table = {tt} AND d.key = "
                        "{jk} AND NOT {rule})").format(
-                           tt=sql.Literal(batch.target_table), jk=_json_key("w", keys),
+                           tt=sql.Literal(canonical_table(batch.target_table)),
+                           jk=_json_key("w", keys),
                            rule=newer_or_same("w", "d", has_ts))
     updates = sql.SQL(", ").join(
         sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
@@ -152,4 +153,4 @@ def _remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch,
         "batch_id = EXCLUDED.batch_id WHERE {rule}").format(
             jk=_json_key("w", keys), ts=ts, w=WINNERS, tid=sql.Identifier(TOPIC_ID_COLUMN),
             rule=newer_or_same("excluded", "d", has_ts)),
-        (batch.target_table, batch.batch_id))
+        (canonical_table(batch.target_table), batch.batch_id))

@@ -196,3 +196,24 @@ def test_long_target_names_get_their_own_guard_index(pg_dsn: str, kafka_bootstra
     with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
         ensure_target(cur, short, cols, "append", [])
     assert [c for _, c in _unique_indexes(pg_dsn, short)] == [guard]
+
+
+def test_sessions_render_timestamps_in_utc_whatever_the_server_default(
+        repeatable_read_dsn: str, admin_dsn: str) -> None:
+    """deleted_keys stores timestamptz key columns as JSON text: the session's TimeZone must
+    not change it (review item 9)."""
+    name = psycopg2.extensions.parse_dsn(repeatable_read_dsn)["dbname"]
+    conn = psycopg2.connect(admin_dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'America/New_York'").format(
+            sql.Identifier(name)))
+    conn.close()
+    ours = connect(repeatable_read_dsn)
+    try:
+        with ours, ours.cursor() as cur:
+            cur.execute("SELECT current_setting('TimeZone'), "
+                        "jsonb_build_array('2024-01-01 00:00:00+00'::timestamptz)::text")
+            assert cur.fetchone() == ("UTC", '["2024-01-01T00:00:00+00:00"]')
+    finally:
+        ours.close()

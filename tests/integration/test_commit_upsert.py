@@ -146,6 +146,9 @@ def test_tombstones_delete_keys_in_upsert_mode(spark: Any, pg_dsn: str, kafka_bo
     produce(kafka_bootstrap, topic, [("k2", None, None)])  # a later batch deletes k2
     run_cycle(cfg, pg_dsn, spark)
     assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 0
+    # remembered under the canonical name: `t` and `public.t` are one table (review item 9)
+    assert query(pg_dsn, "SELECT DISTINCT target_table FROM offsetflow.deleted_keys "
+                         "WHERE target_table LIKE %s", (f"%{table}",)) == [(f"public.{table}",)]
 
 
 def test_tombstones_as_dead_letters_in_upsert_mode(spark: Any, pg_dsn: str,
