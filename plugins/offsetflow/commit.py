@@ -216,9 +216,17 @@ def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: 
                                      f"parts are staged; not committing")
     per_range = _staged_per_range(cur, batch.batch_id)
     if scan:
-        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2")
+        cur.execute(sql.SQL("SELECT topic, partition, count(*), count(DISTINCT \"offset\") "
+                            "FROM {} GROUP BY 1, 2")
                     .format(stage_table(batch.batch_id)))
-        found = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
+        counted = {f"{t}/{p}": (int(n), int(d)) for t, p, n, d in cur.fetchall()}
+        found = {tp: n for tp, (n, _) in counted.items()}
+        for tp, (n, distinct) in sorted(counted.items()):
+            if n != distinct:  # parts staged under two partitionings of a transform
+                raise StagedRowsLostError(
+                    batch.batch_id, None,
+                    f"the stage holds {n} rows of {tp} but only {distinct} distinct offsets "
+                    f"(some were staged twice)")
         for tp in sorted(set(found) | set(per_range)):
             if found.get(tp, 0) != per_range.get(tp, 0):
                 raise StagedRowsLostError(
@@ -226,6 +234,31 @@ def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: 
                     f"the stage holds {found.get(tp, 0)} rows of {tp} but its markers count "
                     f"{per_range.get(tp, 0)}")
     return staged, per_range
+
+
+def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
+    """Before staging on the transform path: parts are numbered by the Spark partitions of
+    the transform's output, so an earlier attempt's markers only mean something under the
+    same layout. A different (or unrecorded) one drops earlier staging, in one transaction
+    with recording the new layout. Returns whether staging was dropped."""
+    with ledger.transaction() as cur:
+        cur.execute("SELECT stage_layout FROM offsetflow.batches WHERE batch_id = %s "
+                    "FOR UPDATE", (batch_id,))
+        row = cur.fetchone()
+        if row is None or row[0] == layout:
+            return False
+        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
+                    "WHERE batch_id = %s)", (batch_id,))
+        found = cur.fetchone()
+        staged = bool(found and found[0])
+        if staged:
+            ledger._drop_staging(cur, batch_id)
+            log.warning("batch %d: the transform's partitioning changed (%s -> %s); staged "
+                        "data of earlier attempts was dropped and the ranges are read again",
+                        batch_id, row[0] or "unrecorded", layout)
+        cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
+                    (layout, batch_id))
+        return staged
 
 
 def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, staged: int,

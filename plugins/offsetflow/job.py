@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from offsetflow.commit import CommitResult, CommitSpec, check_fence, commit_batch
+from offsetflow.commit import (
+    CommitResult,
+    CommitSpec,
+    check_fence,
+    claim_stage_layout,
+    commit_batch,
+)
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
 from offsetflow.dead_letters import Coordinate
 from offsetflow.errors import (
@@ -284,6 +290,14 @@ def to_stage_form(df: DataFrame) -> DataFrame:
     return df.select(*cols)
 
 
+def transform_layout(spark: SparkSession) -> str:
+    """What decides how the transform path's output is split into stage parts, besides the
+    config (whose changes `config_drift` handles): Spark's shuffle partitioning."""
+    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.enabled",
+            "spark.sql.adaptive.coalescePartitions.enabled")
+    return json.dumps({k: spark.conf.get(k, None) for k in keys}, sort_keys=True)
+
+
 def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
               accept_config_change: bool = False) -> RunReport:
     """Read, stage and commit one planned batch. Safe to retry: a committed batch is a
@@ -422,6 +436,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
+    if not fused:
+        claim_stage_layout(ledger, batch.batch_id, transform_layout(spark))
     create_stage_tables(dsn, batch.batch_id, columns, parts=n if fused else 0)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 

@@ -31,3 +31,8 @@ CREATE FUNCTION offsetflow.topic_epoch(p_topic text, p_topic_id text) RETURNS bi
     LANGUAGE sql STABLE AS
     $$ SELECT min(batch_id) FROM offsetflow.batch_ranges
         WHERE topic = p_topic AND topic_id = p_topic_id $$;
+
+-- The transform path's staging layout (Spark's partition count of the transform's output,
+-- which numbers the stage parts): an attempt whose layout differs drops earlier staging
+-- rather than skipping parts numbered the old way (offsetflow.commit.claim_stage_layout).
+ALTER TABLE offsetflow.batches ADD COLUMN stage_layout text;
