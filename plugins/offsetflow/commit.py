@@ -3,7 +3,7 @@ calls one function per step, in this order (`offsetflow.partwise.PartwiseCommit`
 same steps, step 4 part by part while the batch is still being read):
   1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
      `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
-     abandoned -> refuse;
+     abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
   2. `check_staged`: every part the job produced has its marker, and the stage holds, per
      topic-partition, exactly the rows the markers count. A stage that lost rows (markers
      are UNLOGGED like the stage, so a crash empties both, but whatever else removes rows)
@@ -43,6 +43,7 @@ from offsetflow.errors import (
     FencedCommitError,
     StagedRowsLostError,
     StagingIncompleteError,
+    StaleConfigError,
 )
 from offsetflow.ledger import (
     Batch,
@@ -94,6 +95,8 @@ class CommitSpec:
     dead_letter_table: str | None = None
     bad_records_staged: bool = False  # the tasks staged bad records (bad_records: dead_letter)
     quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
+    # the batch's config fingerprint as this run took it up; None: not checked
+    config_fingerprint: str | None = None
 
     @property
     def routes_tombstones(self) -> bool:
@@ -123,6 +126,7 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             batch = lock_batch(cur, ledger, batch_id)  # 1
             if batch.status == "committed":
                 return already_committed(batch)
+            check_config(batch, spec)
             staged, per_range = check_staged(cur, batch, expected_parts, scan=True)  # 2
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
@@ -192,6 +196,18 @@ def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -
     if batch.status == "abandoned":
         raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")
     return batch
+
+
+def check_config(batch: Batch, spec: CommitSpec) -> None:
+    """Step 1's end: the batch's config is still the one this run staged under. A run with
+    --accept-config-change may have adopted a new one (and rebuilt the stage) meanwhile."""
+    if spec.config_fingerprint is not None and \
+            batch.config_fingerprint != spec.config_fingerprint:
+        raise StaleConfigError(
+            f"batch {batch.batch_id}: its config changed while this run worked on it "
+            f"(another run took a new config with --accept-config-change); this run's "
+            f"config is stale, so it commits nothing. Re-run the batch with the current "
+            f"pipeline config")
 
 
 def already_committed(batch: Batch) -> CommitResult:

@@ -327,6 +327,7 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             # what an earlier attempt staged was shaped by the old config (its format, its
             # split into parts): it must not be reused under the new one
             ledger.adopt_config(batch_id, cfg.fingerprint(), cfg.spark.max_offsets_per_task)
+            batch = dataclasses.replace(batch, config_fingerprint=cfg.fingerprint())
             if drift.output_changed:
                 log.warning("batch %d: config change accepted; its staged data from earlier "
                             "attempts was dropped and the ranges are read again", batch_id)
@@ -446,7 +447,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
-                      bad_records_staged=cfg.bad_records == "dead_letter")
+                      bad_records_staged=cfg.bad_records == "dead_letter",
+                      config_fingerprint=batch.config_fingerprint)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None

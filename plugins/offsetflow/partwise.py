@@ -35,6 +35,7 @@ from offsetflow.commit import (
     _fence_and_advance,
     already_committed,
     append_part,
+    check_config,
     check_fence,
     check_staged,
     delete_range_rows,
@@ -111,6 +112,8 @@ class PartwiseCommit:
                     lock_errors(self.dsn, bid, ledger.conn.get_backend_pid()):
                 batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
                 moving = batch.is_open
+                if moving:  # held from here to COMMIT: no run can adopt a config meanwhile
+                    check_config(batch, self.spec)
                 if moving and batch.kind in ("replay", "backfill"):  # a
                     delete_range_rows(cur, batch, self.spec)
                 moved = Moved()

@@ -217,3 +217,36 @@ def test_sessions_render_timestamps_in_utc_whatever_the_server_default(
             assert cur.fetchone() == ("UTC", '["2024-01-01T00:00:00+00:00"]')
     finally:
         ours.close()
+
+
+def test_commit_refuses_when_another_run_changed_the_batch_config(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run still on the old config (a zombie) must not commit a stage that a run with
+    --accept-config-change rebuilt under a new one (review item 6)."""
+    import offsetflow.job as job
+    from offsetflow.errors import StaleConfigError
+
+    topic = make_topic("cfgz", 1)
+    produce_plain(kafka_bootstrap, topic, 20, f"cz{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"cfgz_{unique}", mode="upsert",
+                       key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def adopted_meanwhile(*args: Any, **kw: Any) -> Any:
+        conn = psycopg2.connect(pg_dsn)
+        try:
+            with conn, conn.cursor() as cur:  # what adopt_config of the other run recorded
+                cur.execute("UPDATE offsetflow.batches SET config_fingerprint = 'other-run' "
+                            "WHERE batch_id = %s", (bid,))
+        finally:
+            conn.close()
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", adopted_meanwhile)
+    with pytest.raises(StaleConfigError, match=f"batch {bid}: its config changed"):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*) FROM cfgz_{unique}")[0][0] == 0
