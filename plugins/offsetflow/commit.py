@@ -3,7 +3,7 @@ calls one function per step, in this order (`offsetflow.partwise.PartwiseCommit`
 same steps, step 4 part by part while the batch is still being read):
   1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
      `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
-     abandoned -> refuse;
+     abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
   2. `check_staged`: every part the job produced has its marker, and the stage holds, per
      topic-partition, exactly the rows the markers count. A stage that lost rows (markers
      are UNLOGGED like the stage, so a crash empties both, but whatever else removes rows)
@@ -43,6 +43,7 @@ from offsetflow.errors import (
     FencedCommitError,
     StagedRowsLostError,
     StagingIncompleteError,
+    StaleConfigError,
 )
 from offsetflow.ledger import (
     Batch,
@@ -53,7 +54,7 @@ from offsetflow.ledger import (
     stage_part_table,
     stage_table,
 )
-from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN
+from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.upsert import apply_upsert
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class CommitSpec:
     dead_letter_table: str | None = None
     bad_records_staged: bool = False  # the tasks staged bad records (bad_records: dead_letter)
     quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
+    # the batch's config fingerprint as this run took it up; None: not checked
+    config_fingerprint: str | None = None
 
     @property
     def routes_tombstones(self) -> bool:
@@ -118,10 +121,12 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
                  timings: dict[str, float] | None = None) -> CommitResult:
     """Steps 1-6 in one transaction; see the module docstring."""
     try:
-        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id):
+        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
+                                                      ledger.conn.get_backend_pid()):
             batch = lock_batch(cur, ledger, batch_id)  # 1
             if batch.status == "committed":
                 return already_committed(batch)
+            check_config(batch, spec)
             staged, per_range = check_staged(cur, batch, expected_parts, scan=True)  # 2
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
@@ -134,38 +139,51 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
 
 
 @contextlib.contextmanager
-def lock_errors(dsn: str, batch_id: int) -> Iterator[None]:
-    """Turns a lock wait cut by `lock_timeout` into `CommitLockTimeoutError`."""
+def lock_errors(dsn: str, batch_id: int, own_pid: int) -> Iterator[None]:
+    """Turns a lock wait cut by `lock_timeout` into `CommitLockTimeoutError` naming the
+    session that blocks (`own_pid`: the commit's own session, never named)."""
     try:
         yield
     except psycopg2.errors.LockNotAvailable as e:
         raise CommitLockTimeoutError(
             f"batch {batch_id}: the commit waited more than {lock_timeout_s():.0f}s for a "
-            f"lock held by {lock_holders(dsn)}; if that is a run that died, its session ends "
-            f"when TCP keepalives notice (about a minute), or end it with "
-            f"pg_terminate_backend(pid); then re-run the batch") from e
+            f"lock held by {lock_holders(dsn, batch_id, own_pid)}; if that is a run "
+            f"that died, its session ends when TCP keepalives notice (about a minute), or end "
+            f"it with pg_terminate_backend(pid); then re-run the batch") from e
 
 
-def lock_holders(dsn: str) -> str:
-    """Sessions holding locks on the ledger's batch and position rows, for the error."""
+def lock_holders(dsn: str, batch_id: int, own_pid: int) -> str:
+    """The sessions whose transactions hold the row locks this commit waits for: the batch
+    row and the pipeline's position rows record their locker's transaction id in `xmax`,
+    and only a running transaction holds that id's lock. The commit's own session and
+    sessions locking other rows (healthy commits of other batches) are never named."""
     try:
         conn = connect(dsn)
         try:
             with conn, conn.cursor() as cur:
-                cur.execute("""SELECT DISTINCT a.pid, a.application_name, a.client_addr,
+                cur.execute("""WITH lockers AS (
+                                 SELECT xmax::text AS xid FROM offsetflow.batches
+                                  WHERE batch_id = %(b)s
+                                 UNION SELECT p.xmax::text FROM offsetflow.positions p
+                                   JOIN offsetflow.batches b ON b.pipeline = p.pipeline
+                                  WHERE b.batch_id = %(b)s)
+                               SELECT DISTINCT a.pid, a.application_name, a.client_addr,
                                       a.state, round(extract(epoch FROM now() - a.xact_start))
                                  FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                                WHERE l.granted AND a.pid <> pg_backend_pid()
-                                  AND l.mode IN ('RowShareLock', 'RowExclusiveLock')
-                                  AND l.relation IN ('offsetflow.batches'::regclass,
-                                                     'offsetflow.positions'::regclass)""")
+                                 JOIN lockers k ON k.xid = l.transactionid::text
+                                WHERE l.locktype = 'transactionid' AND l.granted
+                                  AND l.mode = 'ExclusiveLock' AND k.xid <> '0'
+                                  AND a.pid NOT IN (%(own)s, pg_backend_pid())
+                                ORDER BY a.pid""",
+                            {"b": batch_id, "own": own_pid})
                 rows = cur.fetchall()
         finally:
             conn.close()
     except psycopg2.Error as e:
         return f"another session (could not list it: {e})"
     if not rows:
-        return "another session (gone by now)"
+        return ("another session (not identified: gone by now, or it holds a lock on the "
+                "target table's rows)")
     return "; ".join(f"pid {pid} ({app or 'no application_name'} from {addr or 'local'}, "
                      f"{state}, transaction open {age}s)" for pid, app, addr, state, age in rows)
 
@@ -178,6 +196,18 @@ def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -
     if batch.status == "abandoned":
         raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")
     return batch
+
+
+def check_config(batch: Batch, spec: CommitSpec) -> None:
+    """Step 1's end: the batch's config is still the one this run staged under. A run with
+    --accept-config-change may have adopted a new one (and rebuilt the stage) meanwhile."""
+    if spec.config_fingerprint is not None and \
+            batch.config_fingerprint != spec.config_fingerprint:
+        raise StaleConfigError(
+            f"batch {batch.batch_id}: its config changed while this run worked on it "
+            f"(another run took a new config with --accept-config-change); this run's "
+            f"config is stale, so it commits nothing. Re-run the batch with the current "
+            f"pipeline config")
 
 
 def already_committed(batch: Batch) -> CommitResult:
@@ -202,9 +232,17 @@ def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: 
                                      f"parts are staged; not committing")
     per_range = _staged_per_range(cur, batch.batch_id)
     if scan:
-        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2")
+        cur.execute(sql.SQL("SELECT topic, partition, count(*), count(DISTINCT \"offset\") "
+                            "FROM {} GROUP BY 1, 2")
                     .format(stage_table(batch.batch_id)))
-        found = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
+        counted = {f"{t}/{p}": (int(n), int(d)) for t, p, n, d in cur.fetchall()}
+        found = {tp: n for tp, (n, _) in counted.items()}
+        for tp, (n, distinct) in sorted(counted.items()):
+            if n != distinct:  # parts staged under two partitionings of a transform
+                raise StagedRowsLostError(
+                    batch.batch_id, None,
+                    f"the stage holds {n} rows of {tp} but only {distinct} distinct offsets "
+                    f"(some were staged twice)")
         for tp in sorted(set(found) | set(per_range)):
             if found.get(tp, 0) != per_range.get(tp, 0):
                 raise StagedRowsLostError(
@@ -214,13 +252,38 @@ def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: 
     return staged, per_range
 
 
+def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
+    """Before staging on the transform path: parts are numbered by the Spark partitions of
+    the transform's output, so an earlier attempt's markers only mean something under the
+    same layout. A different (or unrecorded) one drops earlier staging, in one transaction
+    with recording the new layout. Returns whether staging was dropped."""
+    with ledger.transaction() as cur:
+        cur.execute("SELECT stage_layout FROM offsetflow.batches WHERE batch_id = %s "
+                    "FOR UPDATE", (batch_id,))
+        row = cur.fetchone()
+        if row is None or row[0] == layout:
+            return False
+        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
+                    "WHERE batch_id = %s)", (batch_id,))
+        found = cur.fetchone()
+        staged = bool(found and found[0])
+        if staged:
+            ledger._drop_staging(cur, batch_id)
+            log.warning("batch %d: the transform's partitioning changed (%s -> %s); staged "
+                        "data of earlier attempts was dropped and the ranges are read again",
+                        batch_id, row[0] or "unrecorded", layout)
+        cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
+                    (layout, batch_id))
+        return staged
+
+
 def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, staged: int,
               timings: dict[str, float] | None) -> Moved:
     """Step 4 for the whole stage at once."""
     moved = Moved()
     stage = stage_table(batch.batch_id)
     if batch.kind in ("replay", "backfill"):
-        delete_range_rows(cur, batch, spec.dead_letter_table)
+        delete_range_rows(cur, batch, spec)
     if spec.quality_routes:
         assert spec.dead_letter_table is not None
         moved.dead += route_quality_failures(cur, batch, spec.dead_letter_table, stage,
@@ -423,17 +486,26 @@ def _fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
                      reason))
 
 
-def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch,
-                       dead_letter_table: str | None) -> None:
-    """Replay/backfill: what the ranges produced before is replaced, not duplicated."""
+def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec) -> None:
+    """Replay/backfill: what the ranges produced before is replaced, not duplicated. In an
+    upsert target, rows of another incarnation of the topic (deleted and recreated, same
+    offsets again) are not the window's and stay."""
+    other_incarnation: sql.Composable = sql.SQL("")
+    if spec.mode == "upsert":
+        other_incarnation = sql.SQL(
+            " AND NOT COALESCE({tid} <> (SELECT topic_id FROM offsetflow.batch_ranges WHERE "
+            "batch_id = %s AND topic = %s AND partition = %s), false)").format(
+                tid=sql.Identifier(TOPIC_ID_COLUMN))
     for r in batch.ranges:
+        args: tuple[object, ...] = (r.topic, r.partition, r.from_offset, r.until_offset)
+        if spec.mode == "upsert":
+            args += (batch.batch_id, r.topic, r.partition)
         cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
-                            "AND \"offset\" >= %s AND \"offset\" < %s").format(
-                                qualified(batch.target_table)),
-                    (r.topic, r.partition, r.from_offset, r.until_offset))
-        if dead_letter_table:
+                            "AND \"offset\" >= %s AND \"offset\" < %s{}").format(
+                                qualified(batch.target_table), other_incarnation), args)
+        if spec.dead_letter_table:
             cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
                                 "AND partition = %s AND \"offset\" >= %s "
-                                "AND \"offset\" < %s").format(qualified(dead_letter_table)),
+                                "AND \"offset\" < %s").format(
+                                    qualified(spec.dead_letter_table)),
                         (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))
-

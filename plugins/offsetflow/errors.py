@@ -184,6 +184,12 @@ class StagedRowsLostError(StagingIncompleteError):
             f"dropped and the next run re-stages them from Kafka")
 
 
+class StaleConfigError(BatchStateError):
+    """The batch's recorded config changed while this run worked on it (another run took a
+    new config with --accept-config-change and rebuilt the stage): this run's commit would
+    mix two configs' output, so it commits nothing. Re-run with the batch's current config."""
+
+
 class CommitLockTimeoutError(OffsetFlowError):
     """The commit waited too long for a lock another session holds (often a driver that died
     without closing its connection). Names the batch and the holder."""

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from offsetflow.commit import CommitResult, CommitSpec, check_fence, commit_batch
+from offsetflow.commit import (
+    CommitResult,
+    CommitSpec,
+    check_fence,
+    claim_stage_layout,
+    commit_batch,
+)
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
 from offsetflow.dead_letters import Coordinate
 from offsetflow.errors import (
@@ -341,6 +347,14 @@ def to_stage_form(df: DataFrame) -> DataFrame:
     return df.select(*cols)
 
 
+def transform_layout(spark: SparkSession) -> str:
+    """What decides how the transform path's output is split into stage parts, besides the
+    config (whose changes `config_drift` handles): Spark's shuffle partitioning."""
+    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.enabled",
+            "spark.sql.adaptive.coalescePartitions.enabled")
+    return json.dumps({k: spark.conf.get(k, None) for k in keys}, sort_keys=True)
+
+
 def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
               accept_config_change: bool = False) -> RunReport:
     """Read, stage and commit one planned batch. Safe to retry: a committed batch is a
@@ -375,6 +389,7 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             # what an earlier attempt staged was shaped by the old config (its format, its
             # split into parts): it must not be reused under the new one
             ledger.adopt_config(batch_id, cfg.fingerprint(), cfg.spark.max_offsets_per_task)
+            batch = dataclasses.replace(batch, config_fingerprint=cfg.fingerprint())
             if drift.output_changed:
                 log.warning("batch %d: config change accepted; its staged data from earlier "
                             "attempts was dropped and the ranges are read again", batch_id)
@@ -496,6 +511,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
+    if not fused:
+        claim_stage_layout(ledger, batch.batch_id, transform_layout(spark))
     create_stage_tables(dsn, batch.batch_id, columns, parts=n if fused else 0)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
@@ -504,7 +521,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
-                      bad_records_staged=cfg.bad_records == "dead_letter")
+                      bad_records_staged=cfg.bad_records == "dead_letter",
+                      config_fingerprint=batch.config_fingerprint)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None

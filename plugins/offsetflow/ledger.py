@@ -77,10 +77,12 @@ class Batch:
 # Server-side settings of every OffsetFlow session (libpq `options`):
 #  - READ COMMITTED whatever the database's default: `PartwiseCommit` polls for new stage
 #    markers inside one long transaction, and under `repeatable read` it would never see them;
+#  - TimeZone UTC: timestamps rendered as text (deleted_keys' JSON keys) never depend on a
+#    server's or role's default;
 #  - TCP keepalives on the server's socket: a driver whose host dies mid-commit (no FIN, no
 #    RST) loses its session, and the row locks its commit holds, in about a minute instead
 #    of the kernel's ~2 h (settings every supported PostgreSQL version knows).
-SESSION_OPTIONS = ("-c default_transaction_isolation=read\\ committed "
+SESSION_OPTIONS = ("-c default_transaction_isolation=read\\ committed -c timezone=UTC "
                    "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
                    "-c tcp_keepalives_count=3")
 # libpq's keepalives: the client side notices a dead server the same way

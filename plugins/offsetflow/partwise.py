@@ -35,6 +35,7 @@ from offsetflow.commit import (
     _fence_and_advance,
     already_committed,
     append_part,
+    check_config,
     check_fence,
     check_staged,
     delete_range_rows,
@@ -108,11 +109,13 @@ class PartwiseCommit:
         bid = self.batch.batch_id
         try:
             with Ledger(self.dsn) as ledger, ledger.transaction() as cur, \
-                    lock_errors(self.dsn, bid):
+                    lock_errors(self.dsn, bid, ledger.conn.get_backend_pid()):
                 batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
                 moving = batch.is_open
+                if moving:  # held from here to COMMIT: no run can adopt a config meanwhile
+                    check_config(batch, self.spec)
                 if moving and batch.kind in ("replay", "backfill"):  # a
-                    delete_range_rows(cur, batch, self.spec.dead_letter_table)
+                    delete_range_rows(cur, batch, self.spec)
                 moved = Moved()
                 while not self._finish.is_set():  # b
                     if moving:

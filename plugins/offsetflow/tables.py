@@ -21,6 +21,9 @@ from offsetflow.ledger import (
 )
 
 LINEAGE_COLUMN = "_offsetflow_batch_id"
+# upsert targets: the Kafka topic id of the incarnation a row's record came from, so a topic
+# deleted and recreated (offsets from 0 again) orders after the old one (offsetflow.upsert)
+TOPIC_ID_COLUMN = "_offsetflow_topic_id"
 COORDINATES = ("topic", "partition", "offset")
 # the coordinates' index compares integers first: inserting a 1M-row batch into the unique
 # index costs ~15-30% less than with the topic text first (measured; same uniqueness)
@@ -39,6 +42,12 @@ _SIMPLE_TYPES = {
     "date": "date", "binary": "bytea", "void": "text",
 }
 _DECIMAL = re.compile(r"^decimal\((\d+),(\d+)\)$")
+
+
+def canonical_table(table: str) -> str:
+    """`schema.table` for a validated sink table name: `orders` and `public.orders` are the
+    same table (as `qualified` quotes them) and must be one key in the ledger."""
+    return table if "." in table else f"public.{table}"
 
 
 def pg_type(spark_type: str) -> str:
@@ -132,6 +141,8 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
         cols: list[sql.Composable] = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
                                       for c, t in columns]
         cols.append(sql.SQL("{} bigint NOT NULL").format(sql.Identifier(LINEAGE_COLUMN)))
+        if mode == "upsert":
+            cols.append(sql.SQL("{} text").format(sql.Identifier(TOPIC_ID_COLUMN)))
         cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
             qualified(table), sql.SQL(", ").join(cols)))
         coords = sql.SQL(", ").join(sql.Identifier(c) for c in COORDINATE_INDEX_ORDER)
@@ -148,6 +159,11 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
         raise SchemaMismatchError(
             f"target table {table} exists but lacks column(s) {missing}; add them or "
             f"point sink.table at a new table")
+    if mode == "upsert" and TOPIC_ID_COLUMN not in have:
+        # an upsert target of an earlier version: nullable, so a catalog-only change; its
+        # rows compare by offset alone until rewritten
+        cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} text").format(
+            qualified(table), sql.Identifier(TOPIC_ID_COLUMN)))
     _ensure_guard(cur, table, mode, key)
 
 

@@ -4,10 +4,13 @@ The rule (README "Upsert"): Kafka orders records within a partition by offset, s
   - within one partition the record with the highest offset wins, whatever its timestamp;
   - a target row is replaced (or deleted by a tombstone) only by a record at the same or a
     later offset of the same topic-partition: a replay or backfill of an old window never
-    moves a key backwards, and re-applying the same record is a no-op;
+    moves a key backwards, and re-applying the same record is a no-op; a later incarnation
+    of the topic (deleted and recreated: offsets from 0 again) always wins over an older one;
   - a key in several partitions (a producer that does not partition by key, or partitions
-    added since) is ordered across partitions by record timestamp, ties broken by topic and
-    partition; without a `timestamp` column (a transform dropped it) the later commit wins.
+    added since) is ordered across partitions by ONE strict total order, used within a
+    batch, across batches and against deleted keys alike, so a replay never flips it:
+    (timestamp with NULL lowest, topic, partition); without a `timestamp` column (a
+    transform dropped it) (topic, partition).
 Rows whose key columns are NULL, and tombstones under `tombstones: dead_letter`, go to the
 dead-letter table in this same transaction. A tombstone (`value IS NULL`) under `delete`
 removes its key's row by the same rule and is remembered in `offsetflow.deleted_keys` with its
@@ -24,21 +27,44 @@ from psycopg2 import sql
 
 from offsetflow.dead_letters import dead_letters_from
 from offsetflow.ledger import Batch, qualified
-from offsetflow.tables import LINEAGE_COLUMN
+from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN, canonical_table
 
 WINNERS = sql.Identifier("offsetflow_winners")
 
 
 def newer_or_same(new: str, old: str, has_timestamp: bool) -> sql.Composable:
-    """SQL: record `new` may replace row `old` (aliases), by the module's rule."""
+    """SQL: record `new` may replace row `old` (aliases), by the module's rule.
+
+    Same topic-partition: a later topic incarnation always wins (`offsetflow.topic_epoch`
+    orders topic ids); within one incarnation, or when either id is unknown, the offset
+    (`>=`: re-applying the same record is a no-op). Across partitions one strict total order,
+    the same as within a batch (`order_across`): (timestamp, NULL first; topic; partition)."""
     n, o = sql.Identifier(new), sql.Identifier(old)
-    cross = (sql.SQL("({n}.\"timestamp\" >= {o}.\"timestamp\" OR {o}.\"timestamp\" IS NULL "
-                     "OR {n}.\"timestamp\" IS NULL)") if has_timestamp else sql.SQL("true"))
+    tid = sql.Identifier(TOPIC_ID_COLUMN)
     return sql.SQL(
-        "(({n}.topic = {o}.topic AND {n}.partition = {o}.partition "
-        "AND {n}.\"offset\" >= {o}.\"offset\") OR (({n}.topic <> {o}.topic "
-        "OR {n}.partition <> {o}.partition) AND {cross}))").format(
-            n=n, o=o, cross=cross.format(n=n, o=o))
+        "(CASE WHEN {n}.topic = {o}.topic AND {n}.partition = {o}.partition THEN "
+        "COALESCE(CASE WHEN {n}.{tid} <> {o}.{tid} THEN offsetflow.topic_epoch({n}.topic, "
+        "{n}.{tid}) > offsetflow.topic_epoch({o}.topic, {o}.{tid}) END, "
+        "{n}.\"offset\" >= {o}.\"offset\") "
+        "ELSE {nk} > {ok} END)").format(
+            n=n, o=o, tid=tid, nk=_across_key(new, has_timestamp),
+            ok=_across_key(old, has_timestamp))
+
+
+def _across_key(alias: str, has_timestamp: bool) -> sql.Composable:
+    """The row compared across partitions; without a timestamp column, topic and partition
+    alone (a fixed order rather than "the later commit", which a replay would flip)."""
+    a = sql.Identifier(alias)
+    ts = (sql.SQL("COALESCE({a}.\"timestamp\", '-infinity'::timestamptz), ").format(a=a)
+          if has_timestamp else sql.SQL(""))
+    return sql.SQL("ROW({ts}{a}.topic, {a}.partition)").format(ts=ts, a=a)
+
+
+def order_across(has_timestamp: bool) -> sql.Composable:
+    """ORDER BY terms, highest first, of the same order as `_across_key`."""
+    ts = (sql.SQL("COALESCE(\"timestamp\", '-infinity'::timestamptz) DESC, ")
+          if has_timestamp else sql.SQL(""))
+    return sql.SQL("{ts}topic DESC, partition DESC").format(ts=ts)
 
 
 def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Composable,
@@ -64,15 +90,19 @@ def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Compo
             "tombstone")
         keep = sql.SQL("({}) AND s.value IS NOT NULL").format(keep)
     cols = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
-    across = sql.SQL("\"timestamp\" DESC NULLS LAST, ") if has_ts else sql.SQL("")
-    # the last record of each key in each partition, then one of those per key
+    # the last record of each key in each partition, then one of those per key, with the
+    # topic id of the batch's range it came from
     cur.execute(sql.SQL("DROP TABLE IF EXISTS {w}").format(w=WINNERS))
     cur.execute(sql.SQL(
-        "CREATE TEMP TABLE {w} ON COMMIT DROP AS SELECT DISTINCT ON ({k}) * FROM ("
+        "CREATE TEMP TABLE {w} ON COMMIT DROP AS SELECT last.*, br.topic_id AS {tid} FROM ("
+        "SELECT DISTINCT ON ({k}) * FROM ("
         "SELECT DISTINCT ON ({k}, topic, partition) {cols} FROM {src} WHERE {keep} "
-        "ORDER BY {k}, topic, partition, \"offset\" DESC) last "
-        "ORDER BY {k}, {across}topic DESC, partition DESC").format(
-            w=WINNERS, k=key_list, cols=cols, src=src, keep=keep, across=across))
+        "ORDER BY {k}, topic, partition, \"offset\" DESC) per_partition "
+        "ORDER BY {k}, {across}) last LEFT JOIN offsetflow.batch_ranges br "
+        "ON br.batch_id = %s AND br.topic = last.topic AND br.partition = last.partition"
+        ).format(w=WINNERS, k=key_list, cols=cols, src=src, keep=keep,
+                 across=order_across(has_ts), tid=sql.Identifier(TOPIC_ID_COLUMN)),
+        (batch.batch_id,))
     target = qualified(batch.target_table)
     deleted = 0
     live: sql.Composable = sql.SQL("true")
@@ -86,15 +116,17 @@ def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Compo
         live = sql.SQL("w.value IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
                        "offsetflow.deleted_keys d WHERE d.target_table = {tt} AND d.key = "
                        "{jk} AND NOT {rule})").format(
-                           tt=sql.Literal(batch.target_table), jk=_json_key("w", keys),
+                           tt=sql.Literal(canonical_table(batch.target_table)),
+                           jk=_json_key("w", keys),
                            rule=newer_or_same("w", "d", has_ts))
     updates = sql.SQL(", ").join(
         sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
-        for c in [*columns, LINEAGE_COLUMN] if c not in key)
+        for c in [*columns, LINEAGE_COLUMN, TOPIC_ID_COLUMN] if c not in key)
     cur.execute(sql.SQL(
-        "INSERT INTO {t} AS t ({cols}, {lin}) SELECT {wcols}, %s FROM {w} w WHERE {live} "
-        "ON CONFLICT ({k}) DO UPDATE SET {updates} WHERE {rule}").format(
-            t=target, cols=cols, lin=sql.Identifier(LINEAGE_COLUMN), w=WINNERS, live=live,
+        "INSERT INTO {t} AS t ({cols}, {lin}, {tid}) SELECT {wcols}, %s, w.{tid} FROM {w} w "
+        "WHERE {live} ON CONFLICT ({k}) DO UPDATE SET {updates} WHERE {rule}").format(
+            t=target, cols=cols, lin=sql.Identifier(LINEAGE_COLUMN),
+            tid=sql.Identifier(TOPIC_ID_COLUMN), w=WINNERS, live=live,
             wcols=sql.SQL(", ").join(sql.SQL("w.{}").format(sql.Identifier(c))
                                      for c in columns),
             k=key_list, updates=updates, rule=newer_or_same("excluded", "t", has_ts)),
@@ -113,11 +145,12 @@ def _remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch,
     ts = sql.SQL("w.\"timestamp\"") if has_ts else sql.SQL("NULL::timestamptz")
     cur.execute(sql.SQL(
         "INSERT INTO offsetflow.deleted_keys AS d (target_table, key, topic, partition, "
-        "\"offset\", \"timestamp\", batch_id) SELECT %s, {jk}, w.topic, w.partition, "
-        "w.\"offset\", {ts}, %s FROM {w} w WHERE w.value IS NULL "
+        "\"offset\", \"timestamp\", {tid}, batch_id) SELECT %s, {jk}, w.topic, w.partition, "
+        "w.\"offset\", {ts}, w.{tid}, %s FROM {w} w WHERE w.value IS NULL "
         "ON CONFLICT (target_table, key) DO UPDATE SET topic = EXCLUDED.topic, "
         "partition = EXCLUDED.partition, \"offset\" = EXCLUDED.\"offset\", "
-        "\"timestamp\" = EXCLUDED.\"timestamp\", batch_id = EXCLUDED.batch_id "
-        "WHERE {rule}").format(jk=_json_key("w", keys), ts=ts, w=WINNERS,
-                               rule=newer_or_same("excluded", "d", True)),
-        (batch.target_table, batch.batch_id))
+        "\"timestamp\" = EXCLUDED.\"timestamp\", {tid} = EXCLUDED.{tid}, "
+        "batch_id = EXCLUDED.batch_id WHERE {rule}").format(
+            jk=_json_key("w", keys), ts=ts, w=WINNERS, tid=sql.Identifier(TOPIC_ID_COLUMN),
+            rule=newer_or_same("excluded", "d", has_ts)),
+        (canonical_table(batch.target_table), batch.batch_id))

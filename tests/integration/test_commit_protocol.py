@@ -92,6 +92,37 @@ def test_commit_waiting_on_a_lock_gives_up_naming_batch_and_holder(
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
 
 
+def test_lock_timeout_names_only_the_session_that_blocks(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the commit's own session, not a healthy commit of another pipeline that holds row
+    locks on other ledger rows meanwhile: only the real blocker (review item 7)."""
+    monkeypatch.setenv("OFFSETFLOW_COMMIT_LOCK_TIMEOUT_S", "3")
+    topic = make_topic("lockb", 1)
+    produce_plain(kafka_bootstrap, topic, 50, f"lb{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"lockb_{unique}")
+    other = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"lockother_{unique}")
+    assert run_cycle(cfg, pg_dsn, spark).report is not None  # positions exist
+    produce_plain(kafka_bootstrap, topic, 50, f"lb2{unique}", 1)
+    planned, other_planned = plan_only(cfg, pg_dsn), plan_only(other, pg_dsn)
+    assert planned.batch is not None and other_planned.batch is not None
+    healthy = psycopg2.connect(pg_dsn, application_name="healthy-other-commit")
+    try:
+        with healthy.cursor() as cur:  # another pipeline's commit, in the middle of step 1
+            cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                        (other_planned.batch.batch_id,))
+            with chaos.hold_positions(pg_dsn, cfg.name), \
+                    pytest.raises(CommitLockTimeoutError) as err:
+                run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+        healthy.rollback()
+    finally:
+        healthy.close()
+    msg = str(err.value)
+    assert "offsetflow-chaos" in msg
+    assert "healthy-other-commit" not in msg and msg.count("pid ") == 1, msg
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.status == "committed"
+
+
 @pytest.fixture
 def repeatable_read_dsn(admin_dsn: str, unique: str) -> Iterator[str]:
     """A database whose default isolation is REPEATABLE READ, with the ledger."""
@@ -165,3 +196,57 @@ def test_long_target_names_get_their_own_guard_index(pg_dsn: str, kafka_bootstra
     with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
         ensure_target(cur, short, cols, "append", [])
     assert [c for _, c in _unique_indexes(pg_dsn, short)] == [guard]
+
+
+def test_sessions_render_timestamps_in_utc_whatever_the_server_default(
+        repeatable_read_dsn: str, admin_dsn: str) -> None:
+    """deleted_keys stores timestamptz key columns as JSON text: the session's TimeZone must
+    not change it (review item 9)."""
+    name = psycopg2.extensions.parse_dsn(repeatable_read_dsn)["dbname"]
+    conn = psycopg2.connect(admin_dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'America/New_York'").format(
+            sql.Identifier(name)))
+    conn.close()
+    ours = connect(repeatable_read_dsn)
+    try:
+        with ours, ours.cursor() as cur:
+            cur.execute("SELECT current_setting('TimeZone'), "
+                        "jsonb_build_array('2024-01-01 00:00:00+00'::timestamptz)::text")
+            assert cur.fetchone() == ("UTC", '["2024-01-01T00:00:00+00:00"]')
+    finally:
+        ours.close()
+
+
+def test_commit_refuses_when_another_run_changed_the_batch_config(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run still on the old config (a zombie) must not commit a stage that a run with
+    --accept-config-change rebuilt under a new one (review item 6)."""
+    import offsetflow.job as job
+    from offsetflow.errors import StaleConfigError
+
+    topic = make_topic("cfgz", 1)
+    produce_plain(kafka_bootstrap, topic, 20, f"cz{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"cfgz_{unique}", mode="upsert",
+                       key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def adopted_meanwhile(*args: Any, **kw: Any) -> Any:
+        conn = psycopg2.connect(pg_dsn)
+        try:
+            with conn, conn.cursor() as cur:  # what adopt_config of the other run recorded
+                cur.execute("UPDATE offsetflow.batches SET config_fingerprint = 'other-run' "
+                            "WHERE batch_id = %s", (bid,))
+        finally:
+            conn.close()
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", adopted_meanwhile)
+    with pytest.raises(StaleConfigError, match=f"batch {bid}: its config changed"):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*) FROM cfgz_{unique}")[0][0] == 0

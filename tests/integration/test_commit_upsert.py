@@ -146,6 +146,9 @@ def test_tombstones_delete_keys_in_upsert_mode(spark: Any, pg_dsn: str, kafka_bo
     produce(kafka_bootstrap, topic, [("k2", None, None)])  # a later batch deletes k2
     run_cycle(cfg, pg_dsn, spark)
     assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 0
+    # remembered under the canonical name: `t` and `public.t` are one table (review item 9)
+    assert query(pg_dsn, "SELECT DISTINCT target_table FROM offsetflow.deleted_keys "
+                         "WHERE target_table LIKE %s", (f"%{table}",)) == [(f"public.{table}",)]
 
 
 def test_tombstones_as_dead_letters_in_upsert_mode(spark: Any, pg_dsn: str,
@@ -251,3 +254,69 @@ def test_a_key_in_two_partitions_is_ordered_by_timestamp_and_replay_keeps_the_ne
                                      started_by="test", moves_positions=False)
     assert run_batch(spark, cfg, replay, pg_dsn).result.status == "committed"
     assert rows(pg_dsn, table) == {"a": 3.0}  # the replayed older record does not win
+
+
+def _recreate_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic])[topic].result(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:  # the controller finishes the deletion asynchronously
+        try:
+            admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def test_upsert_after_the_topic_was_deleted_and_recreated(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Offsets start again at 0 in a recreated topic: its records are newer than every row
+    of the old incarnation, whatever their offsets (review item 1)."""
+    topic = make_topic("upi", 1)
+    produce(kafka_bootstrap, topic, [("gone", b"old", None)]
+            + [("k", f"v1@{i}".encode(), None) for i in range(1, 21)])
+    table = f"upi_{unique}"
+    cfg = raw_pipeline(topic, pg_dsn, kafka_bootstrap, table, "upsert")
+    run_until_caught_up(cfg, pg_dsn, spark)
+
+    def state() -> dict[bytes, bytes]:
+        return {bytes(k): bytes(v) for k, v in query(pg_dsn, f"SELECT key, value FROM {table}")}
+
+    assert state() == {b"gone": b"old", b"k": b"v1@20"}
+    _recreate_topic(kafka_bootstrap, topic, 1)
+    with Ledger(pg_dsn) as ledger:  # reset-position, as the operator does after recreation
+        ledger.set_position(cfg.name, topic, 0, 0, "topic recreated")
+        with ledger.transaction() as cur:  # what reset-position records (another branch)
+            cur.execute("UPDATE offsetflow.positions SET topic_id = NULL WHERE pipeline = %s",
+                        (cfg.name,))
+    produce(kafka_bootstrap, topic, [("k", b"v2", None), ("gone", None, None)])
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert state() == {b"k": b"v2"}
+    produce(kafka_bootstrap, topic, [("gone", b"back", None)])  # offset 2 > the tombstone's
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert state() == {b"k": b"v2", b"gone": b"back"}
+
+
+def test_a_timestamp_tie_across_partitions_is_decided_the_same_in_and_across_batches(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """One strict order (timestamp, topic, partition) for a key in two partitions: within a
+    batch the higher partition wins a tie, so across batches it must too (review item 2)."""
+    topic = make_topic("upq", 2)
+    ts = int(time.time() * 1000)
+    table = f"upq_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])
+    # in one batch: partition 1 wins the tie
+    produce(kafka_bootstrap, topic, [("a", ev("a", 1.0), ts)], partition=1)
+    produce(kafka_bootstrap, topic, [("a", ev("a", 0.0), ts)], partition=0)
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert rows(pg_dsn, table) == {"a": 1.0}
+    # the same tie split over two batches: a later commit of partition 0 does not win it
+    produce(kafka_bootstrap, topic, [("b", ev("b", 1.0), ts)], partition=1)
+    run_until_caught_up(cfg, pg_dsn, spark)
+    produce(kafka_bootstrap, topic, [("b", ev("b", 0.0), ts)], partition=0)
+    run_until_caught_up(cfg, pg_dsn, spark)
+    assert rows(pg_dsn, table) == {"a": 1.0, "b": 1.0}

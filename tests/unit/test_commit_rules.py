@@ -8,7 +8,7 @@ import pytest
 
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError
-from offsetflow.tables import index_name
+from offsetflow.tables import canonical_table, index_name
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
 
@@ -66,3 +66,8 @@ def test_index_names_are_unique_and_fit_63_bytes() -> None:
                                                   stem + "y" * 8, "é" * 40)}
     assert len(names) == 5
     assert all(len(n.encode()) <= 63 and n.endswith("_coords_uq") for n in names)
+
+
+def test_canonical_table_names_one_table_one_way() -> None:
+    assert canonical_table("orders") == canonical_table("public.orders") == "public.orders"
+    assert canonical_table("raw.orders") == "raw.orders"

@@ -1,0 +1,98 @@
+"""The transform path's staging layout on real services (review item 4): Spark's partitions
+of a transform's output are the stage parts, so a changed `spark.sql.shuffle.partitions`
+between attempts of a batch must drop earlier staging, never commit half of it or wedge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from offsetflow.job import run_batch
+from offsetflow.runner import plan_only
+from tests.integration.helpers import pipeline_for, produce_plain, query
+
+FAIL_CONF = "offsetflow.test.fail_upper_half"
+
+
+def repartition_by_conf(df: Any) -> Any:
+    """Shuffles into spark.sql.shuffle.partitions parts (explicit, so AQE keeps the count);
+    with FAIL_CONF set, the upper half of them fails, as a task killed mid-batch would."""
+    from pyspark.sql import functions as F
+
+    conf = df.sparkSession.conf
+    n = int(conf.get("spark.sql.shuffle.partitions"))
+    out = df.repartition(n)
+    if conf.get(FAIL_CONF, "false") == "true":
+        out = out.withColumn("value", F.when(F.spark_partition_id() >= n // 2,
+                                             F.raise_error(F.lit("injected task failure")))
+                             .otherwise(F.col("value")))
+    return out
+
+
+def test_changed_shuffle_partitions_between_attempts_restage_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    topic = make_topic("lay", 1)
+    produce_plain(kafka_bootstrap, topic, 400, f"ly{unique}", 1)
+    table = f"lay_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       transform="tests.integration.test_commit_layout.repartition_by_conf")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    before = spark.conf.get("spark.sql.shuffle.partitions")
+    try:
+        spark.conf.set("spark.sql.shuffle.partitions", "8")
+        spark.conf.set(FAIL_CONF, "true")
+        with pytest.raises(Exception, match="injected task failure"):
+            run_batch(spark, cfg, bid, pg_dsn)
+        staged = query(pg_dsn, "SELECT count(*) FROM offsetflow.staged_parts "
+                               "WHERE batch_id = %s AND kind = 'rows'", (bid,))[0][0]
+        assert 0 < staged < 8  # the lower parts were staged before the job failed
+        spark.conf.set(FAIL_CONF, "false")
+        spark.conf.set("spark.sql.shuffle.partitions", "4")
+        assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", before)
+        spark.conf.unset(FAIL_CONF)
+    got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
+    assert got == (400, 400)
+
+
+def test_a_stage_holding_an_offset_twice_is_refused_and_restaged(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows staged twice (parts of two partitionings, markers that add up) are never
+    committed, and do not wedge the batch: the stage is dropped and staged again."""
+    import offsetflow.job as job
+    from offsetflow.errors import StagedRowsLostError
+
+    topic = make_topic("dup", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"dp{unique}", 1)
+    table = f"dup_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
+                       transform="tests.integration.test_commit_layout.repartition_by_conf")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def stage_one_twice(*args: Any, **kw: Any) -> Any:
+        tp = f"{topic}/0"
+        query(pg_dsn, f"INSERT INTO offsetflow_stage.b{bid} SELECT * FROM "
+                      f"offsetflow_stage.b{bid} WHERE \"offset\" = 7 RETURNING 1")
+        query(pg_dsn, "UPDATE offsetflow.staged_parts SET rows_staged = rows_staged + 1, "
+                      "per_partition = jsonb_set(per_partition, ARRAY[%s, '0'], "
+                      "to_jsonb((per_partition->%s->>0)::bigint + 1)) WHERE batch_id = %s "
+                      "AND kind = 'rows' AND part = (SELECT min(part) FROM "
+                      "offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows' "
+                      "AND per_partition ? %s) RETURNING 1", (tp, tp, bid, bid, tp))
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", stage_one_twice)
+    with pytest.raises(StagedRowsLostError, match="distinct offsets"):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0] == \
+        (100, 100)
