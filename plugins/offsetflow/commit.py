@@ -24,11 +24,9 @@ same steps, step 4 part by part while the batch is still being read):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import psycopg2
@@ -36,10 +34,10 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
+from offsetflow.commit_locks import lock_errors, lock_timeout_s
 from offsetflow.dead_letters import Coordinate, dead_letters_from, route_quality_failures
 from offsetflow.errors import (
     BatchStateError,
-    CommitLockTimeoutError,
     FencedCommitError,
     StagedRowsLostError,
     StagingIncompleteError,
@@ -48,19 +46,16 @@ from offsetflow.errors import (
 from offsetflow.ledger import (
     Batch,
     Ledger,
-    connect,
     dead_letter_stage_table,
     qualified,
-    stage_part_table,
     stage_table,
 )
+from offsetflow.stage_reset import forget_parts
 from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.upsert import apply_upsert
 
 log = logging.getLogger(__name__)
 
-LOCK_TIMEOUT_ENV = "OFFSETFLOW_COMMIT_LOCK_TIMEOUT_S"
-DEFAULT_LOCK_TIMEOUT_S = 120.0
 TOMBSTONE_ERROR = "tombstone (null value); the pipeline has tombstones: dead_letter"
 
 
@@ -113,10 +108,6 @@ class Moved:
     per_range: dict[str, int] = field(default_factory=dict)
 
 
-def lock_timeout_s() -> float:
-    return float(os.environ.get(LOCK_TIMEOUT_ENV, DEFAULT_LOCK_TIMEOUT_S))
-
-
 def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
                  timings: dict[str, float] | None = None) -> CommitResult:
     """Steps 1-6 in one transaction; see the module docstring."""
@@ -136,56 +127,6 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
     except StagedRowsLostError as e:
         forget_parts(ledger.dsn, batch_id, e.parts)
         raise
-
-
-@contextlib.contextmanager
-def lock_errors(dsn: str, batch_id: int, own_pid: int) -> Iterator[None]:
-    """Turns a lock wait cut by `lock_timeout` into `CommitLockTimeoutError` naming the
-    session that blocks (`own_pid`: the commit's own session, never named)."""
-    try:
-        yield
-    except psycopg2.errors.LockNotAvailable as e:
-        raise CommitLockTimeoutError(
-            f"batch {batch_id}: the commit waited more than {lock_timeout_s():.0f}s for a "
-            f"lock held by {lock_holders(dsn, batch_id, own_pid)}; if that is a run "
-            f"that died, its session ends when TCP keepalives notice (about a minute), or end "
-            f"it with pg_terminate_backend(pid); then re-run the batch") from e
-
-
-def lock_holders(dsn: str, batch_id: int, own_pid: int) -> str:
-    """The sessions whose transactions hold the row locks this commit waits for: the batch
-    row and the pipeline's position rows record their locker's transaction id in `xmax`,
-    and only a running transaction holds that id's lock. The commit's own session and
-    sessions locking other rows (healthy commits of other batches) are never named."""
-    try:
-        conn = connect(dsn)
-        try:
-            with conn, conn.cursor() as cur:
-                cur.execute("""WITH lockers AS (
-                                 SELECT xmax::text AS xid FROM offsetflow.batches
-                                  WHERE batch_id = %(b)s
-                                 UNION SELECT p.xmax::text FROM offsetflow.positions p
-                                   JOIN offsetflow.batches b ON b.pipeline = p.pipeline
-                                  WHERE b.batch_id = %(b)s)
-                               SELECT DISTINCT a.pid, a.application_name, a.client_addr,
-                                      a.state, round(extract(epoch FROM now() - a.xact_start))
-                                 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-                                 JOIN lockers k ON k.xid = l.transactionid::text
-                                WHERE l.locktype = 'transactionid' AND l.granted
-                                  AND l.mode = 'ExclusiveLock' AND k.xid <> '0'
-                                  AND a.pid NOT IN (%(own)s, pg_backend_pid())
-                                ORDER BY a.pid""",
-                            {"b": batch_id, "own": own_pid})
-                rows = cur.fetchall()
-        finally:
-            conn.close()
-    except psycopg2.Error as e:
-        return f"another session (could not list it: {e})"
-    if not rows:
-        return ("another session (not identified: gone by now, or it holds a lock on the "
-                "target table's rows)")
-    return "; ".join(f"pid {pid} ({app or 'no application_name'} from {addr or 'local'}, "
-                     f"{state}, transaction open {age}s)" for pid, app, addr, state, age in rows)
 
 
 def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -> Batch:
@@ -250,31 +191,6 @@ def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: 
                     f"the stage holds {found.get(tp, 0)} rows of {tp} but its markers count "
                     f"{per_range.get(tp, 0)}")
     return staged, per_range
-
-
-def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
-    """Before staging on the transform path: parts are numbered by the Spark partitions of
-    the transform's output, so an earlier attempt's markers only mean something under the
-    same layout. A different (or unrecorded) one drops earlier staging, in one transaction
-    with recording the new layout. Returns whether staging was dropped."""
-    with ledger.transaction() as cur:
-        cur.execute("SELECT stage_layout FROM offsetflow.batches WHERE batch_id = %s "
-                    "FOR UPDATE", (batch_id,))
-        row = cur.fetchone()
-        if row is None or row[0] == layout:
-            return False
-        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
-                    "WHERE batch_id = %s)", (batch_id,))
-        found = cur.fetchone()
-        staged = bool(found and found[0])
-        if staged:
-            ledger._drop_staging(cur, batch_id)
-            log.warning("batch %d: the transform's partitioning changed (%s -> %s); staged "
-                        "data of earlier attempts was dropped and the ranges are read again",
-                        batch_id, row[0] or "unrecorded", layout)
-        cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
-                    (layout, batch_id))
-        return staged
 
 
 def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, staged: int,
@@ -384,29 +300,6 @@ def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[st
         for tp, (n, _lo, _hi) in (per_tp or {}).items():
             per_range[tp] = per_range.get(tp, 0) + int(n)
     return per_range
-
-
-def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
-    """After a refused commit rolled back: drop the named parts' markers and rows (None:
-    the whole stage, bad records included), so the next attempt's tasks stage them again
-    from Kafka."""
-    conn = connect(dsn)
-    try:
-        with conn, conn.cursor() as cur:
-            if parts is None:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
-                            (batch_id,))
-                cur.execute(sql.SQL("TRUNCATE {}, {}").format(
-                    stage_table(batch_id), dead_letter_stage_table(batch_id)))
-            else:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
-                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
-                for part in parts:
-                    cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
-    finally:
-        conn.close()
-    log.warning("batch %d: staged part(s) %s had lost rows and were dropped; the next run "
-                "re-stages them", batch_id, "all" if parts is None else parts)
 
 
 def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch

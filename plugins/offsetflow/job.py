@@ -28,7 +28,6 @@ from offsetflow.commit import (
     CommitResult,
     CommitSpec,
     check_fence,
-    claim_stage_layout,
     commit_batch,
 )
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
@@ -44,6 +43,7 @@ from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.stage_reset import claim_stage_layout
 from offsetflow.staging import (
     BadBuffer,
     BadRows,

@@ -39,14 +39,14 @@ from offsetflow.commit import (
     check_fence,
     check_staged,
     delete_range_rows,
-    forget_parts,
     lock_batch,
-    lock_errors,
     move_stage_dead_letters,
     record_batch,
 )
+from offsetflow.commit_locks import lock_errors
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
 from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
+from offsetflow.stage_reset import forget_parts
 
 log = logging.getLogger(__name__)
 
