@@ -23,6 +23,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
 
 from offsetflow.errors import DataLossError, RangeReadError
+from offsetflow.kafka_retry import RETRIABLE_CODES
 from offsetflow.ranges import OffsetRange
 
 log = logging.getLogger(__name__)
@@ -277,13 +278,11 @@ def _watermarks(consumer: Consumer, r: OffsetRange, limit_s: float = 5.0) -> tup
                 return -1, -1
 
 
-TRANSIENT = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-             KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
-             KafkaError.REQUEST_TIMED_OUT, KafkaError.NETWORK_EXCEPTION,
-             KafkaError.NOT_ENOUGH_REPLICAS, KafkaError._TRANSPORT, KafkaError._TIMED_OUT,
-             KafkaError._ALL_BROKERS_DOWN, KafkaError._MSG_TIMED_OUT,
-             KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.OFFSET_NOT_AVAILABLE,
-             KafkaError.KAFKA_STORAGE_ERROR}
+# planning's "ask again" codes, plus those only a fetch sees (a replica set below
+# min.insync.replicas, a broker's disk error while a leader moves)
+TRANSIENT = RETRIABLE_CODES | frozenset({
+    KafkaError.NETWORK_EXCEPTION, KafkaError.NOT_ENOUGH_REPLICAS, KafkaError._MSG_TIMED_OUT,
+    KafkaError.KAFKA_STORAGE_ERROR})
 
 
 def _retriable(err: object) -> bool:
