@@ -142,7 +142,11 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
         else:
             partitions = [args.partition]
         moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
-                                args.reason, topic_id=topic_id, target_table=cfg.sink.table,
+                                args.reason, topic_id=topic_id,
+                                # upsert rows cannot collide: a recreated topic's records
+                                # replace its old incarnation's (offsetflow.upsert)
+                                target_table=cfg.sink.table if cfg.sink.mode == "append"
+                                else None,
                                 archive_to=args.archive_to,
                                 dead_letter_table=cfg.dead_letter_table)
     for p in partitions:

@@ -545,6 +545,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
             spec = dataclasses.replace(spec, quality_routes=_quality_gate(cfg, batch, dsn,
                                                                           ledger))
             timings["quality_s"] = round(time.monotonic() - t, 3)
+        # checked again before COMMIT: a topic deleted and recreated while the tasks read
+        # gave them the new topic's records under the old one's offsets
+        _check_topic_identity(cfg, ledger, batch)
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))

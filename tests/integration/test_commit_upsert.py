@@ -14,9 +14,11 @@ from confluent_kafka import Producer
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
+from offsetflow.positions import reset_positions
 from offsetflow.ranges import OffsetRange
 from offsetflow.runner import run_cycle, run_until_caught_up
 from tests.integration.helpers import pipeline_for, query
+from tests.integration.test_planning_topic_identity import _recreate
 
 
 def produce(bootstrap: str, topic: str, records: list[tuple[Any, Any, int | None]],
@@ -256,22 +258,6 @@ def test_a_key_in_two_partitions_is_ordered_by_timestamp_and_replay_keeps_the_ne
     assert rows(pg_dsn, table) == {"a": 3.0}  # the replayed older record does not win
 
 
-def _recreate_topic(bootstrap: str, topic: str, partitions: int) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.delete_topics([topic])[topic].result(timeout=30)
-    deadline = time.monotonic() + 60
-    while True:  # the controller finishes the deletion asynchronously
-        try:
-            admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=30)
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
 def test_upsert_after_the_topic_was_deleted_and_recreated(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
     """Offsets start again at 0 in a recreated topic: its records are newer than every row
@@ -287,12 +273,9 @@ def test_upsert_after_the_topic_was_deleted_and_recreated(
         return {bytes(k): bytes(v) for k, v in query(pg_dsn, f"SELECT key, value FROM {table}")}
 
     assert state() == {b"gone": b"old", b"k": b"v1@20"}
-    _recreate_topic(kafka_bootstrap, topic, 1)
+    new_id = _recreate(kafka_bootstrap, topic, 1)
     with Ledger(pg_dsn) as ledger:  # reset-position, as the operator does after recreation
-        ledger.set_position(cfg.name, topic, 0, 0, "topic recreated")
-        with ledger.transaction() as cur:  # what reset-position records (another branch)
-            cur.execute("UPDATE offsetflow.positions SET topic_id = NULL WHERE pipeline = %s",
-                        (cfg.name,))
+        reset_positions(ledger, cfg.name, topic, [0], 0, "topic recreated", topic_id=new_id)
     produce(kafka_bootstrap, topic, [("k", b"v2", None), ("gone", None, None)])
     run_until_caught_up(cfg, pg_dsn, spark)
     assert state() == {b"k": b"v2"}

@@ -213,3 +213,34 @@ def test_continue_plans_past_no_open_batch_of_a_deleted_or_recreated_topic(
     with Ledger(pg_dsn) as ledger:
         assert ledger.get_batch(stale.batch_id).status == "planned"
         assert ledger.data_loss_events(cfg.name) == []
+
+
+def test_topic_recreated_while_the_batch_reads_is_refused_before_commit(
+        tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, unique: str, topic_name: str,
+        spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity check before reading passes; the topic is then deleted and recreated
+    (with as many new records) before the tasks read: what they read is the new topic's,
+    and must not be committed under the old topic's positions."""
+    import offsetflow.job as job
+
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic_name, 2, 1)])[topic_name].result(30)
+    f = _pipeline_file(tmp_path, f"rwr_{unique}", topic_name, pg_dsn, kafka_bootstrap,
+                       starting="earliest")
+    cfg = load_pipeline(f)
+    produce_plain(kafka_bootstrap, topic_name, 100, f"o{unique}", 2)
+    batch = plan_only(cfg, pg_dsn).batch
+    assert batch is not None
+    real = job.create_stage_tables
+
+    def recreate_then_stage(*args: Any, **kwargs: Any) -> Any:
+        _recreate(kafka_bootstrap, topic_name, 2)
+        produce_plain(kafka_bootstrap, topic_name, 100, f"n{unique}", 2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job, "create_stage_tables", recreate_then_stage)
+    with pytest.raises(TopicRecreatedError, match=rf"batch {batch.batch_id}"):
+        run_batch(spark, cfg, batch.batch_id, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*) FROM rwr_{unique}")[0][0] == 0
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic_name, 0): 0, (topic_name, 1): 0}
