@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from offsetflow.errors import StagingIncompleteError
@@ -26,20 +25,6 @@ def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
     return Case(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
 
 
-def _crash_after_staging(case: Case, bid: int) -> None:
-    """The job stages everything and waits in its commit; PostgreSQL then crashes."""
-    proc = None
-    try:
-        with case.job_waiting_to_commit(bid) as proc:
-            chaos.stack("pg-crash")
-    except psycopg2.Error:  # our own lock connection dies with the server (only that)
-        pass
-    finally:
-        chaos.stack("pg-start")
-    assert proc is not None and proc.wait(timeout=120) != 0
-    assert set(case.positions().values()) == {0}  # the start: nothing committed
-
-
 @pytest.mark.parametrize("variant", ["append", "upsert", "transform"])
 def test_postgres_crash_after_staging_rerun_commits_exactly_once(case: Case, spark: Any,
                                                                  variant: str) -> None:
@@ -49,7 +34,7 @@ def test_postgres_crash_after_staging_rerun_commits_exactly_once(case: Case, spa
         case.raw["transform"] = "tests.tooling.chaos.maybe_fail_task"  # rows pass unchanged
     case.write_config()
     bid = case.planned_batch(3000, seed=11)
-    _crash_after_staging(case, bid)
+    case.postgres_down_in_commit(bid, "pg-crash")
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
     assert rep.result.rows_written == len([p for p in case.workload.produced.values()

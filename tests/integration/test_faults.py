@@ -97,6 +97,22 @@ class Case:
             assert chaos.staged_rows(self.dsn, batch_id) > 0, "the fault must come after staging"
             yield proc
 
+    def postgres_down_in_commit(self, batch_id: int, stop: str) -> None:
+        """The job stages everything and waits in its commit; PostgreSQL then goes down
+        (`stop`: the stack.sh command, pg-stop or pg-crash) and comes back. The job must
+        fail, and nothing may be committed. Only our own lock connection's death is
+        expected here: a commit window that never opened is an error, not that."""
+        proc = None
+        try:
+            with self.job_waiting_to_commit(batch_id) as proc:
+                chaos.stack(stop)
+        except psycopg2.Error:
+            pass
+        finally:
+            chaos.stack("pg-start")
+        assert proc is not None and proc.wait(timeout=120) != 0
+        assert set(self.positions().values()) == {0}  # the start: nothing committed
+
     def job_output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""
 
@@ -175,15 +191,7 @@ def test_connection_cut_during_commit_rolls_back_and_retry_commits(case: Case,
 
 def test_postgres_restart_during_commit(case: Case, spark: Any) -> None:
     bid = case.planned_batch(3000, seed=5)
-    proc = None
-    try:
-        with case.job_waiting_to_commit(bid) as proc:
-            chaos.stack("pg-stop")
-    except psycopg2.Error:  # our own lock connection dies with the server (only that)
-        pass
-    finally:
-        chaos.stack("pg-start")
-    assert proc is not None and proc.wait(timeout=120) != 0
+    case.postgres_down_in_commit(bid, "pg-stop")
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 
 from offsetflow.runner import run_until_caught_up
@@ -78,16 +77,7 @@ def test_python_worker_killed_mid_task_is_retried_exactly_once(case: Case,
 def test_postgres_crash_during_append_commit_then_retry_commits_once(case: Case,
                                                                    spark: Any) -> None:
     bid = case.planned_batch(3000, seed=13)
-    proc = None
-    try:
-        with case.job_waiting_to_commit(bid) as proc:
-            chaos.crash_postgres(restart=False)
-    except psycopg2.Error:  # our own lock connection dies with the server (only that)
-        pass
-    finally:
-        chaos.stack("pg-start")
-    assert proc is not None and proc.wait(timeout=120) != 0
-    assert set(case.positions().values()) == {0}  # the start: nothing committed
+    case.postgres_down_in_commit(bid, "pg-crash")
     finish(case, spark, bid)
 
 
