@@ -426,13 +426,13 @@ class Ledger:
                     (reason, batch_id))
         self._drop_staging(cur, batch_id)
 
-    def range_topic_ids(self, batch_id: int) -> dict[str, str]:
+    @staticmethod
+    def range_topic_ids(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[str, str]:
         """The Kafka topic id each topic of a batch had when the batch was planned (topics
         planned without one, before ledger migration 0002, are left out)."""
-        with self.transaction() as cur:
-            cur.execute("""SELECT DISTINCT topic, topic_id FROM offsetflow.batch_ranges
-                            WHERE batch_id = %s AND topic_id IS NOT NULL""", (batch_id,))
-            return {t: i for t, i in cur.fetchall()}
+        cur.execute("""SELECT DISTINCT topic, topic_id FROM offsetflow.batch_ranges
+                        WHERE batch_id = %s AND topic_id IS NOT NULL""", (batch_id,))
+        return {t: i for t, i in cur.fetchall()}
 
     @staticmethod
     def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> None:

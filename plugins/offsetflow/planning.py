@@ -58,9 +58,7 @@ def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, ba
             f"it can never be read. Abandon it (offsetflow abandon --batch-id "
             f"{batch.batch_id} --reason '...'); if the topic comes back, see "
             f"reset-position")
-    cur.execute("""SELECT DISTINCT topic, topic_id FROM offsetflow.batch_ranges
-                    WHERE batch_id = %s AND topic_id IS NOT NULL""", (batch.batch_id,))
-    planned = {t: i for t, i in cur.fetchall()}
+    planned = Ledger.range_topic_ids(cur, batch.batch_id)
     if not planned:
         return
     current = kafka.topic_ids(sorted(planned))
