@@ -134,7 +134,8 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
         validate_table_name("command line", "--archive-to", args.archive_to)
     kafka = kafka_for(cfg)
     kafka.topics([args.topic])  # an unknown topic is an error naming it
-    topic_id = kafka.topic_ids([args.topic])[args.topic]
+    # None where the broker keeps no topic ids (recorded as such; identity is not checked)
+    topic_id = kafka.topic_ids([args.topic]).get(args.topic)
     with Ledger(_dsn(args, cfg)) as ledger:
         if args.all_partitions:
             known = {p for t, p in ledger.positions(cfg.name) if t == args.topic}
