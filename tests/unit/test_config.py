@@ -205,3 +205,36 @@ sink: {{table: orders, connection: "postgresql://h/db"}}
         time.tzset()
     assert cfg.starting.kind == "timestamp"
     assert cfg.starting.timestamp_ms == 1767225600000
+
+
+def test_conn_ids_replace_bootstrap_servers_and_connection() -> None:
+    """With Airflow connections named, the addresses and the DSN may be left out (and no
+    environment variable is needed for them); the ids are on cfg.kafka / cfg.sink."""
+    raw = base(kafka={"conn_id": "kafka_default"},
+               sink={"table": "raw.orders", "conn_id": "offsetflow_pg"})
+    cfg = parse_pipeline(raw, "orders.yaml", {})
+    assert cfg.kafka.conn_id == "kafka_default" and cfg.sink.conn_id == "offsetflow_pg"
+    assert cfg.bootstrap_servers == "" and cfg.sink.connection == ""
+    assert cfg.fingerprint() == parse_pipeline(base(), "orders.yaml", ENV).fingerprint()
+    both = parse_pipeline(base(kafka={"conn_id": "k", "bootstrap_servers": "h:1"}), "o.yaml",
+                          ENV)
+    assert both.kafka.conn_id == "k" and both.bootstrap_servers == "h:1"
+    plain = parse_pipeline(base(), "orders.yaml", ENV)
+    assert plain.kafka.conn_id is None and plain.sink.conn_id is None
+
+
+@pytest.mark.parametrize("raw, field, words", [
+    (base(sink={"table": "t"}), "sink.connection",
+     "OFFSETFLOW_PG_DSN is not set (give sink.connection, or sink.conn_id"),
+    (base(sink={"table": "t", "connection": ""}), "sink.connection",
+     "must not be empty (or give sink.conn_id"),
+    (base(kafka={"bootstrap_servers": " "}), "kafka.bootstrap_servers",
+     "must not be empty (or give kafka.conn_id"),
+    (base(kafka={"conn_id": "bad id!"}), "kafka.conn_id", "is not an Airflow connection id"),
+    (base(sink={"table": "t", "conn_id": 5}), "sink.conn_id", "must be a string"),
+])
+def test_missing_or_bad_connection_names_the_field(raw: dict[str, Any], field: str,
+                                                    words: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        parse_pipeline(raw, "orders.yaml", {})
+    assert ei.value.field == field and words in ei.value.message
