@@ -3,7 +3,9 @@
 The suite runs inside the Spark job's driver, between staging and the commit, on the staged
 rows in PostgreSQL: exactly the batch's data, with no second read of Kafka. Suites live in
 the GX project under `include/gx` (`expectations/<suite>.json`), created and edited with
-GX's own API. Results go to the ledger (`batches.quality`), the task log, and GX Data Docs.
+GX's own API; `configure_project` gives each suite a Checkpoint (Data Docs update as its
+action) once, at set-up time, and a batch only runs it: no run edits the project config.
+Results go to the ledger (`batches.quality`), the task log, and GX Data Docs.
 
 Row-level expectations report the source coordinates of the rows that failed, so the
 `dead_letter` policy can route exactly those rows and commit the rest.
@@ -11,10 +13,8 @@ Row-level expectations report the source coordinates of the rows that failed, so
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,9 @@ from offsetflow.errors import OffsetFlowError
 log = logging.getLogger(__name__)
 
 GX_ROOT = Path(__file__).resolve().parents[2] / "include"
-GX_URL_VAR = "OFFSETFLOW_GX_PG_URL"  # the connection string stays out of great_expectations.yml
+DATASOURCE, ASSET, BATCH_DEFINITION = "offsetflow_batches", "staged_batch", "whole_batch"
+LEGACY_DATASOURCE = "offsetflow_stage"  # per-batch table assets, added at run time before
+COORDINATE_COLUMNS = ("topic", "partition", "offset")
 Coordinate = tuple[str, int, int]
 
 
@@ -137,46 +139,131 @@ def gx_root() -> Path:
     return Path(os.environ.get("OFFSETFLOW_GX_ROOT") or GX_ROOT)
 
 
+def checkpoint_name(suite_name: str) -> str:
+    return f"offsetflow_{suite_name}"
+
+
+def quiet_gx() -> None:
+    """GX's INFO records (datasource saves, store set-up) are detail for the log file, not
+    the console; its metric progress bars are switched off in the project config."""
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+
+
+def configure_project(ctx: Any, suite_names: Sequence[str] | None = None) -> list[str]:
+    """Set-up time, once per project (include/quality/create_suites.py): the dataframe
+    datasource a batch is handed to, and per suite a ValidationDefinition and a Checkpoint
+    whose actions update Data Docs. Run time only reads these (`validate_stage`), so two
+    pipelines validating at once never write the project config. Idempotent; returns the
+    checkpoint names."""
+    import great_expectations as gx
+    from great_expectations.checkpoint import UpdateDataDocsAction
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False,
+                                                     metric_calculations=False)
+    ctx.variables.save()
+    if LEGACY_DATASOURCE in ctx.data_sources.all():  # per-batch table assets of old runs
+        ctx.data_sources.delete(LEGACY_DATASOURCE)
+    try:
+        ds = ctx.data_sources.get(DATASOURCE)
+    except Exception:  # noqa: BLE001 - GX raises its own not-found types
+        ds = ctx.data_sources.add_pandas(DATASOURCE)
+    try:
+        asset = ds.get_asset(ASSET)
+    except Exception:  # noqa: BLE001
+        asset = ds.add_dataframe_asset(ASSET)
+    try:
+        batch_def = asset.get_batch_definition(BATCH_DEFINITION)
+    except Exception:  # noqa: BLE001
+        batch_def = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
+    names = list(suite_names) if suite_names is not None else [s.name for s in ctx.suites.all()]
+    out = []
+    for suite_name in names:
+        suite = ctx.suites.get(suite_name)
+        name = checkpoint_name(suite_name)
+        vd = ctx.validation_definitions.add_or_update(
+            gx.ValidationDefinition(name=name, data=batch_def, suite=suite))
+        ctx.checkpoints.add_or_update(gx.Checkpoint(
+            name=name, validation_definitions=[vd],
+            actions=[UpdateDataDocsAction(name="update_data_docs")],
+            result_format={"result_format": "COMPLETE",
+                           "unexpected_index_column_names": list(COORDINATE_COLUMNS)}))
+        out.append(name)
+    return out
+
+
+COLUMN_KWARGS = ("column", "column_A", "column_B", "column_list")
+# types pandas cannot hash or compare as they come from psycopg2 (memoryview, dict, list)
+TEXT_TYPES = {"bytea", "json", "jsonb", "ARRAY", "USER-DEFINED"}
+
+
+def suite_columns(suite: Any) -> set[str] | None:
+    """Columns the suite's expectations name, plus the source coordinates; None when one
+    looks at the table as a whole (its column set), so every column must be read."""
+    cols = set(COORDINATE_COLUMNS)
+    for e in suite.expectations:
+        cfg = e.configuration
+        if cfg.type.startswith("expect_table_column"):
+            return None
+        for k in COLUMN_KWARGS:
+            v = cfg.kwargs.get(k)
+            cols.update([v] if isinstance(v, str) else v or [])
+    return cols
+
+
+def read_stage(dsn: str, batch_id: int, columns: set[str] | None = None) -> Any:
+    """The staged rows of a batch as a pandas DataFrame (what the checkpoint validates):
+    only `columns` when given (a column the table lacks is left out, so its expectation
+    reports it missing), raw bytes and JSON as text."""
+    import pandas as pd
+    import psycopg2
+    from psycopg2 import sql
+
+    table = f"b{int(batch_id)}"
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT column_name, data_type FROM information_schema.columns WHERE "
+                        "table_schema = 'offsetflow_stage' AND table_name = %s "
+                        "ORDER BY ordinal_position", (table,))
+            cols = [(c, t) for c, t in cur.fetchall() if columns is None or c in columns]
+            if not cols:
+                raise OffsetFlowError(f"batch {batch_id}: no staged table "
+                                      f"offsetflow_stage.{table} to validate")
+            select = sql.SQL(", ").join(
+                sql.SQL("{}::text AS {}").format(sql.Identifier(c), sql.Identifier(c))
+                if t in TEXT_TYPES else sql.Identifier(c) for c, t in cols)
+            cur.execute(sql.SQL("SELECT {} FROM {}.{}").format(
+                select, sql.Identifier("offsetflow_stage"), sql.Identifier(table)))
+            return pd.DataFrame.from_records(cur.fetchall(), columns=[c for c, _ in cols])
+    finally:
+        conn.close()
+
+
 def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None = None,
                    build_docs: bool = True) -> QualityResult:
-    """Run the suite on the staged rows of `batch_id`."""
+    """Run the suite's Checkpoint on the staged rows of `batch_id`. Reads the project config
+    and writes only results (validations, Data Docs) under `uncommitted/`."""
     import great_expectations as gx
 
-    gx_root = root or globals()["gx_root"]()
-    os.environ[GX_URL_VAR] = sqlalchemy_url(dsn)
-    ctx = gx.get_context(mode="file", project_root_dir=str(gx_root))
+    quiet_gx()
+    project = root or gx_root()
+    ctx = gx.get_context(mode="file", project_root_dir=str(project))
     try:
-        suite = ctx.suites.get(suite_name)
+        checkpoint = ctx.checkpoints.get(checkpoint_name(suite_name))
     except Exception as e:  # noqa: BLE001 - GX raises its own not-found types
-        raise OffsetFlowError(f"quality suite {suite_name!r} not found in "
-                              f"{gx_root / 'gx' / 'expectations'}: {e}") from e
-    ds = ctx.data_sources.add_or_update_postgres("offsetflow_stage",
-                                                 connection_string="${" + GX_URL_VAR + "}")
-    asset_name = f"b{int(batch_id)}"
-    with contextlib.suppress(Exception):  # not there yet
-        ds.delete_asset(asset_name)
-    asset = ds.add_table_asset(asset_name, table_name=f"b{int(batch_id)}",
-                               schema_name="offsetflow_stage")
-    batch_def = asset.add_batch_definition_whole_table("batch")
-    # one name per attempt: a retried batch (its commit failed after the suite ran) must not
-    # meet the definition an earlier attempt left behind ("Store already has the key")
-    vd = gx.ValidationDefinition(
-        name=f"offsetflow_{suite_name}_b{int(batch_id)}_{uuid.uuid4().hex[:8]}",
-        data=batch_def, suite=suite)
-    res = vd.run(result_format={"result_format": "COMPLETE",
-                                "unexpected_index_column_names": ["topic", "partition",
-                                                                  "offset"]})
+        raise OffsetFlowError(
+            f"quality suite {suite_name!r} has no checkpoint {checkpoint_name(suite_name)!r} "
+            f"in {project / 'gx'}: create the suite and run include/quality/create_suites.py "
+            f"(or quality.configure_project) once: {e}") from e
+    if not build_docs:
+        checkpoint.actions = []  # this in-memory copy only; nothing is saved
+    columns = suite_columns(checkpoint.validation_definitions[0].suite)
+    res = checkpoint.run(batch_parameters={"dataframe": read_stage(dsn, batch_id, columns)})
+    results = [r for vr in res.run_results.values() for r in vr.results]
     result = QualityResult(suite=suite_name, success=bool(res.success),
-                           outcomes=outcomes_from_gx(res.results))
-    if build_docs:
-        try:
-            ctx.build_data_docs()
-            result.data_docs = str(gx_root / "gx" / "uncommitted" / "data_docs" / "local_site"
-                                   / "index.html")
-        except Exception as e:  # noqa: BLE001 - docs are a convenience, not the gate
-            log.warning("could not build GX Data Docs: %s", e)
-    with contextlib.suppress(Exception):  # per-batch definitions are not project files;
-        ctx.validation_definitions.delete(vd.name)  # before the asset it refers to goes
-    with contextlib.suppress(Exception):
-        ds.delete_asset(asset_name)
+                           outcomes=outcomes_from_gx(results))
+    docs = project / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
+    if build_docs and docs.exists():
+        result.data_docs = str(docs)
     return result

@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Producer
 
 from offsetflow.ledger import Ledger
-from offsetflow.quality import QualityGateError
+from offsetflow.quality import QualityGateError, configure_project
 from offsetflow.runner import run_cycle
 from tests.integration.helpers import pipeline_for, query
 
@@ -25,6 +25,10 @@ def gx_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         gxe.ExpectColumnValuesToBeBetween(column="amount", min_value=0, max_value=1000),
         gxe.ExpectColumnValuesToNotBeNull(column="event_id"),
     ]))
+    ctx.suites.add_or_update(gx.ExpectationSuite(name="seqs", expectations=[
+        gxe.ExpectColumnValuesToBeBetween(column="seq", min_value=0, max_value=49),
+    ]))
+    configure_project(ctx)  # set-up time, once: runs only read it
     monkeypatch.setenv("OFFSETFLOW_GX_ROOT", str(tmp_path))
     return tmp_path
 
@@ -90,3 +94,94 @@ def test_dead_letter_policy_commits_good_rows_and_routes_bad_ones(
         assert ledger.positions(cfg.name) == {(topic, 0): 100}
     assert b.quality is not None and b.quality["routed_rows"] == len(bad)
     assert b.quality["policy"] == "dead_letter"
+
+
+# one validation process: waits for the shared start time, runs the suite's checkpoint
+# `rounds` times on a staged batch, prints the outcomes as JSON
+VALIDATE = """
+import json, sys, time
+from offsetflow.quality import validate_stage
+dsn, batch_id, suite, rounds, start = sys.argv[1:]
+time.sleep(max(0.0, float(start) - time.time()))
+out = []
+for _ in range(int(rounds)):
+    r = validate_stage(dsn, int(batch_id), suite)
+    out.append([r.success, [o.unexpected_count for o in r.outcomes],
+                sorted(r.failing_coordinates())])
+print(json.dumps(out))
+"""
+
+CONFIG_FILES = ("great_expectations.yml", "checkpoints", "validation_definitions",
+                "expectations")
+
+
+def project_config_hash(root: Path) -> str:
+    """Content hash of the GX project's config (not of results under uncommitted/)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in CONFIG_FILES:
+        p = root / "gx" / name
+        for f in sorted([p] if p.is_file() else p.rglob("*") if p.exists() else []):
+            if f.is_file():
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def stage_table(dsn: str, batch_id: int, topic: str, seqs: list[int]) -> None:
+    """A staged batch as the job leaves it (offsetflow_stage.b<id>), with a batch id far
+    above the ledger's so no real batch is touched."""
+    rows = ", ".join(f"('{topic}', 0, {i}, 'e{i}', {s}, {float(s)})" for i, s in enumerate(seqs))
+    query(dsn, f"CREATE TABLE offsetflow_stage.b{batch_id} (topic text, partition int, "
+               f"\"offset\" bigint, event_id text, seq bigint, amount double precision); "
+               f"INSERT INTO offsetflow_stage.b{batch_id} VALUES {rows}")
+
+
+def test_two_pipelines_validating_at_once_do_not_touch_the_project_config(
+        pg_dsn: str, unique: str, gx_root: Path) -> None:
+    """Two processes run their suites' checkpoints at the same time, several rounds each:
+    both get their own right answer, and the project config (great_expectations.yml,
+    checkpoints, validation definitions, suites) is byte-for-byte what set-up left, during
+    the runs (polled) and after them."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from offsetflow.ledger import Ledger
+
+    with Ledger(pg_dsn) as ledger:
+        ledger.upgrade()
+    base = 900_000_000 + int(time.time() * 1000) % 1_000_000 * 10
+    amounts, seqs = base + 1, base + 2
+    stage_table(pg_dsn, amounts, f"a_{unique}", list(range(40)))  # amounts 0..39: passes
+    stage_table(pg_dsn, seqs, f"s_{unique}", [*range(45), 70, 80])  # 2 seqs above 49
+    before = project_config_hash(gx_root)
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(project_config_hash(gx_root))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start = time.time() + 8  # both interpreters have imported GX by then
+    procs = [subprocess.Popen([sys.executable, "-c", VALIDATE, pg_dsn, str(b), suite, "3",
+                               str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for b, suite in ((amounts, "amounts"), (seqs, "seqs"))]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        stop.set()
+        watcher.join()
+        query(pg_dsn, f"DROP TABLE offsetflow_stage.b{amounts}, offsetflow_stage.b{seqs}")
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got_amounts, got_seqs = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
+    assert got_amounts == [[True, [0, 0], []]] * 3
+    assert got_seqs == [[False, [2], [[f"s_{unique}", 0, 45], [f"s_{unique}", 0, 46]]]] * 3
+    assert seen == {before} and project_config_hash(gx_root) == before
+    assert (gx_root / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").exists()
