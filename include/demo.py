@@ -3,7 +3,8 @@
 Creates the `orders` topic, produces sample order events (plain, one committed and one
 aborted transaction, and one malformed record), runs the `orders` pipeline
 (include/pipelines/orders.yaml) for a few rate-limited micro-batches on local Spark, and
-prints what was committed, read back from PostgreSQL.
+prints what was committed, read back from PostgreSQL: one line per batch and a summary on
+the console, the full log in the file it names (`-v`: INFO logs on the console too).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import sys
 import uuid
 from datetime import UTC, datetime
@@ -19,8 +21,9 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from offsetflow.config import find_pipeline
+from offsetflow.console import progress_line, setup_logging
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_until_caught_up
+from offsetflow.runner import CycleResult, run_until_caught_up
 from offsetflow.status import format_status, pipeline_status
 
 log = logging.getLogger("offsetflow.demo")
@@ -56,9 +59,21 @@ def produce(bootstrap: str, topic: str, run: str, n: int) -> dict[str, int]:
     return {"committed": n + 500, "aborted": 300, "malformed": 1}
 
 
+def show(dsn: str, res: CycleResult) -> None:
+    """The batch's progress line, with its quality result when it has one."""
+    s = res.summary()
+    quality = ""
+    if s["batch_id"] is not None:
+        with Ledger(dsn) as ledger:
+            q = ledger.get_batch(s["batch_id"]).quality or {}
+        quality = f"; quality suite {q['suite']}: {q['summary']}" if q else ""
+    batch = res.plan.batch
+    print("  " + progress_line(s, list(batch.ranges) if batch else []) + quality, flush=True)
+
+
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    verbose = sum(a.count("v") for a in sys.argv[1:] if re.fullmatch(r"-v+", a))
+    log_file = setup_logging(verbose)
     cfg = find_pipeline("orders")
     dsn = cfg.sink.connection
     with Ledger(dsn) as ledger:
@@ -71,19 +86,9 @@ def main() -> int:
     sent = produce(cfg.bootstrap_servers, topic, run, 30_000)
     print(f"produced to {topic}: {sent}")
 
-    results = run_until_caught_up(cfg, dsn, max_batches=20, started_by="demo")
-    print("\nmicro-batches:")
-    for r in results:
-        s = r.summary()
-        if s["batch_id"] is None:
-            print("  (caught up: nothing new to read)")
-        else:
-            with Ledger(dsn) as ledger:
-                q = ledger.get_batch(s["batch_id"]).quality or {}
-            quality = f", quality suite {q['suite']}: {q['summary']}" if q else ""
-            print(f"  batch {s['batch_id']}: {s['status']}, {s['rows_written']} rows, "
-                  f"{s['bad_records']} dead letters, read+stage {s.get('read_stage_s')}s"
-                  f"{quality}")
+    print("\nmicro-batches:", flush=True)
+    run_until_caught_up(cfg, dsn, max_batches=20, started_by="demo",
+                        on_cycle=lambda res: show(dsn, res))
 
     import psycopg2
 
@@ -115,6 +120,8 @@ def main() -> int:
     ok = n == sent["committed"] == distinct and aborted == 0
     print("\nDEMO OK: every committed event exactly once, no aborted event" if ok
           else "\nDEMO FAILED: counts do not match")
+    if log_file is not None:
+        print(f"full log: {log_file} (-v for INFO logs on the console)")
     return 0 if ok else 1
 
 

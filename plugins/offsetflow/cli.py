@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from offsetflow.config import PipelineConfig, find_pipeline, load_pipeline
+from offsetflow.console import setup_logging
 from offsetflow.errors import ConfigError, OffsetFlowError
 from offsetflow.ledger import Ledger
 
@@ -62,18 +63,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from offsetflow.runner import run_until_caught_up
+    from offsetflow.console import progress_line
+    from offsetflow.runner import CycleResult, run_until_caught_up
 
     cfg = _pipeline(args)
+    t = time.monotonic()
+
+    def show(res: CycleResult) -> None:
+        batch = res.plan.batch
+        print(progress_line(res.summary(), list(batch.ranges) if batch else [], cfg.name),
+              flush=True)
+
     results = run_until_caught_up(cfg, _dsn(args, cfg), max_batches=args.max_batches,
-                                  started_by=args.started_by)
-    for res in results:
-        s = res.summary()
-        if s["batch_id"] is None:
-            print(f"pipeline {cfg.name}: caught up, nothing new to read")
-        else:
-            print(f"pipeline {cfg.name}: batch {s['batch_id']} {s['status']}: "
-                  f"{s.get('rows_written', 0)} rows, {s.get('bad_records', 0)} dead letters")
+                                  started_by=args.started_by, on_cycle=show)
+    done = [r.summary() for r in results if r.report is not None]
+    print(f"pipeline {cfg.name}: {len(done)} batch(es), "
+          f"{sum(s.get('rows_written', 0) for s in done):,} rows written, "
+          f"{sum(s.get('bad_records', 0) for s in done):,} dead letters in "
+          f"{time.monotonic() - t:.1f}s" + (f"; full log: {args.log_path}"
+                                              if args.log_path else ""))
     return 0
 
 
@@ -236,7 +244,11 @@ def cmd_window(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsetflow", description=__doc__)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="-v: INFO logs on the console too, -vv: DEBUG")
+    p.add_argument("--log-file", type=Path,
+                   help="full log (default $OFFSETFLOW_LOG_FILE, else "
+                        "$XDG_STATE_HOME/offsetflow/offsetflow.log)")
     p.add_argument("--dsn", help="PostgreSQL DSN (default: sink.connection / OFFSETFLOW_PG_DSN)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -322,10 +334,9 @@ def _repo_root() -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("py4j", "pyspark"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # run-batch is what Airflow spark-submits: its console is the task log, which keeps INFO
+    args.log_path = setup_logging(args.verbose, args.log_file,
+                                  detailed=args.command == "run-batch")
     import psycopg2
 
     try:

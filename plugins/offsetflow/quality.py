@@ -244,9 +244,9 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
                    build_docs: bool = True) -> QualityResult:
     """Run the suite's Checkpoint on the staged rows of `batch_id`. Reads the project config
     and writes only results (validations, Data Docs) under `uncommitted/`."""
+    quiet_gx()  # before the import: importing GX logs ~200 INFO lines
     import great_expectations as gx
 
-    quiet_gx()
     project = root or gx_root()
     ctx = gx.get_context(mode="file", project_root_dir=str(project))
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +61,18 @@ def run_cycle(cfg: PipelineConfig, dsn: str, spark: SparkSession | None = None,
 
 
 def run_until_caught_up(cfg: PipelineConfig, dsn: str, spark: SparkSession | None = None,
-                        max_batches: int = 100, started_by: str = "cli") -> list[CycleResult]:
+                        max_batches: int = 100, started_by: str = "cli",
+                        on_cycle: Callable[[CycleResult], None] | None = None
+                        ) -> list[CycleResult]:
+    """`on_cycle` sees every cycle as it ends (the CLI's progress line)."""
     results: list[CycleResult] = []
     for i in range(max_batches):
         res = run_cycle(cfg, dsn, spark, started_by)
         results.append(res)
         s = res.summary()
         log.info("pipeline %s: cycle %d: %s", cfg.name, i + 1, s)
+        if on_cycle is not None:
+            on_cycle(res)
         if res.report is None:
             break
     return results
