@@ -185,3 +185,22 @@ def test_two_pipelines_validating_at_once_do_not_touch_the_project_config(
     assert got_seqs == [[False, [2], [[f"s_{unique}", 0, 45], [f"s_{unique}", 0, 46]]]] * 3
     assert seen == {before} and project_config_hash(gx_root) == before
     assert (gx_root / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").exists()
+
+
+def test_suite_without_its_checkpoint_fails_naming_the_set_up_step(tmp_path: Path) -> None:
+    """A suite added after set-up has no Checkpoint yet: the batch fails saying what to run,
+    and the run adds nothing to the project (it never reaches PostgreSQL either)."""
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
+    from offsetflow.errors import OffsetFlowError
+    from offsetflow.quality import validate_stage
+
+    ctx = gx.get_context(mode="file", project_root_dir=str(tmp_path))
+    ctx.suites.add_or_update(gx.ExpectationSuite(name="late", expectations=[
+        gxe.ExpectColumnValuesToNotBeNull(column="event_id")]))
+    before = project_config_hash(tmp_path)
+    with pytest.raises(OffsetFlowError, match=r"quality suite 'late' has no checkpoint "
+                                              r"'offsetflow_late' .*create_suites\.py"):
+        validate_stage("postgresql://nobody@127.0.0.1:1/none", 1, "late", root=tmp_path)
+    assert project_config_hash(tmp_path) == before
