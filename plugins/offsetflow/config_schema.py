@@ -146,6 +146,9 @@ class PipelineConfig:
     def admin_settings(self) -> dict[str, str]:
         conf = {k: v for k, v in self.client.items() if not k.startswith(("fetch.", "queued."))}
         conf["bootstrap.servers"] = self.bootstrap_servers
+        # librdkafka's info notes (e.g. BGQUEUE when an admin client closes) go straight to
+        # stderr; warnings and errors still do. A client.log_level of the pipeline wins.
+        conf.setdefault("log_level", "4")
         return conf
 
     def _output_relevant(self) -> dict[str, Any]:

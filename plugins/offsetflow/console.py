@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 LOG_FILE_VAR = "OFFSETFLOW_LOG_FILE"
+SPARK_LOG4J_VAR = "OFFSETFLOW_SPARK_LOG4J"  # a log4j2 config for a Spark started here
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # libraries whose INFO is noise even in the file (py4j logs every JVM call, importing GX
 # ~200 lines of its docs registry)
@@ -63,7 +64,35 @@ def setup_logging(verbose: int = 0, log_file: Path | None = None,
     root.setLevel(min(level, file_level))
     for noisy in NOISY:
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return path if file_handler is not None else None
+    if file_handler is None:
+        return None
+    if level > logging.INFO:  # Spark's JVM: its WARN lines to spark.log beside ours
+        os.environ[SPARK_LOG4J_VAR] = str(write_spark_log4j(path.parent))
+    return path
+
+
+def write_spark_log4j(log_dir: Path) -> Path:
+    """A log4j2 config for a local Spark driver: WARN and up into `log_dir/spark.log`, only
+    ERROR on the console (the JVM's start-up notes are not a person's business)."""
+    conf = log_dir / "spark-log4j2.properties"
+    conf.write_text(f"""\
+rootLogger.level = warn
+rootLogger.appenderRef.file.ref = file
+rootLogger.appenderRef.console.ref = console
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log_dir / "spark.log"}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{yyyy-MM-dd HH:mm:ss,SSS}} %p %c: %m%n%ex
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{{yy/MM/dd HH:mm:ss}} %p %c{{1}}: %m%n%ex
+appender.console.filter.threshold.type = ThresholdFilter
+appender.console.filter.threshold.level = error
+""")
+    return conf
 
 
 def _count(n: int) -> str:

@@ -103,6 +103,10 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8"))
+    log4j = os.environ.get("OFFSETFLOW_SPARK_LOG4J")  # console.setup_logging: quiet console
+    if log4j and "spark.driver.extraJavaOptions" not in cfg.spark.conf:
+        builder = builder.config("spark.driver.extraJavaOptions",
+                                 f"-Dlog4j2.configurationFile=file:{log4j}")
     for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()

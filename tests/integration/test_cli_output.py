@@ -43,9 +43,13 @@ def test_run_prints_a_line_per_batch_and_a_summary_and_logs_the_detail_to_a_file
     assert re.fullmatch(rf"pipeline cli_{unique}: 2 batch\(es\), 300 rows written, 0 dead "
                         rf"letters in [0-9.]+s; full log: {re.escape(str(log_file))}",
                         lines[3]), lines[3]
-    # the Python side logs nothing below WARNING to the console; Spark's JVM start-up
-    # banner (log4j, on stderr) is not ours and is left alone
+    # nothing below WARNING on the console, from Python or from Spark's JVM (whose WARN
+    # start-up notes go to spark.log beside the log file); the JVM's own note on incubator
+    # modules is printed before any logging is set up
     assert not re.search(r" (INFO|DEBUG) offsetflow", r.stdout + r.stderr), r.stderr[-3000:]
+    assert [ln for ln in r.stderr.splitlines() if "incubator modules" not in ln] == [], \
+        r.stderr[-3000:]
+    assert "WARN" in (log_file.parent / "spark.log").read_text()
     detail = log_file.read_text()
     assert re.search(r"INFO offsetflow\.\S+: .*batch \d+", detail), detail[-3000:]
     assert f"cli_{unique}" in detail

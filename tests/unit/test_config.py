@@ -238,3 +238,9 @@ def test_missing_or_bad_connection_names_the_field(raw: dict[str, Any], field: s
     with pytest.raises(ConfigError) as ei:
         parse_pipeline(raw, "orders.yaml", {})
     assert ei.value.field == field and words in ei.value.message
+
+
+def test_admin_clients_keep_librdkafka_info_notes_off_the_console() -> None:
+    assert parse_pipeline(base(), "o.yaml", ENV).admin_settings()["log_level"] == "4"
+    chatty = base(kafka={"bootstrap_servers": "h:1", "client": {"log_level": 7}})
+    assert parse_pipeline(chatty, "o.yaml", ENV).admin_settings()["log_level"] == "7"
