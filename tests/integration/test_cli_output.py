@@ -54,3 +54,30 @@ def test_run_prints_a_line_per_batch_and_a_summary_and_logs_the_detail_to_a_file
     assert re.search(r"INFO offsetflow\.\S+: .*batch \d+", detail), detail[-3000:]
     assert f"cli_{unique}" in detail
     assert query(pg_dsn, f"SELECT count(*) FROM cli_{unique}")[0][0] == 300
+
+
+def test_run_batch_keeps_the_detail_on_its_console_for_airflow_task_logs(
+        pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path) -> None:
+    """run-batch is what the DAGs spark-submit: its console is the task log, so it keeps
+    the INFO records (and the machine-readable timings line) without -v."""
+    from offsetflow.config import load_pipeline
+    from offsetflow.runner import plan_only
+
+    topic = make_topic("cli_rb", 1)
+    produce_plain(kafka_bootstrap, topic, 50, f"r{unique}", 1)
+    f = tmp_path / f"clirb_{unique}.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": f"clirb_{unique}", "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [topic]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"connection": pg_dsn, "table": f"clirb_{unique}"}}))
+    planned = plan_only(load_pipeline(f), pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    r = subprocess.run(["offsetflow", "--log-file", str(tmp_path / "rb.log"), "run-batch",
+                        "--pipeline-file", str(f), "--batch-id", str(bid)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(rf"INFO offsetflow\.job: batch {bid} committed: 50 rows", r.stderr), \
+        r.stderr[-3000:]
+    assert re.search(rf"INFO offsetflow: batch {bid} timings \{{", r.stderr), r.stderr[-3000:]
