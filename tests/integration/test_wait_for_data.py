@@ -134,3 +134,52 @@ def test_broken_pipeline_ends_the_wait_with_a_clear_error(
     sensor = OffsetFlowNewDataSensor(task_id="wait", pipeline="no_such_pipeline")
     with pytest.raises(WaitError, match="no_such_pipeline"):
         sensor.execute_complete({}, event.payload)
+
+
+WAIT_DAG = '''
+from datetime import datetime
+
+from airflow.sdk import DAG
+
+from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
+
+with DAG(dag_id="{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+    OffsetFlowNewDataSensor(task_id="wait", pipeline="{pipeline}", min_offsets=3,
+                            poke_interval=1, timeout=300)
+'''
+
+
+@pytest.mark.slow  # a real `airflow dags test`, which runs the deferred trigger itself
+def test_sensor_in_a_dag_run_defers_and_resumes_when_records_arrive(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str,
+        tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    dag_id = f"offsetflow_dagtest_wait_{unique}"
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / f"{dag_id}.py").write_text(WAIT_DAG.format(dag_id=dag_id,
+                                                       pipeline=waiting_pipeline["name"]))
+    log_file = tmp_path / "dags-test.log"
+    env = {**os.environ, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
+    with log_file.open("w") as out:
+        proc = subprocess.Popen(["airflow", "dags", "test", dag_id], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while "deferred" not in log_file.read_text().lower():
+                assert proc.poll() is None, log_file.read_text()[-4000:]
+                assert time.monotonic() < deadline, "the sensor never deferred"
+                time.sleep(1)
+            time.sleep(3)
+            assert proc.poll() is None, "the run ended although no data arrived"
+            produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"d-{unique}", 2)
+            rc = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_file.read_text()
+    assert rc == 0, text[-4000:]
+    assert "3 offsets arrived" in text, text[-4000:]
+    assert "state=success" in text or "success" in text.lower()

@@ -42,6 +42,23 @@ def _connection_types() -> list[dict[str, str]]:
              "hook-name": getattr(hook, "hook_name", None) or INTEGRATION}]
 
 
+# Asset URI schemes OffsetFlow's lineage uses, with the provider that owns each; OffsetFlow
+# registers a handler and an OpenLineage converter only where that provider is not installed.
+ASSET_SCHEMES = {
+    "kafka": ("airflow.providers.apache.kafka", "kafka"),
+    "postgres": ("airflow.providers.postgres", "postgres"),
+}
+
+
+def _asset_uris() -> list[dict[str, Any]]:
+    out = []
+    for scheme, (owner, fn) in ASSET_SCHEMES.items():
+        if not _present(owner):
+            out.append({"schemes": [scheme], "handler": f"offsetflow.lineage.sanitize_{fn}_uri",
+                        "to_openlineage_converter": f"offsetflow.lineage.{fn}_to_openlineage"})
+    return out
+
+
 def get_provider_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "package-name": PACKAGE,
@@ -59,6 +76,9 @@ def get_provider_info() -> dict[str, Any]:
         mods = _modules(*names)
         if mods:
             info[key] = [{"integration-name": INTEGRATION, "python-modules": mods}]
+    uris = _asset_uris()
+    if uris:
+        info["asset-uris"] = uris
     conns = _connection_types()
     if conns:
         info["connection-types"] = conns
