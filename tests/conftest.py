@@ -198,8 +198,10 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
 
     stack_url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
     if not stack_url.startswith("postgresql"):
-        pytest.fail("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN is not the stack's PostgreSQL "
-                    "database; start the stack with `make up`")
+        # not the local stack's Airflow (its env.sh was not sourced): nothing to protect here,
+        # and Airflow tests that need the stack fail on their own with a clearer message
+        yield {}
+        return
     stack_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=stack_url.rpartition("/")[2])
     test_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=AIRFLOW_TEST_DB)
     before = registered_test_dags(stack_dsn)

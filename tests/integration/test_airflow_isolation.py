@@ -34,6 +34,8 @@ with DAG(dag_id="{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catc
 
 def test_dags_an_airflow_test_registers_stay_out_of_the_stacks_metadata_db(
         tmp_path: Path, airflow_test_env: dict[str, str], unique: str) -> None:
+    if not airflow_test_env:
+        pytest.fail("the stack's Airflow is not configured (source .stack/env.sh / make up)")
     dag_id = f"offsetflow_dagtest_iso_{unique}"
     dags = tmp_path / "dags"
     dags.mkdir()
