@@ -94,10 +94,24 @@ def sanitize_postgres_uri(uri: SplitResult) -> SplitResult:
 
 
 def kafka_to_openlineage(asset: Any, lineage_context: Any = None) -> Any:
+    """With a schema facet when the asset's extra carries the record schema (``schema``:
+    field -> type, what `record_schema_extra` makes)."""
     from openlineage.client.event_v2 import Dataset
+    from openlineage.client.facet_v2 import schema_dataset
 
     u = urlsplit(asset.uri)
-    return Dataset(namespace=f"kafka://{u.netloc}", name=u.path.strip("/"))
+    facets: dict[str, Any] = {}
+    fields = (getattr(asset, "extra", None) or {}).get("schema")
+    if isinstance(fields, dict) and fields:
+        facets["schema"] = schema_dataset.SchemaDatasetFacet(fields=[
+            schema_dataset.SchemaDatasetFacetFields(name=str(k), type=str(v))
+            for k, v in fields.items()])
+    return Dataset(namespace=f"kafka://{u.netloc}", name=u.path.strip("/"), facets=facets)
+
+
+def record_schema_extra(cfg: PipelineConfig) -> dict[str, Any]:
+    """Asset extra of a pipeline's topics: the JSON record schema (empty for raw format)."""
+    return {"schema": dict(cfg.schema)} if cfg.schema else {}
 
 
 def postgres_to_openlineage(asset: Any, lineage_context: Any = None) -> Any:

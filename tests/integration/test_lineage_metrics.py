@@ -16,7 +16,7 @@ import psycopg2
 import pytest
 
 from tests.integration import test_dags as dag_tests
-from tests.integration.helpers import produce_plain
+from tests.integration.helpers import SCHEMA, produce_plain
 
 pytestmark = pytest.mark.slow  # Airflow runs the pipeline's DAG with a Spark job
 
@@ -94,6 +94,8 @@ def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
     pg_ns = f"postgres://{params['host']}:{params['port']}"
     assert [(d["namespace"], d["name"]) for d in ev["inputs"]] == [
         (f"kafka://{kafka_bootstrap}", p["topic"])]
+    fields = ev["inputs"][0]["facets"]["schema"]["fields"]
+    assert sorted((f["name"], f["type"]) for f in fields) == sorted(SCHEMA.items())
     assert [(d["namespace"], d["name"]) for d in ev["outputs"]] == [
         (pg_ns, f"{params['dbname']}.public.{p['table']}")]
 

@@ -43,8 +43,10 @@ def test_postgres_defaults_public_schema_and_port() -> None:
 def test_uri_handlers_and_openlineage_converters_round_trip() -> None:
     k = kafka_topic("h:1", "a.b")
     assert sanitize_kafka_uri(urlsplit(k.uri)) == urlsplit(k.uri)
-    ds = kafka_to_openlineage(SimpleNamespace(uri=k.uri))
-    assert (ds.namespace, ds.name) == (k.namespace, k.name)
+    ds = kafka_to_openlineage(SimpleNamespace(uri=k.uri, extra={}))
+    assert (ds.namespace, ds.name, ds.facets) == (k.namespace, k.name, {})
+    ds = kafka_to_openlineage(SimpleNamespace(uri=k.uri, extra={"schema": {"id": "long"}}))
+    assert [(f.name, f.type) for f in ds.facets["schema"].fields] == [("id", "long")]
     pg = postgres_table("host=h port=2 dbname=d", "s.t")
     assert sanitize_postgres_uri(urlsplit("postgres://h/d/s/t")).port == 5432
     ds = postgres_to_openlineage(SimpleNamespace(uri=pg.uri))

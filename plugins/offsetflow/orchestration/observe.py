@@ -13,7 +13,12 @@ from typing import Any
 from offsetflow.arrival import pending_offsets
 from offsetflow.config import PipelineConfig
 from offsetflow.ledger import Ledger
-from offsetflow.lineage import DatasetName, pipeline_datasets, postgres_table
+from offsetflow.lineage import (
+    DatasetName,
+    pipeline_datasets,
+    postgres_table,
+    record_schema_extra,
+)
 from offsetflow.orchestration.pipeline_metrics import batch_metrics, emit
 
 log = logging.getLogger(__name__)
@@ -49,7 +54,8 @@ def report_lineage(cfg: PipelineConfig, batch_ids: list[int]) -> None:
     collector = get_hook_lineage_collector()
     ctx = PipelineLineageContext(cfg.name)
     for d in inputs:
-        collector.add_input_asset(context=ctx, uri=d.uri)  # type: ignore[arg-type]
+        collector.add_input_asset(context=ctx, uri=d.uri,  # type: ignore[arg-type]
+                                  asset_extra=record_schema_extra(cfg) or None)
     for d in outputs:
         collector.add_output_asset(context=ctx, uri=d.uri)  # type: ignore[arg-type]
     log.info("lineage of %s: %s -> %s", cfg.name, [d.uri for d in inputs],
