@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test unit lint bench soak clean
+.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel
 
 venv: .venv/.installed
 
@@ -50,6 +50,10 @@ lint: venv
 	$(PY) -m ruff check plugins dags spark_jobs include tests
 	$(PY) -m mypy
 	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
+
+# the installable provider package (pip install dist/offsetflow-*.whl into an Airflow 3)
+wheel: venv
+	uv build --wheel --out-dir dist .
 
 clean: down
 	rm -rf .stack

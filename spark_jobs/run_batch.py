@@ -1,9 +1,9 @@
-"""spark-submit entry point: read, stage and commit one planned batch.
+"""spark-submit entry point kept for existing commands and docs:
 
     spark-submit spark_jobs/run_batch.py --pipeline orders --batch-id 42
 
-Thin on purpose: it parses arguments and calls `offsetflow.job.run_batch`. The Spark
-master (local, standalone, YARN, Kubernetes) comes from spark-submit, not from here.
+The real file is `offsetflow/spark_app/run_batch.py` inside the package (what the operators
+submit, installed or not); this one only forwards to the same CLI command.
 """
 
 from __future__ import annotations

@@ -114,6 +114,167 @@ def secret_dsn(pg_dsn: str, admin_dsn: str) -> Iterator[tuple[str, str]]:
     yield psycopg2.extensions.make_dsn(pg_dsn, user=role, password=password), password
 
 
+# -- Airflow of the tests ------------------------------------------------------------------
+# Tests that run Airflow (dags test, standalone, api-server) register their DAGs in a metadata
+# database; the stack's own (`airflow`, what `make demo` and the user's UI show) must not fill
+# up with offsetflow_dagtest_*/offsetflow_rest_* DAGs whose files live in pytest's temporary
+# folders. Integration sessions therefore point every Airflow process they start at a
+# database `airflow_test` and a home `.stack/airflow-test` of their own.
+AIRFLOW_TEST_DB = "airflow_test"
+AIRFLOW_TEST_HOME = ROOT / ".stack" / "airflow-test"
+TEST_DAG_PATTERNS = ("offsetflow\\_dagtest\\_%", "offsetflow\\_rest\\_%")
+
+
+def _alchemy_db(url: str, db: str) -> str:
+    """The SQLAlchemy URL `url` with its database replaced by `db`."""
+    base, _, _ = url.rpartition("/")
+    return f"{base}/{db}"
+
+
+def _stack_fernet_key() -> str | None:
+    """The stack's Fernet key, so connection rows copied from its database decrypt."""
+    if os.environ.get("AIRFLOW__CORE__FERNET_KEY"):
+        return os.environ["AIRFLOW__CORE__FERNET_KEY"]
+    cfg = Path(os.environ.get("AIRFLOW_HOME", "")) / "airflow.cfg"
+    if cfg.is_file():
+        m = re.search(r"^fernet_key\s*=\s*(\S+)\s*$", cfg.read_text(), re.M)
+        if m:
+            return m.group(1)
+    return None
+
+
+def registered_test_dags(dsn: str) -> set[str]:
+    """DAGs of test pipelines registered in the metadata database at `dsn`."""
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, connect_timeout=30)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("SELECT to_regclass('public.dag') IS NOT NULL")
+            row = cur.fetchone()
+            if not row or not row[0]:
+                return set()
+            cur.execute("SELECT dag_id FROM dag WHERE dag_id LIKE %s OR dag_id LIKE %s",
+                        TEST_DAG_PATTERNS)
+            return {r[0] for r in cur.fetchall()}
+    finally:
+        conn.close()
+
+
+def _copy_connections(src_dsn: str, dst_dsn: str) -> None:
+    """The stack's Airflow connections (spark_default, offsetflow_*), rows as they are."""
+    import psycopg2
+    from psycopg2 import sql
+
+    src = psycopg2.connect(src_dsn, connect_timeout=30)
+    dst = psycopg2.connect(dst_dsn, connect_timeout=30)
+    try:
+        with src, src.cursor() as cur:
+            cur.execute("SELECT * FROM connection")
+            cols = [d.name for d in cur.description if d.name != "id"]
+            rows = cur.fetchall()
+            id_at = [d.name for d in cur.description].index("id")
+        with dst, dst.cursor() as cur:
+            cur.execute("DELETE FROM connection")
+            q = sql.SQL("INSERT INTO connection ({}) VALUES ({})").format(
+                sql.SQL(", ").join(map(sql.Identifier, cols)),
+                sql.SQL(", ").join(sql.Placeholder() * len(cols)))
+            for r in rows:
+                cur.execute(q, [v for i, v in enumerate(r) if i != id_at])
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.fixture(scope="session")
+def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
+    """Environment for Airflow processes of the tests: own metadata database (migrated once
+    per Airflow version and PostgreSQL cluster) and home, the stack's connections copied in.
+    At the end, fails if the stack's own metadata database gained test DAGs."""
+    import subprocess
+
+    import psycopg2
+    from psycopg2 import sql
+
+    stack_url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
+    if not stack_url.startswith("postgresql"):
+        # not the local stack's Airflow (its env.sh was not sourced): nothing to protect here,
+        # and Airflow tests that need the stack fail on their own with a clearer message
+        yield {}
+        return
+    stack_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=stack_url.rpartition("/")[2])
+    test_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=AIRFLOW_TEST_DB)
+    before = registered_test_dags(stack_dsn)
+    conn = psycopg2.connect(admin_dsn, connect_timeout=10)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (AIRFLOW_TEST_DB,))
+        if cur.fetchone() is None:
+            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(AIRFLOW_TEST_DB)))
+        cur.execute("SELECT system_identifier FROM pg_control_system()")
+        row = cur.fetchone()
+        cluster = str(row[0]) if row else "?"
+    conn.close()
+    AIRFLOW_TEST_HOME.mkdir(parents=True, exist_ok=True)
+    env = {"AIRFLOW_HOME": str(AIRFLOW_TEST_HOME),
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _alchemy_db(stack_url, AIRFLOW_TEST_DB)}
+    key = _stack_fernet_key()
+    if key:
+        env["AIRFLOW__CORE__FERNET_KEY"] = key
+    from importlib.metadata import version
+
+    stamp = AIRFLOW_TEST_HOME / ".migrated"
+    want = f"{version('apache-airflow')}@{cluster}"
+    migrated = stamp.exists() and stamp.read_text() == want and bool(
+        query_one(test_dsn, "SELECT to_regclass('public.alembic_version') IS NOT NULL"))
+    if not migrated:
+        p = subprocess.run(["airflow", "db", "migrate"], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            pytest.fail(f"airflow db migrate of {AIRFLOW_TEST_DB} failed:\n{p.stderr[-3000:]}")
+        stamp.write_text(want)
+    _copy_connections(stack_dsn, test_dsn)
+    yield {**env, "OFFSETFLOW_AIRFLOW_TEST_DSN": test_dsn,
+           "OFFSETFLOW_AIRFLOW_STACK_DSN": stack_dsn}
+    leaked = registered_test_dags(stack_dsn) - before
+    if leaked:
+        pytest.fail(f"tests registered DAGs in the stack's own Airflow metadata database "
+                    f"(what `make demo` shows): {sorted(leaked)}")
+
+
+def query_one(dsn: str, q: str) -> Any:
+    import psycopg2
+
+    conn = psycopg2.connect(dsn, connect_timeout=30)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(q)
+            row = cur.fetchone()
+            return row[0] if row else None
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _airflow_of_the_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every Airflow process an integration session starts (they inherit os.environ) uses
+    the tests' own metadata database; unit-only sessions skip this."""
+    if not any("/integration/" in str(i.fspath) for i in request.session.items):
+        yield
+        return
+    env = request.getfixturevalue("airflow_test_env")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local SparkSession for the whole session (it takes ~10 s to start)."""

@@ -219,3 +219,8 @@ def summarize(items: Sequence[str], limit: int = 5) -> str:
     """Join the first `limit` items and say how many were left out."""
     head = ", ".join(items[:limit])
     return head + (f" … (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+class WaitError(OffsetFlowError):
+    """Waiting for new data of a pipeline stopped on an error that polling again will not fix
+    (a broken pipeline config, a missing topic); the message says which."""

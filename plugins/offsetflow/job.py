@@ -457,6 +457,15 @@ def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger
     return rows
 
 
+def _record_commit_time(ledger: Ledger, batch_id: int, seconds: float) -> None:
+    """The commit's own duration, for the publish task's stats (the batch is committed:
+    failing to note how long it took must not fail it)."""
+    try:
+        ledger.add_timings(batch_id, {"commit_s": seconds})
+    except Exception as e:  # noqa: BLE001
+        log.warning("batch %d: could not record its commit time: %s", batch_id, e)
+
+
 def _publish_lag(cfg: PipelineConfig, ledger: Ledger) -> None:
     """Best effort: monitoring must never fail a committed batch."""
     from offsetflow.lag import publish_positions
@@ -559,6 +568,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
             result = commit_batch(ledger, batch.batch_id, expected_parts=len(stats),
                                   spec=spec, timings=timings)
         timings["commit_s"] = round(time.monotonic() - t, 3)
+    if result.status == "committed":
+        _record_commit_time(ledger, batch.batch_id, timings["commit_s"])
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":
         _publish_lag(cfg, ledger)

@@ -386,6 +386,14 @@ class Ledger:
                             WHERE batch_id = %s""", (batch_id,))
         return self.get_batch(batch_id)
 
+    def add_timings(self, batch_id: int, timings: dict[str, float]) -> None:
+        """Timings known only after the commit (its own duration), for stats and status;
+        informational, so outside the commit transaction."""
+        with self.transaction() as cur:
+            cur.execute("""UPDATE offsetflow.batches
+                              SET timings = COALESCE(timings, '{}'::jsonb) || %s::jsonb
+                            WHERE batch_id = %s""", (json.dumps(timings), batch_id))
+
     def mark_failed(self, batch_id: int, error: str, quality: dict[str, Any] | None = None
                     ) -> None:
         """Record a failed attempt; the batch stays open and is re-run unchanged."""

@@ -8,10 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from offsetflow.arrival import pending_offsets
 from offsetflow.config import PipelineConfig
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
 from offsetflow.planning import PlanOutcome, plan_next
+from offsetflow.ranges import TopicPartition
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -38,6 +40,19 @@ class CycleResult:
 
 def kafka_for(cfg: PipelineConfig) -> KafkaMetadata:
     return KafkaMetadata(cfg.admin_settings(), cfg.isolation_level)
+
+
+def pending_for(cfg: PipelineConfig, dsn: str | None = None) -> dict[TopicPartition, int]:
+    """Offsets waiting beyond the pipeline's committed positions (what the waiting sensor
+    polls); an open batch (planned, failed) counts as waiting too, with its span."""
+    with Ledger(dsn or cfg.sink.connection) as ledger, ledger.transaction() as cur:
+        committed = ledger.positions(cfg.name, cur)
+        open_batch = ledger.open_batch(cur, cfg.name)
+    if open_batch is not None:
+        return {r.topic_partition: r.span for r in open_batch.ranges if r.span > 0}
+    kafka = kafka_for(cfg)
+    tps = kafka.partitions(kafka.topics(cfg.topics, cfg.topic_pattern))
+    return pending_offsets(committed, kafka.partition_offsets(tps), cfg.starting.kind)
 
 
 def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:

@@ -19,9 +19,10 @@ from airflow.sdk import DAG, Param, get_current_context, task
 
 from offsetflow.config import PipelineConfig, load_pipeline, pipelines_dir
 from offsetflow.orchestration import tasks
+from offsetflow.spark_app import application_path
 
-ROOT = Path(__file__).resolve().parents[3]
-SPARK_JOB = ROOT / "spark_jobs" / "run_batch.py"
+# inside the package, so an installed OffsetFlow (wheel) finds it too
+SPARK_JOB = application_path()
 SPARK_CONN_ID = os.environ.get("OFFSETFLOW_SPARK_CONN_ID", "spark_default")
 START = datetime(2026, 1, 1)
 TAGS = ["offsetflow"]
@@ -46,7 +47,7 @@ def spark_submit(task_id: str, pipeline_file: str, batch_ids_template: str,
                  cfg: PipelineConfig | None = None) -> SparkSubmitOperator:
     return SparkSubmitOperator(
         task_id=task_id,
-        application=str(SPARK_JOB),
+        application=SPARK_JOB,
         conn_id=SPARK_CONN_ID,
         name=f"offsetflow-{cfg.name if cfg else 'window'}",
         application_args=["--pipeline-file", pipeline_file, "--batch-id", batch_ids_template],

@@ -75,6 +75,9 @@ def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, 
         out["positions"] = {f"{t}/{p}": o for (t, p), o in
                             sorted(ledger.positions(pipeline).items())}
     _publish_consumer_group(cfg, out["positions"])
+    from offsetflow.orchestration.observe import report_published  # lineage and stats
+
+    report_published(cfg, out)
     return out
 
 

@@ -1,0 +1,38 @@
+"""Has new data arrived for a pipeline? Pure: what the waiting sensor and trigger decide on.
+
+A partition has new data when its latest offset (under read_committed, the last stable
+offset: records of open or aborted transactions do not count) is beyond the pipeline's
+committed position. Partitions without a position yet are judged like the planner does:
+under `starting: latest` on the first plan there is nothing to read, otherwise everything
+from the earliest offset is new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from offsetflow.planner import PartitionOffsets
+from offsetflow.ranges import TopicPartition
+
+
+def pending_offsets(committed: Mapping[TopicPartition, int],
+                    offsets: Mapping[TopicPartition, PartitionOffsets],
+                    starting_kind: str) -> dict[TopicPartition, int]:
+    """Offsets waiting to be read per partition (only partitions with some)."""
+    first_plan = not committed
+    out: dict[TopicPartition, int] = {}
+    for tp, off in sorted(offsets.items()):
+        if tp in committed:
+            start = max(committed[tp], off.earliest)
+        elif first_plan and starting_kind == "latest":
+            start = off.latest
+        else:
+            start = off.earliest
+        if off.latest > start:
+            out[tp] = off.latest - start
+    return out
+
+
+def describe(pending: Mapping[TopicPartition, int]) -> dict[str, int]:
+    """JSON-able form for trigger events and XCom: {"topic/partition": offsets}."""
+    return {f"{t}/{p}": n for (t, p), n in sorted(pending.items())}

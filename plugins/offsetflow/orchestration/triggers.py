@@ -1,0 +1,95 @@
+"""Deferrable waiting for new data: a trigger that fires when a pipeline's topics have
+committed offsets beyond its ledger positions, run by Airflow's triggerer (no worker slot).
+
+The check itself (`offsetflow.runner.pending_for`: ledger positions, Kafka's last stable
+offsets under read_committed) is blocking confluent-kafka/psycopg2 code, so it runs in a
+thread. Brokers or PostgreSQL being away for a while is normal for a wait of hours: those
+errors are logged and polled again; a config error ends the wait with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg2
+from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
+from confluent_kafka import KafkaException
+
+from offsetflow.arrival import describe
+from offsetflow.errors import KafkaUnavailableError
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (KafkaUnavailableError, KafkaException, psycopg2.OperationalError, OSError)
+
+
+def check_pipeline(pipeline: str) -> dict[str, int]:
+    """Offsets waiting per "topic/partition" (blocking: call it in a thread)."""
+    from offsetflow.config import find_pipeline
+    from offsetflow.runner import pending_for
+
+    return describe(pending_for(find_pipeline(pipeline)))
+
+
+async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
+                       log_prefix: str) -> dict[str, Any]:
+    """Poll until at least `min_offsets` offsets wait; returns the event payload (an
+    `error` payload for failures polling cannot fix)."""
+    while True:
+        try:
+            pending = await asyncio.to_thread(check_pipeline, pipeline)
+        except TRANSIENT as e:
+            log.warning("%s: could not check for new data (%s); retrying in %.0f s",
+                        log_prefix, e, poll_interval)
+        except Exception as e:  # noqa: BLE001 - reported to the task, which raises it
+            return {"status": "error", "pipeline": pipeline,
+                    "message": f"{type(e).__name__}: {e}"}
+        else:
+            total = sum(pending.values())
+            if total >= min_offsets:
+                return {"status": "data", "pipeline": pipeline, "pending": total,
+                        "partitions": pending}
+            log.info("%s: %d offsets waiting (need %d); next check in %.0f s", log_prefix,
+                     total, min_offsets, poll_interval)
+        await asyncio.sleep(poll_interval)
+
+
+class NewOffsetsTrigger(BaseTrigger):
+    """Fires once when `pipeline` has at least `min_offsets` committed offsets to read."""
+
+    def __init__(self, *, pipeline: str, poll_interval: float = 30.0,
+                 min_offsets: int = 1) -> None:
+        super().__init__()
+        self.pipeline = pipeline
+        self.poll_interval = float(poll_interval)
+        self.min_offsets = int(min_offsets)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"pipeline": self.pipeline, "poll_interval": self.poll_interval,
+                 "min_offsets": self.min_offsets})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
+                                     f"pipeline {self.pipeline}")
+        yield TriggerEvent(payload)
+
+
+class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
+    """The same check for event-driven scheduling: an `AssetWatcher` on an Asset that a
+    pipeline DAG is scheduled on starts a run "when data arrives". Error payloads are not
+    emitted as events (they would start runs); they are logged and polled again."""
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        while True:
+            payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
+                                         f"pipeline {self.pipeline} (asset watcher)")
+            if payload["status"] == "data":
+                yield TriggerEvent(payload)
+                return
+            log.error("pipeline %s: %s; checking again in %.0f s", self.pipeline,
+                      payload["message"], self.poll_interval)
+            await asyncio.sleep(self.poll_interval)

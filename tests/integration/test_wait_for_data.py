@@ -1,0 +1,185 @@
+"""Waiting without a worker slot (issue 20 item 4): the deferrable sensor defers to
+`NewOffsetsTrigger`, which stays quiet while the pipeline's positions are current (and while
+records sit in an open transaction: read_committed) and fires once committed records arrive.
+Real Kafka and PostgreSQL; the trigger's blocking calls run in threads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from confluent_kafka import Producer
+
+from offsetflow.errors import WaitError
+from offsetflow.runner import plan_only
+from tests.integration.helpers import SCHEMA, produce_plain, record
+
+
+@pytest.fixture
+def waiting_pipeline(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+                     unique: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """A pipeline (starting: latest) whose first plan put its positions at the log end,
+    after 6 records were already in the topic: nothing is waiting."""
+    from offsetflow.config import find_pipeline
+
+    topic = make_topic("wait", 2)
+    produce_plain(kafka_bootstrap, topic, 6, f"old-{unique}", 2)
+    name = f"wait_{unique}"
+    pipelines = tmp_path / "pipelines"
+    pipelines.mkdir()
+    (pipelines / f"{name}.yaml").write_text(yaml.safe_dump({
+        "name": name, "schedule": None,
+        "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [topic], "starting": "latest"},
+        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"connection": pg_dsn, "table": f"wait_{unique}"}}))
+    monkeypatch.setenv("OFFSETFLOW_PIPELINES_DIR", str(pipelines))
+    cfg = find_pipeline(name)
+    assert plan_only(cfg, pg_dsn).batch is None  # first plan: positions at the end
+    return {"name": name, "topic": topic}
+
+
+async def _until(task: asyncio.Task[Any], seconds: float) -> bool:
+    """Whether `task` finished within `seconds` (it keeps running otherwise)."""
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    return bool(done)
+
+
+async def _first_event(trigger: Any) -> Any:
+    async for event in trigger.run():
+        return event
+    raise AssertionError("the trigger ended without an event")
+
+
+def test_trigger_fires_only_for_committed_records_beyond_positions(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str) -> None:
+    from offsetflow.orchestration.triggers import NewOffsetsTrigger
+
+    topic = waiting_pipeline["topic"]
+    trigger = NewOffsetsTrigger(pipeline=waiting_pipeline["name"], poll_interval=0.5)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap,
+                         "transactional.id": f"wait-{unique}"})
+    producer.init_transactions(30)
+
+    async def scenario() -> Any:
+        task = asyncio.ensure_future(_first_event(trigger))
+        assert not await _until(task, 4), "fired although the positions are current"
+        producer.begin_transaction()
+        for i in range(3):
+            rec = record(f"new-{unique}-{i}", i)
+            producer.produce(topic, json.dumps(rec).encode(), partition=i % 2)
+        producer.flush(30)  # in the log, but not committed: beyond the last stable offset
+        assert not await _until(task, 4), "fired for records of an open transaction"
+        producer.commit_transaction(30)
+        t = time.monotonic()
+        assert await _until(task, 30), "did not fire after committed records arrived"
+        return task.result(), time.monotonic() - t
+
+    event, waited = asyncio.run(scenario())
+    payload = event.payload
+    assert payload["status"] == "data" and payload["pipeline"] == waiting_pipeline["name"]
+    # 3 records plus the transaction's commit markers (one per partition it wrote to)
+    assert payload["pending"] == 5, payload
+    assert payload["partitions"] == {f"{topic}/0": 3, f"{topic}/1": 2}
+    assert waited < 10
+
+
+def test_sensor_defers_then_completes_with_what_arrived(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str) -> None:
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
+    from offsetflow.orchestration.triggers import NewOffsetsTrigger
+
+    sensor = OffsetFlowNewDataSensor(task_id="wait", pipeline=waiting_pipeline["name"],
+                                     poke_interval=0.5, min_offsets=4, timeout=600)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    assert deferred.value.method_name == "execute_complete"
+    # what the triggerer gets: the serialized form, rebuilt
+    path, kwargs = deferred.value.trigger.serialize()
+    assert path == "offsetflow.orchestration.triggers.NewOffsetsTrigger"
+    trigger = NewOffsetsTrigger(**kwargs)
+
+    async def scenario() -> Any:
+        task = asyncio.ensure_future(_first_event(trigger))
+        assert not await _until(task, 3)
+        produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"a-{unique}", 2)
+        assert not await _until(task, 3), "fired below min_offsets"
+        produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 1, f"b-{unique}", 2,
+                      start_seq=3)
+        assert await _until(task, 30)
+        return task.result()
+
+    event = asyncio.run(scenario())
+    out = sensor.execute_complete({}, event.payload)
+    assert out["pending"] == 4
+    # data already waiting: no deferral at all
+    assert sensor.execute({})["pending"] == 4
+
+
+def test_broken_pipeline_ends_the_wait_with_a_clear_error(
+        waiting_pipeline: dict[str, Any]) -> None:
+    from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
+    from offsetflow.orchestration.triggers import NewOffsetsTrigger
+
+    trigger = NewOffsetsTrigger(pipeline="no_such_pipeline", poll_interval=0.5)
+    event = asyncio.run(asyncio.wait_for(_first_event(trigger), 30))
+    assert event.payload["status"] == "error"
+    sensor = OffsetFlowNewDataSensor(task_id="wait", pipeline="no_such_pipeline")
+    with pytest.raises(WaitError, match="no_such_pipeline"):
+        sensor.execute_complete({}, event.payload)
+
+
+WAIT_DAG = '''
+from datetime import datetime
+
+from airflow.sdk import DAG
+
+from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
+
+with DAG(dag_id="{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
+    OffsetFlowNewDataSensor(task_id="wait", pipeline="{pipeline}", min_offsets=3,
+                            poke_interval=1, timeout=300)
+'''
+
+
+@pytest.mark.slow  # a real `airflow dags test`, which runs the deferred trigger itself
+def test_sensor_in_a_dag_run_defers_and_resumes_when_records_arrive(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str,
+        tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    dag_id = f"offsetflow_dagtest_wait_{unique}"
+    dags = tmp_path / "dags"
+    dags.mkdir()
+    (dags / f"{dag_id}.py").write_text(WAIT_DAG.format(dag_id=dag_id,
+                                                       pipeline=waiting_pipeline["name"]))
+    log_file = tmp_path / "dags-test.log"
+    env = {**os.environ, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
+    with log_file.open("w") as out:
+        proc = subprocess.Popen(["airflow", "dags", "test", dag_id], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while "deferred" not in log_file.read_text().lower():
+                assert proc.poll() is None, log_file.read_text()[-4000:]
+                assert time.monotonic() < deadline, "the sensor never deferred"
+                time.sleep(1)
+            time.sleep(3)
+            assert proc.poll() is None, "the run ended although no data arrived"
+            produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"d-{unique}", 2)
+            rc = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_file.read_text()
+    assert rc == 0, text[-4000:]
+    assert "3 offsets arrived" in text, text[-4000:]
+    assert "state=success" in text or "success" in text.lower()

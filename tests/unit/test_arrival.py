@@ -1,0 +1,36 @@
+"""What counts as new data for the waiting sensor (offsetflow.arrival, pure)."""
+
+from __future__ import annotations
+
+from offsetflow.arrival import describe, pending_offsets
+from offsetflow.planner import PartitionOffsets
+
+OFF = {("t", 0): PartitionOffsets(0, 10), ("t", 1): PartitionOffsets(5, 5)}
+
+
+def test_positions_current_means_nothing_pending() -> None:
+    assert pending_offsets({("t", 0): 10, ("t", 1): 5}, OFF, "earliest") == {}
+
+
+def test_offsets_beyond_the_position_are_pending() -> None:
+    assert pending_offsets({("t", 0): 7, ("t", 1): 5}, OFF, "earliest") == {("t", 0): 3}
+
+
+def test_first_plan_under_latest_has_nothing_but_earliest_has_everything() -> None:
+    assert pending_offsets({}, OFF, "latest") == {}
+    assert pending_offsets({}, OFF, "earliest") == {("t", 0): 10}
+
+
+def test_partition_added_later_counts_from_its_earliest_offset() -> None:
+    offsets = {**OFF, ("t", 2): PartitionOffsets(2, 6)}
+    got = pending_offsets({("t", 0): 10, ("t", 1): 5}, offsets, "latest")
+    assert got == {("t", 2): 4}
+
+
+def test_position_behind_retention_counts_only_what_is_still_there() -> None:
+    offsets = {("t", 0): PartitionOffsets(8, 10)}
+    assert pending_offsets({("t", 0): 3}, offsets, "earliest") == {("t", 0): 2}
+
+
+def test_describe_is_json_keys() -> None:
+    assert describe({("a.b", 3): 4}) == {"a.b/3": 4}
