@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import logging
 
+import psycopg2.extensions
 from psycopg2 import sql
 
+from offsetflow.errors import StagedRowsLostError, StaleConfigError, StaleStageError
 from offsetflow.ledger import (
+    Batch,
     Ledger,
     connect,
     dead_letter_stage_table,
     stage_part_table,
     stage_table,
 )
+from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.stage_layout import Marker, foreign_markers
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +77,81 @@ def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
         cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
                     (layout, batch_id))
         return staged
+
+
+def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:
+    """The stage generation a run stages under, read together with the split it uses (a
+    batch planned before the split was recorded takes the run's). A batch whose recorded
+    split is another one was adopted by another run meanwhile: this run is stale."""
+    with ledger.transaction() as cur:
+        cur.execute("UPDATE offsetflow.batches SET split_offsets = COALESCE(split_offsets, %s) "
+                    "WHERE batch_id = %s RETURNING stage_generation, split_offsets",
+                    (split_offsets, batch_id))
+        row = cur.fetchone()
+    assert row is not None
+    if int(row[1]) != split_offsets:
+        raise StaleConfigError(
+            f"batch {batch_id}: another run changed its split to {row[1]} offsets per task "
+            f"while this run starts with {split_offsets}; this run's config is stale, so it "
+            f"stages nothing. Re-run the batch with the current pipeline config")
+    return int(row[0])
+
+
+def restart_stage(ledger: Ledger, batch_id: int) -> bool:
+    """At the start of a transform-path run: drop what earlier attempts staged and start a
+    new stage generation. Its parts are Spark's partitions of the transform's output, and
+    which rows a partition gets depends on more than any key can record (AQE coalescing
+    follows the core count and the data's size), so a retry cannot tell which earlier parts
+    still mean the same rows. Returns whether staged data was dropped."""
+    with ledger.transaction() as cur:
+        cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                    (batch_id,))
+        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
+                    "WHERE batch_id = %s)", (batch_id,))
+        found = cur.fetchone()
+        staged = bool(found and found[0])
+        ledger._drop_staging(cur, batch_id)
+    if staged:
+        log.warning("batch %d: staged data of an earlier attempt of this transform pipeline "
+                    "was dropped; the ranges are read again", batch_id)
+    return staged
+
+
+def layout_of(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
+              subrange_parts: bool) -> tuple[int, list[OffsetRange] | None]:
+    """In the commit, under the batch lock: the stage generation and (fused path) the
+    sub-ranges its parts stand for. A run whose own generation is not the batch's is a
+    zombie: StaleStageError, and it drops nothing."""
+    cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s",
+                (batch.batch_id,))
+    row = cur.fetchone()
+    assert row is not None
+    current = int(row[0])
+    if generation is not None and generation != current:
+        raise StaleStageError(batch.batch_id, generation, current)
+    split = split_ranges(batch.ranges, batch.split_offsets) \
+        if subrange_parts and batch.split_offsets else None
+    return current, split
+
+
+def check_markers(batch_id: int, markers: list[Marker], generation: int,
+                  split: list[OffsetRange] | None) -> None:
+    """Refuse parts of another layout (`offsetflow.stage_layout`) as lost: the commit rolls
+    back and they are dropped, so the next run stages them again under this layout."""
+    foreign = foreign_markers(markers, generation, split)
+    if not foreign:
+        return
+    whole = split is None or any(m.kind != "rows" for m, _ in foreign)
+    raise StagedRowsLostError(batch_id, None if whole else sorted({m.part for m, _ in foreign}),
+                              f"{len(foreign)} staged part(s) are not of the batch's current "
+                              f"stage layout: {foreign[0][1]}")
+
+
+def check_layout(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
+                 subrange_parts: bool) -> None:
+    """Step 2's first check: every marker of the batch is of its current layout."""
+    current, split = layout_of(cur, batch, generation, subrange_parts)
+    cur.execute("""SELECT kind, part, generation, per_partition FROM offsetflow.staged_parts
+                    WHERE batch_id = %s""", (batch.batch_id,))
+    check_markers(batch.batch_id, [Marker(k, int(p), g, pp) for k, p, g, pp in cur.fetchall()],
+                  current, split)
