@@ -43,7 +43,7 @@ from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.stage_reset import claim_stage_layout, stage_generation
+from offsetflow.stage_reset import restart_stage, stage_generation
 from offsetflow.staging import (
     BadBuffer,
     BadRows,
@@ -352,14 +352,6 @@ def to_stage_form(df: DataFrame) -> DataFrame:
     return df.select(*cols)
 
 
-def transform_layout(spark: SparkSession) -> str:
-    """What decides how the transform path's output is split into stage parts, besides the
-    config (whose changes `config_drift` handles): Spark's shuffle partitioning."""
-    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.enabled",
-            "spark.sql.adaptive.coalescePartitions.enabled")
-    return json.dumps({k: spark.conf.get(k, None) for k in keys}, sort_keys=True)
-
-
 def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
               accept_config_change: bool = False) -> RunReport:
     """Read, stage and commit one planned batch. Safe to retry: a committed batch is a
@@ -491,8 +483,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
-    if not fused:
-        claim_stage_layout(ledger, batch.batch_id, transform_layout(spark))
+    if not fused:  # its parts are Spark's partitions: an earlier attempt's mean other rows
+        restart_stage(ledger, batch.batch_id)
     # read with the split it goes with: a run that rebuilds the stage after this point
     # makes this run a zombie, whose markers the commit refuses
     generation = stage_generation(ledger, batch.batch_id, cfg.spark.max_offsets_per_task)

@@ -1,6 +1,7 @@
-"""Dropping staged data so the next attempt stages it again from Kafka: after a commit
-refused a stage that lost rows, and before a transform run whose partitioning differs from
-the one its earlier attempts staged under (their part numbers would mean other rows)."""
+"""Dropping staged data so the next attempt stages it again from Kafka (after a commit
+refused a stage that lost rows or parts of another layout, and at the start of every
+transform run, whose part numbers may mean other rows than an earlier attempt's), and the
+stage generation that tells a run's parts from a zombie's."""
 
 from __future__ import annotations
 
@@ -52,31 +53,6 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
         conn.close()
     log.warning("batch %d: staged part(s) %s had lost rows and were dropped; the next run "
                 "re-stages them", batch_id, "all" if parts is None else parts)
-
-
-def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
-    """Before staging on the transform path: parts are numbered by the Spark partitions of
-    the transform's output, so an earlier attempt's markers only mean something under the
-    same layout. A different (or unrecorded) one drops earlier staging, in one transaction
-    with recording the new layout. Returns whether staging was dropped."""
-    with ledger.transaction() as cur:
-        cur.execute("SELECT stage_layout FROM offsetflow.batches WHERE batch_id = %s "
-                    "FOR UPDATE", (batch_id,))
-        row = cur.fetchone()
-        if row is None or row[0] == layout:
-            return False
-        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
-                    "WHERE batch_id = %s)", (batch_id,))
-        found = cur.fetchone()
-        staged = bool(found and found[0])
-        if staged:
-            ledger._drop_staging(cur, batch_id)
-            log.warning("batch %d: the transform's partitioning changed (%s -> %s); staged "
-                        "data of earlier attempts was dropped and the ranges are read again",
-                        batch_id, row[0] or "unrecorded", layout)
-        cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
-                    (layout, batch_id))
-        return staged
 
 
 def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:
