@@ -134,7 +134,7 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             moved.per_range = per_range
             return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
     except StagedRowsLostError as e:
-        forget_parts(ledger.dsn, batch_id, e.parts)
+        forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
         raise
 
 

@@ -156,7 +156,7 @@ class PartwiseCommit:
         except StagedRowsLostError as e:
             self._error = e
             try:
-                forget_parts(self.dsn, bid, e.parts)
+                forget_parts(self.dsn, bid, e.parts, self.spec.stage_generation)
             except psycopg2.Error as forget:
                 log.error("batch %d: could not drop the lost parts: %s", bid, forget)
         except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()

@@ -25,14 +25,31 @@ from offsetflow.stage_layout import Marker, foreign_markers
 log = logging.getLogger(__name__)
 
 
-def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
+def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
+                 generation: int | None = None) -> None:
     """After a refused commit rolled back: drop the named parts' markers and rows (None:
     the whole stage, bad records included), so the next attempt's tasks stage them again
     from Kafka. A batch with bad records is always dropped whole: the fused path's dead
-    letters are not kept per part, and a re-staged part would write its own again."""
+    letters are not kept per part, and a re-staged part would write its own again.
+
+    This runs after the rollback, so a newer run may have rebuilt the stage meanwhile:
+    under the batch lock, nothing is dropped if the stage is no longer of `generation` (the
+    refused commit's; its parts are gone, and the numbers now name the newer run's), nor
+    while another run's commit holds the lock (it checks every marker itself). The stage is
+    emptied before its markers are deleted, so a marker a task commits while the TRUNCATE
+    waits for it goes too, never outliving its rows."""
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
+            cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s "
+                        "FOR UPDATE SKIP LOCKED", (batch_id,))
+            row = cur.fetchone()
+            if row is None or (generation is not None and int(row[0]) != generation):
+                log.warning("batch %d: the refused part(s) %s were not dropped: %s", batch_id,
+                            "all" if parts is None else parts,
+                            "another run's commit holds the batch" if row is None else
+                            "another run rebuilt the stage since")
+                return
             if parts is not None:
                 cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
                             "WHERE batch_id = %s AND kind = 'bad')", (batch_id,))
@@ -40,19 +57,20 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
                 if found and found[0]:
                     parts = None
             if parts is None:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
-                            (batch_id,))
                 cur.execute(sql.SQL("TRUNCATE {}, {}").format(
                     stage_table(batch_id), dead_letter_stage_table(batch_id)))
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
+                            (batch_id,))
             else:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
-                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
                 for part in parts:
                     cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
+                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
     finally:
         conn.close()
-    log.warning("batch %d: staged part(s) %s had lost rows and were dropped; the next run "
-                "re-stages them", batch_id, "all" if parts is None else parts)
+    log.warning("batch %d: staged part(s) %s had lost rows or were of another layout and "
+                "were dropped; the next run re-stages them", batch_id,
+                "all" if parts is None else parts)
 
 
 def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:

@@ -182,3 +182,49 @@ def test_commit_refuses_a_part_of_another_layout_and_the_retry_commits_once(
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
         (200, 200)
+
+
+def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """forget_parts runs after the refused commit rolled back, without the batch lock: a
+    newer run may rebuild the stage and stage its own parts in between. The late forget
+    must not drop the newer run's parts of the same numbers."""
+    import offsetflow.commit as commit_mod
+
+    topic = make_topic("zl", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zl{unique}", 2)
+    table = f"zl_{unique}"
+    old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       mode="upsert", key=["event_id"])
+    new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit, real_forget = job.commit_batch, commit_mod.forget_parts
+    newer: list[Any] = []
+
+    def lose_a_row(*args: Any, **kw: Any) -> Any:  # the first run: part 1 lost a row
+        query(pg_dsn, f"DELETE FROM offsetflow_stage.b{bid}_p1 WHERE ctid IN (SELECT ctid "
+                      f"FROM offsetflow_stage.b{bid}_p1 LIMIT 1) RETURNING 1")
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    def late_forget(*fargs: Any, **fkw: Any) -> None:
+        monkeypatch.setattr(commit_mod, "forget_parts", real_forget)
+
+        def forget_lands_now(*args: Any, **kw: Any) -> Any:  # after the newer run staged
+            real_forget(*fargs, **fkw)
+            monkeypatch.setattr(job, "commit_batch", real_commit)
+            return real_commit(*args, **kw)
+
+        monkeypatch.setattr(job, "commit_batch", forget_lands_now)
+        newer.append(run_batch(spark, new, bid, pg_dsn))
+
+    monkeypatch.setattr(job, "commit_batch", lose_a_row)
+    monkeypatch.setattr(commit_mod, "forget_parts", late_forget)
+    run_batch(spark, old, bid, pg_dsn)  # refused; the newer run committed meanwhile
+    assert newer and newer[0].result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
