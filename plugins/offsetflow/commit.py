@@ -4,7 +4,10 @@ same steps, step 4 part by part while the batch is still being read):
   1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
      `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
      abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
-  2. `check_staged`: every part the job produced has its marker, and the stage holds, per
+  2. `check_layout`: every marker is of the batch's current stage layout (its generation,
+     and on the fused path offsets of its part's sub-range), else `StagedRowsLostError`
+     as below (a run that is itself of an older generation: `StaleStageError`);
+     `check_staged`: every part the job produced has its marker, and the stage holds, per
      topic-partition, exactly the rows the markers count. A stage that lost rows (markers
      are UNLOGGED like the stage, so a crash empties both, but whatever else removes rows)
      is refused with `StagedRowsLostError` and dropped with its markers after the rollback,
@@ -50,7 +53,7 @@ from offsetflow.ledger import (
     qualified,
     stage_table,
 )
-from offsetflow.stage_reset import forget_parts
+from offsetflow.stage_reset import check_layout, forget_parts
 from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.upsert import apply_upsert
 
@@ -92,6 +95,11 @@ class CommitSpec:
     quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
     # the batch's config fingerprint as this run took it up; None: not checked
     config_fingerprint: str | None = None
+    # the stage generation this run staged under (None: not checked), and whether part k
+    # is sub-range k of the batch's split (the fused path) or a Spark partition of a
+    # transform's output
+    stage_generation: int | None = None
+    subrange_parts: bool = False
 
     @property
     def routes_tombstones(self) -> bool:
@@ -118,14 +126,15 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             if batch.status == "committed":
                 return already_committed(batch)
             check_config(batch, spec)
-            staged, per_range = check_staged(cur, batch, expected_parts, scan=True)  # 2
+            check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)  # 2
+            staged, per_range = check_staged(cur, batch, expected_parts, scan=True)
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
             moved = move_rows(cur, batch, spec, staged, timings)  # 4
             moved.per_range = per_range
             return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
     except StagedRowsLostError as e:
-        forget_parts(ledger.dsn, batch_id, e.parts)
+        forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
         raise
 
 

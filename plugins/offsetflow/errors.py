@@ -190,6 +190,19 @@ class StaleConfigError(BatchStateError):
     mix two configs' output, so it commits nothing. Re-run with the batch's current config."""
 
 
+class StaleStageError(BatchStateError):
+    """This run's staging layout is outdated: another run rebuilt the batch's stage since
+    (a changed split or config, a transform run starting over), so this run is a zombie and
+    stages or commits nothing. Its parts would be numbered the old way."""
+
+    def __init__(self, batch_id: int, mine: int | None, current: int) -> None:
+        self.batch_id = batch_id
+        super().__init__(
+            f"batch {batch_id}: this run stages under stage generation {mine}, but another "
+            f"run rebuilt the stage since (generation {current}); this run is stale and "
+            f"writes nothing. Re-run the batch if it is not running elsewhere")
+
+
 class CommitLockTimeoutError(OffsetFlowError):
     """The commit waited too long for a lock another session holds (often a driver that died
     without closing its connection). Names the batch and the holder."""

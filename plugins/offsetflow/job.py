@@ -43,7 +43,7 @@ from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.stage_reset import claim_stage_layout
+from offsetflow.stage_reset import restart_stage, stage_generation
 from offsetflow.staging import (
     BadBuffer,
     BadRows,
@@ -179,12 +179,13 @@ class ReadContext:
     fmt: str
     write_dead: bool
     specs: list[dict[str, Any]]
+    generation: int | None = None  # the stage generation the run stages under
 
     @classmethod
-    def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
-           ) -> ReadContext:
+    def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
+           generation: int | None = None) -> ReadContext:
         return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
-                   cfg.format_type, cfg.bad_records == "dead_letter", specs)
+                   cfg.format_type, cfg.bad_records == "dead_letter", specs, generation)
 
 
 def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
@@ -202,7 +203,8 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
     own: SubrangeBad | None = None
     sink: BadBuffer | SubrangeBad
     if bad_sink is None:
-        sink = own = SubrangeBad(rc.dsn, rc.batch_id, idx, BadRows(rc.pipeline, rc.write_dead))
+        sink = own = SubrangeBad(rc.dsn, rc.batch_id, idx, BadRows(rc.pipeline, rc.write_dead),
+                                 rc.generation)
     else:
         sink = bad_sink
     chunks = iter(read_range(rc.consumer_conf, r))
@@ -255,10 +257,11 @@ def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
     return [good[j] for j in keep], typed, bad
 
 
-def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]]
+def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
+                generation: int | None = None
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """DataFrame path (a transform is configured): rows go to Spark for the transform."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs)
+    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for b in batches:
@@ -285,26 +288,27 @@ def _task_part() -> int:
     return ctx.partitionId() if ctx is not None else 0
 
 
-def make_writer(dsn: str, batch_id: int, bad: BadRows
+def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = None
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """DataFrame path: stage the transform's output (in stage form); rows PostgreSQL
     refuses become bad records under `bad`'s policy."""
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         part = _task_part()
         clock = TaskClock()
-        stats = stage_rows(dsn, batch_id, part, batches, clock, bad=bad)
+        stats = stage_rows(dsn, batch_id, part, batches, clock, bad=bad,
+                           generation=generation)
         clock.emit(batch_id, "stage", part)
         yield _stats_batch(part, stats)
     return write
 
 
 def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
-                        specs: list[dict[str, Any]]
+                        specs: list[dict[str, Any]], generation: int | None = None
                         ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Fused path (no transform): each task reads its sub-range and COPYs it into the stage
     itself, so records never cross into the JVM and back. Spark schedules, retries and
     spreads the tasks; the stage marker still makes a retried task stage nothing twice."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs)
+    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
     pg_types = [t for _, t in stage_columns(cfg)]
 
     def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -319,7 +323,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                     yield from read_subrange(rc, idx, clock, bad_in)
         stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
                            table=stage_part_table(batch_id, part),
-                           bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in)
+                           bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
+                           generation=generation)
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
@@ -349,14 +354,6 @@ def to_stage_form(df: DataFrame) -> DataFrame:
             c = F.to_json(c, {"ignoreNullFields": "false"})  # as the fused path: keep nulls
         cols.append(c.alias(f.name))
     return df.select(*cols)
-
-
-def transform_layout(spark: SparkSession) -> str:
-    """What decides how the transform path's output is split into stage parts, besides the
-    config (whose changes `config_drift` handles): Spark's shuffle partitioning."""
-    keys = ("spark.sql.shuffle.partitions", "spark.sql.adaptive.enabled",
-            "spark.sql.adaptive.coalescePartitions.enabled")
-    return json.dumps({k: spark.conf.get(k, None) for k in keys}, sort_keys=True)
 
 
 def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
@@ -496,12 +493,21 @@ def _mark_failed(dsn: str, batch_id: int, msg: str) -> None:
 def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
          timings: dict[str, float]) -> RunReport:
     t = time.monotonic()
+    with ledger.transaction() as cur:
+        check_fence(cur, batch)  # a stale batch stops here, before it reads anything
+    fused = not cfg.transform
+    if not fused:  # its parts are Spark's partitions: an earlier attempt's mean other rows
+        restart_stage(ledger, batch.batch_id)
+    # read with the split it goes with: a run that rebuilds the stage after this point
+    # makes this run a zombie, whose markers the commit refuses
+    generation = stage_generation(ledger, batch.batch_id, cfg.spark.max_offsets_per_task)
     subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
     specs = [r.to_dict() for r in subranges]
     n = max(len(specs), 1)
     ids = spark.range(0, len(specs), 1, n)
     if cfg.transform:
-        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs), spark_ddl(cfg))
+        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation),
+                            spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
         missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
         if missing:
@@ -511,21 +517,17 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
         staging = to_stage_form(df).mapInArrow(
             make_writer(dsn, batch.batch_id,
-                        BadRows(cfg.name, cfg.bad_records == "dead_letter")), STATS_DDL)
+                        BadRows(cfg.name, cfg.bad_records == "dead_letter"), generation),
+            STATS_DDL)
     else:
         columns = stage_columns(cfg)
-        staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs),
-                                 STATS_DDL)
+        staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
+                                                     generation), STATS_DDL)
     with connect_ctx(dsn) as cur:
         ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
         ensure_dead_letter(cur, cfg.dead_letter_table)
-    with ledger.transaction() as cur:
-        check_fence(cur, batch)  # a stale batch stops here, before it reads anything
-    fused = not cfg.transform
-    if not fused:
-        claim_stage_layout(ledger, batch.batch_id, transform_layout(spark))
     create_stage_tables(dsn, batch.batch_id, columns, parts=n if fused else 0)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
@@ -535,7 +537,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
                       bad_records_staged=cfg.bad_records == "dead_letter",
-                      config_fingerprint=batch.config_fingerprint)
+                      config_fingerprint=batch.config_fingerprint,
+                      stage_generation=generation, subrange_parts=fused)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None

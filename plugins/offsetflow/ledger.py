@@ -448,6 +448,9 @@ class Ledger:
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(stage_table(batch_id)))
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(dead_letter_stage_table(batch_id)))
         cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s", (batch_id,))
+        # markers of an attempt still running (a zombie) are refused from now on
+        cur.execute("UPDATE offsetflow.batches SET stage_generation = stage_generation + 1 "
+                    "WHERE batch_id = %s", (batch_id,))
 
     def cleanup_staging(self) -> list[int]:
         """Drop staged data of batches that are closed (committed, abandoned) or gone."""

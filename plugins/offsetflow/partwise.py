@@ -46,7 +46,9 @@ from offsetflow.commit import (
 from offsetflow.commit_locks import lock_errors
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
 from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
-from offsetflow.stage_reset import forget_parts
+from offsetflow.ranges import OffsetRange
+from offsetflow.stage_layout import Marker
+from offsetflow.stage_reset import check_layout, check_markers, forget_parts, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ class PartwiseCommit:
         self.parts = parts
         self.timings = timings
         self._moved_parts: set[int] = set()
+        self._layout: tuple[int, list[OffsetRange] | None] | None = None
         self._finish = threading.Event()
         self._aborted = False
         self._expected_parts = 0
@@ -114,6 +117,9 @@ class PartwiseCommit:
                 moving = batch.is_open
                 if moving:  # held from here to COMMIT: no run can adopt a config meanwhile
                     check_config(batch, self.spec)
+                    # nor rebuild the stage: the layout is fixed until COMMIT
+                    self._layout = layout_of(cur, batch, self.spec.stage_generation,
+                                             self.spec.subrange_parts)
                 if moving and batch.kind in ("replay", "backfill"):  # a
                     delete_range_rows(cur, batch, self.spec)
                 moved = Moved()
@@ -128,6 +134,8 @@ class PartwiseCommit:
                 if not moving:
                     self._result = already_committed(batch)
                     return
+                check_layout(cur, batch, self.spec.stage_generation,
+                             self.spec.subrange_parts)  # 2, all markers
                 self._move_staged_parts(cur, moved, "commit_insert_s")
                 self._move_stage_itself(cur, moved)
                 self.timings["commit_insert_s"] = round(time.monotonic() - t, 3)
@@ -148,7 +156,7 @@ class PartwiseCommit:
         except StagedRowsLostError as e:
             self._error = e
             try:
-                forget_parts(self.dsn, bid, e.parts)
+                forget_parts(self.dsn, bid, e.parts, self.spec.stage_generation)
             except psycopg2.Error as forget:
                 log.error("batch %d: could not drop the lost parts: %s", bid, forget)
         except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
@@ -170,11 +178,16 @@ class PartwiseCommit:
 
     def _move_staged_parts(self, cur: psycopg2.extensions.cursor, moved: Moved,
                            timing: str) -> None:
-        cur.execute("""SELECT part, rows_staged, per_partition FROM offsetflow.staged_parts
+        cur.execute("""SELECT part, rows_staged, per_partition, generation
+                         FROM offsetflow.staged_parts
                         WHERE batch_id = %s AND kind = 'rows' AND NOT (part = ANY(%s))
                           AND part < %s ORDER BY part""",
                     (self.batch.batch_id, sorted(self._moved_parts), self.parts))
-        for part, rows_staged, per_tp in cur.fetchall():
+        for part, rows_staged, per_tp, generation in cur.fetchall():
+            assert self._layout is not None
+            # a part of another layout is never moved (nor locked: its retry may drop it)
+            check_markers(self.batch.batch_id, [Marker("rows", part, generation, per_tp)],
+                          *self._layout)
             t = time.monotonic()
             table = stage_part_table(self.batch.batch_id, part)
             append_part(cur, self.batch, self.spec, sql.SQL("ONLY {}").format(table),

@@ -1,32 +1,55 @@
-"""Dropping staged data so the next attempt stages it again from Kafka: after a commit
-refused a stage that lost rows, and before a transform run whose partitioning differs from
-the one its earlier attempts staged under (their part numbers would mean other rows)."""
+"""Dropping staged data so the next attempt stages it again from Kafka (after a commit
+refused a stage that lost rows or parts of another layout, and at the start of every
+transform run, whose part numbers may mean other rows than an earlier attempt's), and the
+stage generation that tells a run's parts from a zombie's."""
 
 from __future__ import annotations
 
 import logging
 
+import psycopg2.extensions
 from psycopg2 import sql
 
+from offsetflow.errors import StagedRowsLostError, StaleConfigError, StaleStageError
 from offsetflow.ledger import (
+    Batch,
     Ledger,
     connect,
     dead_letter_stage_table,
     stage_part_table,
     stage_table,
 )
+from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.stage_layout import Marker, foreign_markers
 
 log = logging.getLogger(__name__)
 
 
-def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
+def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
+                 generation: int | None = None) -> None:
     """After a refused commit rolled back: drop the named parts' markers and rows (None:
     the whole stage, bad records included), so the next attempt's tasks stage them again
     from Kafka. A batch with bad records is always dropped whole: the fused path's dead
-    letters are not kept per part, and a re-staged part would write its own again."""
+    letters are not kept per part, and a re-staged part would write its own again.
+
+    This runs after the rollback, so a newer run may have rebuilt the stage meanwhile:
+    under the batch lock, nothing is dropped if the stage is no longer of `generation` (the
+    refused commit's; its parts are gone, and the numbers now name the newer run's), nor
+    while another run's commit holds the lock (it checks every marker itself). The stage is
+    emptied before its markers are deleted, so a marker a task commits while the TRUNCATE
+    waits for it goes too, never outliving its rows."""
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
+            cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s "
+                        "FOR UPDATE SKIP LOCKED", (batch_id,))
+            row = cur.fetchone()
+            if row is None or (generation is not None and int(row[0]) != generation):
+                log.warning("batch %d: the refused part(s) %s were not dropped: %s", batch_id,
+                            "all" if parts is None else parts,
+                            "another run's commit holds the batch" if row is None else
+                            "another run rebuilt the stage since")
+                return
             if parts is not None:
                 cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
                             "WHERE batch_id = %s AND kind = 'bad')", (batch_id,))
@@ -34,41 +57,95 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None) -> None:
                 if found and found[0]:
                     parts = None
             if parts is None:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
-                            (batch_id,))
                 cur.execute(sql.SQL("TRUNCATE {}, {}").format(
                     stage_table(batch_id), dead_letter_stage_table(batch_id)))
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
+                            (batch_id,))
             else:
-                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
-                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
                 for part in parts:
                     cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
+                cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
+                            "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
     finally:
         conn.close()
-    log.warning("batch %d: staged part(s) %s had lost rows and were dropped; the next run "
-                "re-stages them", batch_id, "all" if parts is None else parts)
+    log.warning("batch %d: staged part(s) %s had lost rows or were of another layout and "
+                "were dropped; the next run re-stages them", batch_id,
+                "all" if parts is None else parts)
 
 
-def claim_stage_layout(ledger: Ledger, batch_id: int, layout: str) -> bool:
-    """Before staging on the transform path: parts are numbered by the Spark partitions of
-    the transform's output, so an earlier attempt's markers only mean something under the
-    same layout. A different (or unrecorded) one drops earlier staging, in one transaction
-    with recording the new layout. Returns whether staging was dropped."""
+def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:
+    """The stage generation a run stages under, read together with the split it uses (a
+    batch planned before the split was recorded takes the run's). A batch whose recorded
+    split is another one was adopted by another run meanwhile: this run is stale."""
     with ledger.transaction() as cur:
-        cur.execute("SELECT stage_layout FROM offsetflow.batches WHERE batch_id = %s "
-                    "FOR UPDATE", (batch_id,))
+        cur.execute("UPDATE offsetflow.batches SET split_offsets = COALESCE(split_offsets, %s) "
+                    "WHERE batch_id = %s RETURNING stage_generation, split_offsets",
+                    (split_offsets, batch_id))
         row = cur.fetchone()
-        if row is None or row[0] == layout:
-            return False
+    assert row is not None
+    if int(row[1]) != split_offsets:
+        raise StaleConfigError(
+            f"batch {batch_id}: another run changed its split to {row[1]} offsets per task "
+            f"while this run starts with {split_offsets}; this run's config is stale, so it "
+            f"stages nothing. Re-run the batch with the current pipeline config")
+    return int(row[0])
+
+
+def restart_stage(ledger: Ledger, batch_id: int) -> bool:
+    """At the start of a transform-path run: drop what earlier attempts staged and start a
+    new stage generation. Its parts are Spark's partitions of the transform's output, and
+    which rows a partition gets depends on more than any key can record (AQE coalescing
+    follows the core count and the data's size), so a retry cannot tell which earlier parts
+    still mean the same rows. Returns whether staged data was dropped."""
+    with ledger.transaction() as cur:
+        cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                    (batch_id,))
         cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
                     "WHERE batch_id = %s)", (batch_id,))
         found = cur.fetchone()
         staged = bool(found and found[0])
-        if staged:
-            ledger._drop_staging(cur, batch_id)
-            log.warning("batch %d: the transform's partitioning changed (%s -> %s); staged "
-                        "data of earlier attempts was dropped and the ranges are read again",
-                        batch_id, row[0] or "unrecorded", layout)
-        cur.execute("UPDATE offsetflow.batches SET stage_layout = %s WHERE batch_id = %s",
-                    (layout, batch_id))
-        return staged
+        ledger._drop_staging(cur, batch_id)
+    if staged:
+        log.warning("batch %d: staged data of an earlier attempt of this transform pipeline "
+                    "was dropped; the ranges are read again", batch_id)
+    return staged
+
+
+def layout_of(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
+              subrange_parts: bool) -> tuple[int, list[OffsetRange] | None]:
+    """In the commit, under the batch lock: the stage generation and (fused path) the
+    sub-ranges its parts stand for. A run whose own generation is not the batch's is a
+    zombie: StaleStageError, and it drops nothing."""
+    cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s",
+                (batch.batch_id,))
+    row = cur.fetchone()
+    assert row is not None
+    current = int(row[0])
+    if generation is not None and generation != current:
+        raise StaleStageError(batch.batch_id, generation, current)
+    split = split_ranges(batch.ranges, batch.split_offsets) \
+        if subrange_parts and batch.split_offsets else None
+    return current, split
+
+
+def check_markers(batch_id: int, markers: list[Marker], generation: int,
+                  split: list[OffsetRange] | None) -> None:
+    """Refuse parts of another layout (`offsetflow.stage_layout`) as lost: the commit rolls
+    back and they are dropped, so the next run stages them again under this layout."""
+    foreign = foreign_markers(markers, generation, split)
+    if not foreign:
+        return
+    whole = split is None or any(m.kind != "rows" for m, _ in foreign)
+    raise StagedRowsLostError(batch_id, None if whole else sorted({m.part for m, _ in foreign}),
+                              f"{len(foreign)} staged part(s) are not of the batch's current "
+                              f"stage layout: {foreign[0][1]}")
+
+
+def check_layout(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
+                 subrange_parts: bool) -> None:
+    """Step 2's first check: every marker of the batch is of its current layout."""
+    current, split = layout_of(cur, batch, generation, subrange_parts)
+    cur.execute("""SELECT kind, part, generation, per_partition FROM offsetflow.staged_parts
+                    WHERE batch_id = %s""", (batch.batch_id,))
+    check_markers(batch.batch_id, [Marker(k, int(p), g, pp) for k, p, g, pp in cur.fetchall()],
+                  current, split)

@@ -29,6 +29,7 @@ import pyarrow.csv as pacsv
 from psycopg2 import sql
 
 from offsetflow import pgcopy
+from offsetflow.errors import StaleStageError
 from offsetflow.ledger import Ledger, connect, dead_letter_stage_table, stage_table
 from offsetflow.metrics import TaskClock
 from offsetflow.stage_form import stage_form
@@ -71,13 +72,17 @@ def binary_encoder(pg_types: Sequence[str]) -> Encoder:
 
 
 def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
-                chunk: int) -> dict[str, Any] | None:
-    """Insert the part's marker; return the earlier attempt's stats if it already exists.
-    A concurrent attempt blocks here on the primary key until the first one ends."""
+                chunk: int, generation: int | None) -> dict[str, Any] | None:
+    """Insert the part's marker, of the stage generation the run stages under; return the
+    earlier attempt's stats if it already exists. A concurrent attempt blocks here on the
+    primary key until the first one ends. A task of a run whose stage was rebuilt since (a
+    zombie) stages nothing (`StaleStageError`); one that slips past this check just before
+    the rebuild leaves a marker of the old generation, which the commit refuses."""
+    generation = _check_generation(cur, batch_id, generation)
     cur.execute("""INSERT INTO offsetflow.staged_parts
-                     (batch_id, kind, part, chunk, rows_staged, bad_records)
-                   VALUES (%s, %s, %s, %s, 0, 0) ON CONFLICT DO NOTHING""",
-                (batch_id, kind, part, chunk))
+                     (batch_id, kind, part, chunk, rows_staged, bad_records, generation)
+                   VALUES (%s, %s, %s, %s, 0, 0, %s) ON CONFLICT DO NOTHING""",
+                (batch_id, kind, part, chunk, generation))
     if cur.rowcount == 1:
         return None
     cur.execute("""SELECT rows_staged, bad_records, per_partition FROM offsetflow.staged_parts
@@ -86,6 +91,19 @@ def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part:
     row = cur.fetchone()
     assert row is not None
     return {"rows": row[0], "bad": row[1], "per_partition": row[2]}
+
+
+def _check_generation(cur: psycopg2.extensions.cursor, batch_id: int,
+                      generation: int | None) -> int | None:
+    """`generation` if it is the batch's current one (None: the current one)."""
+    cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s",
+                (batch_id,))
+    row = cur.fetchone()
+    if row is None:
+        return generation
+    if generation is not None and int(row[0]) != generation:
+        raise StaleStageError(batch_id, generation, int(row[0]))
+    return int(row[0])
 
 
 @dataclass(frozen=True)
@@ -104,7 +122,8 @@ REFUSED_CHUNK = -1
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
                table: sql.Composed | None = None, bad: BadRows | None = None,
-               bad_in: BadBuffer | None = None) -> dict[str, Any]:
+               bad_in: BadBuffer | None = None, generation: int | None = None
+               ) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
@@ -113,13 +132,15 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
     With `bad`, rows PostgreSQL refuses are bad records (see the module docstring);
     without it a refused COPY fails the task. `bad_in` holds the bad records the reader of
     `batches` finds; they are written here, in the part's transaction, as they come.
+    `generation`: the stage generation the run stages under (`stage_reset.stage_generation`;
+    the job always passes it, None takes the batch's current one).
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
-            earlier = _claim_part(cur, batch_id, "rows", part, 0)
+            earlier = _claim_part(cur, batch_id, "rows", part, 0, generation)
             if earlier is not None:
                 return {"part": part, "skipped": True, **earlier}
             rows = 0
@@ -163,7 +184,7 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                     _copy_dead(cur, batch_id, bad.pipeline, refused)
                 tally.add(refused)
             if tally.count:
-                _claim_part(cur, batch_id, "bad", part, REFUSED_CHUNK)
+                _claim_part(cur, batch_id, "bad", part, REFUSED_CHUNK, generation)
                 tally.mark(cur, batch_id, part, REFUSED_CHUNK)
         return {"part": part, "skipped": False, "rows": rows, "bad": tally.count,
                 "per_partition": per_tp}
@@ -380,8 +401,10 @@ class SubrangeBad:
     # a sub-range's marker; rows refused at staging use REFUSED_CHUNK, rows use 0 of kind rows
     CHUNK = 0
 
-    def __init__(self, dsn: str, batch_id: int, idx: int, bad: BadRows) -> None:
+    def __init__(self, dsn: str, batch_id: int, idx: int, bad: BadRows,
+                 generation: int | None = None) -> None:
         self.dsn, self.batch_id, self.idx, self.bad = dsn, batch_id, idx, bad
+        self.generation = generation
         self.tally = BadTally()
         self._indexed = False
 
@@ -407,7 +430,8 @@ class SubrangeBad:
         conn = connect(self.dsn)
         try:
             with conn, conn.cursor() as cur:
-                if _claim_part(cur, self.batch_id, "bad", self.idx, self.CHUNK) is None:
+                if _claim_part(cur, self.batch_id, "bad", self.idx, self.CHUNK,
+                               self.generation) is None:
                     self.tally.mark(cur, self.batch_id, self.idx, self.CHUNK)
         finally:
             conn.close()

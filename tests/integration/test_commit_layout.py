@@ -96,3 +96,59 @@ def test_a_stage_holding_an_offset_twice_is_refused_and_restaged(
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0] == \
         (100, 100)
+
+
+def repartition_by_offset(df: Any) -> Any:
+    """A shuffle AQE may coalesce (by column, no count): how many parts the output has, and
+    which rows each holds, follows the data's size, the advisory partition size and (by
+    default) the core count. With FAIL_CONF set, parts from 4 on fail."""
+    from pyspark.sql import functions as F
+
+    out = df.repartition("offset")
+    if df.sparkSession.conf.get(FAIL_CONF, "false") == "true":
+        out = out.withColumn("value", F.when(F.spark_partition_id() >= 4,
+                                             F.raise_error(F.lit("injected task failure")))
+                             .otherwise(F.col("value")))
+    return out
+
+
+def test_aqe_coalescing_another_way_on_the_retry_restages_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """The same shuffle settings, but AQE coalesces the retry's shuffle into other parts (here
+    by the advisory size; on a cluster the core count does it): none of the first attempt's
+    parts may be taken for the retry's part of the same number."""
+    topic = make_topic("aqe", 1)
+    produce_plain(kafka_bootstrap, topic, 400, f"aq{unique}", 1)
+    table = f"aqe_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
+                       transform="tests.integration.test_commit_layout.repartition_by_offset")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    keys = {"spark.sql.shuffle.partitions": "16", "spark.sql.adaptive.enabled": "true",
+            "spark.sql.adaptive.coalescePartitions.enabled": "true",
+            "spark.sql.adaptive.coalescePartitions.parallelismFirst": "false",
+            "spark.sql.adaptive.coalescePartitions.minPartitionSize": "1",
+            "spark.sql.adaptive.advisoryPartitionSizeInBytes": "1"}
+    before = {k: spark.conf.get(k, None) for k in keys}
+    try:
+        for k, v in keys.items():
+            spark.conf.set(k, v)
+        spark.conf.set(FAIL_CONF, "true")
+        with pytest.raises(Exception, match="injected task failure"):
+            run_batch(spark, cfg, bid, pg_dsn)  # 16 parts, the first ones staged
+        staged = query(pg_dsn, "SELECT count(*) FROM offsetflow.staged_parts "
+                               "WHERE batch_id = %s AND kind = 'rows'", (bid,))[0][0]
+        assert 0 < staged < 16
+        spark.conf.set(FAIL_CONF, "false")
+        spark.conf.set("spark.sql.adaptive.advisoryPartitionSizeInBytes", str(64 << 20))
+        assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+        spark.conf.unset(FAIL_CONF)
+    got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
+    assert got == (400, 400)

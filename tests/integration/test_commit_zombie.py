@@ -1,0 +1,230 @@
+"""A zombie attempt (an older run of a batch still working) on real Kafka, PostgreSQL and
+Spark: it stages under the batch's old split after a newer run rebuilt the stage for a new
+one. The newer run must never skip parts on the strength of the zombie's markers (which name
+other offsets under the same part numbers): the batch commits exactly once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import offsetflow.job as job
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import StagedRowsLostError
+from offsetflow.job import run_batch
+from offsetflow.runner import plan_only
+from tests.integration.helpers import pipeline_for, produce_plain, query
+
+FAIL_CONF = "offsetflow.test.zombie_fails_from_part"
+
+
+def fail_from_part(df: Any) -> Any:
+    """No shuffle, so the output's partitions are the sub-ranges; with FAIL_CONF set, the
+    ones from that part on fail (a zombie that staged only its first parts before dying)."""
+    from pyspark.sql import functions as F
+
+    first = int(df.sparkSession.conf.get(FAIL_CONF, "-1"))
+    if first < 0:
+        return df
+    return df.withColumn("value", F.when(F.spark_partition_id() >= first,
+                                         F.raise_error(F.lit("zombie dies")))
+                         .otherwise(F.col("value")))
+
+
+def _zombie_then(spark: Any, pg_dsn: str, bid: int, old: PipelineConfig,
+                 monkeypatch: pytest.MonkeyPatch, before_commit: Callable[[], None] | None = None
+                 ) -> list[BaseException]:
+    """Start the zombie (a run of `old`) and hold it once it has taken up the batch, right
+    before it stages; return a hook for the newer run, which lets the zombie stage (and
+    die) once the newer run has rebuilt the stage, and waits for it."""
+    zombie_held, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_create = job.create_stage_tables
+    zombie: threading.Thread | None = None
+
+    def create(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is zombie:
+            zombie_held.set()
+            assert go.wait(300)
+            return real_create(*args, **kw)
+        out = real_create(*args, **kw)  # the newer run: its stage is rebuilt by now
+        go.set()
+        assert zombie is not None
+        zombie.join(300)
+        assert not zombie.is_alive()
+        if before_commit is not None:
+            before_commit()
+        return out
+
+    def run_zombie() -> None:
+        try:
+            run_batch(spark, old, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the zombie is expected to die
+            errors.append(e)
+
+    monkeypatch.setattr(job, "create_stage_tables", create)
+    zombie = threading.Thread(target=run_zombie, name="zombie")
+    zombie.start()
+    assert zombie_held.wait(300), errors
+    return errors
+
+
+def _run_until_committed(spark: Any, cfg: PipelineConfig, bid: int, pg_dsn: str) -> None:
+    """The newer run, and at most one retry after a refusal that dropped foreign parts."""
+    try:
+        assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    except StagedRowsLostError:
+        assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+
+
+def test_zombie_staging_under_the_old_split_never_commits_half_a_transform_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    topic = make_topic("zt", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zt{unique}", 2)
+    table = f"zt_{unique}"
+    transform = "tests.integration.test_commit_zombie.fail_from_part"
+    old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       transform=transform)
+    new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       transform=transform)
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    try:
+        # the zombie's parts: t[0] [0,50), t[0] [50,100) staged, t[1]'s two die; the newer
+        # run's parts 0 and 1 are all of t[0] and all of t[1]
+        spark.conf.set(FAIL_CONF, "2")
+        _zombie_then(spark, pg_dsn, bid, old, monkeypatch)
+        spark.conf.unset(FAIL_CONF)
+        _run_until_committed(spark, new, bid, pg_dsn)
+    finally:
+        spark.conf.unset(FAIL_CONF)
+    got = query(pg_dsn, f"SELECT partition, count(*), count(DISTINCT \"offset\") FROM {table} "
+                        f"GROUP BY 1 ORDER BY 1")
+    assert got == [(0, 100, 100), (1, 100, 100)]
+    assert query(pg_dsn, "SELECT partition, next_offset FROM offsetflow.positions "
+                         "WHERE topic = %s ORDER BY 1", (topic,)) == [(0, 100), (1, 100)]
+
+
+def test_zombie_that_staged_its_old_split_and_died_does_not_wedge_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused path, upsert (commits from the stage): the zombie stages all four parts of its
+    split and dies before its commit; the newer run's split has two."""
+    topic = make_topic("zf", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zf{unique}", 2)
+    table = f"zf_{unique}"
+    old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       mode="upsert", key=["event_id"])
+    new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def zombie_dies_before_commit(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread().name == "zombie":
+            raise RuntimeError("zombie killed before its commit")
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", zombie_dies_before_commit)
+    _zombie_then(spark, pg_dsn, bid, old, monkeypatch)
+    _run_until_committed(spark, new, bid, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
+    assert query(pg_dsn, "SELECT partition, next_offset FROM offsetflow.positions "
+                         "WHERE topic = %s ORDER BY 1", (topic,)) == [(0, 100), (1, 100)]
+
+
+@pytest.mark.parametrize("foreign", ["generation", "offsets"])
+def test_commit_refuses_a_part_of_another_layout_and_the_retry_commits_once(
+        foreign: str, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a zombie task leaves when it passed its generation check just before a newer
+    run rebuilt the stage: a marker of the old generation (or, for a marker that does not
+    record one, offsets of another sub-range under its part number). The commit refuses it
+    before moving a row; the part is dropped and the next run stages it again."""
+    topic = make_topic("zc", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zc{unique}", 2)
+    table = f"zc_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def zombie_marker(*args: Any, **kw: Any) -> Any:
+        if foreign == "generation":
+            query(pg_dsn, "UPDATE offsetflow.staged_parts SET generation = generation - 1 "
+                          "WHERE batch_id = %s AND kind = 'rows' AND part = 1 RETURNING 1",
+                  (bid,))
+        else:  # part 1 is t[0] [50, 100): claim t[0] [0, 50) instead, same count
+            query(pg_dsn, "UPDATE offsetflow.staged_parts SET per_partition = "
+                          "jsonb_build_object(%s, jsonb_build_array(50, 0, 49)) "
+                          "WHERE batch_id = %s AND kind = 'rows' AND part = 1 RETURNING 1",
+                  (f"{topic}/0", bid))
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", zombie_marker)
+    match = "stage generation" if foreign == "generation" else r"outside its sub-range"
+    with pytest.raises(StagedRowsLostError, match=match):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 0
+    assert query(pg_dsn, "SELECT count(*) FROM offsetflow.staged_parts WHERE batch_id = %s "
+                         "AND part = 1", (bid,))[0][0] == 0  # dropped: staged again
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
+
+
+def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """forget_parts runs after the refused commit rolled back, without the batch lock: a
+    newer run may rebuild the stage and stage its own parts in between. The late forget
+    must not drop the newer run's parts of the same numbers."""
+    import offsetflow.commit as commit_mod
+
+    topic = make_topic("zl", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zl{unique}", 2)
+    table = f"zl_{unique}"
+    old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
+                       mode="upsert", key=["event_id"])
+    new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit, real_forget = job.commit_batch, commit_mod.forget_parts
+    newer: list[Any] = []
+
+    def lose_a_row(*args: Any, **kw: Any) -> Any:  # the first run: part 1 lost a row
+        query(pg_dsn, f"DELETE FROM offsetflow_stage.b{bid}_p1 WHERE ctid IN (SELECT ctid "
+                      f"FROM offsetflow_stage.b{bid}_p1 LIMIT 1) RETURNING 1")
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    def late_forget(*fargs: Any, **fkw: Any) -> None:
+        monkeypatch.setattr(commit_mod, "forget_parts", real_forget)
+
+        def forget_lands_now(*args: Any, **kw: Any) -> Any:  # after the newer run staged
+            real_forget(*fargs, **fkw)
+            monkeypatch.setattr(job, "commit_batch", real_commit)
+            return real_commit(*args, **kw)
+
+        monkeypatch.setattr(job, "commit_batch", forget_lands_now)
+        newer.append(run_batch(spark, new, bid, pg_dsn))
+
+    monkeypatch.setattr(job, "commit_batch", lose_a_row)
+    monkeypatch.setattr(commit_mod, "forget_parts", late_forget)
+    run_batch(spark, old, bid, pg_dsn)  # refused; the newer run committed meanwhile
+    assert newer and newer[0].result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
