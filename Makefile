@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test unit lint bench soak clean
+.PHONY: venv system system-browser up down status demo test unit lint bench soak clean spark-env
 
 venv: .venv/.installed
 
@@ -50,6 +50,11 @@ lint: venv
 	$(PY) -m ruff check plugins dags spark_jobs include tests
 	$(PY) -m mypy
 	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
+
+# the executors' Python environment for a Spark cluster (offsetflow + its executor libraries,
+# packed with venv-pack for spark.archives): .stack/spark-env/offsetflow-env.tar.gz
+spark-env: venv
+	$(STACK) spark-env
 
 clean: down
 	rm -rf .stack
