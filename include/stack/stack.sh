@@ -510,6 +510,20 @@ spark_clean_env() {  # the environment a cluster node's daemons start with
     "SPARK_DAEMON_MEMORY=${OFFSETFLOW_SPARK_DAEMON_MEMORY:-256m}" "LANG=C.UTF-8" "TZ=UTC"
 }
 
+# Start a Spark daemon (spark-class CLASS ARGS) in a session of its own with the clean
+# environment; its pid file holds the session leader, which spark-class execs into the JVM,
+# so stop_group and spark-worker-kill reach the daemon and every executor it forked.
+spark_daemon() {  # dir log class args...
+  local dir="$1" logf="$2" i; shift 2
+  rm -f "$dir/pid"
+  # shellcheck disable=SC2016,SC2046
+  ( cd "$dir" && exec setsid bash -c 'echo $$ > "$0"; exec "$@"' "$dir/pid" \
+      $(spark_clean_env) "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" "$@" \
+      >"$logf" 2>&1 < /dev/null ) &
+  for ((i = 0; i < 100; i++)); do [[ -s "$dir/pid" ]] && return 0; sleep 0.1; done
+  fail_service spark "$dir" "$logf" "the daemon did not start"
+}
+
 spark_alive_workers() {  # number of ALIVE workers the master reports (0 when it does not answer)
   curl -fsS -m 3 "http://127.0.0.1:$SPARK_MASTER_UI_PORT/json/" 2>/dev/null | "$VENV/bin/python" -c '
 import json, sys
@@ -523,10 +537,8 @@ spark_master_start() {
   { port_open "$SPARK_MASTER_PORT" || port_open "$SPARK_MASTER_UI_PORT"; } && fail_service spark-master \
     "127.0.0.1:$SPARK_MASTER_PORT" "" "port $SPARK_MASTER_PORT or $SPARK_MASTER_UI_PORT is taken by a process not started by this stack"
   log "starting Spark master on spark://127.0.0.1:$SPARK_MASTER_PORT (UI 127.0.0.1:$SPARK_MASTER_UI_PORT)"
-  # shellcheck disable=SC2046
-  ( cd "$dir" && setsid nohup $(spark_clean_env) "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" \
-      org.apache.spark.deploy.master.Master --host 127.0.0.1 --port "$SPARK_MASTER_PORT" \
-      --webui-port "$SPARK_MASTER_UI_PORT" >"$dir/master.log" 2>&1 < /dev/null & echo $! > "$dir/pid" )
+  spark_daemon "$dir" "$dir/master.log" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
+    --port "$SPARK_MASTER_PORT" --webui-port "$SPARK_MASTER_UI_PORT"
   local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT))
   until curl -fsS -m 3 "http://127.0.0.1:$SPARK_MASTER_UI_PORT/json/" >/dev/null 2>&1; do
     pid_alive "$dir/pid" || fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "the master exited"
@@ -543,11 +555,9 @@ spark_worker_start() {  # N
   { port_open "$port" || port_open "$ui"; } && fail_service "spark-worker$n" "127.0.0.1:$port" "" \
     "port $port or $ui is taken by a process not started by this stack"
   log "starting Spark worker $n on 127.0.0.1:$port (UI $ui; $SPARK_WORKER_CORES core, $SPARK_WORKER_MEMORY)"
-  # shellcheck disable=SC2046
-  ( cd "$dir" && setsid nohup $(spark_clean_env) "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" \
-      org.apache.spark.deploy.worker.Worker --host 127.0.0.1 --port "$port" --webui-port "$ui" \
-      --cores "$SPARK_WORKER_CORES" --memory "$SPARK_WORKER_MEMORY" --work-dir "$dir/work" \
-      "spark://127.0.0.1:$SPARK_MASTER_PORT" >"$dir/worker.log" 2>&1 < /dev/null & echo $! > "$dir/pid" )
+  spark_daemon "$dir" "$dir/worker.log" org.apache.spark.deploy.worker.Worker --host 127.0.0.1 \
+    --port "$port" --webui-port "$ui" --cores "$SPARK_WORKER_CORES" --memory "$SPARK_WORKER_MEMORY" \
+    --work-dir "$dir/work" "spark://127.0.0.1:$SPARK_MASTER_PORT"
 }
 
 spark_cluster_start() {
@@ -580,6 +590,13 @@ spark_worker_kill() {
   pid_alive "$pidf" || die "spark worker $n is not running"
   log "killing Spark worker $n and its executors (kill -9 of process group $(cat "$pidf"))"
   kill -KILL -- "-$(cat "$pidf")" 2>/dev/null || true
+  # the executors' Python daemons put themselves in process groups of their own: on a lost
+  # node they die too (found by their working directory, the executor's)
+  local p cwd
+  for p in /proc/[0-9]*; do
+    cwd="$(readlink "$p/cwd" 2>/dev/null)" || continue
+    [[ "$cwd" == "$SPARK_CLUSTER_DIR/worker$n/"* ]] && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
   rm -f "$pidf"
 }
 
