@@ -502,12 +502,15 @@ spark_home() {
 
 spark_worker_ports() { echo "$((SPARK_WORKER_PORT + 2 * ($1 - 1))) $((SPARK_WORKER_PORT + 2 * ($1 - 1) + 1))"; }
 
-spark_clean_env() {  # the environment a cluster node's daemons start with
+spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's daemons start with
   local java_home
   java_home="${JAVA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")}"
-  echo env -i "HOME=$HOME" "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-    "JAVA_HOME=$java_home" "SPARK_HOME=$(spark_home)" "SPARK_LOCAL_IP=127.0.0.1" \
+  SPARK_CLEAN_ENV=(env -i "HOME=$HOME" "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    "JAVA_HOME=$java_home" "SPARK_HOME=$(spark_home)" "SPARK_LOCAL_IP=127.0.0.1"
     "SPARK_DAEMON_MEMORY=${OFFSETFLOW_SPARK_DAEMON_MEMORY:-256m}" "LANG=C.UTF-8" "TZ=UTC"
+    # no REST submission server (port 6066 for every cluster on the machine); a taken port
+    # is an error, not a silent move to the next one (a worker's port, say)
+    "SPARK_DAEMON_JAVA_OPTS=-Dspark.master.rest.enabled=false -Dspark.port.maxRetries=0")
 }
 
 # Start a Spark daemon (spark-class CLASS ARGS) in a session of its own with the clean
@@ -516,9 +519,10 @@ spark_clean_env() {  # the environment a cluster node's daemons start with
 spark_daemon() {  # dir log class args...
   local dir="$1" logf="$2" i; shift 2
   rm -f "$dir/pid"
-  # shellcheck disable=SC2016,SC2046
+  spark_clean_env
+  # shellcheck disable=SC2016
   ( cd "$dir" && exec setsid bash -c 'echo $$ > "$0"; exec "$@"' "$dir/pid" \
-      $(spark_clean_env) "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" "$@" \
+      "${SPARK_CLEAN_ENV[@]}" "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" "$@" \
       >"$logf" 2>&1 < /dev/null ) &
   for ((i = 0; i < 100; i++)); do [[ -s "$dir/pid" ]] && return 0; sleep 0.1; done
   fail_service spark "$dir" "$logf" "the daemon did not start"
@@ -691,9 +695,26 @@ kafka_cluster_start() {
   log "kafka cluster ready: $(kafka_cluster_bootstrap)"
 }
 
+# All three at once: stopped one by one, the last node waits for a quorum that is gone
+# (its controlled shutdown never finishes) until the SIGKILL.
 kafka_cluster_stop() {
-  local i
-  for i in 3 2 1; do stop_pidfile "kafka node $i" "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" 60; done
+  local i pids=() deadline=$((SECONDS + 30))
+  for i in 1 2 3; do
+    pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" && pids+=("$(cat "$KAFKA_CLUSTER_DIR/node$i/kafka.pid")")
+  done
+  if (( ${#pids[@]} )); then
+    log "stopping kafka cluster nodes (pids ${pids[*]})"
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    local alive=1 p
+    while (( alive && SECONDS < deadline )); do
+      alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      (( alive )) && sleep 0.3
+    done
+    for i in "${pids[@]}"; do
+      kill -0 "$i" 2>/dev/null && { log "kafka node pid $i did not stop in 30s; SIGKILL"; kill -KILL "$i" 2>/dev/null || true; }
+    done
+  fi
+  rm -f "$KAFKA_CLUSTER_DIR"/node*/kafka.pid
 }
 
 # SIGKILL of node N (no controlled shutdown: leadership moves only when the controller notices)
