@@ -513,6 +513,11 @@ spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's da
     "SPARK_DAEMON_JAVA_OPTS=-Dspark.master.rest.enabled=false -Dspark.port.maxRetries=0")
 }
 
+# The cluster ports sit in Linux's ephemeral range (32768-60999 by default): an outgoing
+# connection can hold one for a moment, and a daemon started then fails to bind. Such a
+# start is retried (a few times) instead of failing the stack.
+bind_failed() { tail -n 60 "$1" 2>/dev/null | grep -q -e "Address already in use" -e "BindException"; }
+
 # Start a Spark daemon (spark-class CLASS ARGS) in a session of its own with the clean
 # environment; its pid file holds the session leader, which spark-class execs into the JVM,
 # so stop_group and spark-worker-kill reach the daemon and every executor it forked.
@@ -543,9 +548,17 @@ spark_master_start() {
   log "starting Spark master on spark://127.0.0.1:$SPARK_MASTER_PORT (UI 127.0.0.1:$SPARK_MASTER_UI_PORT)"
   spark_daemon "$dir" "$dir/master.log" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
     --port "$SPARK_MASTER_PORT" --webui-port "$SPARK_MASTER_UI_PORT"
-  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT))
+  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT)) tries=0
   until curl -fsS -m 3 "http://127.0.0.1:$SPARK_MASTER_UI_PORT/json/" >/dev/null 2>&1; do
-    pid_alive "$dir/pid" || fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "the master exited"
+    if ! pid_alive "$dir/pid"; then
+      if bind_failed "$dir/master.log" && (( ++tries <= 3 )); then
+        log "spark master: a port was taken for a moment; starting it again"; sleep 2
+        spark_daemon "$dir" "$dir/master.log" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
+          --port "$SPARK_MASTER_PORT" --webui-port "$SPARK_MASTER_UI_PORT"
+        continue
+      fi
+      fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "the master exited"
+    fi
     (( SECONDS < deadline )) || fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "not answering after ${SPARK_CLUSTER_TIMEOUT}s"
     sleep 0.5
   done
@@ -569,10 +582,15 @@ spark_cluster_start() {
   spark_master_start
   local n
   for ((n = 1; n <= SPARK_WORKERS; n++)); do spark_worker_start "$n"; done
-  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT))
+  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT)) tries=0
   until [[ "$(spark_alive_workers)" -ge "$SPARK_WORKERS" ]]; do
     for ((n = 1; n <= SPARK_WORKERS; n++)); do
-      pid_alive "$SPARK_CLUSTER_DIR/worker$n/pid" || fail_service "spark-worker$n" "spark://127.0.0.1:$SPARK_MASTER_PORT" "$SPARK_CLUSTER_DIR/worker$n/worker.log" "the worker exited"
+      pid_alive "$SPARK_CLUSTER_DIR/worker$n/pid" && continue
+      if bind_failed "$SPARK_CLUSTER_DIR/worker$n/worker.log" && (( ++tries <= 3 )); then
+        log "spark worker $n: a port was taken for a moment; starting it again"; sleep 2
+        spark_worker_start "$n"; continue
+      fi
+      fail_service "spark-worker$n" "spark://127.0.0.1:$SPARK_MASTER_PORT" "$SPARK_CLUSTER_DIR/worker$n/worker.log" "the worker exited"
     done
     (( SECONDS < deadline )) || fail_service spark-cluster "spark://127.0.0.1:$SPARK_MASTER_PORT" "$SPARK_CLUSTER_DIR/master/master.log" "fewer than $SPARK_WORKERS workers registered after ${SPARK_CLUSTER_TIMEOUT}s"
     sleep 0.5
@@ -675,12 +693,21 @@ kafka_cluster_node_start() {  # N
   echo $! > "$dir/kafka.pid"
 }
 
+kafka_cluster_alive() {  # every node's process runs (a dead one may still be listed a while)
+  local i; for i in 1 2 3; do pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" || return 1; done
+}
+
 kafka_cluster_wait() {
-  local deadline=$((SECONDS + KAFKA_TIMEOUT * 2)) i
-  until kafka_cluster_ready; do
+  local deadline=$((SECONDS + KAFKA_TIMEOUT * 2)) i tries=0
+  until kafka_cluster_ready && kafka_cluster_alive; do
     for i in 1 2 3; do
-      [[ -f "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" ]] && ! pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" \
-        && fail_service "kafka node $i" "127.0.0.1:$(kafka_cluster_port "$i")" "$KAFKA_CLUSTER_DIR/node$i/kafka.log" "the broker process exited"
+      [[ -f "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" ]] || continue
+      pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" && continue
+      if bind_failed "$KAFKA_CLUSTER_DIR/node$i/kafka.log" && (( ++tries <= 3 )); then
+        log "kafka node $i: its port was taken for a moment; starting it again"
+        rm -f "$KAFKA_CLUSTER_DIR/node$i/kafka.pid"; sleep 2; kafka_cluster_node_start "$i"; continue
+      fi
+      fail_service "kafka node $i" "127.0.0.1:$(kafka_cluster_port "$i")" "$KAFKA_CLUSTER_DIR/node$i/kafka.log" "the broker process exited"
     done
     (( SECONDS < deadline )) || fail_service kafka-cluster "127.0.0.1:$(kafka_cluster_port 1)" "$KAFKA_CLUSTER_DIR/node1/kafka.log" "not 3 brokers after $((KAFKA_TIMEOUT * 2))s"
     sleep 1

@@ -112,10 +112,11 @@ def test_leader_killed_mid_batch_reader_follows_new_leader(
                        120, "transactions committed with the leader down")
         new = leaders(kafka3, topic)
     finally:
-        writer.stop.set()
-        writer.join(timeout=120)
         if proc.poll() is None:
             chaos.kill(proc)
+        writer.stop.set()
+        if writer.is_alive():
+            writer.join(timeout=120)
         cluster.stack("kafka-cluster-node-start", "1")
     assert not writer.errors, writer.errors
     assert 1 not in new.values() and set(new.values()) <= {2, 3}, new

@@ -198,7 +198,10 @@ def read_event_log(path: Path) -> EventLogSummary:
     tasks: Counter[str] = Counter()
     props: dict[str, str] = {}
     for line in path.read_text().splitlines():
-        ev: dict[str, Any] = json.loads(line)
+        try:
+            ev: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError:  # the unflushed end of an .inprogress log
+            continue
         kind = ev.get("Event")
         if kind == "SparkListenerApplicationStart":
             app_id = ev.get("App ID", "")
@@ -216,5 +219,7 @@ def read_event_log(path: Path) -> EventLogSummary:
 
 
 def event_logs(event_dir: Path) -> list[EventLogSummary]:
-    return [read_event_log(p) for p in sorted(event_dir.iterdir())
-            if p.is_file() and not p.name.endswith(".inprogress")]
+    """One summary per application. A log still named .inprogress counts too: `offsetflow
+    run-batch` leaves stopping Spark to the JVM's shutdown hook, which a loaded machine may
+    cut short before the rename; stage ends are flushed, so its task events are there."""
+    return [read_event_log(p) for p in sorted(event_dir.iterdir()) if p.is_file()]
