@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel
+.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel spark-env
 
 venv: .venv/.installed
 
@@ -54,6 +54,11 @@ lint: venv
 # the installable provider package (pip install dist/offsetflow-*.whl into an Airflow 3)
 wheel: venv
 	uv build --wheel --out-dir dist .
+
+# the executors' Python environment for a Spark cluster (offsetflow + its executor libraries,
+# packed with venv-pack for spark.archives): .stack/spark-env/offsetflow-env.tar.gz
+spark-env: venv
+	$(STACK) spark-env
 
 clean: down
 	rm -rf .stack

@@ -2,9 +2,11 @@
 
     python include/bench/bench.py [--records 1000000] [--partitions 6] [--runs 3]
                                   [--scaling 100000,1000000,5000000] [--scaling-runs 3]
+                                  [--partition-scaling 100,1000] [--partition-records 100000]
                                   [--out bench-results]
 
-Needs the local stack (`make up`); starts the Spark Connect server itself. Every engine
+Needs the local stack (`make up`); starts the Spark Connect server and the Spark standalone
+cluster (master + two 1-core workers, executors from the packed environment) itself. Every engine
 runs in a process of its own, one after another (never two at once on the same cores), on
 the same offset ranges, into the same kind of table. Writes `results.json`, `results.md`
 and `results.png` to the output folder and prints the table.
@@ -28,6 +30,7 @@ from typing import Any
 
 import psycopg2
 import report
+from cluster import cluster_was_up, start_cluster
 from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
 from psycopg2 import sql
@@ -40,7 +43,7 @@ from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
 ENGINES = ("baseline", "spark-builtin", "offsetflow-local", "offsetflow-connect",
-           "offsetflow-submit")
+           "offsetflow-submit", "offsetflow-cluster")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # timings that run inside another stage's wall time, so not stacked in the chart: the
 # commit's tail insert is part of commit_s, its part moves run during read_stage_s
@@ -277,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scaling-runs", type=int, default=3,
                     help="timed runs per scaling size (baseline and warm local OffsetFlow)")
     ap.add_argument("--plan-partitions", type=int, default=1000)
+    ap.add_argument("--partition-scaling", default="100,1000",
+                    help="partition counts for end-to-end runs of --partition-records records "
+                         "(warm local OffsetFlow; '' to skip)")
+    ap.add_argument("--partition-records", type=int, default=100_000)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--max-offsets-per-task", type=int, default=DEFAULT_MAX_OFFSETS_PER_TASK,
                     help="OffsetFlow's split of ranges into Spark tasks (the built-in source "
@@ -328,16 +335,23 @@ def main(argv: list[str] | None = None) -> int:
     range_mem = range_memory(largest_ds)
     reuse_mem = worker_reuse_memory(largest_ds)
 
-    def job(ds: DataSet, runs: int) -> dict[str, Any]:
-        return {"label": label_of(ds.records), "dataset": dataset_to_dict(ds), "runs": runs}
+    def job(ds: DataSet, runs: int, label: str | None = None) -> dict[str, Any]:
+        return {"label": label or label_of(ds.records), "dataset": dataset_to_dict(ds),
+                "runs": runs}
+
+    by_partitions = [(f"{label_of(args.partition_records)}_{p}p", args.partition_records,
+                      int(p)) for p in args.partition_scaling.split(",") if p]
+    partition_jobs = [job(ensure_dataset(bootstrap, n, p), args.scaling_runs, label)
+                      for label, n, p in by_partitions]
 
     jobs = {
         "baseline": [job(main_ds, args.runs)] + [job(d, args.scaling_runs) for d in scaling],
         "spark-builtin": [job(main_ds, args.runs)],
         "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
-        + [job(d, args.scaling_runs) for d in scaling],
+        + [job(d, args.scaling_runs) for d in scaling] + partition_jobs,
         "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs)],
         "offsetflow-submit": [job(small_ds, args.cold_runs), job(main_ds, args.cold_runs)],
+        "offsetflow-cluster": [job(main_ds, args.runs)],
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
@@ -346,13 +360,18 @@ def main(argv: list[str] | None = None) -> int:
         if engine == "offsetflow-connect":
             pid, connect_start_s = start_connect(metrics_dir)
             extra = [pid]
+        stop_cluster = engine == "offsetflow-cluster" and not cluster_was_up()
         try:
+            if engine == "offsetflow-cluster":
+                ctx.update(start_cluster(metrics_dir))
             # every warm engine is warmed on the main data set's size, so the JIT of the
             # JVM engines has seen the real volume before anything is timed
             raw[engine] = run_engine(engine, jobs[engine], main_ds, ctx, out, extra)
         finally:
             if engine == "offsetflow-connect":  # it runs with bench metrics on: not for reuse
                 subprocess.run([*STACK, "connect-stop"], check=True)
+            if stop_cluster:
+                subprocess.run([*STACK, "spark-cluster-stop"], check=True)
     results = [r for e in raw.values() for r in e["results"]]
     summary = report.summarise(results)
     fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]
@@ -383,6 +402,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"after task {i} of {len(w_rss)}"] = w_rss[i - 1]
         reuse_series["Spark Python worker, warm local (every batch of the run, in order)"] = \
             w_rss
+    by_parts = report.partition_scaling(summary, by_partitions)
+    for row in by_parts:
+        fixed[f"end to end (plan + read + commit), {row['records']:,} records on "
+              f"{row['partitions']:,} partitions (median s; plan {row['plan_s']} s)"] = \
+            row["wall_s"]
+    cluster_ratio = report.ratio(summary, "offsetflow-cluster", "offsetflow-local", main_label)
+    if cluster_ratio is not None:
+        fixed[f"standalone cluster (2 x 1-core executors) / local[2], records/s at "
+              f"{main_label}"] = cluster_ratio
     goal_rows = report.goals(summary, main_label, small_label,
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
@@ -393,12 +421,15 @@ def main(argv: list[str] | None = None) -> int:
                        "platform": platform.platform()},
            "args": vars(args), "avg_record_bytes": round(main_ds.avg_record_bytes, 1),
            "summary": summary, "goals": goal_rows, "fixed_cost": fixed, "planning": plan,
-           "range_memory": range_mem, "worker_reuse_memory": reuse_mem,
+           "partition_scaling": by_parts, "range_memory": range_mem,
+           "worker_reuse_memory": reuse_mem,
            "spark_worker_memory": worker,
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
-               for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit")
-               for o in ("spark-builtin", "baseline")},
+               for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit",
+                         "offsetflow-cluster")
+               for o in ("spark-builtin", "baseline")}
+           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio},
            "runs": results}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     md = report.markdown(summary, goal_rows, fixed)

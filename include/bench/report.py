@@ -141,3 +141,19 @@ def worker_rss_by_task(task_docs: Iterable[Mapping[str, Any]]) -> dict[str, Any]
     pid, tasks = max(by_pid.items(), key=lambda kv: (len(kv[1]), -kv[0]))
     return {"pid": pid, "workers": len(by_pid),
             "rss_mb_after_task": [rss for _, rss in sorted(tasks)]}
+
+
+def partition_scaling(summary: dict[str, Any], rows: list[tuple[str, int, int]]
+                      ) -> list[dict[str, Any]]:
+    """End-to-end (plan + read + commit) of warm local OffsetFlow per partition count."""
+    out = []
+    for label, records, partitions in rows:
+        s = summary.get("offsetflow-local", {}).get(label)
+        if s is None:
+            continue
+        st = s.get("stages_s", {})
+        out.append({"partitions": partitions, "records": records,
+                    "wall_s": s["wall_s"]["median"],
+                    "plan_s": st.get("plan_s"), "read_stage_s": st.get("read_stage_s"),
+                    "commit_s": st.get("commit_s")})
+    return out

@@ -38,13 +38,15 @@ def main(spec_path: str) -> int:
     spark_start_s = 0.0
     spark: Any = None
     t = time.perf_counter()
-    if engine in ("offsetflow-local", "offsetflow-connect"):
+    if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
         raw = engines.offsetflow_config(warmup, "bench_session", "OFFSETFLOW_BENCH_DSN",
                                         ctx["bootstrap"], ctx["launch"], ctx["connect_url"],
                                         ctx["max_offsets_per_task"])
+        if engine == "offsetflow-cluster":  # the standalone master, executors from the archive
+            raw["spark"].update(master=ctx["cluster_master"], conf=ctx["cluster_conf"])
         spark = build_spark(parse_pipeline(raw, "<bench>", os.environ), f"bench-{engine}")
 
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:

@@ -7,6 +7,10 @@
 #   stack.sh pg-crash | kafka-kill   (faults: pg_ctl stop -m immediate; kill -9 of the broker)
 #   stack.sh airflow-setup | airflow-standalone-start | airflow-standalone-stop
 #   stack.sh connect-start | connect-stop   (a warm Spark Connect server, for `spark.launch: connect`)
+#   stack.sh spark-cluster-start | spark-cluster-stop | spark-worker-kill N | spark-env
+#            (a Spark standalone master + 2 workers; the packed executor environment)
+#   stack.sh kafka-cluster-start | kafka-cluster-stop | kafka-cluster-kill N | kafka-cluster-node-start N
+#            (three KRaft brokers, one controller quorum, beside the single-broker stack)
 #
 # Idempotent: `up` on a running stack checks it and returns; `down` on a stopped one is a no-op.
 # Every wait has a timeout; on failure the service, its host:port and the tail of its log are
@@ -40,6 +44,19 @@ AIRFLOW_TIMEOUT="${AIRFLOW_START_TIMEOUT:-180}"
 CONNECT_PORT="${OFFSETFLOW_SPARK_CONNECT_PORT:-15002}"
 CONNECT_MASTER="${OFFSETFLOW_SPARK_CONNECT_MASTER:-local[2]}"
 CONNECT_TIMEOUT="${CONNECT_START_TIMEOUT:-90}"
+# Spark standalone cluster: master RPC + UI ports; worker N uses WORKER_PORT+2(N-1) for RPC
+# and the next port for its UI
+SPARK_MASTER_PORT="${OFFSETFLOW_SPARK_MASTER_PORT:-17077}"
+SPARK_MASTER_UI_PORT="${OFFSETFLOW_SPARK_MASTER_UI_PORT:-17080}"
+SPARK_WORKER_PORT="${OFFSETFLOW_SPARK_WORKER_PORT:-17081}"
+SPARK_WORKERS="${OFFSETFLOW_SPARK_WORKERS:-2}"
+SPARK_WORKER_CORES="${OFFSETFLOW_SPARK_WORKER_CORES:-1}"
+SPARK_WORKER_MEMORY="${OFFSETFLOW_SPARK_WORKER_MEMORY:-1g}"
+SPARK_CLUSTER_TIMEOUT="${SPARK_CLUSTER_START_TIMEOUT:-90}"
+# three-broker Kafka: node N listens on KAFKA_CLUSTER_PORT+2(N-1), its controller on the next
+KAFKA_CLUSTER_PORT="${OFFSETFLOW_KAFKA_CLUSTER_PORT:-17092}"
+KAFKA_CLUSTER_HEAP="${OFFSETFLOW_KAFKA_CLUSTER_HEAP:--Xms128m -Xmx384m}"
+KAFKA_CLUSTER_ID3="b2Zmc2V0Zmxvdy1jbHVzdA"   # fixed: the local three-node quorum
 
 KAFKA_DIR="$STACK/kafka"
 KAFKA_LOG="$KAFKA_DIR/kafka.log"
@@ -49,6 +66,9 @@ AIRFLOW_HOME_DIR="$STACK/airflow"
 AIRFLOW_LOG="$AIRFLOW_HOME_DIR/standalone.log"
 CONNECT_DIR="$STACK/connect"
 CONNECT_LOG="$CONNECT_DIR/connect.log"
+SPARK_CLUSTER_DIR="$STACK/spark-cluster"
+SPARK_ENV_DIR="$STACK/spark-env"
+KAFKA_CLUSTER_DIR="$STACK/kafka-cluster"
 
 log() { printf '[stack] %s\n' "$*" >&2; }
 die() { printf '[stack] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -80,6 +100,10 @@ export PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
 export OFFSETFLOW_KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
 export OFFSETFLOW_PG_DSN="postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/offsetflow"
 export OFFSETFLOW_SPARK_CONNECT_URL="sc://127.0.0.1:$CONNECT_PORT"
+export OFFSETFLOW_SPARK_MASTER_URL="spark://127.0.0.1:$SPARK_MASTER_PORT"
+export OFFSETFLOW_SPARK_MASTER_UI="http://127.0.0.1:$SPARK_MASTER_UI_PORT"
+export OFFSETFLOW_SPARK_ENV_ARCHIVE="$SPARK_ENV_DIR/offsetflow-env.tar.gz"
+export OFFSETFLOW_KAFKA_CLUSTER_BOOTSTRAP="127.0.0.1:$KAFKA_CLUSTER_PORT,127.0.0.1:$((KAFKA_CLUSTER_PORT + 2)),127.0.0.1:$((KAFKA_CLUSTER_PORT + 4))"
 export OFFSETFLOW_AIRFLOW_URL="http://127.0.0.1:$AIRFLOW_PORT"
 export AIRFLOW_HOME="$AIRFLOW_HOME_DIR"
 export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
@@ -105,7 +129,9 @@ EOF
   mv -f "$STACK/env.sh.tmp" "$STACK/env.sh"
   printf '%s\n' "OFFSETFLOW_KAFKA_PORT=$KAFKA_PORT" "OFFSETFLOW_KAFKA_CONTROLLER_PORT=$CONTROLLER_PORT" \
     "OFFSETFLOW_PG_PORT=$PG_PORT" "OFFSETFLOW_AIRFLOW_PORT=$AIRFLOW_PORT" \
-    "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" > "$STACK/ports"
+    "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" "OFFSETFLOW_SPARK_MASTER_PORT=$SPARK_MASTER_PORT" \
+    "OFFSETFLOW_SPARK_MASTER_UI_PORT=$SPARK_MASTER_UI_PORT" "OFFSETFLOW_SPARK_WORKER_PORT=$SPARK_WORKER_PORT" \
+    "OFFSETFLOW_KAFKA_CLUSTER_PORT=$KAFKA_CLUSTER_PORT" > "$STACK/ports"
 }
 
 cmd_env() { write_env; cat "$STACK/env.sh"; }
@@ -463,6 +489,271 @@ connect_start() {
 
 connect_stop() { stop_group "spark connect" "$CONNECT_DIR/connect.pid"; }
 
+# ---------------------------------------------------------------- Spark standalone cluster
+# A master and $SPARK_WORKERS workers started from pyspark's own jars with `spark-class` (pyspark
+# ships no sbin start scripts), on loopback, state under .stack/spark-cluster. The workers get
+# a clean environment (no venv on PATH, no PYTHONPATH, no PYSPARK_PYTHON): executors run only
+# what a job ships them (spark.archives: the packed environment from `stack.sh spark-env`).
+spark_home() {
+  local d; d="$(ls -d "$VENV"/lib/python3*/site-packages/pyspark 2>/dev/null | head -n1)"
+  [[ -n "$d" && -x "$d/bin/spark-class" ]] || die "no pyspark with bin/spark-class in $VENV; run 'make venv'"
+  echo "$d"
+}
+
+spark_worker_ports() { echo "$((SPARK_WORKER_PORT + 2 * ($1 - 1))) $((SPARK_WORKER_PORT + 2 * ($1 - 1) + 1))"; }
+
+spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's daemons start with
+  local java_home
+  java_home="${JAVA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")}"
+  SPARK_CLEAN_ENV=(env -i "HOME=$HOME" "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    "JAVA_HOME=$java_home" "SPARK_HOME=$(spark_home)" "SPARK_LOCAL_IP=127.0.0.1"
+    "SPARK_DAEMON_MEMORY=${OFFSETFLOW_SPARK_DAEMON_MEMORY:-256m}" "LANG=C.UTF-8" "TZ=UTC"
+    # no REST submission server (port 6066 for every cluster on the machine); a taken port
+    # is an error, not a silent move to the next one (a worker's port, say)
+    "SPARK_DAEMON_JAVA_OPTS=-Dspark.master.rest.enabled=false -Dspark.port.maxRetries=0")
+}
+
+# The cluster ports sit in Linux's ephemeral range (32768-60999 by default): an outgoing
+# connection can hold one for a moment, and a daemon started then fails to bind. Such a
+# start is retried (a few times) instead of failing the stack.
+bind_failed() { tail -n 60 "$1" 2>/dev/null | grep -q -e "Address already in use" -e "BindException"; }
+
+# Start a Spark daemon (spark-class CLASS ARGS) in a session of its own with the clean
+# environment; its pid file holds the session leader, which spark-class execs into the JVM,
+# so stop_group and spark-worker-kill reach the daemon and every executor it forked.
+spark_daemon() {  # dir log class args...
+  local dir="$1" logf="$2" i; shift 2
+  rm -f "$dir/pid"
+  spark_clean_env
+  # shellcheck disable=SC2016
+  ( cd "$dir" && exec setsid bash -c 'echo $$ > "$0"; exec "$@"' "$dir/pid" \
+      "${SPARK_CLEAN_ENV[@]}" "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" "$@" \
+      >"$logf" 2>&1 < /dev/null ) &
+  for ((i = 0; i < 100; i++)); do [[ -s "$dir/pid" ]] && return 0; sleep 0.1; done
+  fail_service spark "$dir" "$logf" "the daemon did not start"
+}
+
+spark_alive_workers() {  # number of ALIVE workers the master reports (0 when it does not answer)
+  curl -fsS -m 3 "http://127.0.0.1:$SPARK_MASTER_UI_PORT/json/" 2>/dev/null | "$VENV/bin/python" -c '
+import json, sys
+print(sum(1 for w in json.load(sys.stdin).get("workers", []) if w.get("state") == "ALIVE"))' 2>/dev/null || echo 0
+}
+
+spark_master_start() {
+  local dir="$SPARK_CLUSTER_DIR/master"
+  mkdir -p "$dir"
+  if pid_alive "$dir/pid"; then return 0; fi
+  { port_open "$SPARK_MASTER_PORT" || port_open "$SPARK_MASTER_UI_PORT"; } && fail_service spark-master \
+    "127.0.0.1:$SPARK_MASTER_PORT" "" "port $SPARK_MASTER_PORT or $SPARK_MASTER_UI_PORT is taken by a process not started by this stack"
+  log "starting Spark master on spark://127.0.0.1:$SPARK_MASTER_PORT (UI 127.0.0.1:$SPARK_MASTER_UI_PORT)"
+  spark_daemon "$dir" "$dir/master.log" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
+    --port "$SPARK_MASTER_PORT" --webui-port "$SPARK_MASTER_UI_PORT"
+  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT)) tries=0
+  until curl -fsS -m 3 "http://127.0.0.1:$SPARK_MASTER_UI_PORT/json/" >/dev/null 2>&1; do
+    if ! pid_alive "$dir/pid"; then
+      if bind_failed "$dir/master.log" && (( ++tries <= 3 )); then
+        log "spark master: a port was taken for a moment; starting it again"; sleep 2
+        spark_daemon "$dir" "$dir/master.log" org.apache.spark.deploy.master.Master --host 127.0.0.1 \
+          --port "$SPARK_MASTER_PORT" --webui-port "$SPARK_MASTER_UI_PORT"
+        continue
+      fi
+      fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "the master exited"
+    fi
+    (( SECONDS < deadline )) || fail_service spark-master "127.0.0.1:$SPARK_MASTER_PORT" "$dir/master.log" "not answering after ${SPARK_CLUSTER_TIMEOUT}s"
+    sleep 0.5
+  done
+}
+
+spark_worker_start() {  # N
+  local n="$1" dir="$SPARK_CLUSTER_DIR/worker$1" ports port ui
+  ports="$(spark_worker_ports "$n")"; port="${ports% *}"; ui="${ports#* }"
+  mkdir -p "$dir/work"
+  if pid_alive "$dir/pid"; then return 0; fi
+  { port_open "$port" || port_open "$ui"; } && fail_service "spark-worker$n" "127.0.0.1:$port" "" \
+    "port $port or $ui is taken by a process not started by this stack"
+  log "starting Spark worker $n on 127.0.0.1:$port (UI $ui; $SPARK_WORKER_CORES core, $SPARK_WORKER_MEMORY)"
+  spark_daemon "$dir" "$dir/worker.log" org.apache.spark.deploy.worker.Worker --host 127.0.0.1 \
+    --port "$port" --webui-port "$ui" --cores "$SPARK_WORKER_CORES" --memory "$SPARK_WORKER_MEMORY" \
+    --work-dir "$dir/work" "spark://127.0.0.1:$SPARK_MASTER_PORT"
+}
+
+spark_cluster_start() {
+  write_env
+  spark_master_start
+  local n
+  for ((n = 1; n <= SPARK_WORKERS; n++)); do spark_worker_start "$n"; done
+  local deadline=$((SECONDS + SPARK_CLUSTER_TIMEOUT)) tries=0
+  until [[ "$(spark_alive_workers)" -ge "$SPARK_WORKERS" ]]; do
+    for ((n = 1; n <= SPARK_WORKERS; n++)); do
+      pid_alive "$SPARK_CLUSTER_DIR/worker$n/pid" && continue
+      if bind_failed "$SPARK_CLUSTER_DIR/worker$n/worker.log" && (( ++tries <= 3 )); then
+        log "spark worker $n: a port was taken for a moment; starting it again"; sleep 2
+        spark_worker_start "$n"; continue
+      fi
+      fail_service "spark-worker$n" "spark://127.0.0.1:$SPARK_MASTER_PORT" "$SPARK_CLUSTER_DIR/worker$n/worker.log" "the worker exited"
+    done
+    (( SECONDS < deadline )) || fail_service spark-cluster "spark://127.0.0.1:$SPARK_MASTER_PORT" "$SPARK_CLUSTER_DIR/master/master.log" "fewer than $SPARK_WORKERS workers registered after ${SPARK_CLUSTER_TIMEOUT}s"
+    sleep 0.5
+  done
+  log "spark cluster ready: spark://127.0.0.1:$SPARK_MASTER_PORT with $SPARK_WORKERS workers (UI http://127.0.0.1:$SPARK_MASTER_UI_PORT)"
+}
+
+spark_cluster_stop() {  # workers first (each group holds its executors), then the master
+  local d
+  for d in "$SPARK_CLUSTER_DIR"/worker*; do
+    [[ -d "$d" ]] && stop_group "spark $(basename "$d")" "$d/pid"
+  done
+  stop_group "spark master" "$SPARK_CLUSTER_DIR/master/pid"
+}
+
+# A node lost: SIGKILL of worker N's process group (the worker and its executor JVMs).
+spark_worker_kill() {
+  local n="${1:?usage: spark-worker-kill N}" pidf="$SPARK_CLUSTER_DIR/worker$1/pid"
+  pid_alive "$pidf" || die "spark worker $n is not running"
+  log "killing Spark worker $n and its executors (kill -9 of process group $(cat "$pidf"))"
+  kill -KILL -- "-$(cat "$pidf")" 2>/dev/null || true
+  # the executors' Python daemons put themselves in process groups of their own: on a lost
+  # node they die too (found by their working directory, the executor's)
+  local p cwd
+  for p in /proc/[0-9]*; do
+    cwd="$(readlink "$p/cwd" 2>/dev/null)" || continue
+    [[ "$cwd" == "$SPARK_CLUSTER_DIR/worker$n/"* ]] && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+  rm -f "$pidf"
+}
+
+# The executors' Python environment: offsetflow (a wheel, not the editable install) and the
+# libraries its executor code imports, in a venv of its own packed with venv-pack. Jobs ship
+# it with spark.archives=<tar.gz>#environment and spark.pyspark.python=./environment/bin/python.
+# The venv's bin/python links to this machine's Python 3.11 (venv-pack does not pack the
+# interpreter): cluster nodes need Python 3.11 at that path (or use a conda-pack/an image).
+SPARK_ENV_PACKAGES='^(confluent-kafka|pyarrow|psycopg2-binary|pyyaml|pandas|numpy|python-dateutil|pytz|tzdata|six)=='
+spark_env() {
+  local out="$SPARK_ENV_DIR/offsetflow-env.tar.gz" venv="$SPARK_ENV_DIR/venv" want
+  want="$(cd "$ROOT" && { cat requirements.txt pyproject.toml; find plugins/offsetflow -type f \
+          \( -name '*.py' -o -name '*.sql' -o -name '*.html' \) | sort | xargs cat; } | sha256sum | cut -d' ' -f1)"
+  if [[ -f "$out" && "$(cat "$SPARK_ENV_DIR/stamp" 2>/dev/null)" == "$want" ]]; then
+    log "executor environment up to date: $out"; return 0
+  fi
+  [[ -x "$VENV/bin/venv-pack" ]] || die "venv-pack is missing from $VENV; run 'make venv'"
+  local base; base="$("$VENV/bin/python" -c 'import sys; print(sys._base_executable)')"
+  log "building the executor environment ($venv, Python $base)"
+  rm -rf "$venv" "$SPARK_ENV_DIR/build"; mkdir -p "$SPARK_ENV_DIR"
+  uv venv -q "$venv" --python "$base" >&2
+  # shellcheck disable=SC2046
+  uv pip install -q --python "$venv/bin/python" --compile-bytecode \
+      $(grep -E "$SPARK_ENV_PACKAGES" "$ROOT/requirements.txt") >&2
+  # a wheel built from a copy: a non-editable install, and no build/ or egg-info in the checkout
+  mkdir -p "$SPARK_ENV_DIR/build"
+  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/plugins" "$SPARK_ENV_DIR/build/"
+  uv pip install -q --python "$venv/bin/python" --compile-bytecode --no-deps "$SPARK_ENV_DIR/build" >&2
+  rm -rf "$SPARK_ENV_DIR/build"
+  "$VENV/bin/venv-pack" -q -p "$venv" -o "$SPARK_ENV_DIR/tmp-env.tar.gz" --force >&2 || die "venv-pack failed"
+  mv -f "$SPARK_ENV_DIR/tmp-env.tar.gz" "$out"
+  echo "$want" > "$SPARK_ENV_DIR/stamp"
+  log "executor environment packed: $out ($(du -h "$out" | cut -f1))"
+}
+
+# ---------------------------------------------------------------- three-broker Kafka
+kafka_cluster_port() { echo "$((KAFKA_CLUSTER_PORT + 2 * ($1 - 1)))"; }
+kafka_cluster_bootstrap() { echo "127.0.0.1:$(kafka_cluster_port 1),127.0.0.1:$(kafka_cluster_port 2),127.0.0.1:$(kafka_cluster_port 3)"; }
+
+kafka_cluster_ready() {  # all three brokers registered and answering
+  timeout 15 "$VENV/bin/python" - "$(kafka_cluster_bootstrap)" <<'EOF' >/dev/null 2>&1
+import sys
+from confluent_kafka.admin import AdminClient
+md = AdminClient({"bootstrap.servers": sys.argv[1], "log_level": 0}).list_topics(timeout=5)
+sys.exit(0 if len(md.brokers) == 3 else 1)
+EOF
+}
+
+kafka_cluster_node_start() {  # N
+  local n="$1" dir="$KAFKA_CLUSTER_DIR/node$1" port cport voters="" i
+  port="$(kafka_cluster_port "$n")"; cport=$((port + 1))
+  for i in 1 2 3; do voters+="${voters:+,}$i@127.0.0.1:$(( $(kafka_cluster_port "$i") + 1 ))"; done
+  mkdir -p "$dir"
+  pid_alive "$dir/kafka.pid" && return 0
+  kafka_libs
+  sed -e "s#@NODE_ID@#$n#g" -e "s#@VOTERS@#$voters#g" -e "s#@KAFKA_PORT@#$port#g" \
+      -e "s#@CONTROLLER_PORT@#$cport#g" -e "s#@DATA_DIR@#$dir/data#g" \
+      "$HERE/kafka/cluster.properties.template" > "$dir/server.properties"
+  local cp="$KAFKA_DIR/libs/*" jvm_log=(-Dlog4j2.configurationFile="$HERE/kafka/log4j2.yaml" -Dkafka.logs.dir="$dir")
+  if [[ ! -f "$dir/data/meta.properties" ]]; then
+    local tool; tool="$(storage_tool_class)" || die "kafka: cannot find StorageTool in $KAFKA_DIR/libs"
+    java -Xmx256m "${jvm_log[@]}" -cp "$cp" "$tool" format --ignore-formatted \
+         -t "$KAFKA_CLUSTER_ID3" -c "$dir/server.properties" >"$dir/format.log" 2>&1 \
+      || fail_service "kafka node $n" "127.0.0.1:$port" "$dir/format.log" "storage format failed"
+  fi
+  { port_open "$port" || port_open "$cport"; } && fail_service "kafka node $n" "127.0.0.1:$port" "" \
+    "port $port or $cport is taken by a process not started by this stack"
+  log "starting Kafka node $n on 127.0.0.1:$port (controller 127.0.0.1:$cport)"
+  # shellcheck disable=SC2086
+  setsid nohup java $KAFKA_CLUSTER_HEAP -XX:+UseG1GC -Djava.awt.headless=true "${jvm_log[@]}" \
+      -cp "$cp" kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 < /dev/null &
+  echo $! > "$dir/kafka.pid"
+}
+
+kafka_cluster_alive() {  # every node's process runs (a dead one may still be listed a while)
+  local i; for i in 1 2 3; do pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" || return 1; done
+}
+
+kafka_cluster_wait() {
+  local deadline=$((SECONDS + KAFKA_TIMEOUT * 2)) i tries=0
+  until kafka_cluster_ready && kafka_cluster_alive; do
+    for i in 1 2 3; do
+      [[ -f "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" ]] || continue
+      pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" && continue
+      if bind_failed "$KAFKA_CLUSTER_DIR/node$i/kafka.log" && (( ++tries <= 3 )); then
+        log "kafka node $i: its port was taken for a moment; starting it again"
+        rm -f "$KAFKA_CLUSTER_DIR/node$i/kafka.pid"; sleep 2; kafka_cluster_node_start "$i"; continue
+      fi
+      fail_service "kafka node $i" "127.0.0.1:$(kafka_cluster_port "$i")" "$KAFKA_CLUSTER_DIR/node$i/kafka.log" "the broker process exited"
+    done
+    (( SECONDS < deadline )) || fail_service kafka-cluster "127.0.0.1:$(kafka_cluster_port 1)" "$KAFKA_CLUSTER_DIR/node1/kafka.log" "not 3 brokers after $((KAFKA_TIMEOUT * 2))s"
+    sleep 1
+  done
+}
+
+kafka_cluster_start() {
+  write_env
+  local i
+  for i in 1 2 3; do kafka_cluster_node_start "$i"; done  # a quorum needs two: start all, then wait
+  kafka_cluster_wait
+  log "kafka cluster ready: $(kafka_cluster_bootstrap)"
+}
+
+# All three at once: stopped one by one, the last node waits for a quorum that is gone
+# (its controlled shutdown never finishes) until the SIGKILL.
+kafka_cluster_stop() {
+  local i pids=() deadline=$((SECONDS + 30))
+  for i in 1 2 3; do
+    pid_alive "$KAFKA_CLUSTER_DIR/node$i/kafka.pid" && pids+=("$(cat "$KAFKA_CLUSTER_DIR/node$i/kafka.pid")")
+  done
+  if (( ${#pids[@]} )); then
+    log "stopping kafka cluster nodes (pids ${pids[*]})"
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    local alive=1 p
+    while (( alive && SECONDS < deadline )); do
+      alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      (( alive )) && sleep 0.3
+    done
+    for i in "${pids[@]}"; do
+      kill -0 "$i" 2>/dev/null && { log "kafka node pid $i did not stop in 30s; SIGKILL"; kill -KILL "$i" 2>/dev/null || true; }
+    done
+  fi
+  rm -f "$KAFKA_CLUSTER_DIR"/node*/kafka.pid
+}
+
+# SIGKILL of node N (no controlled shutdown: leadership moves only when the controller notices)
+kafka_cluster_kill() {
+  local n="${1:?usage: kafka-cluster-kill N}" pidf="$KAFKA_CLUSTER_DIR/node$1/kafka.pid"
+  pid_alive "$pidf" || die "kafka node $n is not running"
+  log "killing Kafka node $n (kill -9)"
+  kill -9 "$(cat "$pidf")" 2>/dev/null || true
+  local i; for ((i = 0; i < 100; i++)); do pid_alive "$pidf" || break; sleep 0.1; done
+  rm -f "$pidf"
+}
+
 # ---------------------------------------------------------------- commands
 cmd_up() {
   [[ -x "$VENV/bin/python" ]] || die "no virtualenv at $VENV; run 'make venv' first"
@@ -475,6 +766,8 @@ cmd_up() {
 }
 
 cmd_down() {
+  spark_cluster_stop
+  kafka_cluster_stop
   connect_stop
   standalone_stop
   kafka_stop
@@ -522,5 +815,14 @@ case "${1:-}" in
   airflow-standalone-stop) standalone_stop ;;
   connect-start) connect_start ;;
   connect-stop) connect_stop ;;
-  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|kafka-kill|pg-start|pg-stop|pg-crash|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop" >&2; exit 2 ;;
+  spark-cluster-start) spark_cluster_start ;;
+  spark-cluster-stop) spark_cluster_stop ;;
+  spark-worker-kill) spark_worker_kill "${2:-}" ;;
+  spark-worker-start) write_env; spark_worker_start "${2:?usage: spark-worker-start N}" ;;
+  spark-env) write_env; spark_env ;;
+  kafka-cluster-start) kafka_cluster_start ;;
+  kafka-cluster-stop) kafka_cluster_stop ;;
+  kafka-cluster-kill) kafka_cluster_kill "${2:-}" ;;
+  kafka-cluster-node-start) write_env; kafka_cluster_node_start "${2:?usage: kafka-cluster-node-start N}"; kafka_cluster_wait ;;
+  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|kafka-kill|pg-start|pg-stop|pg-crash|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop|spark-cluster-start|spark-cluster-stop|spark-worker-kill N|spark-worker-start N|spark-env|kafka-cluster-start|kafka-cluster-stop|kafka-cluster-kill N|kafka-cluster-node-start N" >&2; exit 2 ;;
 esac

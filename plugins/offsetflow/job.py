@@ -99,6 +99,13 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     # from spark-submit / the Airflow Spark connection, never from the pipeline config
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
         builder = builder.master(cfg.spark.master)
+        # executors run the interpreter the driver names in PYSPARK_PYTHON, and pyspark reads
+        # only that variable, not spark.pyspark.python: a pipeline that ships its environment
+        # (spark.archives) would otherwise have its executors run this process's Python,
+        # which a cluster node does not have (spark-submit does this step itself)
+        executor_python = cfg.spark.conf.get("spark.pyspark.python")
+        if executor_python:
+            os.environ["PYSPARK_PYTHON"] = executor_python
     builder = (builder.config("spark.sql.session.timeZone", "UTC")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")

@@ -65,3 +65,14 @@ def test_worker_rss_follows_the_busiest_worker_in_task_order() -> None:
     w = report.worker_rss_by_task(docs)
     assert w == {"pid": 7, "workers": 2, "rss_mb_after_task": [300.0, 320.0, 330.0]}
     assert report.worker_rss_by_task([{"pid": 1, "t": 1.0, "rss_mb": None}]) is None
+
+
+def test_partition_scaling_rows_from_the_warm_local_runs() -> None:
+    s = report.summarise([run("offsetflow-local", "5k_100p", 5000.0, 1.0, plan_s=0.1,
+                              read_stage_s=0.7, commit_s=0.2),
+                          run("offsetflow-local", "5k_1000p", 2500.0, 2.0, plan_s=0.5,
+                              read_stage_s=1.2, commit_s=0.3)])
+    rows = report.partition_scaling(s, [("5k_100p", 5000, 100), ("5k_1000p", 5000, 1000),
+                                        ("5k_10000p", 5000, 10000)])  # not run: left out
+    assert [(r["partitions"], r["wall_s"], r["plan_s"]) for r in rows] == \
+        [(100, 1.0, 0.1), (1000, 2.0, 0.5)]

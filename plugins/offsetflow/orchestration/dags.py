@@ -10,6 +10,7 @@ Retries are safe everywhere: a batch's id and ranges are fixed when it is planne
 from __future__ import annotations
 
 import os
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from airflow.sdk import DAG, Param, get_current_context, task
 from offsetflow.config import PipelineConfig, load_pipeline, pipelines_dir
 from offsetflow.orchestration import tasks
 from offsetflow.spark_app import application_path
+from offsetflow.submit_args import submit_conf
 
 # inside the package, so an installed OffsetFlow (wheel) finds it too
 SPARK_JOB = application_path()
@@ -51,7 +53,8 @@ def spark_submit(task_id: str, pipeline_file: str, batch_ids_template: str,
         conn_id=SPARK_CONN_ID,
         name=f"offsetflow-{cfg.name if cfg else 'window'}",
         application_args=["--pipeline-file", pipeline_file, "--batch-id", batch_ids_template],
-        conf=dict(cfg.spark.conf) if cfg else {},
+        # a shipped environment (spark.archives) keeps a client-mode driver on this Python
+        conf=submit_conf(cfg.spark.conf, sys.executable) if cfg else {},
         env_vars=_spark_env(),
         spark_binary="spark-submit",
     )

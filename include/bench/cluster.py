@@ -1,0 +1,34 @@
+"""The bench's run on the local Spark standalone cluster (issue 16)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from engines import ROOT
+
+STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
+
+
+def cluster_was_up() -> bool:
+    return (ROOT / ".stack" / "spark-cluster" / "master" / "pid").exists()
+
+
+def start_cluster(metrics_dir: Path) -> dict[str, Any]:
+    """The Spark standalone cluster (and its packed executor environment) running; the ctx
+    keys the offsetflow-cluster engine needs. Two 1-core executors: the same two cores as
+    local[2], so the ratio shows what separate executor processes cost."""
+    subprocess.run([*STACK, "spark-env"], check=True)
+    subprocess.run([*STACK, "spark-cluster-start"], check=True)
+    archive = os.environ.get("OFFSETFLOW_SPARK_ENV_ARCHIVE",
+                             str(ROOT / ".stack" / "spark-env" / "offsetflow-env.tar.gz"))
+    conf = {"spark.archives": f"{archive}#environment",
+            "spark.pyspark.python": "./environment/bin/python",
+            "spark.executor.cores": "1", "spark.executor.memory": "512m",
+            "spark.cores.max": "2", "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            "spark.executorEnv.OFFSETFLOW_TASK_METRICS_DIR": str(metrics_dir)}
+    return {"cluster_master": os.environ.get("OFFSETFLOW_SPARK_MASTER_URL",
+                                             "spark://127.0.0.1:17077"),
+            "cluster_conf": conf}
