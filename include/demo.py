@@ -20,6 +20,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from offsetflow.config import find_pipeline
 from offsetflow.ledger import Ledger
+from offsetflow.orchestration.connections import resolve
 from offsetflow.runner import run_until_caught_up
 from offsetflow.status import format_status, pipeline_status
 
@@ -59,7 +60,7 @@ def produce(bootstrap: str, topic: str, run: str, n: int) -> dict[str, int]:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    cfg = find_pipeline("orders")
+    cfg = resolve(find_pipeline("orders"))  # orders.yaml names Airflow connections
     dsn = cfg.sink.connection
     with Ledger(dsn) as ledger:
         ledger.upgrade()

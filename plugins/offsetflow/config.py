@@ -51,12 +51,21 @@ class StartingPolicy:
 
 
 @dataclass(frozen=True)
+class KafkaConfig:
+    """`kafka.conn_id`: an Airflow `kafka` connection giving bootstrap.servers and librdkafka
+    settings instead of `kafka.bootstrap_servers` (resolved by orchestration.connections)."""
+
+    conn_id: str | None = None
+
+
+@dataclass(frozen=True)
 class SinkConfig:
     type: str
-    connection: str
+    connection: str  # empty until resolved when conn_id names an Airflow connection
     table: str
     mode: str  # append | upsert
     key: tuple[str, ...] = ()
+    conn_id: str | None = None  # an Airflow `postgres` connection instead of `connection`
 
     @property
     def schema_and_table(self) -> tuple[str, str]:
@@ -117,6 +126,7 @@ class PipelineConfig:
     quality_policy: str = "fail"
     description: str = ""
     tombstones: str = ""  # upsert: delete | dead_letter; append: dead_letter | null_row
+    kafka: KafkaConfig = field(default_factory=KafkaConfig)
 
     @property
     def tombstone_policy(self) -> str:
@@ -289,11 +299,12 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
                             f"(it names DAGs and ledger rows)")
 
     kafka = r.section("kafka")
-    r.unknown(kafka, "kafka.", {"bootstrap_servers", "isolation_level", "client"})
+    r.unknown(kafka, "kafka.", {"bootstrap_servers", "isolation_level", "client", "conn_id"})
+    kafka_conn_id = _conn_id(r, kafka, "kafka.", "bootstrap_servers")
     bootstrap = r.string(kafka, "bootstrap_servers", "kafka.",
-                         default="${OFFSETFLOW_KAFKA_BOOTSTRAP:-127.0.0.1:19092}")
-    assert bootstrap is not None
-    if not bootstrap.strip():
+                         default=None if kafka_conn_id
+                         else "${OFFSETFLOW_KAFKA_BOOTSTRAP:-127.0.0.1:19092}") or ""
+    if not kafka_conn_id and not bootstrap.strip():
         raise r.err("kafka.bootstrap_servers", "must not be empty")
     isolation = r.string(kafka, "isolation_level", "kafka.", default="read_committed",
                          choices=ISOLATION_LEVELS)
@@ -366,9 +377,11 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         raise r.err("transform", f"{transform!r} must be a dotted path 'package.module.function'")
 
     sink_raw = r.section("sink")
-    r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key"})
+    r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"})
     sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres"})
-    connection = r.string(sink_raw, "connection", "sink.", "${OFFSETFLOW_PG_DSN}")
+    sink_conn_id = _conn_id(r, sink_raw, "sink.", "connection")
+    connection = r.string(sink_raw, "connection", "sink.",
+                          None if sink_conn_id else "${OFFSETFLOW_PG_DSN}")
     table = validate_table_name(source, "sink.table", sink_raw.get("table"))
     mode = r.string(sink_raw, "mode", "sink.", "append", {"append", "upsert"})
     key_raw = sink_raw.get("key") or []
@@ -437,12 +450,25 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         max_records_per_batch=per_batch, data_loss=data_loss or "fail",
         format_type=format_type or "json", schema=schema, transform=transform,
         sink=SinkConfig(type=sink_type or "postgres", connection=connection or "",
-                        table=table, mode=mode or "append", key=key),
+                        table=table, mode=mode or "append", key=key, conn_id=sink_conn_id),
         bad_records=bad_records or "fail", dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy or "fail", description=str(desc or ""),
-        tombstones=tombstones,
+        tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn_id),
     )
+
+
+def _conn_id(r: _Reader, sec: Mapping[str, Any], prefix: str, literal: str) -> str | None:
+    """An Airflow connection id, given instead of (never beside) the literal field."""
+    v = sec.get("conn_id")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", v):
+        raise r.err(prefix + "conn_id", f"{v!r} is not an Airflow connection id")
+    if sec.get(literal) is not None:
+        raise r.err(prefix + literal, f"give either {prefix}conn_id or {prefix}{literal}, "
+                                      f"not both")
+    return v
 
 
 def _utc_ms(dt: datetime) -> int:
