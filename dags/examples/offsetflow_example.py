@@ -45,6 +45,8 @@ with DAG(dag_id="orders_report", schedule=[AssetAlias(alias_name("orders_example
     def report(**context: Any) -> list[dict[str, Any]]:
         """What a downstream job would use: the committed batch and its offset ranges."""
         events = context["triggering_asset_events"]
-        return [dict(e.extra) for evs in events.values() for e in evs]
+        # one event may be listed under the alias and the asset: one row per batch
+        return list({e.extra["batch_id"]: dict(e.extra) for evs in events.values()
+                     for e in evs}.values())
 
     report()

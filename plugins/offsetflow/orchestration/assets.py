@@ -1,7 +1,7 @@
 """Asset names of a pipeline's data, in the providers' URI forms (pure; no Airflow import).
 
 Target table: `postgres://host:port/database/schema/table` (the postgres provider's form).
-Kafka topic: `kafka://host:port/topic` (first bootstrap server, as OpenLineage names it).
+Kafka topic: `kafka://host:port/topic` (the Kafka provider's form; first bootstrap server).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ def target_uris(cfg: PipelineConfig, table: str | None = None) -> str:
     return table_uri(cfg.sink.connection, table or cfg.sink.table)
 
 
-def batch_extra(pipeline: str, fig: Mapping[str, Any]) -> dict[str, Any]:
-    """What a downstream DAG reads from the event: the batch, its kind and its ranges."""
-    return {"pipeline": pipeline, "batch_id": fig["batch_id"], "kind": fig["kind"],
+def batch_extra(cfg: PipelineConfig, fig: Mapping[str, Any]) -> dict[str, Any]:
+    """What a downstream DAG reads from the event: the batch, its kind, its ranges and the
+    topics it read (`inputs`: their URIs, known here even when a connection names them)."""
+    topics = sorted({r["topic"] for r in fig.get("ranges", [])})
+    return {"pipeline": cfg.name, "batch_id": fig["batch_id"], "kind": fig["kind"],
+            "inputs": [topic_uri(cfg.bootstrap_servers, t) for t in topics],
             "rows_written": fig["rows_written"], "records_read": fig["records_read"],
             "bad_records": fig["bad_records"], "target_table": fig.get("target_table"),
             "ranges": [dict(r) for r in fig.get("ranges", [])]}

@@ -211,7 +211,7 @@ class OffsetFlowPublishOperator(_PipelineOperator):
         for fig in out["batches"]:
             uri = assets.table_uri(cfg.sink.connection, fig["target_table"])
             context["outlet_events"][self.alias].add(
-                Asset(uri), extra=assets.batch_extra(cfg.name, fig))
+                Asset(uri), extra=assets.batch_extra(cfg, fig))
             self.log.info("asset event %s: batch %s (%s)", uri, fig["batch_id"], fig["kind"])
         return out
 
