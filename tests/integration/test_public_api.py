@@ -100,7 +100,7 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, secret_dsn: tuple[str, s
         "schedule": None, "sink": {"conn_id": pg_id, "table": f"yml_{uid}"}}))
     shutil.copy(ROOT / "dags" / "offsetflow_backfill.py", dag_dir)
     inline_uri = table_uri(dsn, f"inl_{uid}")
-    yaml_uri = table_uri(dsn, f"yml_{uid}")
+    yaml_uri = table_uri(dsn, f"side_{uid}")  # the backfill's side table
     (dag_dir / f"api_{uid}.py").write_text(DAGS.format(
         config=inline, uid=uid, inline_uri=inline_uri, yaml_uri=yaml_uri))
     env = {**os.environ, **env_conns, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
@@ -173,6 +173,15 @@ def _runs(s: dict[str, Any], dag_id: str, n: int, timeout: float = 600) -> list[
         time.sleep(4)
 
 
+def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while (state := _api(s, "GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]) \
+            not in ("success", "failed"):
+        assert time.monotonic() < deadline, s["log"].read_text()[-4000:]
+        time.sleep(4)
+    assert state == "success", _task_logs(s)[-6000:]
+
+
 def _task_logs(s: dict[str, Any]) -> str:
     return "\n".join(f.read_text(errors="replace") for f in s["logs"].rglob("*") if f.is_file())
 
@@ -217,10 +226,11 @@ def test_public_api_dag_commits_emits_asset_and_keeps_the_password_secret(
 
     # a backfill of the YAML pipeline (connections only) emits too, with its kind
     _api(s, "PATCH", "/dags/offsetflow_backfill", {"is_paused": False})
-    _api(s, "POST", "/dags/offsetflow_backfill/dagRuns", {
+    bf = _api(s, "POST", "/dags/offsetflow_backfill/dagRuns", {
         "logical_date": None, "conf": {"pipeline": s["yaml_name"], "from_offset": 0,
-                                       "until_offset": 50}})
-    _runs(s, "offsetflow_backfill", 1)
+                                       "until_offset": 50,
+                                       "target_table": f"side_{uid}"}})
+    _wait_run(s, "offsetflow_backfill", bf["dag_run_id"])  # the DAG is shared: this run
     runs = _runs(s, consumer, 2)
     seen = _seen(s, runs[-1]["dag_run_id"])
     assert {(e["uri"], e["kind"], e["pipeline"]) for e in seen} == {
