@@ -133,6 +133,11 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, secret_dsn: tuple[str, s
                "inline": inline, "yaml_name": yaml_name, "inline_uri": inline_uri,
                "yaml_uri": yaml_uri, "password": password, "logs": logs, "base": base,
                "log": base / "standalone.log"}
+        # leave the metadata DB without this test's DAGs (an unpaused @hourly DAG whose
+        # file is gone would be scheduled by the next Airflow on this DB)
+        for dag_id in (f"offsetflow_rest_api_{uid}", f"offsetflow_rest_consumer_{uid}",
+                       f"offsetflow_{yaml_name}"):
+            http("DELETE", f"{url}/api/v2/dags/{dag_id}", token=body["access_token"])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
