@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from offsetflow.config import find_pipeline
 from offsetflow.console import progress_line, setup_logging
 from offsetflow.ledger import Ledger
+from offsetflow.orchestration.connections import resolve
 from offsetflow.runner import CycleResult, run_until_caught_up
 from offsetflow.status import format_status, pipeline_status
 
@@ -74,7 +75,7 @@ def show(dsn: str, res: CycleResult) -> None:
 def main() -> int:
     verbose = sum(a.count("v") for a in sys.argv[1:] if re.fullmatch(r"-v+", a))
     log_file = setup_logging(verbose)
-    cfg = find_pipeline("orders")
+    cfg = resolve(find_pipeline("orders"))  # orders.yaml names Airflow connections
     dsn = cfg.sink.connection
     with Ledger(dsn) as ledger:
         ledger.upgrade()

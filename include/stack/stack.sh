@@ -387,7 +387,10 @@ airflow_setup() {
 airflow_connections() {
   # the expected rows, checked cheaply with psql; the Airflow CLI runs only when they differ
   local want have
-  want="offsetflow_kafka|generic|127.0.0.1|$KAFKA_PORT|
+  # offsetflow_kafka / offsetflow_postgres are what include/pipelines/*.yaml name (kafka.conn_id,
+  # sink.conn_id): a `kafka` connection (librdkafka settings in its extra, as the Kafka
+  # provider keeps them; host/port only for the check below) and a `postgres` one
+  want="offsetflow_kafka|kafka|127.0.0.1|$KAFKA_PORT|
 offsetflow_postgres|postgres|127.0.0.1|$PG_PORT|offsetflow
 spark_default|spark|local[2]||"
   have="$(psql_ -d airflow -tAc "select conn_id||'|'||coalesce(conn_type,'')||'|'||coalesce(host,'')||'|'||coalesce(port::text,'')||'|'||coalesce(schema,'') from connection where conn_id in ('spark_default','offsetflow_postgres','offsetflow_kafka') order by conn_id" 2>/dev/null || true)"
@@ -399,7 +402,8 @@ spark_default|spark|local[2]||"
 {
   "spark_default": "spark://local%5B2%5D",
   "offsetflow_postgres": "postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/offsetflow",
-  "offsetflow_kafka": {"conn_type": "generic", "host": "127.0.0.1", "port": $KAFKA_PORT}
+  "offsetflow_kafka": {"conn_type": "kafka", "host": "127.0.0.1", "port": $KAFKA_PORT,
+                       "extra": {"bootstrap.servers": "127.0.0.1:$KAFKA_PORT"}}
 }
 EOF
   chmod 600 "$f"

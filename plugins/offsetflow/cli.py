@@ -24,9 +24,11 @@ log = logging.getLogger("offsetflow")
 
 
 def _pipeline(args: argparse.Namespace) -> PipelineConfig:
+    from offsetflow.orchestration.connections import resolve
+
     if getattr(args, "pipeline_file", None):
-        return load_pipeline(args.pipeline_file)
-    return find_pipeline(args.pipeline)
+        return resolve(load_pipeline(args.pipeline_file))
+    return resolve(find_pipeline(args.pipeline))
 
 
 def _dsn(args: argparse.Namespace, cfg: PipelineConfig | None = None) -> str:
@@ -233,10 +235,11 @@ def cmd_window(args: argparse.Namespace) -> int:
     from offsetflow.backfill import run_batches
     from offsetflow.orchestration.tasks import window_task
 
-    planned = window_task(kind, conf, started_by=f"cli:{kind}")
+    planned = window_task(kind, conf, started_by=f"cli:{kind}",
+                          load=lambda name: _pipeline(argparse.Namespace(pipeline=name)))
     print(json.dumps(planned["report"], indent=2))
     if planned["batch_ids"]:
-        cfg = find_pipeline(args.pipeline)
+        cfg = _pipeline(args)
         for rep in run_batches(cfg, _dsn(args, cfg), planned["batch_ids"]):
             print(rep.result.message)
     return 0

@@ -108,11 +108,15 @@ class _Reader:
             raise self.err(prefix + key, f"{v!r} is not one of {sorted(choices)}")
         return v
 
-    def conn_id(self, sec: Mapping[str, Any], prefix: str) -> str | None:
+    def conn_id(self, sec: Mapping[str, Any], prefix: str, literal: str) -> str | None:
+        """An Airflow connection id, given instead of (never beside) the literal field."""
         v = self.string(sec, "conn_id", prefix)
         if v is not None and not CONN_ID_RE.match(v):
             raise self.err(prefix + "conn_id", f"{v!r} is not an Airflow connection id "
                                                f"(letters, digits, '_', '.', '-')")
+        if v is not None and sec.get(literal) is not None:
+            raise self.err(prefix + literal, f"give either {prefix}conn_id or "
+                                             f"{prefix}{literal}, not both")
         return v
 
     def positive_int(self, sec: Mapping[str, Any], key: str, prefix: str,
@@ -142,7 +146,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
 
     kafka = r.section("kafka")
     r.unknown(kafka, "kafka.", {"bootstrap_servers", "isolation_level", "client", "conn_id"})
-    kafka_conn = r.conn_id(kafka, "kafka.")
+    kafka_conn = r.conn_id(kafka, "kafka.", "bootstrap_servers")
     bootstrap = r.string(kafka, "bootstrap_servers", "kafka.", default=None if kafka_conn
                          else "${OFFSETFLOW_KAFKA_BOOTSTRAP:-127.0.0.1:19092}") or ""
     if not bootstrap.strip() and not kafka_conn:
@@ -221,7 +225,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     sink_raw = r.section("sink")
     r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"})
     sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres"})
-    sink_conn = r.conn_id(sink_raw, "sink.")
+    sink_conn = r.conn_id(sink_raw, "sink.", "connection")
     try:
         connection = r.string(sink_raw, "connection", "sink.",
                               None if sink_conn else "${OFFSETFLOW_PG_DSN}")

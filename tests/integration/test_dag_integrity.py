@@ -30,8 +30,13 @@ def test_project_dags_import_cleanly_and_each_pipeline_has_its_dag() -> None:
         assert dag.max_active_runs == 1
         assert {t.task_id for t in dag.tasks} == {"plan", "has_batch", "run_batch", "publish"}
         run = dag.get_task("run_batch")
-        assert type(run).__name__ == "SparkSubmitOperator"
+        assert type(run).__name__ == "OffsetFlowRunBatchOperator"
+        assert "SparkSubmitOperator" in {c.__name__ for c in type(run).__mro__}
         assert "application_args" in run.template_fields
+    for example in ("orders_to_warehouse", "orders_report"):  # dags/examples: manual, paused
+        dag = bag.dags[example]
+        assert dag.is_paused_upon_creation
+        assert type(dag.timetable).__name__ in ("NullTimetable", "AssetTriggeredTimetable")
     for window in ("offsetflow_backfill", "offsetflow_replay"):
         dag = bag.dags[window]
         assert dag.schedule is None if hasattr(dag, "schedule") else True

@@ -177,8 +177,8 @@ def test_cli_replay_triggers_the_replay_dag(airflow_project: dict[str, Any]) -> 
 def test_connect_pipeline_runs_on_the_warm_server_scheduled_and_backfill(
         airflow_project: dict[str, Any], spark_connect_url: str, pg_dsn: str,
         kafka_bootstrap: str) -> None:
-    """`spark.launch: connect`: the scheduled DAG's run_batch and the window DAG's branch run
-    the batch in the task on the Spark Connect server; no spark-submit."""
+    """`spark.launch: connect`: the scheduled DAG's run_batch and the window DAG's
+    run_batches run the batch in the task on the Spark Connect server; no spark-submit."""
     p = airflow_project
     path = p["pipelines"] / f"{p['name']}.yaml"
     cfg = yaml.safe_load(path.read_text())
@@ -192,7 +192,7 @@ def test_connect_pipeline_runs_on_the_warm_server_scheduled_and_backfill(
     side = f"side_{p['name']}"
     out = dags_test(p, "offsetflow_backfill", {"pipeline": p["name"], "from_offset": 0,
                                                 "until_offset": 50, "target_table": side})
-    assert "run_batches_connect" in out and "spark-submit" not in out
+    assert "run_batches" in out and "spark-submit" not in out and "SparkSubmitHook" not in out
     with Ledger(pg_dsn) as ledger:
         batches = ledger.recent_batches(p["name"])
         positions = ledger.positions(p["name"])

@@ -1,63 +1,33 @@
 """DAG builders: one scheduled DAG per pipeline, the backfill DAG and the replay DAG.
 
-The DAG files in `dags/` only call these. Tasks are thin: planning and checks call
-`offsetflow.orchestration.tasks`; the Spark job is started by the apache-spark provider's
-SparkSubmitOperator, so the Airflow Spark connection decides local mode or a cluster, or,
-for a pipeline with `spark.launch: connect`, runs in the task on a warm Spark Connect server.
+The DAG files in `dags/` only call these, and these only use the public operators of
+`offsetflow.orchestration.operators` (the same ones a user's own DAG uses): plan ->
+run batch (spark-submit through the apache-spark provider, so the Airflow Spark connection
+decides local mode or a cluster, or a warm Spark Connect server for `spark.launch:
+connect`) -> publish (checks the commit, emits the target table's Asset event).
 Retries are safe everywhere: a batch's id and ranges are fixed when it is planned.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import DAG, Param, get_current_context, task
 
 from offsetflow.config import PipelineConfig, load_pipeline, pipelines_dir
-from offsetflow.orchestration import tasks
-from offsetflow.spark_app import application_path
-from offsetflow.submit_args import submit_conf
+from offsetflow.orchestration import assets, tasks
+from offsetflow.orchestration.connections import resolve
+from offsetflow.orchestration.operators import (
+    OffsetFlowPublishOperator,
+    OffsetFlowRunBatchOperator,
+    offsetflow_pipeline_tasks,
+    started_by,
+)
 
-# inside the package, so an installed OffsetFlow (wheel) finds it too
-SPARK_JOB = application_path()
-SPARK_CONN_ID = os.environ.get("OFFSETFLOW_SPARK_CONN_ID", "spark_default")
 START = datetime(2026, 1, 1)
 TAGS = ["offsetflow"]
-
-
-def _started_by() -> str:
-    ctx = get_current_context()
-    run = ctx.get("dag_run")
-    return f"airflow:{ctx['dag'].dag_id}:{getattr(run, 'run_id', '?')}"
-
-
-def _spark_env() -> dict[str, str]:
-    """Non-secret environment for spark-submit: the venv first on PATH (spark-submit needs
-    it) and where pipelines live. Secrets (DSNs, passwords) are not put here: the hook
-    may turn env_vars into Spark conf on a cluster. In local/client mode the job inherits
-    the worker's environment; on a cluster provide them with Spark's secret mechanisms."""
-    keep = ("PATH", "JAVA_HOME", "PYSPARK_PYTHON", "OFFSETFLOW_PIPELINES_DIR", "SPARK_HOME")
-    return {k: os.environ[k] for k in keep if k in os.environ}
-
-
-def spark_submit(task_id: str, pipeline_file: str, batch_ids_template: str,
-                 cfg: PipelineConfig | None = None) -> SparkSubmitOperator:
-    return SparkSubmitOperator(
-        task_id=task_id,
-        application=SPARK_JOB,
-        conn_id=SPARK_CONN_ID,
-        name=f"offsetflow-{cfg.name if cfg else 'window'}",
-        application_args=["--pipeline-file", pipeline_file, "--batch-id", batch_ids_template],
-        # a shipped environment (spark.archives) keeps a client-mode driver on this Python
-        conf=submit_conf(cfg.spark.conf, sys.executable) if cfg else {},
-        env_vars=_spark_env(),
-        spark_binary="spark-submit",
-    )
 
 
 def pipeline_dag(cfg: PipelineConfig) -> DAG:
@@ -76,31 +46,7 @@ def pipeline_dag(cfg: PipelineConfig) -> DAG:
         doc_md=f"Plans a batch of `{cfg.source_file}`, reads it with Spark, commits it "
                f"exactly once. Empty batches skip the Spark job.",
     ) as dag:
-        name = cfg.name
-
-        @task(task_id="plan")
-        def plan() -> int | None:
-            return tasks.plan_task(name, _started_by())
-
-        @task.short_circuit(task_id="has_batch")
-        def has_batch(batch_id: int | None) -> bool:
-            return batch_id is not None
-
-        @task(task_id="publish")
-        def publish(batch_id: int) -> dict[str, Any]:
-            return tasks.publish_task(name, batch_id)
-
-        batch_id = plan()
-        if cfg.spark.launch == "connect":
-            @task(task_id="run_batch")
-            def run_connect(batch_id: int) -> list[str]:
-                return tasks.connect_run_task(name, batch_id)
-
-            run: Any = run_connect(batch_id)  # type: ignore[arg-type]
-        else:
-            run = spark_submit("run_batch", cfg.source_file,
-                               "{{ ti.xcom_pull(task_ids='plan') }}", cfg)
-        has_batch(batch_id) >> run >> publish(batch_id)  # type: ignore[arg-type]
+        offsetflow_pipeline_tasks(pipeline=cfg.name)
     return dag
 
 
@@ -150,6 +96,8 @@ def _window_params(kind: str) -> dict[str, Param]:
 
 
 def window_dag(kind: str) -> DAG:
+    from offsetflow.config import find_pipeline
+
     """The manual backfill or replay DAG: form -> checks -> ordinary batches -> Spark."""
     with DAG(
         dag_id=f"offsetflow_{kind}",
@@ -174,41 +122,20 @@ def window_dag(kind: str) -> DAG:
             run_conf = getattr(run, "conf", None) if run is not None else None
             if run_conf:
                 conf.update(dict(run_conf))
-            return tasks.window_task(kind, conf, _started_by())
+            return tasks.window_task(kind, conf, started_by(ctx),
+                                     load=lambda name: resolve(find_pipeline(name)))
 
         @task.short_circuit(task_id="has_batches")
         def has_batches(planned: dict[str, Any]) -> bool:
             return bool(planned["batch_ids"])
 
-        @task.branch(task_id="choose_launch")
-        def choose_launch(planned: dict[str, Any]) -> str:
-            from offsetflow.config import find_pipeline
-
-            cfg = find_pipeline(planned["report"]["pipeline"])
-            return "run_batches_connect" if cfg.spark.launch == "connect" else "pipeline_file"
-
-        @task(task_id="pipeline_file")
-        def pipeline_file(planned: dict[str, Any]) -> str:
-            from offsetflow.config import find_pipeline
-
-            return find_pipeline(planned["report"]["pipeline"]).source_file
-
-        @task(task_id="run_batches_connect")
-        def run_connect(planned: dict[str, Any]) -> list[str]:
-            return tasks.connect_run_task(planned["report"]["pipeline"], planned["batch_ids"])
-
-        # runs after whichever launch ran; a failed run still fails the DAG run
-        @task(task_id="publish", trigger_rule="none_failed_min_one_success")
-        def publish(planned: dict[str, Any]) -> dict[str, Any]:
-            return tasks.publish_task(planned["report"]["pipeline"], planned["batch_ids"])
-
+        pulled = "ti.xcom_pull(task_ids='plan_window')"
+        pipeline = f"{{{{ {pulled}['report']['pipeline'] }}}}"
+        ids = f"{{{{ {pulled}['batch_ids'] | join(',') }}}}"
         planned = plan_window()
-        branch = choose_launch(planned)  # type: ignore[arg-type]
-        pf = pipeline_file(planned)  # type: ignore[arg-type]
-        run = spark_submit("run_batches", "{{ ti.xcom_pull(task_ids='pipeline_file') }}",
-                           "{{ ti.xcom_pull(task_ids='plan_window')['batch_ids'] | join(',') }}")
-        done = publish(planned)  # type: ignore[arg-type]
-        has_batches(planned) >> branch  # type: ignore[arg-type]
-        branch >> pf >> run >> done
-        branch >> run_connect(planned) >> done  # type: ignore[arg-type]
+        run = OffsetFlowRunBatchOperator(task_id="run_batches", pipeline=pipeline,
+                                         batch_ids=ids)
+        done = OffsetFlowPublishOperator(task_id="publish", pipeline=pipeline, batch_ids=ids,
+                                         asset_alias=assets.alias_name(kind))
+        has_batches(planned) >> run >> done  # type: ignore[arg-type]
     return dag

@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 
 from offsetflow.config import NAME_RE, PipelineConfig, load_pipeline, pipelines_dir, redact_dsn
 from offsetflow.errors import ConfigError
+from offsetflow.orchestration.connections import resolve
 
 URL_PREFIX = "/offsetflow"
 MAX_RECENT = 100
@@ -68,7 +69,8 @@ def load_entries(directory: Path | None = None) -> list[PipelineEntry]:
         return entries
     for f in sorted(d.glob("*.y*ml")):
         try:
-            cfg = load_pipeline(f)
+            # the same Airflow connections the pipeline's tasks use (sink.conn_id, ...)
+            cfg = resolve(load_pipeline(f))
         except ConfigError as e:
             entries.append(PipelineEntry(f.stem, f.name, None, str(e)))
         except Exception as e:  # noqa: BLE001 - anything else in a config is shown, not raised

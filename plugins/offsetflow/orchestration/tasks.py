@@ -1,14 +1,16 @@
 """What the Airflow tasks do, as plain functions (no Airflow import): easy to test and reuse.
 
 Every function logs what it decided and returns JSON-able values for XCom. DSNs come from
-the environment/pipeline config and are never logged or returned.
+the environment/pipeline config or Airflow connections and are never logged or returned.
+`pipeline` is a name (loaded from the pipelines folder) or an already resolved
+PipelineConfig (the operators pass one: inline configs, connections resolved in the task).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from offsetflow.backfill import plan_window, submit_window
@@ -20,9 +22,18 @@ from offsetflow.runner import kafka_for, plan_only
 
 log = logging.getLogger(__name__)
 
+Loader = Callable[[str], PipelineConfig]
 
-def plan_task(pipeline: str, started_by: str) -> int | None:
-    cfg = find_pipeline(pipeline)
+
+def _config(pipeline: str | PipelineConfig, load: Loader | None = None) -> PipelineConfig:
+    if isinstance(pipeline, PipelineConfig):
+        return pipeline
+    return (load or find_pipeline)(pipeline)
+
+
+def plan_task(pipeline: str | PipelineConfig, started_by: str) -> int | None:
+    cfg = _config(pipeline)
+    pipeline = cfg.name
     out = plan_only(cfg, cfg.sink.connection, started_by=started_by)
     if out.batch is None:
         log.info("pipeline %s: nothing new to read; the Spark job is skipped", pipeline)
@@ -36,12 +47,12 @@ def plan_task(pipeline: str, started_by: str) -> int | None:
     return b.batch_id
 
 
-def connect_run_task(pipeline: str, batch_ids: list[int] | int) -> list[str]:
+def connect_run_task(pipeline: str | PipelineConfig, batch_ids: list[int] | int) -> list[str]:
     """`spark.launch: connect`: run the batches from this task on the warm Spark Connect
     server (no spark-submit, no JVM start). Same code and commit as the spark-submit job."""
     from offsetflow.job import build_spark, run_batch
 
-    cfg = find_pipeline(pipeline)
+    cfg = _config(pipeline)
     ids = [batch_ids] if isinstance(batch_ids, int) else [int(b) for b in batch_ids]
     spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
     messages = []
@@ -55,9 +66,13 @@ def connect_run_task(pipeline: str, batch_ids: list[int] | int) -> list[str]:
     return messages
 
 
-def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, Any]:
-    """Check the batches committed and log their figures (the DAG run fails otherwise)."""
-    cfg = find_pipeline(pipeline)
+def publish_task(pipeline: str | PipelineConfig,
+                 batch_ids: list[int] | int | None) -> dict[str, Any]:
+    """Check the batches committed and log their figures (the DAG run fails otherwise).
+    The one place a batch is published: the operator turns the figures (with ranges and
+    target table) into Asset events."""
+    cfg = _config(pipeline)
+    pipeline = cfg.name
     ids = [batch_ids] if isinstance(batch_ids, int) else list(batch_ids or [])
     out: dict[str, Any] = {"pipeline": pipeline, "batches": []}
     with Ledger(cfg.sink.connection) as ledger:
@@ -66,7 +81,10 @@ def publish_task(pipeline: str, batch_ids: list[int] | int | None) -> dict[str, 
             fig = {"batch_id": b.batch_id, "kind": b.kind, "status": b.status,
                    "records_read": b.records_read, "rows_written": b.rows_written,
                    "bad_records": b.bad_records, "offsets": b.offset_span,
-                   "timings": b.timings, "error": b.error}
+                   "timings": b.timings, "error": b.error, "target_table": b.target_table,
+                   "ranges": [{"topic": r.topic, "partition": r.partition,
+                               "from_offset": r.from_offset, "until_offset": r.until_offset}
+                              for r in b.ranges]}
             log.info("batch %d %s: %s", b.batch_id, b.status, json.dumps(fig, default=str))
             out["batches"].append(fig)
             if b.status != "committed":
@@ -91,12 +109,13 @@ def _publish_consumer_group(cfg: PipelineConfig, positions: Mapping[str, int]) -
         log.warning("could not publish consumer-group offsets for %s: %s", cfg.name, e)
 
 
-def window_task(kind: str, conf: Mapping[str, Any], started_by: str) -> dict[str, Any]:
+def window_task(kind: str, conf: Mapping[str, Any], started_by: str,
+                load: Loader | None = None) -> dict[str, Any]:
     """Validate a backfill/replay form or conf, plan its batches (unless dry run)."""
     clean = {k: v for k, v in conf.items() if v not in (None, "")}
     req = parse_request(kind, clean)
     try:
-        cfg = find_pipeline(req.pipeline)
+        cfg = _config(req.pipeline, load)
     except ConfigError as e:
         raise RequestError(f"pipeline {req.pipeline!r}: {e}") from e
     with Ledger(cfg.sink.connection) as ledger:
