@@ -216,9 +216,9 @@ def test_conn_ids_replace_bootstrap_servers_and_connection() -> None:
     assert cfg.kafka.conn_id == "kafka_default" and cfg.sink.conn_id == "offsetflow_pg"
     assert cfg.bootstrap_servers == "" and cfg.sink.connection == ""
     assert cfg.fingerprint() == parse_pipeline(base(), "orders.yaml", ENV).fingerprint()
-    both = parse_pipeline(base(kafka={"conn_id": "k", "bootstrap_servers": "h:1"}), "o.yaml",
-                          ENV)
-    assert both.kafka.conn_id == "k" and both.bootstrap_servers == "h:1"
+    with pytest.raises(ConfigError) as e:  # one source of truth for the brokers
+        parse_pipeline(base(kafka={"conn_id": "k", "bootstrap_servers": "h:1"}), "o.yaml", ENV)
+    assert e.value.field == "kafka.bootstrap_servers" and "not both" in e.value.message
     plain = parse_pipeline(base(), "orders.yaml", ENV)
     assert plain.kafka.conn_id is None and plain.sink.conn_id is None
 
