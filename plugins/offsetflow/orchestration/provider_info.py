@@ -28,14 +28,19 @@ def _modules(*names: str) -> list[str]:
     return [m for m in (f"{ORCHESTRATION}.{n}" for n in names) if _present(m)]
 
 
+FOREIGN_CONN_TYPES = frozenset({"postgres", "kafka"})
+
+
 def _connection_types() -> list[dict[str, str]]:
-    """The hook's own connection type, when the hook declares one."""
+    """The hook's own connection type, when the hook declares one that no other provider
+    owns: OffsetFlowHook reads `postgres` and `kafka` connections, and registering it for
+    those types would replace the postgres/kafka providers' hooks in the connection form."""
     if not _present(f"{ORCHESTRATION}.hooks"):
         return []
     hooks = importlib.import_module(f"{ORCHESTRATION}.hooks")
     hook = getattr(hooks, "OffsetFlowHook", None)
     conn_type = getattr(hook, "conn_type", None)
-    if hook is None or not conn_type:
+    if hook is None or not conn_type or conn_type in FOREIGN_CONN_TYPES:
         return []
     return [{"connection-type": conn_type,
              "hook-class-name": f"{ORCHESTRATION}.hooks.OffsetFlowHook",
