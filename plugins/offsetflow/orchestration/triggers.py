@@ -29,9 +29,11 @@ TRANSIENT = (KafkaUnavailableError, KafkaException, psycopg2.OperationalError, O
 def check_pipeline(pipeline: str) -> dict[str, int]:
     """Offsets waiting per "topic/partition" (blocking: call it in a thread)."""
     from offsetflow.config import find_pipeline
+    from offsetflow.orchestration.connections import resolve
     from offsetflow.runner import pending_for
 
-    return describe(pending_for(find_pipeline(pipeline)))
+    # a pipeline may name Airflow connections (kafka.conn_id, sink.conn_id)
+    return describe(pending_for(resolve(find_pipeline(pipeline))))
 
 
 async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
