@@ -189,8 +189,9 @@ def redact_value(key: str, value: str) -> str:
 
 def redact_dsn(dsn: str) -> str:
     """Hide the password of a URI or key=value DSN."""
-    dsn = re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", dsn)
-    return re.sub(r"(password\s*=\s*)\S+", r"\1***", dsn)
+    dsn = re.sub(r"(://[^:/@]*:)[^/?#]*@", r"\1***@", dsn)  # user may be empty; to the last @
+    # key=value: a quoted password may hold spaces and escaped quotes
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn)
 
 
 def split_table_name(table: str) -> tuple[str, str]:

@@ -370,10 +370,13 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
     t0 = time.monotonic()
     timings: dict[str, float] = {}
     with Ledger(dsn) as ledger:
-        batch = ledger.mark_running(batch_id)
-        if batch.pipeline != cfg.name:
-            raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline}, "
+        # whose batch, before touching it: a driver pointed at the wrong ledger must not mark
+        # another pipeline's batch running (or count an attempt against it)
+        owner = ledger.get_batch(batch_id).pipeline
+        if owner != cfg.name:
+            raise BatchStateError(f"batch {batch_id} belongs to pipeline {owner}, "
                                   f"not {cfg.name}")
+        batch = ledger.mark_running(batch_id)
         if batch.status == "committed":
             log.info("batch %d is already committed; nothing to do", batch_id)
             res = CommitResult(batch_id, "already_committed", batch.rows_written or 0,

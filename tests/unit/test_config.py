@@ -98,6 +98,17 @@ def test_redact_dsn_forms() -> None:
     assert "pw" not in redact_dsn("host=h password=pw user=u")
 
 
+@pytest.mark.parametrize("dsn, secret", [
+    ("host=h password='sec ret pw' dbname=x", "ret pw"),   # quoted, with spaces
+    ("password='a\\'b c' user=u", "b c"),                 # escaped quote inside
+    ("postgresql://:s3cret@h/db", "s3cret"),               # empty user
+    ("postgresql://u:p@ss@h/db", "ss"),                    # unencoded @ in the password
+])
+def test_redact_dsn_hides_the_whole_password(dsn: str, secret: str) -> None:
+    out = redact_dsn(dsn)
+    assert secret not in out and "***" in out, out
+
+
 def test_fingerprint_changes_with_sink_but_not_with_rate_limit() -> None:
     a = parse_pipeline(base(), "p.yaml", ENV)
     b = parse_pipeline(base(source={"topics": ["orders"], "max_records_per_partition": 5}),

@@ -129,3 +129,22 @@ def test_asset_uris_follow_the_providers_forms() -> None:
     ("[7, 8]", [7, 8]), ("7,8", [7, 8])])
 def test_batch_id_list(value: Any, ids: list[int]) -> None:
     assert batch_id_list(value) == ids
+
+
+def test_handover_wins_over_literal_addresses_in_the_drivers_file(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task that overrode the file's connections (operator `postgres_conn_id=` /
+    `kafka_conn_id=`) hands the driver its values; the driver reloads the file, which names
+    literal brokers and a literal DSN, and must still read and commit where the task
+    planned (a driver on the file's ledger would mark another ledger's batch running)."""
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    task_cfg = connections.resolve(parse_pipeline(raw(), "p.yaml", env={}), CONNS.__getitem__)
+    monkeypatch.setenv(connections.HANDOVER_ENV,
+                       connections.handover_env(task_cfg)[connections.HANDOVER_ENV])
+    file_cfg = parse_pipeline(raw(kafka={"bootstrap_servers": "other:1"},
+                                  sink={"connection": "dbname=other", "table": "s.t"}),
+                              "p.yaml", env={})
+    driver = connections.resolve(file_cfg, lambda conn_id: (_ for _ in ()).throw(
+        AssertionError("the driver must not look connections up")))
+    assert driver.sink.connection == task_cfg.sink.connection
+    assert driver.bootstrap_servers == "b1:9092,b2:9092"

@@ -89,18 +89,21 @@ def airflow_lookup(conn_id: str) -> Any:
 
 def resolve(cfg: PipelineConfig, lookup: Lookup | None = None) -> PipelineConfig:
     """`cfg` with its connections filled in (bootstrap_servers + client, sink.connection).
-    Values handed over by the run-batch operator win; otherwise Airflow is asked."""
-    if not uses_connections(cfg):
-        return cfg
-    handed = _handed_over()
-    values = handed.get(cfg.name) or _lookup_values(cfg, lookup or airflow_lookup)
+    Values handed over by the run-batch operator win, even over a literal address or DSN in
+    the file: the task may have overridden the file's connections (`postgres_conn_id=`),
+    and the driver must read and commit where the task planned. Otherwise Airflow is
+    asked for the connections the config names."""
+    values: dict[str, Any] = dict(_handed_over().get(cfg.name) or {})
+    if (cfg.kafka.conn_id and "kafka" not in values) or (cfg.sink.conn_id
+                                                         and "sink" not in values):
+        values = {**_lookup_values(cfg, lookup or airflow_lookup), **values}
     out = cfg
-    if cfg.kafka.conn_id:
+    if "kafka" in values:
         settings = dict(values["kafka"])
         bootstrap = settings.pop("bootstrap.servers")
         # the pipeline's own kafka.client settings override the connection's
         out = replace(out, bootstrap_servers=bootstrap, client={**settings, **cfg.client})
-    if cfg.sink.conn_id:
+    if "sink" in values:
         out = replace(out, sink=replace(cfg.sink, connection=values["sink"]))
     return out
 

@@ -28,7 +28,7 @@ from airflow.sdk import Asset, AssetAlias, BaseOperator, TaskGroup
 from airflow.sdk.exceptions import AirflowSkipException
 
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import RequestError
+from offsetflow.errors import BatchStateError, RequestError
 from offsetflow.orchestration import assets, connections, tasks
 from offsetflow.orchestration.hooks import OffsetFlowHook
 from offsetflow.spark_app import application_path
@@ -125,11 +125,11 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
 
     def execute(self, context: Any) -> Any:
         ids = batch_id_list(self.batch_ids)
-        if not ids:
-            raise AirflowSkipException("no batch to run")
         hook = OffsetFlowHook(pipeline=self.pipeline, config=self.config,
                               postgres_conn_id=self.postgres_conn_id,
                               kafka_conn_id=self.kafka_conn_id)
+        if not ids:
+            _skip_unless_a_batch_is_open(hook, self.batch_ids)
         cfg = hook.pipeline_config
         if (self.launch or cfg.spark.launch) == "connect":
             return tasks.connect_run_task(cfg, ids)
@@ -138,6 +138,22 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
                 cfg, path, ids, dict(self.conf or {}))
             with _process_env(connections.handover_env(cfg)):
                 return super().execute(context)
+
+
+def _skip_unless_a_batch_is_open(hook: OffsetFlowHook, rendered: Any) -> None:
+    """No batch ids means nothing to read, but only if the pipeline has no open batch: ids
+    that did not arrive (a plan task id other than the template's, a TaskGroup prefix,
+    do_xcom_push=False) must fail loudly, not skip every run while the batch stays open."""
+    cfg = hook.pipeline_config
+    with hook.get_ledger() as ledger, ledger.transaction() as cur:
+        open_batch = ledger.open_batch(cur, cfg.name)
+    if open_batch is not None:
+        raise BatchStateError(
+            f"no batch ids reached this task (batch_ids rendered as {rendered!r}) but batch "
+            f"{open_batch.batch_id} of pipeline {cfg.name} is {open_batch.status}: make "
+            f"batch_ids pull the plan task's XCom (e.g. batch_ids=plan.output; a TaskGroup "
+            f"prefixes task ids)")
+    raise AirflowSkipException("no batch to run")
 
 
 def submit_args(cfg: PipelineConfig, pipeline_file: str, batch_ids: list[int],
@@ -255,7 +271,9 @@ def offsetflow_pipeline_tasks(*, pipeline: str | None = None,
             op_args=[plan.output])
         run = OffsetFlowRunBatchOperator(task_id="run_batch", batch_ids=xcom, launch=launch,
                                          **common)
-        publish = OffsetFlowPublishOperator(task_id="publish", batch_ids=xcom,
+        # publish only reads the ledger: retrying it is always safe, and a failed publish
+        # would otherwise leave a committed batch without its Asset event, lineage and stats
+        publish = OffsetFlowPublishOperator(task_id="publish", batch_ids=xcom, retries=2,
                                             asset_alias=assets.alias_name(cfg.name), **common)
         plan >> has_batch >> run >> publish
     return PipelineTasks(plan, has_batch, run, publish)

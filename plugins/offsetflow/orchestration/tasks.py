@@ -78,6 +78,9 @@ def publish_task(pipeline: str | PipelineConfig,
     with Ledger(cfg.sink.connection) as ledger:
         for bid in ids:
             b = ledger.get_batch(int(bid))
+            if b.pipeline != pipeline:  # ids from another pipeline's XCom: never publish them
+                raise BatchStateError(f"batch {b.batch_id} belongs to pipeline {b.pipeline}, "
+                                      f"not {pipeline}")
             fig = {"batch_id": b.batch_id, "kind": b.kind, "status": b.status,
                    "records_read": b.records_read, "rows_written": b.rows_written,
                    "bad_records": b.bad_records, "offsets": b.offset_span,
