@@ -183,3 +183,26 @@ def test_sensor_in_a_dag_run_defers_and_resumes_when_records_arrive(
     assert rc == 0, text[-4000:]
     assert "3 offsets arrived" in text, text[-4000:]
     assert "state=success" in text or "success" in text.lower()
+
+
+def test_event_trigger_restarted_at_once_does_not_fire_again_at_once(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str) -> None:
+    """An AssetWatcher's trigger is restarted by the triggerer right after it fires; the data
+    it fired for is still waiting (the run it started has not committed yet), so a restart
+    that checked at once would flood asset events and queued runs about once a second."""
+    from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
+
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"ev-{unique}", 2)
+
+    async def scenario() -> tuple[bool, bool]:
+        first = NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=8)
+        fired = await _until(asyncio.ensure_future(_first_event(first)), 30)
+        again = asyncio.ensure_future(_first_event(
+            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=8)))
+        refired_at_once = await _until(again, 4)
+        fired_later = await _until(again, 20)  # still waiting data: fires after the pause
+        return fired, refired_at_once or not fired_later
+
+    fired, flood = asyncio.run(scenario())
+    assert fired, "the watcher never fired for waiting data"
+    assert not flood, "a restarted watcher fired again at once (or never again)"

@@ -86,6 +86,11 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
     emitted as events (they would start runs); they are logged and polled again."""
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        # The triggerer restarts a watcher's trigger as soon as it fires. Checking at once
+        # would fire again about every second on the same waiting data while the run it
+        # started is still reading (an asset event, and a queued run, each time): a
+        # restarted watcher waits one poll interval first.
+        await asyncio.sleep(self.poll_interval)
         while True:
             payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
