@@ -487,7 +487,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         restart_stage(ledger, batch.batch_id)
     # read with the split it goes with: a run that rebuilds the stage after this point
     # makes this run a zombie, whose markers the commit refuses
-    generation = stage_generation(ledger, batch.batch_id, cfg.spark.max_offsets_per_task)
+    generation = stage_generation(ledger, batch, cfg.spark.max_offsets_per_task)
     subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
     specs = [r.to_dict() for r in subranges]
     n = max(len(specs), 1)

@@ -73,22 +73,36 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                 "all" if parts is None else parts)
 
 
-def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:
-    """The stage generation a run stages under, read together with the split it uses (a
-    batch planned before the split was recorded takes the run's). A batch whose recorded
-    split is another one was adopted by another run meanwhile: this run is stale."""
+def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int) -> int:
+    """The stage generation a run stages under, claimed in one transaction under the batch
+    lock together with the config and split this run checked (`batch`, as `mark_running`
+    returned or `adopt_config` made it; a batch planned before the split was recorded takes
+    the run's). If another run adopted another config or split since, this run is stale and
+    stages nothing: otherwise it would stage its old config's output under the adopted
+    generation, and the newer run would skip those parts and commit them."""
     with ledger.transaction() as cur:
-        cur.execute("UPDATE offsetflow.batches SET split_offsets = COALESCE(split_offsets, %s) "
-                    "WHERE batch_id = %s RETURNING stage_generation, split_offsets",
-                    (split_offsets, batch_id))
+        cur.execute("SELECT config_fingerprint, split_offsets, stage_generation "
+                    "FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                    (batch.batch_id,))
         row = cur.fetchone()
-    assert row is not None
-    if int(row[1]) != split_offsets:
-        raise StaleConfigError(
-            f"batch {batch_id}: another run changed its split to {row[1]} offsets per task "
-            f"while this run starts with {split_offsets}; this run's config is stale, so it "
-            f"stages nothing. Re-run the batch with the current pipeline config")
-    return int(row[0])
+        assert row is not None
+        fingerprint, split, generation = row
+        if fingerprint != batch.config_fingerprint:
+            raise StaleConfigError(
+                f"batch {batch.batch_id}: another run took a changed pipeline config while "
+                f"this run started with the one it was planned with; this run's config is "
+                f"stale, so it stages nothing. Re-run the batch with the current pipeline "
+                f"config")
+        if split is not None and int(split) != split_offsets:
+            raise StaleConfigError(
+                f"batch {batch.batch_id}: another run changed its split to {split} offsets "
+                f"per task while this run starts with {split_offsets}; this run's config is "
+                f"stale, so it stages nothing. Re-run the batch with the current pipeline "
+                f"config")
+        if split is None:
+            cur.execute("UPDATE offsetflow.batches SET split_offsets = %s WHERE batch_id = %s",
+                        (split_offsets, batch.batch_id))
+    return int(generation)
 
 
 def restart_stage(ledger: Ledger, batch_id: int) -> bool:

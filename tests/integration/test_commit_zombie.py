@@ -16,7 +16,12 @@ from offsetflow.config import PipelineConfig
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import run_batch
 from offsetflow.runner import plan_only
-from tests.integration.helpers import pipeline_for, produce_plain, query
+from tests.integration.helpers import (
+    pipeline_for,
+    produce_plain,
+    produce_transactional,
+    query,
+)
 
 FAIL_CONF = "offsetflow.test.zombie_fails_from_part"
 
@@ -228,3 +233,61 @@ def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
     assert newer and newer[0].result.status == "committed"
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
         (200, 200)
+
+
+def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F1: a zombie checked the old config, stalled, and a newer run adopted a new
+    one (read_committed instead of read_uncommitted). The zombie must not stage under the
+    adopted generation: the newer run would skip its parts and commit aborted records."""
+    topic = make_topic("zo", 1)
+    produced = produce_transactional(kafka_bootstrap, topic, [(40, True), (40, False), (40, True)],
+                                     f"zo{unique}", 1)
+    table = f"zo_{unique}"
+
+    def cfg(level: str) -> PipelineConfig:
+        return pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert",
+                            key=["event_id"], kafka={"bootstrap_servers": kafka_bootstrap,
+                                                     "isolation_level": level})
+
+    old, new = cfg("read_uncommitted"), cfg("read_committed")
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    held, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_gen, real_create = job.stage_generation, job.create_stage_tables
+    zombie: threading.Thread | None = None
+
+    def gen(*args: Any, **kw: Any) -> Any:  # the zombie stalls before it claims the stage
+        if threading.current_thread() is zombie:
+            held.set()
+            assert go.wait(300)
+        return real_gen(*args, **kw)
+
+    def create(*args: Any, **kw: Any) -> Any:  # the newer run has adopted and claimed
+        if threading.current_thread() is not zombie and not go.is_set():
+            go.set()
+            assert zombie is not None
+            zombie.join(300)
+            assert not zombie.is_alive()
+        return real_create(*args, **kw)
+
+    def run_zombie() -> None:
+        try:
+            run_batch(spark, old, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the zombie is expected to die
+            errors.append(e)
+
+    monkeypatch.setattr(job, "stage_generation", gen)
+    monkeypatch.setattr(job, "create_stage_tables", create)
+    zombie = threading.Thread(target=run_zombie, name="zombie")
+    zombie.start()
+    assert held.wait(300), errors
+    assert run_batch(spark, new, bid, pg_dsn, accept_config_change=True).result.status == \
+        "committed"
+    ids = {r[0] for r in query(pg_dsn, f"SELECT event_id FROM {table}")}
+    assert ids & produced.aborted == set()
+    assert ids == set(produced.committed)
+
