@@ -134,7 +134,11 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             moved.per_range = per_range
             return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
     except StagedRowsLostError as e:
-        forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
+        try:
+            forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
+        except psycopg2.Error as forget:  # the refusal is what the user must see
+            log.error("batch %d: could not drop the refused part(s); the next run refuses "
+                      "them again: %s", batch_id, forget)
         raise
 
 

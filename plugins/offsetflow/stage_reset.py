@@ -10,6 +10,7 @@ import logging
 import psycopg2.extensions
 from psycopg2 import sql
 
+from offsetflow.commit_locks import lock_timeout_s
 from offsetflow.errors import StagedRowsLostError, StaleConfigError, StaleStageError
 from offsetflow.ledger import (
     Batch,
@@ -37,18 +38,23 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
     refused commit's; its parts are gone, and the numbers now name the newer run's), nor
     while another run's commit holds the lock (it checks every marker itself). The stage is
     emptied before its markers are deleted, so a marker a task commits while the TRUNCATE
-    waits for it goes too, never outliving its rows."""
+    waits for it goes too, never outliving its rows. Only tables that exist are emptied (a
+    zombie's part numbered beyond this layout has a marker but no table), and the markers
+    go regardless: a marker that outlived its drop would be refused on every run. Every
+    lock waits at most the commit's `lock_timeout`."""
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
+            cur.execute("SELECT set_config('lock_timeout', %s, true)",
+                        (f"{int(lock_timeout_s() * 1000)}ms",))
             cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s "
                         "FOR UPDATE SKIP LOCKED", (batch_id,))
             row = cur.fetchone()
             if row is None or (generation is not None and int(row[0]) != generation):
                 log.warning("batch %d: the refused part(s) %s were not dropped: %s", batch_id,
                             "all" if parts is None else parts,
-                            "another run's commit holds the batch" if row is None else
-                            "another run rebuilt the stage since")
+                            "another run holds the batch, and its commit refuses them in "
+                            "turn" if row is None else "another run rebuilt the stage since")
                 return
             if parts is not None:
                 cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
@@ -56,14 +62,15 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                 found = cur.fetchone()
                 if found and found[0]:
                     parts = None
+            tables = [stage_table(batch_id), dead_letter_stage_table(batch_id)] \
+                if parts is None else [stage_part_table(batch_id, p) for p in parts]
+            existing = [t for t in tables if _exists(cur, t)]
+            if existing:
+                cur.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(existing)))
             if parts is None:
-                cur.execute(sql.SQL("TRUNCATE {}, {}").format(
-                    stage_table(batch_id), dead_letter_stage_table(batch_id)))
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
                             (batch_id,))
             else:
-                for part in parts:
-                    cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
                             "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
     finally:
@@ -71,6 +78,12 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
     log.warning("batch %d: staged part(s) %s had lost rows or were of another layout and "
                 "were dropped; the next run re-stages them", batch_id,
                 "all" if parts is None else parts)
+
+
+def _exists(cur: psycopg2.extensions.cursor, table: sql.Composed) -> bool:
+    cur.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(cur),))
+    row = cur.fetchone()
+    return bool(row and row[0])
 
 
 def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int) -> int:

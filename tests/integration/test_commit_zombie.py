@@ -291,3 +291,34 @@ def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
     assert ids & produced.aborted == set()
     assert ids == set(produced.committed)
 
+
+def test_a_zero_row_zombie_part_beyond_the_new_split_does_not_wedge_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F3: a zombie of an older split committed a zero-row marker for a part number
+    the new split has no table for. The commit refuses it with StagedRowsLostError (not a
+    raw UndefinedTable), drops the marker, and the next run commits."""
+    topic = make_topic("zw", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zw{unique}", 2)
+    table = f"zw_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def zombie_part(*args: Any, **kw: Any) -> Any:
+        query(pg_dsn, "INSERT INTO offsetflow.staged_parts (batch_id, kind, part, chunk, "
+                      "rows_staged, bad_records, per_partition, generation) SELECT %s, 'rows', "
+                      "7, 0, 0, 0, '{}', stage_generation - 1 FROM offsetflow.batches "
+                      "WHERE batch_id = %s RETURNING 1", (bid, bid))
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", zombie_part)
+    with pytest.raises(StagedRowsLostError, match="stage generation"):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
