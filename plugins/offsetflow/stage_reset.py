@@ -86,13 +86,21 @@ def _exists(cur: psycopg2.extensions.cursor, table: sql.Composed) -> bool:
     return bool(row and row[0])
 
 
-def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int) -> int:
+def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int,
+                     restart: bool = False) -> int:
     """The stage generation a run stages under, claimed in one transaction under the batch
     lock together with the config and split this run checked (`batch`, as `mark_running`
     returned or `adopt_config` made it; a batch planned before the split was recorded takes
     the run's). If another run adopted another config or split since, this run is stale and
     stages nothing: otherwise it would stage its old config's output under the adopted
-    generation, and the newer run would skip those parts and commit them."""
+    generation, and the newer run would skip those parts and commit them.
+
+    With `restart` (every transform-path run), the same transaction, after those checks,
+    drops what earlier attempts staged and starts a new generation, and the run stages
+    under exactly that one: its parts are Spark's partitions of the transform's output, and
+    which rows a partition gets depends on more than any key can record (AQE coalescing
+    follows the core count and the data's size), so neither an earlier attempt's parts nor
+    a concurrent run's generation may be taken for this run's."""
     with ledger.transaction() as cur:
         cur.execute("SELECT config_fingerprint, split_offsets, stage_generation "
                     "FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
@@ -115,27 +123,15 @@ def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int) -> int:
         if split is None:
             cur.execute("UPDATE offsetflow.batches SET split_offsets = %s WHERE batch_id = %s",
                         (split_offsets, batch.batch_id))
+        if restart:
+            cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
+                        "WHERE batch_id = %s)", (batch.batch_id,))
+            found = cur.fetchone()
+            if found and found[0]:
+                log.warning("batch %d: staged data of an earlier attempt of this transform "
+                            "pipeline is dropped; the ranges are read again", batch.batch_id)
+            generation = ledger._drop_staging(cur, batch.batch_id)
     return int(generation)
-
-
-def restart_stage(ledger: Ledger, batch_id: int) -> bool:
-    """At the start of a transform-path run: drop what earlier attempts staged and start a
-    new stage generation. Its parts are Spark's partitions of the transform's output, and
-    which rows a partition gets depends on more than any key can record (AQE coalescing
-    follows the core count and the data's size), so a retry cannot tell which earlier parts
-    still mean the same rows. Returns whether staged data was dropped."""
-    with ledger.transaction() as cur:
-        cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
-                    (batch_id,))
-        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
-                    "WHERE batch_id = %s)", (batch_id,))
-        found = cur.fetchone()
-        staged = bool(found and found[0])
-        ledger._drop_staging(cur, batch_id)
-    if staged:
-        log.warning("batch %d: staged data of an earlier attempt of this transform pipeline "
-                    "was dropped; the ranges are read again", batch_id)
-    return staged
 
 
 def layout_of(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,

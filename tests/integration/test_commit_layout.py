@@ -152,3 +152,97 @@ def test_aqe_coalescing_another_way_on_the_retry_restages_the_batch(
         spark.conf.unset(FAIL_CONF)
     got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
     assert got == (400, 400)
+
+
+FAIL_FROM_2 = "offsetflow.test.fail_from_part_2"
+
+
+def repartition_by_offset_failing_from_2(df: Any) -> Any:
+    """repartition_by_offset; with FAIL_FROM_2 set, parts from 2 on fail (on local[2] the
+    first two parts are staged before the job dies)."""
+    from pyspark.sql import functions as F
+
+    out = df.repartition("offset")
+    if df.sparkSession.conf.get(FAIL_FROM_2, "false") == "true":
+        out = out.withColumn("value", F.when(F.spark_partition_id() >= 2,
+                                             F.raise_error(F.lit("injected task failure")))
+                             .otherwise(F.col("value")))
+    return out
+
+
+def test_two_transform_runs_never_share_a_stage_generation(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F2: a run restarted the stage and stalled; another restarted it again and
+    claimed. The first must never stage under the second's generation: the second's tasks
+    would skip the parts it staged under another partitioning (8 parts vs 2) and commit a
+    quarter of the batch."""
+    import threading
+
+    import offsetflow.job as job
+
+    topic = make_topic("gen", 1)
+    produce_plain(kafka_bootstrap, topic, 400, f"gn{unique}", 1)
+    table = f"gen_{unique}"
+    cfg = pipeline_for(
+        topic, pg_dsn, kafka_bootstrap, table,
+        transform="tests.integration.test_commit_layout.repartition_by_offset_failing_from_2")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    keys = {"spark.sql.shuffle.partitions": "2", "spark.sql.adaptive.enabled": "false"}
+    before = {k: spark.conf.get(k, None) for k in keys}
+    held, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_gen, real_create = job.stage_generation, job.create_stage_tables
+    zombie: threading.Thread | None = None
+
+    def gen(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is zombie:
+            held.set()
+            assert go.wait(300)
+        return real_gen(*args, **kw)
+
+    def create(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is not zombie and not go.is_set():
+            spark.conf.set("spark.sql.shuffle.partitions", "8")
+            spark.conf.set(FAIL_FROM_2, "true")
+            go.set()
+            assert zombie is not None
+            zombie.join(300)
+            assert not zombie.is_alive()
+            spark.conf.set("spark.sql.shuffle.partitions", "2")
+            spark.conf.set(FAIL_FROM_2, "false")
+        return real_create(*args, **kw)
+
+    def run_zombie() -> None:
+        try:
+            run_batch(spark, cfg, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the zombie is expected to die
+            errors.append(e)
+
+    try:
+        for k, v in keys.items():
+            spark.conf.set(k, v)
+        monkeypatch.setattr(job, "stage_generation", gen)
+        monkeypatch.setattr(job, "create_stage_tables", create)
+        zombie = threading.Thread(target=run_zombie, name="zombie")
+        zombie.start()
+        assert held.wait(300), errors
+        try:
+            committed = run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+        except Exception:  # noqa: BLE001 - refused as stale: the zombie restarted after it
+            committed = False
+        assert errors, "the zombie was meant to die"
+        if not committed:
+            assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+        spark.conf.unset(FAIL_FROM_2)
+    got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
+    assert got == (400, 400)
+
