@@ -59,45 +59,6 @@ def test_changed_shuffle_partitions_between_attempts_restage_the_batch(
     assert got == (400, 400)
 
 
-def test_a_stage_holding_an_offset_twice_is_refused_and_restaged(
-        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows staged twice (parts of two partitionings, markers that add up) are never
-    committed, and do not wedge the batch: the stage is dropped and staged again."""
-    import offsetflow.job as job
-    from offsetflow.errors import StagedRowsLostError
-
-    topic = make_topic("dup", 1)
-    produce_plain(kafka_bootstrap, topic, 100, f"dp{unique}", 1)
-    table = f"dup_{unique}"
-    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
-                       transform="tests.integration.test_commit_layout.repartition_by_conf")
-    planned = plan_only(cfg, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
-    real_commit = job.commit_batch
-
-    def stage_one_twice(*args: Any, **kw: Any) -> Any:
-        tp = f"{topic}/0"
-        query(pg_dsn, f"INSERT INTO offsetflow_stage.b{bid} SELECT * FROM "
-                      f"offsetflow_stage.b{bid} WHERE \"offset\" = 7 RETURNING 1")
-        query(pg_dsn, "UPDATE offsetflow.staged_parts SET rows_staged = rows_staged + 1, "
-                      "per_partition = jsonb_set(per_partition, ARRAY[%s, '0'], "
-                      "to_jsonb((per_partition->%s->>0)::bigint + 1)) WHERE batch_id = %s "
-                      "AND kind = 'rows' AND part = (SELECT min(part) FROM "
-                      "offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows' "
-                      "AND per_partition ? %s) RETURNING 1", (tp, tp, bid, bid, tp))
-        monkeypatch.setattr(job, "commit_batch", real_commit)
-        return real_commit(*args, **kw)
-
-    monkeypatch.setattr(job, "commit_batch", stage_one_twice)
-    with pytest.raises(StagedRowsLostError, match="distinct offsets"):
-        run_batch(spark, cfg, bid, pg_dsn)
-    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
-    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0] == \
-        (100, 100)
-
-
 def repartition_by_offset(df: Any) -> Any:
     """A shuffle AQE may coalesce (by column, no count): how many parts the output has, and
     which rows each holds, follows the data's size, the advisory partition size and (by
@@ -246,3 +207,28 @@ def test_two_transform_runs_never_share_a_stage_generation(
     got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
     assert got == (400, 400)
 
+
+def union_with_a_copy(df: Any) -> Any:
+    """One-to-many: every record becomes two rows (the copy under another key)."""
+    from pyspark.sql import functions as F
+
+    return df.unionByName(df.withColumn("event_id", F.concat(F.col("event_id"), F.lit("-copy"))))
+
+
+def test_a_transform_emitting_two_rows_per_record_commits(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Review F5: README allows a transform to turn one record into several rows; the
+    batch must commit them (upsert on a key the copies do not share), not be refused on
+    every run."""
+    topic = make_topic("two", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"tw{unique}", 1)
+    table = f"two_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"],
+                       transform="tests.integration.test_commit_layout.union_with_a_copy")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id), count(DISTINCT \"offset\") "
+                         f"FROM {table}")[0] == (200, 200, 100)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
