@@ -164,6 +164,18 @@ def check_markers(batch_id: int, markers: list[Marker], generation: int,
                               f"stage layout: {foreign[0][1]}")
 
 
+def lock_stage(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
+    """Step 2, before the checks: hold the stage (its parts too) and its dead letters in
+    SHARE mode until COMMIT (within the commit's `lock_timeout`), so a late writer (a
+    zombie task) either committed before the checks, which see its rows, or waits until
+    the commit has dropped the stage; rows landing after the checks are never applied."""
+    existing = [t for t in (stage_table(batch_id), dead_letter_stage_table(batch_id))
+                if _exists(cur, t)]
+    if existing:
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(
+            sql.SQL(", ").join(existing)))
+
+
 def check_layout(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
                  subrange_parts: bool) -> None:
     """Step 2's first check: every marker of the batch is of its current layout."""

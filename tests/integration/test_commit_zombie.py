@@ -322,3 +322,50 @@ def test_a_zero_row_zombie_part_beyond_the_new_split_does_not_wedge_the_batch(
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
         (200, 200)
+
+
+def test_rows_landing_after_the_check_are_never_upserted(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F4: a late writer (a zombie task) commits a row into the stage between the
+    commit's checks (step 2) and the upsert that reads the stage again: the commit must
+    never apply it. Here it lands (or tries to) right after check_staged."""
+    import offsetflow.commit as commit_mod
+
+    topic = make_topic("zu", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"zu{unique}", 1)
+    table = f"zu_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_check = commit_mod.check_staged
+    writers: list[threading.Thread] = []
+    failed: list[BaseException] = []
+
+    def late_write(row: str) -> None:
+        """Like a zombie task's COPY: its first lock on the stage is the write's."""
+        try:
+            query(pg_dsn, f"INSERT INTO offsetflow_stage.b{bid} SELECT (jsonb_populate_record("
+                          f"NULL::offsetflow_stage.b{bid}, %s::jsonb)).* RETURNING 1", (row,))
+        except BaseException as e:  # noqa: BLE001 - the stage is gone once the commit ends
+            failed.append(e)
+
+    def check_then_late_row(*args: Any, **kw: Any) -> Any:
+        out = real_check(*args, **kw)
+        row = query(pg_dsn, f"SELECT (to_jsonb(s) || '{{\"event_id\": \"zombie-row\"}}')::text "
+                            f"FROM offsetflow_stage.b{bid} s LIMIT 1")[0][0]
+        w = threading.Thread(target=late_write, args=(row,))
+        writers.append(w)
+        w.start()
+        w.join(5)  # lands now, or waits for the commit's lock
+        return out
+
+    monkeypatch.setattr(commit_mod, "check_staged", check_then_late_row)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    for w in writers:
+        w.join(60)
+    assert writers
+    assert query(pg_dsn, f"SELECT count(*) FROM {table} WHERE event_id = 'zombie-row'")[0][0] == 0
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (100, 100)
