@@ -11,8 +11,14 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.commit_locks import lock_timeout_s
-from offsetflow.errors import StagedRowsLostError, StaleConfigError, StaleStageError
+from offsetflow.errors import (
+    BatchStateError,
+    StagedRowsLostError,
+    StaleConfigError,
+    StaleStageError,
+)
 from offsetflow.ledger import (
+    OPEN_STATUSES,
     Batch,
     Ledger,
     connect,
@@ -102,12 +108,15 @@ def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int,
     follows the core count and the data's size), so neither an earlier attempt's parts nor
     a concurrent run's generation may be taken for this run's."""
     with ledger.transaction() as cur:
-        cur.execute("SELECT config_fingerprint, split_offsets, stage_generation "
+        cur.execute("SELECT config_fingerprint, split_offsets, stage_generation, status "
                     "FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
                     (batch.batch_id,))
         row = cur.fetchone()
         assert row is not None
-        fingerprint, split, generation = row
+        fingerprint, split, generation, status = row
+        if status not in OPEN_STATUSES:  # committed or abandoned by another run meanwhile
+            raise BatchStateError(f"batch {batch.batch_id} was {status} by another run while "
+                                  f"this one started; this run stages nothing")
         if fingerprint != batch.config_fingerprint:
             raise StaleConfigError(
                 f"batch {batch.batch_id}: another run took a changed pipeline config while "

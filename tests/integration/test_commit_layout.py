@@ -232,3 +232,37 @@ def test_a_transform_emitting_two_rows_per_record_commits(
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id), count(DISTINCT \"offset\") "
                          f"FROM {table}")[0] == (200, 200, 100)
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
+
+
+def test_a_run_reaching_its_claim_after_another_committed_the_batch_stages_nothing(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F6: a transform run took the batch up, and another run committed it before
+    this one claimed its stage generation. The claim must see the batch is closed: no new
+    generation for a committed batch, no read, no stage tables left behind."""
+    import offsetflow.job as job
+
+    topic = make_topic("cc", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"cc{unique}", 1)
+    table = f"cc_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
+                       transform="tests.integration.test_commit_layout.union_with_a_copy",
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_gen = job.stage_generation
+    other: list[Any] = []
+
+    def another_run_commits_first(*args: Any, **kw: Any) -> Any:
+        if not other:
+            other.append(None)
+            other[0] = run_batch(spark, cfg, bid, pg_dsn)  # goes through: `other` is set
+        return real_gen(*args, **kw)
+
+    monkeypatch.setattr(job, "stage_generation", another_run_commits_first)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
+    assert other[0].result.status == "committed"
+    assert query(pg_dsn, "SELECT to_regclass(%s) IS NULL",
+                 (f"offsetflow_stage.b{bid}",))[0][0], "stage tables were left behind"
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 200
