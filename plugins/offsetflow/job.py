@@ -38,6 +38,8 @@ from offsetflow.errors import (
     ConfigError,
     OffsetFlowError,
     SparkUnavailableError,
+    StaleConfigError,
+    StaleStageError,
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
@@ -404,6 +406,10 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
                             type(e).__name__, str(e)[:200])
                 res = CommitResult(batch_id, "already_committed", 0, 0, {})
                 return RunReport(batch_id, res)
+            if isinstance(e, (StaleConfigError, StaleStageError)):
+                # another run took the batch up after this one and owns its status now
+                log.warning("batch %d: this run is stale and stops: %s", batch_id, e)
+                raise
             msg = str(e) if isinstance(e, OffsetFlowError) else \
                 f"{type(e).__name__}: {str(e)[:2000]}"
             _mark_failed(dsn, batch_id, msg)

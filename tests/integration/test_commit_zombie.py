@@ -257,6 +257,7 @@ def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
     bid = planned.batch.batch_id
     held, go = threading.Event(), threading.Event()
     errors: list[BaseException] = []
+    statuses: list[str] = []
     real_gen, real_create = job.stage_generation, job.create_stage_tables
     zombie: threading.Thread | None = None
 
@@ -272,6 +273,8 @@ def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
             assert zombie is not None
             zombie.join(300)
             assert not zombie.is_alive()
+            statuses.append(query(pg_dsn, "SELECT status FROM offsetflow.batches "
+                                          "WHERE batch_id = %s", (bid,))[0][0])
         return real_create(*args, **kw)
 
     def run_zombie() -> None:
@@ -287,6 +290,9 @@ def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
     assert held.wait(300), errors
     assert run_batch(spark, new, bid, pg_dsn, accept_config_change=True).result.status == \
         "committed"
+    # the stale zombie's death is its own: the live run's batch stays running meanwhile
+    assert [type(e).__name__ for e in errors] == ["StaleConfigError"]
+    assert statuses == ["running"]
     ids = {r[0] for r in query(pg_dsn, f"SELECT event_id FROM {table}")}
     assert ids & produced.aborted == set()
     assert ids == set(produced.committed)
