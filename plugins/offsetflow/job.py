@@ -38,12 +38,14 @@ from offsetflow.errors import (
     ConfigError,
     OffsetFlowError,
     SparkUnavailableError,
+    StaleConfigError,
+    StaleStageError,
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.stage_reset import restart_stage, stage_generation
+from offsetflow.stage_reset import stage_generation
 from offsetflow.staging import (
     BadBuffer,
     BadRows,
@@ -418,6 +420,10 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
                             type(e).__name__, str(e)[:200])
                 res = CommitResult(batch_id, "already_committed", 0, 0, {})
                 return RunReport(batch_id, res)
+            if isinstance(e, (StaleConfigError, StaleStageError)):
+                # another run took the batch up after this one and owns its status now
+                log.warning("batch %d: this run is stale and stops: %s", batch_id, e)
+                raise
             msg = str(e) if isinstance(e, OffsetFlowError) else \
                 f"{type(e).__name__}: {str(e)[:2000]}"
             _mark_failed(dsn, batch_id, msg)
@@ -506,11 +512,11 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
-    if not fused:  # its parts are Spark's partitions: an earlier attempt's mean other rows
-        restart_stage(ledger, batch.batch_id)
-    # read with the split it goes with: a run that rebuilds the stage after this point
-    # makes this run a zombie, whose markers the commit refuses
-    generation = stage_generation(ledger, batch.batch_id, cfg.spark.max_offsets_per_task)
+    # claimed with the config and split this run checked (a transform run, whose parts are
+    # Spark's partitions, starts its own generation): a run that rebuilds the stage after
+    # this point makes this run a zombie, whose markers the commit refuses
+    generation = stage_generation(ledger, batch, cfg.spark.max_offsets_per_task,
+                                  restart=not fused)
     subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
     specs = [r.to_dict() for r in subranges]
     n = max(len(specs), 1)

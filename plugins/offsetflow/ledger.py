@@ -443,14 +443,18 @@ class Ledger:
         return {t: i for t, i in cur.fetchall()}
 
     @staticmethod
-    def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
+    def _drop_staging(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+        """Returns the new stage generation."""
         # CASCADE: the part tables inherit from the stage table and go with it
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(stage_table(batch_id)))
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(dead_letter_stage_table(batch_id)))
         cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s", (batch_id,))
         # markers of an attempt still running (a zombie) are refused from now on
         cur.execute("UPDATE offsetflow.batches SET stage_generation = stage_generation + 1 "
-                    "WHERE batch_id = %s", (batch_id,))
+                    "WHERE batch_id = %s RETURNING stage_generation", (batch_id,))
+        row = cur.fetchone()
+        assert row is not None
+        return int(row[0])
 
     def cleanup_staging(self) -> list[int]:
         """Drop staged data of batches that are closed (committed, abandoned) or gone."""

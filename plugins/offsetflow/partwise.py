@@ -158,7 +158,8 @@ class PartwiseCommit:
             try:
                 forget_parts(self.dsn, bid, e.parts, self.spec.stage_generation)
             except psycopg2.Error as forget:
-                log.error("batch %d: could not drop the lost parts: %s", bid, forget)
+                log.error("batch %d: could not drop the refused part(s); the next run refuses "
+                          "them again: %s", bid, forget)
         except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
             self._error = e
 

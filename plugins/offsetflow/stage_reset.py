@@ -10,8 +10,15 @@ import logging
 import psycopg2.extensions
 from psycopg2 import sql
 
-from offsetflow.errors import StagedRowsLostError, StaleConfigError, StaleStageError
+from offsetflow.commit_locks import lock_timeout_s
+from offsetflow.errors import (
+    BatchStateError,
+    StagedRowsLostError,
+    StaleConfigError,
+    StaleStageError,
+)
 from offsetflow.ledger import (
+    OPEN_STATUSES,
     Batch,
     Ledger,
     connect,
@@ -37,18 +44,23 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
     refused commit's; its parts are gone, and the numbers now name the newer run's), nor
     while another run's commit holds the lock (it checks every marker itself). The stage is
     emptied before its markers are deleted, so a marker a task commits while the TRUNCATE
-    waits for it goes too, never outliving its rows."""
+    waits for it goes too, never outliving its rows. Only tables that exist are emptied (a
+    zombie's part numbered beyond this layout has a marker but no table), and the markers
+    go regardless: a marker that outlived its drop would be refused on every run. Every
+    lock waits at most the commit's `lock_timeout`."""
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
+            cur.execute("SELECT set_config('lock_timeout', %s, true)",
+                        (f"{int(lock_timeout_s() * 1000)}ms",))
             cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s "
                         "FOR UPDATE SKIP LOCKED", (batch_id,))
             row = cur.fetchone()
             if row is None or (generation is not None and int(row[0]) != generation):
                 log.warning("batch %d: the refused part(s) %s were not dropped: %s", batch_id,
                             "all" if parts is None else parts,
-                            "another run's commit holds the batch" if row is None else
-                            "another run rebuilt the stage since")
+                            "another run holds the batch, and its commit refuses them in "
+                            "turn" if row is None else "another run rebuilt the stage since")
                 return
             if parts is not None:
                 cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
@@ -56,14 +68,15 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                 found = cur.fetchone()
                 if found and found[0]:
                     parts = None
+            tables = [stage_table(batch_id), dead_letter_stage_table(batch_id)] \
+                if parts is None else [stage_part_table(batch_id, p) for p in parts]
+            existing = [t for t in tables if _exists(cur, t)]
+            if existing:
+                cur.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(existing)))
             if parts is None:
-                cur.execute(sql.SQL("TRUNCATE {}, {}").format(
-                    stage_table(batch_id), dead_letter_stage_table(batch_id)))
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
                             (batch_id,))
             else:
-                for part in parts:
-                    cur.execute(sql.SQL("TRUNCATE {}").format(stage_part_table(batch_id, part)))
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
                             "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
     finally:
@@ -73,42 +86,61 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                 "all" if parts is None else parts)
 
 
-def stage_generation(ledger: Ledger, batch_id: int, split_offsets: int) -> int:
-    """The stage generation a run stages under, read together with the split it uses (a
-    batch planned before the split was recorded takes the run's). A batch whose recorded
-    split is another one was adopted by another run meanwhile: this run is stale."""
-    with ledger.transaction() as cur:
-        cur.execute("UPDATE offsetflow.batches SET split_offsets = COALESCE(split_offsets, %s) "
-                    "WHERE batch_id = %s RETURNING stage_generation, split_offsets",
-                    (split_offsets, batch_id))
-        row = cur.fetchone()
-    assert row is not None
-    if int(row[1]) != split_offsets:
-        raise StaleConfigError(
-            f"batch {batch_id}: another run changed its split to {row[1]} offsets per task "
-            f"while this run starts with {split_offsets}; this run's config is stale, so it "
-            f"stages nothing. Re-run the batch with the current pipeline config")
-    return int(row[0])
+def _exists(cur: psycopg2.extensions.cursor, table: sql.Composed) -> bool:
+    cur.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(cur),))
+    row = cur.fetchone()
+    return bool(row and row[0])
 
 
-def restart_stage(ledger: Ledger, batch_id: int) -> bool:
-    """At the start of a transform-path run: drop what earlier attempts staged and start a
-    new stage generation. Its parts are Spark's partitions of the transform's output, and
+def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int,
+                     restart: bool = False) -> int:
+    """The stage generation a run stages under, claimed in one transaction under the batch
+    lock together with the config and split this run checked (`batch`, as `mark_running`
+    returned or `adopt_config` made it; a batch planned before the split was recorded takes
+    the run's). If another run adopted another config or split since, this run is stale and
+    stages nothing: otherwise it would stage its old config's output under the adopted
+    generation, and the newer run would skip those parts and commit them.
+
+    With `restart` (every transform-path run), the same transaction, after those checks,
+    drops what earlier attempts staged and starts a new generation, and the run stages
+    under exactly that one: its parts are Spark's partitions of the transform's output, and
     which rows a partition gets depends on more than any key can record (AQE coalescing
-    follows the core count and the data's size), so a retry cannot tell which earlier parts
-    still mean the same rows. Returns whether staged data was dropped."""
+    follows the core count and the data's size), so neither an earlier attempt's parts nor
+    a concurrent run's generation may be taken for this run's."""
     with ledger.transaction() as cur:
-        cur.execute("SELECT 1 FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
-                    (batch_id,))
-        cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
-                    "WHERE batch_id = %s)", (batch_id,))
-        found = cur.fetchone()
-        staged = bool(found and found[0])
-        ledger._drop_staging(cur, batch_id)
-    if staged:
-        log.warning("batch %d: staged data of an earlier attempt of this transform pipeline "
-                    "was dropped; the ranges are read again", batch_id)
-    return staged
+        cur.execute("SELECT config_fingerprint, split_offsets, stage_generation, status "
+                    "FROM offsetflow.batches WHERE batch_id = %s FOR UPDATE",
+                    (batch.batch_id,))
+        row = cur.fetchone()
+        assert row is not None
+        fingerprint, split, generation, status = row
+        if status not in OPEN_STATUSES:  # committed or abandoned by another run meanwhile
+            raise BatchStateError(f"batch {batch.batch_id} was {status} by another run while "
+                                  f"this one started; this run stages nothing")
+        if fingerprint != batch.config_fingerprint:
+            raise StaleConfigError(
+                f"batch {batch.batch_id}: another run took a changed pipeline config while "
+                f"this run started with the one it was planned with; this run's config is "
+                f"stale, so it stages nothing. Re-run the batch with the current pipeline "
+                f"config")
+        if split is not None and int(split) != split_offsets:
+            raise StaleConfigError(
+                f"batch {batch.batch_id}: another run changed its split to {split} offsets "
+                f"per task while this run starts with {split_offsets}; this run's config is "
+                f"stale, so it stages nothing. Re-run the batch with the current pipeline "
+                f"config")
+        if split is None:
+            cur.execute("UPDATE offsetflow.batches SET split_offsets = %s WHERE batch_id = %s",
+                        (split_offsets, batch.batch_id))
+        if restart:
+            cur.execute("SELECT EXISTS (SELECT 1 FROM offsetflow.staged_parts "
+                        "WHERE batch_id = %s)", (batch.batch_id,))
+            found = cur.fetchone()
+            if found and found[0]:
+                log.warning("batch %d: staged data of an earlier attempt of this transform "
+                            "pipeline is dropped; the ranges are read again", batch.batch_id)
+            generation = ledger._drop_staging(cur, batch.batch_id)
+    return int(generation)
 
 
 def layout_of(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
@@ -139,6 +171,18 @@ def check_markers(batch_id: int, markers: list[Marker], generation: int,
     raise StagedRowsLostError(batch_id, None if whole else sorted({m.part for m, _ in foreign}),
                               f"{len(foreign)} staged part(s) are not of the batch's current "
                               f"stage layout: {foreign[0][1]}")
+
+
+def lock_stage(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
+    """Step 2, before the checks: hold the stage (its parts too) and its dead letters in
+    SHARE mode until COMMIT (within the commit's `lock_timeout`), so a late writer (a
+    zombie task) either committed before the checks, which see its rows, or waits until
+    the commit has dropped the stage; rows landing after the checks are never applied."""
+    existing = [t for t in (stage_table(batch_id), dead_letter_stage_table(batch_id))
+                if _exists(cur, t)]
+    if existing:
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(
+            sql.SQL(", ").join(existing)))
 
 
 def check_layout(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,

@@ -59,45 +59,6 @@ def test_changed_shuffle_partitions_between_attempts_restage_the_batch(
     assert got == (400, 400)
 
 
-def test_a_stage_holding_an_offset_twice_is_refused_and_restaged(
-        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows staged twice (parts of two partitionings, markers that add up) are never
-    committed, and do not wedge the batch: the stage is dropped and staged again."""
-    import offsetflow.job as job
-    from offsetflow.errors import StagedRowsLostError
-
-    topic = make_topic("dup", 1)
-    produce_plain(kafka_bootstrap, topic, 100, f"dp{unique}", 1)
-    table = f"dup_{unique}"
-    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
-                       transform="tests.integration.test_commit_layout.repartition_by_conf")
-    planned = plan_only(cfg, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
-    real_commit = job.commit_batch
-
-    def stage_one_twice(*args: Any, **kw: Any) -> Any:
-        tp = f"{topic}/0"
-        query(pg_dsn, f"INSERT INTO offsetflow_stage.b{bid} SELECT * FROM "
-                      f"offsetflow_stage.b{bid} WHERE \"offset\" = 7 RETURNING 1")
-        query(pg_dsn, "UPDATE offsetflow.staged_parts SET rows_staged = rows_staged + 1, "
-                      "per_partition = jsonb_set(per_partition, ARRAY[%s, '0'], "
-                      "to_jsonb((per_partition->%s->>0)::bigint + 1)) WHERE batch_id = %s "
-                      "AND kind = 'rows' AND part = (SELECT min(part) FROM "
-                      "offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows' "
-                      "AND per_partition ? %s) RETURNING 1", (tp, tp, bid, bid, tp))
-        monkeypatch.setattr(job, "commit_batch", real_commit)
-        return real_commit(*args, **kw)
-
-    monkeypatch.setattr(job, "commit_batch", stage_one_twice)
-    with pytest.raises(StagedRowsLostError, match="distinct offsets"):
-        run_batch(spark, cfg, bid, pg_dsn)
-    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
-    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0] == \
-        (100, 100)
-
-
 def repartition_by_offset(df: Any) -> Any:
     """A shuffle AQE may coalesce (by column, no count): how many parts the output has, and
     which rows each holds, follows the data's size, the advisory partition size and (by
@@ -152,3 +113,156 @@ def test_aqe_coalescing_another_way_on_the_retry_restages_the_batch(
         spark.conf.unset(FAIL_CONF)
     got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
     assert got == (400, 400)
+
+
+FAIL_FROM_2 = "offsetflow.test.fail_from_part_2"
+
+
+def repartition_by_offset_failing_from_2(df: Any) -> Any:
+    """repartition_by_offset; with FAIL_FROM_2 set, parts from 2 on fail (on local[2] the
+    first two parts are staged before the job dies)."""
+    from pyspark.sql import functions as F
+
+    out = df.repartition("offset")
+    if df.sparkSession.conf.get(FAIL_FROM_2, "false") == "true":
+        out = out.withColumn("value", F.when(F.spark_partition_id() >= 2,
+                                             F.raise_error(F.lit("injected task failure")))
+                             .otherwise(F.col("value")))
+    return out
+
+
+def test_two_transform_runs_never_share_a_stage_generation(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F2: a run restarted the stage and stalled; another restarted it again and
+    claimed. The first must never stage under the second's generation: the second's tasks
+    would skip the parts it staged under another partitioning (8 parts vs 2) and commit a
+    quarter of the batch."""
+    import threading
+
+    import offsetflow.job as job
+
+    topic = make_topic("gen", 1)
+    produce_plain(kafka_bootstrap, topic, 400, f"gn{unique}", 1)
+    table = f"gen_{unique}"
+    cfg = pipeline_for(
+        topic, pg_dsn, kafka_bootstrap, table,
+        transform="tests.integration.test_commit_layout.repartition_by_offset_failing_from_2")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    keys = {"spark.sql.shuffle.partitions": "2", "spark.sql.adaptive.enabled": "false"}
+    before = {k: spark.conf.get(k, None) for k in keys}
+    held, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    real_gen, real_create = job.stage_generation, job.create_stage_tables
+    zombie: threading.Thread | None = None
+
+    def gen(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is zombie:
+            held.set()
+            assert go.wait(300)
+        return real_gen(*args, **kw)
+
+    def create(*args: Any, **kw: Any) -> Any:
+        if threading.current_thread() is not zombie and not go.is_set():
+            spark.conf.set("spark.sql.shuffle.partitions", "8")
+            spark.conf.set(FAIL_FROM_2, "true")
+            go.set()
+            assert zombie is not None
+            zombie.join(300)
+            assert not zombie.is_alive()
+            spark.conf.set("spark.sql.shuffle.partitions", "2")
+            spark.conf.set(FAIL_FROM_2, "false")
+        return real_create(*args, **kw)
+
+    def run_zombie() -> None:
+        try:
+            run_batch(spark, cfg, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the zombie is expected to die
+            errors.append(e)
+
+    try:
+        for k, v in keys.items():
+            spark.conf.set(k, v)
+        monkeypatch.setattr(job, "stage_generation", gen)
+        monkeypatch.setattr(job, "create_stage_tables", create)
+        zombie = threading.Thread(target=run_zombie, name="zombie")
+        zombie.start()
+        assert held.wait(300), errors
+        try:
+            committed = run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+        except Exception:  # noqa: BLE001 - refused as stale: the zombie restarted after it
+            committed = False
+        assert errors, "the zombie was meant to die"
+        if not committed:
+            assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    finally:
+        for k, v in before.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+        spark.conf.unset(FAIL_FROM_2)
+    got = query(pg_dsn, f"SELECT count(*), count(DISTINCT \"offset\") FROM {table}")[0]
+    assert got == (400, 400)
+
+
+def union_with_a_copy(df: Any) -> Any:
+    """One-to-many: every record becomes two rows (the copy under another key)."""
+    from pyspark.sql import functions as F
+
+    return df.unionByName(df.withColumn("event_id", F.concat(F.col("event_id"), F.lit("-copy"))))
+
+
+def test_a_transform_emitting_two_rows_per_record_commits(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Review F5: README allows a transform to turn one record into several rows; the
+    batch must commit them (upsert on a key the copies do not share), not be refused on
+    every run."""
+    topic = make_topic("two", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"tw{unique}", 1)
+    table = f"two_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"],
+                       transform="tests.integration.test_commit_layout.union_with_a_copy")
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id), count(DISTINCT \"offset\") "
+                         f"FROM {table}")[0] == (200, 200, 100)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
+
+
+def test_a_run_reaching_its_claim_after_another_committed_the_batch_stages_nothing(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F6: a transform run took the batch up, and another run committed it before
+    this one claimed its stage generation. The claim must see the batch is closed: no new
+    generation for a committed batch, no read, no stage tables left behind."""
+    import offsetflow.job as job
+
+    topic = make_topic("cc", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"cc{unique}", 1)
+    table = f"cc_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
+                       transform="tests.integration.test_commit_layout.union_with_a_copy",
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_gen = job.stage_generation
+    other: list[Any] = []
+
+    def another_run_commits_first(*args: Any, **kw: Any) -> Any:
+        if not other:
+            other.append(None)
+            other[0] = run_batch(spark, cfg, bid, pg_dsn)  # goes through: `other` is set
+        return real_gen(*args, **kw)
+
+    monkeypatch.setattr(job, "stage_generation", another_run_commits_first)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
+    assert other[0].result.status == "committed"
+    assert query(pg_dsn, "SELECT to_regclass(%s) IS NULL",
+                 (f"offsetflow_stage.b{bid}",))[0][0], "stage tables were left behind"
+    assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == 200

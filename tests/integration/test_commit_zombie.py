@@ -16,7 +16,12 @@ from offsetflow.config import PipelineConfig
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import run_batch
 from offsetflow.runner import plan_only
-from tests.integration.helpers import pipeline_for, produce_plain, query
+from tests.integration.helpers import (
+    pipeline_for,
+    produce_plain,
+    produce_transactional,
+    query,
+)
 
 FAIL_CONF = "offsetflow.test.zombie_fails_from_part"
 
@@ -228,3 +233,145 @@ def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
     assert newer and newer[0].result.status == "committed"
     assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
         (200, 200)
+
+
+def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F1: a zombie checked the old config, stalled, and a newer run adopted a new
+    one (read_committed instead of read_uncommitted). The zombie must not stage under the
+    adopted generation: the newer run would skip its parts and commit aborted records."""
+    topic = make_topic("zo", 1)
+    produced = produce_transactional(kafka_bootstrap, topic, [(40, True), (40, False), (40, True)],
+                                     f"zo{unique}", 1)
+    table = f"zo_{unique}"
+
+    def cfg(level: str) -> PipelineConfig:
+        return pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert",
+                            key=["event_id"], kafka={"bootstrap_servers": kafka_bootstrap,
+                                                     "isolation_level": level})
+
+    old, new = cfg("read_uncommitted"), cfg("read_committed")
+    planned = plan_only(old, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    held, go = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    statuses: list[str] = []
+    real_gen, real_create = job.stage_generation, job.create_stage_tables
+    zombie: threading.Thread | None = None
+
+    def gen(*args: Any, **kw: Any) -> Any:  # the zombie stalls before it claims the stage
+        if threading.current_thread() is zombie:
+            held.set()
+            assert go.wait(300)
+        return real_gen(*args, **kw)
+
+    def create(*args: Any, **kw: Any) -> Any:  # the newer run has adopted and claimed
+        if threading.current_thread() is not zombie and not go.is_set():
+            go.set()
+            assert zombie is not None
+            zombie.join(300)
+            assert not zombie.is_alive()
+            statuses.append(query(pg_dsn, "SELECT status FROM offsetflow.batches "
+                                          "WHERE batch_id = %s", (bid,))[0][0])
+        return real_create(*args, **kw)
+
+    def run_zombie() -> None:
+        try:
+            run_batch(spark, old, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the zombie is expected to die
+            errors.append(e)
+
+    monkeypatch.setattr(job, "stage_generation", gen)
+    monkeypatch.setattr(job, "create_stage_tables", create)
+    zombie = threading.Thread(target=run_zombie, name="zombie")
+    zombie.start()
+    assert held.wait(300), errors
+    assert run_batch(spark, new, bid, pg_dsn, accept_config_change=True).result.status == \
+        "committed"
+    # the stale zombie's death is its own: the live run's batch stays running meanwhile
+    assert [type(e).__name__ for e in errors] == ["StaleConfigError"]
+    assert statuses == ["running"]
+    ids = {r[0] for r in query(pg_dsn, f"SELECT event_id FROM {table}")}
+    assert ids & produced.aborted == set()
+    assert ids == set(produced.committed)
+
+
+def test_a_zero_row_zombie_part_beyond_the_new_split_does_not_wedge_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F3: a zombie of an older split committed a zero-row marker for a part number
+    the new split has no table for. The commit refuses it with StagedRowsLostError (not a
+    raw UndefinedTable), drops the marker, and the next run commits."""
+    topic = make_topic("zw", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"zw{unique}", 2)
+    table = f"zw_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
+                       mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_commit = job.commit_batch
+
+    def zombie_part(*args: Any, **kw: Any) -> Any:
+        query(pg_dsn, "INSERT INTO offsetflow.staged_parts (batch_id, kind, part, chunk, "
+                      "rows_staged, bad_records, per_partition, generation) SELECT %s, 'rows', "
+                      "7, 0, 0, 0, '{}', stage_generation - 1 FROM offsetflow.batches "
+                      "WHERE batch_id = %s RETURNING 1", (bid, bid))
+        monkeypatch.setattr(job, "commit_batch", real_commit)
+        return real_commit(*args, **kw)
+
+    monkeypatch.setattr(job, "commit_batch", zombie_part)
+    with pytest.raises(StagedRowsLostError, match="stage generation"):
+        run_batch(spark, cfg, bid, pg_dsn)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (200, 200)
+
+
+def test_rows_landing_after_the_check_are_never_upserted(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review F4: a late writer (a zombie task) commits a row into the stage between the
+    commit's checks (step 2) and the upsert that reads the stage again: the commit must
+    never apply it. Here it lands (or tries to) right after check_staged."""
+    import offsetflow.commit as commit_mod
+
+    topic = make_topic("zu", 1)
+    produce_plain(kafka_bootstrap, topic, 100, f"zu{unique}", 1)
+    table = f"zu_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    real_check = commit_mod.check_staged
+    writers: list[threading.Thread] = []
+    failed: list[BaseException] = []
+
+    def late_write(row: str) -> None:
+        """Like a zombie task's COPY: its first lock on the stage is the write's."""
+        try:
+            query(pg_dsn, f"INSERT INTO offsetflow_stage.b{bid} SELECT (jsonb_populate_record("
+                          f"NULL::offsetflow_stage.b{bid}, %s::jsonb)).* RETURNING 1", (row,))
+        except BaseException as e:  # noqa: BLE001 - the stage is gone once the commit ends
+            failed.append(e)
+
+    def check_then_late_row(*args: Any, **kw: Any) -> Any:
+        out = real_check(*args, **kw)
+        row = query(pg_dsn, f"SELECT (to_jsonb(s) || '{{\"event_id\": \"zombie-row\"}}')::text "
+                            f"FROM offsetflow_stage.b{bid} s LIMIT 1")[0][0]
+        w = threading.Thread(target=late_write, args=(row,))
+        writers.append(w)
+        w.start()
+        w.join(5)  # lands now, or waits for the commit's lock
+        return out
+
+    monkeypatch.setattr(commit_mod, "check_staged", check_then_late_row)
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
+    for w in writers:
+        w.join(60)
+    assert writers
+    assert query(pg_dsn, f"SELECT count(*) FROM {table} WHERE event_id = 'zombie-row'")[0][0] == 0
+    assert query(pg_dsn, f"SELECT count(*), count(DISTINCT event_id) FROM {table}")[0] == \
+        (100, 100)
