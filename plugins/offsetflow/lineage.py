@@ -96,17 +96,24 @@ def sanitize_postgres_uri(uri: SplitResult) -> SplitResult:
 def kafka_to_openlineage(asset: Any, lineage_context: Any = None) -> Any:
     """With a schema facet when the asset's extra carries the record schema (``schema``:
     field -> type, what `record_schema_extra` makes)."""
+    u = urlsplit(asset.uri)
+    fields = (getattr(asset, "extra", None) or {}).get("schema")
+    return openlineage_dataset(f"kafka://{u.netloc}", u.path.strip("/"),
+                               fields if isinstance(fields, dict) else None)
+
+
+def openlineage_dataset(namespace: str, name: str,
+                        schema: dict[str, Any] | None = None) -> Any:
+    """An OpenLineage dataset, with a schema facet when `schema` (field -> type) is given."""
     from openlineage.client.event_v2 import Dataset
     from openlineage.client.facet_v2 import schema_dataset
 
-    u = urlsplit(asset.uri)
     facets: dict[str, Any] = {}
-    fields = (getattr(asset, "extra", None) or {}).get("schema")
-    if isinstance(fields, dict) and fields:
+    if schema:
         facets["schema"] = schema_dataset.SchemaDatasetFacet(fields=[
             schema_dataset.SchemaDatasetFacetFields(name=str(k), type=str(v))
-            for k, v in fields.items()])
-    return Dataset(namespace=f"kafka://{u.netloc}", name=u.path.strip("/"), facets=facets)
+            for k, v in schema.items()])
+    return Dataset(namespace=namespace, name=name, facets=facets)
 
 
 def record_schema_extra(cfg: PipelineConfig) -> dict[str, Any]:
