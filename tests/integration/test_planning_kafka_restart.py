@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -37,7 +38,7 @@ RESTART_BUDGET_S = 240
 
 def test_plan_right_after_broker_kill_and_restart_succeeds(
         pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     topic = make_topic("kr", 6)
     produce_plain(kafka_bootstrap, topic, 600, f"k{unique}", 6)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"kr_{unique}")
@@ -59,6 +60,8 @@ def test_plan_right_after_broker_kill_and_restart_succeeds(
 
     starter = threading.Thread(target=start, daemon=True)
     starter.start()
+    host, port = kafka_bootstrap.rsplit(":", 1)
+    down_when_planning_began = not _port_open(host, int(port))
     try:
         out = plan_only(cfg, pg_dsn)  # at once: the broker is still starting
     finally:
@@ -68,5 +71,14 @@ def test_plan_right_after_broker_kill_and_restart_succeeds(
     assert out.batch is not None
     assert sorted((r.partition, r.from_offset, r.until_offset) for r in out.batch.ranges) == \
         [(p, 0, 100) for p in range(6)]
-    assert any("retriable Kafka error" in r.getMessage() for r in caplog.records), \
-        f"planning never met the restart (broker ready after {ready_after})"
+    # planning met the restart: it began while the broker was down (whether librdkafka then
+    # reports a retriable error or just waits for the connection depends on timing)
+    assert down_when_planning_began, f"the broker was up again (ready after {ready_after})"
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
