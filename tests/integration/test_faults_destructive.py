@@ -72,7 +72,8 @@ def test_python_worker_killed_mid_task_is_retried_exactly_once(case: Case,
     # Python daemon between tasks, PythonWorkerFactory's failed socket to it
     assert re.search(r"(Lost task|Exception in task|PythonWorkerFactory)"
                      r".*?(Python worker exited unexpectedly"
-                     r"|crashed|EOFException|Connection reset)", out, re.S), \
+                     r"|crashed|EOFException|Connection reset|failed to launch worker)",
+                     out, re.S), \
         f"pid {killed}: {out[-4000:]}"
     assert case.batch(bid).status == "committed"
     assert case.batch(bid).attempts == 1  # Spark retried the task; the job did not fail
