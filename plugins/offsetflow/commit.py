@@ -22,6 +22,14 @@ same steps, step 4 part by part while the batch is still being read):
      (append, or upsert by the rule in `offsetflow.upsert`), tombstones by the pipeline's
      `tombstones` policy; the tasks' bad records join the dead-letter table. Every count is
      checked against the markers (an INSERT's rowcount, not a second scan);
+     a sink outside PostgreSQL (`spec.external`, an `ExternalSink`) takes this step instead,
+     inside this still-open transaction (`commit_external`): first it looks for its own
+     record of this batch (`find`: an Iceberg snapshot or a Kafka transaction that carries
+     the batch id), and only when there is none it writes and commits there (`write`). The
+     batch row stays locked meanwhile, so no second live run gets here; a run killed after
+     the sink's commit but before COMMIT below leaves the batch open, and its retry finds
+     the record instead of writing again. A zombie whose lock is gone is the sink's to
+     refuse (its own fencing: a producer epoch, a snapshot-parent check);
   5. `record_batch`: per-range counts, the batch marked committed;
   6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
      included: a retry routes the same rows again, once.
@@ -33,6 +41,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psycopg2
 import psycopg2.errors
@@ -80,6 +89,18 @@ class CommitResult:
                 f"{self.bad_records} dead letters")
 
 
+class ExternalSink(Protocol):
+    """Step 4 for a sink outside PostgreSQL; see the module docstring. Both methods run
+    inside the commit's transaction (`cur`: stage, markers and ledger are readable) with the
+    batch row locked, and return step 4's counts for `record_batch`."""
+
+    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        """The sink's own record that this batch is committed there, or None."""
+
+    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        """Write the staged rows and commit them in the sink, tagged with the batch id."""
+
+
 @dataclass(frozen=True)
 class CommitSpec:
     """What step 4 writes and where; the same for every attempt of a batch.
@@ -102,6 +123,7 @@ class CommitSpec:
     # transform's output
     stage_generation: int | None = None
     subrange_parts: bool = False
+    external: ExternalSink | None = None  # step 4 outside PostgreSQL (Iceberg, Kafka)
 
     @property
     def routes_tombstones(self) -> bool:
@@ -133,7 +155,9 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             staged, per_range = check_staged(cur, batch, expected_parts, scan=True)
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
-            moved = move_rows(cur, batch, spec, staged, timings)  # 4
+            moved = (commit_external(cur, batch, spec.external, staged)  # 4
+                     if spec.external is not None
+                     else move_rows(cur, batch, spec, staged, timings))
             moved.per_range = per_range
             return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
     except StagedRowsLostError as e:
@@ -225,6 +249,17 @@ def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, s
         append_part(cur, batch, spec, stage, staged - moved.dead, "the stage", None, moved)
     move_stage_dead_letters(cur, batch, spec, moved)
     return moved
+
+
+def commit_external(cur: psycopg2.extensions.cursor, batch: Batch, sink: ExternalSink,
+                    staged: int) -> Moved:
+    """Step 4 for an external sink: find this batch's commit there, else write it."""
+    found = sink.find(cur, batch)
+    if found is not None:
+        log.info("batch %d is already committed in the sink (an earlier attempt got that far); "
+                 "completing the ledger without writing again", batch.batch_id)
+        return found
+    return sink.write(cur, batch, staged)
 
 
 def append_part(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec,
