@@ -368,17 +368,35 @@ def python_workers(job_pid: int) -> list[int]:
     return sorted(pid for pid, (ppid, _, _) in table.items() if ppid in roots)
 
 
+def _cpu_ticks(pid: int) -> int | None:
+    """utime + stime of a process in clock ticks, None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def kill_python_worker(job_pid: int, timeout_s: float = 180) -> int:
-    """kill -9 one Python worker of the job as soon as one runs a task (a worker exists only
-    once a task has started); returns its pid. Spark sees the task fail with "Python worker
-    exited unexpectedly" and retries it when the master allows retries (local[N,F])."""
+    """kill -9 one Python worker of the job while it runs a task; returns its pid. Spark
+    sees the task fail with "Python worker exited unexpectedly" and retries it when the
+    master allows retries (local[N,F]). A worker between tasks (Spark reuses them) waits
+    idle on its socket, and Spark silently replaces an idle one that died, so only a
+    worker burning CPU is killed: one whose CPU time grew while it was watched."""
     found: list[int] = []
 
-    def worker() -> bool:
-        found[:] = python_workers(job_pid)
+    def busy_worker() -> bool:
+        before = {pid: _cpu_ticks(pid) for pid in python_workers(job_pid)}
+        if not before:
+            return False
+        time.sleep(0.05)
+        found[:] = [pid for pid, t in before.items()
+                    if t is not None and (_cpu_ticks(pid) or -1) > t]
         return bool(found)
 
-    wait_for(worker, timeout_s, f"a Spark Python worker of job process {job_pid}", every_s=0.02)
+    wait_for(busy_worker, timeout_s, f"a busy Spark Python worker of job process {job_pid}",
+             every_s=0.01)
     os.kill(found[0], signal.SIGKILL)
     return found[0]
 
