@@ -25,11 +25,7 @@ def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
     return Case(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
 
 
-@pytest.mark.parametrize("variant", ["append", "upsert", pytest.param(
-    "transform", marks=pytest.mark.xfail(strict=False, reason=(
-        "quarantined: in 1 of 3 fresh-clone runs the fault window found 0 rows staged (the "
-        "job waited on a lock before its commit, so the fault landed before staging); cause "
-        "not found yet; it still runs and passed in isolation")))])
+@pytest.mark.parametrize("variant", ["append", "upsert", "transform"])
 def test_postgres_crash_after_staging_rerun_commits_exactly_once(case: Case, spark: Any,
                                                                  variant: str) -> None:
     if variant == "upsert":

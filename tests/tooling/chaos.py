@@ -268,14 +268,21 @@ def staged_rows(dsn: str, batch_id: int) -> int:
         conn.close()
 
 
+BLOCKED_BY_CHAOS = ("EXISTS (SELECT 1 FROM pg_stat_activity h WHERE h.pid = ANY(pg_blocking_pids("
+                    "pg_stat_activity.pid)) AND h.application_name = 'offsetflow-chaos')")
+
+
 def commit_waiting(dsn: str) -> bool:
-    """True when an OffsetFlow connection is blocked on a lock (a commit waiting)."""
+    """True when an OffsetFlow connection waits for a lock `hold_positions` holds: a commit
+    at its fencing step. Only that holder counts: on the transform path the tasks' own
+    connections wait on each other briefly while staging (catalog and marker locks), and
+    taking one of those for the commit put the fault before staging had finished."""
     conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
     try:
         with conn, conn.cursor() as cur:
-            cur.execute("""SELECT count(*) FROM pg_stat_activity
+            cur.execute(f"""SELECT count(*) FROM pg_stat_activity
                             WHERE application_name = 'offsetflow' AND wait_event_type = 'Lock'
-                              AND datname = current_database()""")
+                              AND datname = current_database() AND {BLOCKED_BY_CHAOS}""")
             row = cur.fetchone()
             return bool(row and row[0])
     finally:
@@ -283,13 +290,13 @@ def commit_waiting(dsn: str) -> bool:
 
 
 def cut_commit_connection(dsn: str) -> int:
-    """pg_terminate_backend every OffsetFlow connection waiting on a lock."""
+    """pg_terminate_backend every OffsetFlow connection waiting for `hold_positions`."""
     conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
     try:
         with conn, conn.cursor() as cur:
-            cur.execute("""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+            cur.execute(f"""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
                             WHERE application_name = 'offsetflow' AND wait_event_type = 'Lock'
-                              AND datname = current_database()""")
+                              AND datname = current_database() AND {BLOCKED_BY_CHAOS}""")
             row = cur.fetchone()
             return int(row[0]) if row else 0
     finally:
