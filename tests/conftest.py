@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -262,17 +263,8 @@ def _airflow_of_the_tests(request: pytest.FixtureRequest) -> Iterator[None]:
     if not any("/integration/" in str(i.fspath) for i in request.session.items):
         yield
         return
-    env = request.getfixturevalue("airflow_test_env")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, request.getfixturevalue("airflow_test_env")):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,20 @@ def fail_from_part(df: Any) -> Any:
                          .otherwise(F.col("value")))
 
 
+def _topic_with_records(make_topic: Any, kafka_bootstrap: str, prefix: str, unique: str,
+                        partitions: int, records: int) -> tuple[str, str]:
+    """A topic with `records` plain records spread over its partitions, and a target name."""
+    topic = make_topic(prefix, partitions)
+    produce_plain(kafka_bootstrap, topic, records, f"{prefix}{unique}", partitions)
+    return topic, f"{prefix}_{unique}"
+
+
+def _planned(cfg: PipelineConfig, pg_dsn: str) -> int:
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    return planned.batch.batch_id
+
+
 def _zombie_then(spark: Any, pg_dsn: str, bid: int, old: PipelineConfig,
                  monkeypatch: pytest.MonkeyPatch, before_commit: Callable[[], None] | None = None
                  ) -> list[BaseException]:
@@ -88,17 +102,13 @@ def _run_until_committed(spark: Any, cfg: PipelineConfig, bid: int, pg_dsn: str)
 def test_zombie_staging_under_the_old_split_never_commits_half_a_transform_batch(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    topic = make_topic("zt", 2)
-    produce_plain(kafka_bootstrap, topic, 200, f"zt{unique}", 2)
-    table = f"zt_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zt", unique, 2, 200)
     transform = "tests.integration.test_commit_zombie.fail_from_part"
     old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
                        transform=transform)
     new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
                        transform=transform)
-    planned = plan_only(old, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(old, pg_dsn)
     try:
         # the zombie's parts: t[0] [0,50), t[0] [50,100) staged, t[1]'s two die; the newer
         # run's parts 0 and 1 are all of t[0] and all of t[1]
@@ -120,16 +130,12 @@ def test_zombie_that_staged_its_old_split_and_died_does_not_wedge_the_batch(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused path, upsert (commits from the stage): the zombie stages all four parts of its
     split and dies before its commit; the newer run's split has two."""
-    topic = make_topic("zf", 2)
-    produce_plain(kafka_bootstrap, topic, 200, f"zf{unique}", 2)
-    table = f"zf_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zf", unique, 2, 200)
     old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
                        mode="upsert", key=["event_id"])
     new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
                        mode="upsert", key=["event_id"])
-    planned = plan_only(old, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(old, pg_dsn)
     real_commit = job.commit_batch
 
     def zombie_dies_before_commit(*args: Any, **kw: Any) -> Any:
@@ -154,14 +160,10 @@ def test_commit_refuses_a_part_of_another_layout_and_the_retry_commits_once(
     run rebuilt the stage: a marker of the old generation (or, for a marker that does not
     record one, offsets of another sub-range under its part number). The commit refuses it
     before moving a row; the part is dropped and the next run stages it again."""
-    topic = make_topic("zc", 2)
-    produce_plain(kafka_bootstrap, topic, 200, f"zc{unique}", 2)
-    table = f"zc_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zc", unique, 2, 200)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
                        mode="upsert", key=["event_id"])
-    planned = plan_only(cfg, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(cfg, pg_dsn)
     real_commit = job.commit_batch
 
     def zombie_marker(*args: Any, **kw: Any) -> Any:
@@ -197,16 +199,12 @@ def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
     must not drop the newer run's parts of the same numbers."""
     import offsetflow.commit as commit_mod
 
-    topic = make_topic("zl", 2)
-    produce_plain(kafka_bootstrap, topic, 200, f"zl{unique}", 2)
-    table = f"zl_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zl", unique, 2, 200)
     old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
                        mode="upsert", key=["event_id"])
     new = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
                        mode="upsert", key=["event_id"])
-    planned = plan_only(old, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(old, pg_dsn)
     real_commit, real_forget = job.commit_batch, commit_mod.forget_parts
     newer: list[Any] = []
 
@@ -252,9 +250,7 @@ def test_zombie_of_the_old_config_never_stages_under_the_adopted_one(
                                                      "isolation_level": level})
 
     old, new = cfg("read_uncommitted"), cfg("read_committed")
-    planned = plan_only(old, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(old, pg_dsn)
     held, go = threading.Event(), threading.Event()
     errors: list[BaseException] = []
     statuses: list[str] = []
@@ -304,14 +300,10 @@ def test_a_zero_row_zombie_part_beyond_the_new_split_does_not_wedge_the_batch(
     """Review F3: a zombie of an older split committed a zero-row marker for a part number
     the new split has no table for. The commit refuses it with StagedRowsLostError (not a
     raw UndefinedTable), drops the marker, and the next run commits."""
-    topic = make_topic("zw", 2)
-    produce_plain(kafka_bootstrap, topic, 200, f"zw{unique}", 2)
-    table = f"zw_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zw", unique, 2, 200)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=100,
                        mode="upsert", key=["event_id"])
-    planned = plan_only(cfg, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(cfg, pg_dsn)
     real_commit = job.commit_batch
 
     def zombie_part(*args: Any, **kw: Any) -> Any:
@@ -338,13 +330,9 @@ def test_rows_landing_after_the_check_are_never_upserted(
     never apply it. Here it lands (or tries to) right after check_staged."""
     import offsetflow.commit as commit_mod
 
-    topic = make_topic("zu", 1)
-    produce_plain(kafka_bootstrap, topic, 100, f"zu{unique}", 1)
-    table = f"zu_{unique}"
+    topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zu", unique, 1, 100)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])
-    planned = plan_only(cfg, pg_dsn)
-    assert planned.batch is not None
-    bid = planned.batch.batch_id
+    bid = _planned(cfg, pg_dsn)
     real_check = commit_mod.check_staged
     writers: list[threading.Thread] = []
     failed: list[BaseException] = []

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import time
 import urllib.request
 import uuid
@@ -28,7 +26,7 @@ import yaml
 
 from offsetflow.orchestration.assets import table_uri
 from tests.integration.helpers import SCHEMA, produce_plain, query
-from tests.integration.test_rest_api import http
+from tests.tooling.airflow_standalone import airflow_standalone, http
 
 pytestmark = pytest.mark.slow  # a real airflow standalone and two spark-submit jobs
 
@@ -71,7 +69,6 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, secret_dsn: tuple[str, s
               kafka_bootstrap: str) -> Iterator[dict[str, Any]]:
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from offsetflow.cli import main as offsetflow_main
 
     base = tmp_path_factory.mktemp("api")
     uid = uuid.uuid4().hex[:8]
@@ -103,47 +100,21 @@ def api_stack(tmp_path_factory: pytest.TempPathFactory, secret_dsn: tuple[str, s
     yaml_uri = table_uri(dsn, f"side_{uid}")  # the backfill's side table
     (dag_dir / f"api_{uid}.py").write_text(DAGS.format(
         config=inline, uid=uid, inline_uri=inline_uri, yaml_uri=yaml_uri))
-    env = {**os.environ, **env_conns, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(PORT),
-           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{PORT}",
-           "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(logs),
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{PORT}/execution/"}
+    env = {**os.environ, **env_conns, "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(logs)}
     for k in ("OFFSETFLOW_PG_DSN", "OFFSETFLOW_KAFKA_BOOTSTRAP", "OFFSETFLOW_TEST_DSN"):
         env.pop(k, None)  # credentials come only from the connections
-    os.environ["OFFSETFLOW_PIPELINES_DIR"] = str(pipelines)
     try:
-        assert offsetflow_main(["dags", "sync", "--dags-dir", str(dag_dir / "pipelines")]) == 0
+        with airflow_standalone(base, pipelines, dag_dir, PORT, env) as (url, token):
+            yield {"url": url, "token": token, "uid": uid, "topic": topic,
+                   "inline": inline, "yaml_name": yaml_name, "inline_uri": inline_uri,
+                   "yaml_uri": yaml_uri, "password": password, "logs": logs, "base": base,
+                   "log": base / "standalone.log"}
+            # leave the metadata DB without this test's DAGs (an unpaused @hourly DAG whose
+            # file is gone would be scheduled by the next Airflow on this DB)
+            for dag_id in (f"offsetflow_rest_api_{uid}", f"offsetflow_rest_consumer_{uid}",
+                           f"offsetflow_{yaml_name}"):
+                http("DELETE", f"{url}/api/v2/dags/{dag_id}", token=token)
     finally:
-        os.environ.pop("OFFSETFLOW_PIPELINES_DIR", None)
-    log = (base / "standalone.log").open("wb")
-    proc = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=base)
-    url = f"http://127.0.0.1:{PORT}"
-    try:
-        deadline = time.monotonic() + 300
-        while http("GET", f"{url}/api/v2/monitor/health")[0] != 200:
-            assert proc.poll() is None, (base / "standalone.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "airflow standalone did not become healthy"
-            time.sleep(2)
-        pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
-        code, body = http("POST", f"{url}/auth/token", {
-            "username": "admin", "password": json.loads(pw_file.read_text())["admin"]})
-        assert code in (200, 201), body
-        yield {"url": url, "token": body["access_token"], "uid": uid, "topic": topic,
-               "inline": inline, "yaml_name": yaml_name, "inline_uri": inline_uri,
-               "yaml_uri": yaml_uri, "password": password, "logs": logs, "base": base,
-               "log": base / "standalone.log"}
-        # leave the metadata DB without this test's DAGs (an unpaused @hourly DAG whose
-        # file is gone would be scheduled by the next Airflow on this DB)
-        for dag_id in (f"offsetflow_rest_api_{uid}", f"offsetflow_rest_consumer_{uid}",
-                       f"offsetflow_{yaml_name}"):
-            http("DELETE", f"{url}/api/v2/dags/{dag_id}", token=body["access_token"])
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
         admin.delete_topics([topic])
 
 

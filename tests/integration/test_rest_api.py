@@ -5,14 +5,9 @@ same replay DAG and the same ledger record as the UI form and the CLI."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
-import subprocess
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,33 +16,16 @@ from typing import Any
 import pytest
 import yaml
 
-from offsetflow.cli import main as offsetflow_main
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
 from offsetflow.runner import run_until_caught_up
 from tests.integration.helpers import SCHEMA, produce_plain, query
+from tests.tooling.airflow_standalone import airflow_standalone, http
 
 pytestmark = pytest.mark.slow  # a real airflow standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 18095  # its own port: other UI tests may run their own standalone
-
-
-def http(method: str, url: str, body: Any = None, token: str | None = None,
-         timeout: float = 30) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            text = r.read().decode()
-            return r.status, json.loads(text) if text else None
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        return 0, str(e)
 
 
 @contextlib.contextmanager
@@ -72,38 +50,13 @@ def run_standalone(base: Path, pg_dsn: str, kafka_bootstrap: str, port: int,
         "sink": {"connection": pg_dsn, "table": f"rest_{uid}"}}))
     for f in dags:
         shutil.copy(ROOT / "dags" / f, dag_dir)
-    env = {**os.environ, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(port),
-           "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/"}
-    os.environ["OFFSETFLOW_PIPELINES_DIR"] = str(pipelines)
     try:
-        assert offsetflow_main(["dags", "sync", "--dags-dir", str(dag_dir / "pipelines")]) == 0
+        with airflow_standalone(base, pipelines, dag_dir, port, os.environ,
+                                health_timeout_s=240) as (url, token):
+            yield {"url": url, "token": token, "name": name, "topic": topic,
+                   "table": f"rest_{uid}", "pipelines": pipelines,
+                   "log": base / "standalone.log"}
     finally:
-        os.environ.pop("OFFSETFLOW_PIPELINES_DIR", None)
-    log = (base / "standalone.log").open("wb")
-    proc = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=base)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while http("GET", f"{url}/api/v2/monitor/health")[0] != 200:
-            assert proc.poll() is None, (base / "standalone.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "airflow standalone did not become healthy"
-            time.sleep(2)
-        pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
-        password = json.loads(pw_file.read_text())["admin"]
-        code, body = http("POST", f"{url}/auth/token",
-                          {"username": "admin", "password": password})
-        assert code in (200, 201), body
-        yield {"url": url, "token": body["access_token"], "name": name, "topic": topic,
-               "table": f"rest_{uid}", "pipelines": pipelines, "log": base / "standalone.log"}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
         admin.delete_topics([topic])
 
 
