@@ -1,0 +1,163 @@
+"""The Kafka topic sink (sink.type: kafka) on the real broker, PostgreSQL and Spark: one
+producer transaction per batch with the source positions in it; replays only to a side
+topic. The crash and fencing cases are in test_sink_kafka_faults.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, Producer
+from confluent_kafka import TopicPartition as KTopicPartition
+
+from offsetflow.backfill import plan_window, submit_window
+from offsetflow.config import PipelineConfig, parse_pipeline
+from offsetflow.errors import ConfigError
+from offsetflow.job import run_batch
+from offsetflow.ledger import Ledger
+from offsetflow.requests import parse_request
+from offsetflow.runner import kafka_for, plan_only
+from tests.tooling.chaos import SCHEMA, Workload, payload
+from tests.tooling.checker import ProducedRecord
+from tests.tooling.topic_checker import check_topic, read_topic
+
+
+def kafka_sink_pipeline(name: str, source: str, dsn: str, bootstrap: str,
+                        **sink: Any) -> PipelineConfig:
+    split = sink.pop("split", 100_000)
+    raw: dict[str, Any] = {
+        "name": name,
+        "kafka": {"bootstrap_servers": bootstrap},
+        "source": {"topics": [source], "starting": "earliest"},
+        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"type": "kafka", "connection": dsn, **sink},
+        "spark": {"master": "local[2]", "max_offsets_per_task": split},
+    }
+    return parse_pipeline(raw, f"<test {name}>", {})
+
+
+def produce_with_headers(bootstrap: str, topic: str, n: int, prefix: str
+                         ) -> list[ProducedRecord]:
+    """Records with a key and two headers (one with a null value)."""
+    out: list[ProducedRecord] = []
+
+    def cb(err: Any, msg: Any) -> None:
+        assert err is None, err
+        body = json.loads(msg.value())
+        out.append(ProducedRecord(body["event_id"], body["checksum"], msg.topic(),
+                                  msg.partition(), msg.offset()))
+
+    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    for i in range(n):
+        body = payload(f"{prefix}-h{i}", 10_000 + i)
+        p.produce(topic, json.dumps(body).encode(), key=body["event_id"].encode(),
+                  partition=i % 2, headers=[("trace", f"t{i}".encode()), ("empty", None)],
+                  on_delivery=cb)
+    assert p.flush(30) == 0
+    return out
+
+
+def group_offsets(bootstrap: str, group: str, tps: list[tuple[str, int]]
+                  ) -> dict[tuple[str, int], tuple[int, str]]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                  "isolation.level": "read_committed"})
+    try:
+        got = c.committed([KTopicPartition(t, p) for t, p in tps], timeout=30)
+        return {(x.topic, x.partition): (x.offset, x.metadata) for x in got}
+    finally:
+        c.close()
+
+
+def test_kafka_sink_commits_each_batch_once_with_its_offsets_and_replays_only_to_a_side_topic(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    src = make_topic("ks-src", 2)
+    out = make_topic("ks-out", 3)
+    side = make_topic("ks-side", 3)
+    w = Workload(kafka_bootstrap, src, 2, f"ks{unique}")
+    w.plain(150)
+    w.transaction(40, commit=False)  # aborted source records: never in the output
+    w.transaction(30, commit=True)
+    extra = produce_with_headers(kafka_bootstrap, src, 6, f"ks{unique}")
+    name = f"ks_{unique}"
+    cfg = kafka_sink_pipeline(name, src, pg_dsn, kafka_bootstrap, topic=out,
+                              key_column="event_id", split=60)
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    rep = run_batch(spark, cfg, bid, pg_dsn)
+    assert rep.result.status == "committed"
+    assert rep.result.rows_written == 186
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+        assert ledger.get_batch(bid).status == "committed"
+    produced = [*w.produced.values(), *extra]
+    verdict = check_topic(kafka_bootstrap, out, produced, positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    assert verdict.committed.found == verdict.committed.expected == 186
+    assert verdict.in_log == 186 and verdict.batches == {bid}
+
+    records = read_topic(kafka_bootstrap, out)
+    by_id = {json.loads(r.value or b"{}")["event_id"]: r for r in records}
+    one = by_id[f"ks{unique}-h3"]
+    assert one.key == f"ks{unique}-h3".encode()  # key_column: event_id
+    assert one.headers["trace"] == b"t3" and one.headers["empty"] is None  # carried over
+    assert one.headers["offsetflow.batch"] == str(bid).encode()
+    assert set(json.loads(one.value or b"")) == set(SCHEMA)  # the payload columns only
+    # the batch's positions went into the same transaction, to the sink's own group, with
+    # the batch id; the lag publisher's group is another one
+    tps = sorted(positions)
+    assert group_offsets(kafka_bootstrap, f"offsetflow-sink-{name}", tps) == {
+        tp: (positions[tp], f"offsetflow pipeline={name} batch={bid}") for tp in tps}
+
+    # the same batch again: committed in the ledger, nothing produced
+    assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
+    assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 186
+
+    # a replay into the live topic is refused before anything is read
+    req = parse_request("replay", {"pipeline": name, "topic": src,
+                                   "from_offset": 0, "until_offset": 40})
+    with Ledger(pg_dsn) as ledger:
+        ids = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "test")
+    with pytest.raises(ConfigError, match=r"sink\.replay_topic.*duplicate"):
+        run_batch(spark, cfg, ids[0], pg_dsn)
+    assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 186
+    # named a side topic, the replay writes there, once, even when run twice
+    with_side = kafka_sink_pipeline(name, src, pg_dsn, kafka_bootstrap, topic=out,
+                                    replay_topic=side, key_column="event_id", split=60)
+    assert run_batch(spark, with_side, ids[0], pg_dsn).result.status == "committed"
+    assert run_batch(spark, with_side, ids[0], pg_dsn).result.status == "already_committed"
+    replayed = read_topic(kafka_bootstrap, side)
+    assert sorted(r.source for r in replayed) == sorted(
+        p.coordinates for p in produced
+        if p.committed and p.offset < 40 and p.coordinates[1] in (0, 1))
+    assert {r.batch_id for r in replayed} == {ids[0]}
+    assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 186
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(name) == positions  # a replay never moves the live position
+
+
+def test_kafka_sink_raw_value_partitioned_by_source_keeps_tombstones(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    src = make_topic("kr-src", 2)
+    out = make_topic("kr-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kr{unique}")
+    w.plain(50)
+    w.tombstones(4)
+    name = f"kr_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "raw"},
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out,
+                    "value_format": "raw", "partitioning": "source", "headers": "none"}}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.rows_written == 54
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    records = read_topic(kafka_bootstrap, out)
+    assert all(r.partition == r.source[1] for r in records)  # partitioning: source
+    tombstones = [r for r in records if r.value is None]
+    assert len(tombstones) == 4 and all(r.key for r in tombstones)
