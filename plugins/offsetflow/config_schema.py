@@ -178,8 +178,8 @@ class PipelineConfig:
             # only for a Kafka sink: other pipelines' fingerprints stay as they were. Not
             # replay_topic: naming one is how a refused replay is fixed, and the live
             # batches never write there
-            **({"sink_kafka": {k: v for k, v in asdict(self.sink.kafka).items()
-                               if k not in ("producer", "replay_topic")}} if self.sink.kafka is not None else {}),
+            **({"sink_kafka": _kafka_sink_output(self.sink.kafka)}
+               if self.sink.kafka is not None else {}),
             # only when not the default: fingerprints of batches planned before the option
             # existed stay the same
             **({"tombstones": self.tombstone_policy}
@@ -206,6 +206,10 @@ class PipelineConfig:
             d["sink"]["kafka"]["producer"] = {k: redact_value(k, v) for k, v
                                               in self.sink.kafka.producer.items()}
         return d
+
+
+def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
+    return {k: v for k, v in asdict(sink).items() if k not in ("producer", "replay_topic")}
 
 
 def redact_value(key: str, value: str) -> str:
