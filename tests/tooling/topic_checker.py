@@ -11,9 +11,11 @@ from its JSON value (or the source record's key for a tombstone).
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError
 from confluent_kafka import TopicPartition as KTopicPartition
@@ -57,8 +59,6 @@ def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed",
         c.assign([KTopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
         pending = set(parts)
         out: list[OutputRecord] = []
-        import time
-
         deadline = time.monotonic() + timeout_s
         while pending:
             if time.monotonic() > deadline:
@@ -72,10 +72,14 @@ def read_topic(bootstrap: str, topic: str, isolation: str = "read_committed",
                         continue
                     raise RuntimeError(f"reading {topic}: {err}")
                 out.append(OutputRecord(int(m.partition() or 0), int(m.offset() or 0), m.key(),
-                                        m.value(), dict(m.headers() or [])))
+                                        m.value(), _headers(m.headers())))
         return out
     finally:
         c.close()
+
+
+def _headers(raw: Any) -> dict[str, bytes | None]:
+    return {str(k): v for k, v in (raw or [])}
 
 
 def sink_rows(records: Iterable[OutputRecord]) -> list[SinkRow]:
