@@ -280,9 +280,9 @@ class KafkaTopicSink:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        if self._producer is not None:
-            self._producer.flush(0)
-            self._producer = None
+        # no flush: the transaction is committed or aborted by now, and a fenced producer's
+        # flush would raise over the error that says what happened
+        self._producer = None
 
 
 def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
