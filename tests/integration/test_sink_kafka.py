@@ -13,7 +13,7 @@ from confluent_kafka import TopicPartition as KTopicPartition
 
 from offsetflow.backfill import plan_window, submit_window
 from offsetflow.config import PipelineConfig, parse_pipeline
-from offsetflow.errors import ConfigError
+from offsetflow.errors import ConfigError, RequestError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
@@ -114,17 +114,21 @@ def test_kafka_sink_commits_each_batch_once_with_its_offsets_and_replays_only_to
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
     assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 186
 
-    # a replay into the live topic is refused before anything is read
+    # a replay into the live topic is refused when it is requested ...
     req = parse_request("replay", {"pipeline": name, "topic": src,
                                    "from_offset": 0, "until_offset": 40})
+    with Ledger(pg_dsn) as ledger, pytest.raises(RequestError, match="sink.replay_topic"):
+        submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "test")
+    with_side = kafka_sink_pipeline(name, src, pg_dsn, kafka_bootstrap, topic=out,
+                                    replay_topic=side, key_column="event_id", split=60)
     with Ledger(pg_dsn) as ledger:
-        ids = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "test")
+        ids = submit_window(with_side, ledger,
+                            plan_window(with_side, ledger, kafka_for(with_side), req), "test")
+    # ... and, run with a config that lost its side topic, before anything is read
     with pytest.raises(ConfigError, match=r"sink\.replay_topic.*duplicate"):
         run_batch(spark, cfg, ids[0], pg_dsn)
     assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 186
-    # named a side topic, the replay writes there, once, even when run twice
-    with_side = kafka_sink_pipeline(name, src, pg_dsn, kafka_bootstrap, topic=out,
-                                    replay_topic=side, key_column="event_id", split=60)
+    # with the side topic, the replay writes there, once, even when run twice
     assert run_batch(spark, with_side, ids[0], pg_dsn).result.status == "committed"
     assert run_batch(spark, with_side, ids[0], pg_dsn).result.status == "already_committed"
     replayed = read_topic(kafka_bootstrap, side)

@@ -185,3 +185,14 @@ def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
     q = _text({"topic": "o", "key_column": "amount"}, wide)
     assert "to_json(s.\"amount\") #>> '{}'" in q
     assert q.count("jsonb_build_object(") == 2 and "json_build_object(" not in q
+
+
+def test_lineage_and_assets_name_the_output_topic() -> None:
+    from offsetflow.lineage import pipeline_datasets
+    from offsetflow.orchestration.assets import target_uris
+
+    cfg = parse_pipeline(raw(topic="orders.clean"), "orders.yaml", ENV)
+    _, outputs = pipeline_datasets(cfg)
+    assert [o.uri for o in outputs] == ["kafka://127.0.0.1:19092/orders.clean"]
+    assert target_uris(cfg) == "kafka://127.0.0.1:19092/orders.clean"
+    assert target_uris(cfg, "kafka:orders.replayed") == "kafka://127.0.0.1:19092/orders.replayed"
