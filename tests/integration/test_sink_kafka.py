@@ -18,7 +18,7 @@ from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
 from offsetflow.runner import kafka_for, plan_only
-from tests.tooling.chaos import SCHEMA, Workload, payload
+from tests.tooling.chaos import SCHEMA, Workload, dead_letters, payload
 from tests.tooling.checker import ProducedRecord
 from tests.tooling.topic_checker import check_topic, read_topic
 
@@ -165,3 +165,35 @@ def test_kafka_sink_raw_value_partitioned_by_source_keeps_tombstones(
     assert all(r.partition == r.source[1] for r in records)  # partitioning: source
     tombstones = [r for r in records if r.value is None]
     assert len(tombstones) == 4 and all(r.key for r in tombstones)
+
+
+def test_kafka_sink_bad_records_go_to_the_dead_letter_table_in_the_same_commit(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    src = make_topic("kd-src", 2)
+    out = make_topic("kd-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kd{unique}")
+    w.plain(30)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    bad: list[tuple[int, int]] = []
+    for i in range(3):
+        p.produce(src, b"{not json", partition=i % 2,
+                  on_delivery=lambda err, m: bad.append((m.partition(), m.offset())))
+    assert p.flush(30) == 0
+    w.plain(10)
+    name = f"kd_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out},
+           "bad_records": "dead_letter", "dead_letter_table": f"kd_dead_{unique}"}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    res = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result
+    assert (res.rows_written, res.bad_records) == (40, 3)
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    assert verdict.in_log == 40
+    got = sorted((d.partition, d.offset) for d in dead_letters(pg_dsn, f"kd_dead_{unique}", name))
+    assert got == sorted(bad)
