@@ -135,6 +135,7 @@ def test_killed_mid_produce_the_open_transaction_is_aborted_by_the_next_run(
     assert v.aborted_in_log == RECORDS  # the killed attempt's records exist, aborted
 
 
+@pytest.mark.slow
 def test_killed_between_kafka_commit_and_ledger_commit_writes_no_second_copy(
         spark: Any, case: Case, caplog: pytest.LogCaptureFixture) -> None:
     proc = case.start("kill_after_commit")
