@@ -197,3 +197,35 @@ def test_kafka_sink_bad_records_go_to_the_dead_letter_table_in_the_same_commit(
     assert verdict.in_log == 40
     got = sorted((d.partition, d.offset) for d in dead_letters(pg_dsn, f"kd_dead_{unique}", name))
     assert got == sorted(bad)
+
+
+def test_kafka_sink_after_a_transform(spark: Any, pg_dsn: str, kafka_bootstrap: str,
+                                      make_topic: Any, unique: str) -> None:
+    """The DataFrame path (a transform's output staged by Spark partitions) into a topic;
+    the transform's columns are checked when the run starts."""
+    src = make_topic("kt-src", 2)
+    out = make_topic("kt-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kt{unique}")
+    w.plain(80)
+    name = f"kt_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+           "transform": "tests.tooling.chaos.maybe_fail_task",  # rows unchanged
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out,
+                    "key_column": "no_such_column"}}
+    broken = parse_pipeline(raw, f"<test {name}>", {})
+    planned = plan_only(broken, pg_dsn)
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    with pytest.raises(ConfigError, match="no_such_column") as e:
+        run_batch(spark, broken, bid, pg_dsn)
+    assert e.value.field == "sink.key_column"
+    raw["sink"]["key_column"] = "event_id"
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    assert run_batch(spark, cfg, bid, pg_dsn, accept_config_change=True).result.rows_written == 80
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    assert all(r.key == json.loads(r.value or b"")["event_id"].encode()
+               for r in read_topic(kafka_bootstrap, out))
