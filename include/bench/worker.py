@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import engines
+import engines_kafka
 from engines import dataset_from_dict, timed_runs
 
 from offsetflow.config import parse_pipeline
@@ -38,7 +39,8 @@ def main(spec_path: str) -> int:
     spark_start_s = 0.0
     spark: Any = None
     t = time.perf_counter()
-    if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster"):
+    if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
+                  "offsetflow-kafka"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
@@ -50,7 +52,14 @@ def main(spec_path: str) -> int:
         spark = build_spark(parse_pipeline(raw, "<bench>", os.environ), f"bench-{engine}")
 
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            if engine == "offsetflow-kafka":
+                return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx)
             return engines.offsetflow_warm_run(spark, ds, name, ctx)
+    elif engine == "spark-builtin-kafka":
+        spark = engines.builtin_session(f"bench-{engine}")
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines_kafka.builtin_kafka_run(spark, ds, name, ctx)
     elif engine == "spark-builtin":
         spark = engines.builtin_session(f"bench-{engine}")
 

@@ -111,11 +111,29 @@ def _check_live_positions(cfg: PipelineConfig, req: WindowRequest,
                           window: dict[TopicPartition, tuple[int, int]],
                           committed: dict[TopicPartition, int]) -> None:
     """A replay, or a backfill into the pipeline's own table, covers committed offsets only."""
+    if cfg.sink.kafka is not None:  # a Kafka sink: only ever into its side topic
+        _check_kafka_side_topic(cfg, req)
+        if req.kind == "replay":
+            check_replay_window(window, committed)
+        return
     if req.kind == "replay":
         check_replay_window(window, committed)
     elif req.target_table is None or (split_table_name(req.target_table)
                                       == split_table_name(cfg.sink.table)):
         check_backfill_window(window, committed, cfg.sink.table)
+
+
+def _check_kafka_side_topic(cfg: PipelineConfig, req: WindowRequest) -> None:
+    assert cfg.sink.kafka is not None
+    if req.target_table is not None:
+        raise RequestError(f"pipeline {cfg.name} writes to Kafka topic {cfg.sink.kafka.topic}; "
+                           f"a {req.kind} goes to its sink.replay_topic, not to a table "
+                           f"(target_table)")
+    if cfg.sink.kafka.replay_topic is None:
+        raise RequestError(f"a {req.kind} of pipeline {cfg.name} would write its records to "
+                           f"the live output topic {cfg.sink.kafka.topic} a second time "
+                           f"(Kafka cannot delete them); name a side topic in "
+                           f"sink.replay_topic of {cfg.source_file}")
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,

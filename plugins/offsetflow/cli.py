@@ -156,8 +156,9 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
                                 args.reason, topic_id=topic_id,
                                 # upsert rows cannot collide: a recreated topic's records
                                 # replace its old incarnation's (offsetflow.upsert)
+                                # (a Kafka sink has no rows here to move)
                                 target_table=cfg.sink.table if cfg.sink.mode == "append"
-                                else None,
+                                and cfg.sink.type == "postgres" else None,
                                 archive_to=args.archive_to,
                                 dead_letter_table=cfg.dead_letter_table)
     for p in partitions:

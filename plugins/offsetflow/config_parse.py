@@ -28,6 +28,7 @@ from offsetflow.config_schema import (
     TOMBSTONE_POLICIES,
     TOPIC_RE,
     KafkaConfig,
+    KafkaSinkConfig,
     PipelineConfig,
     SinkConfig,
     SparkConfig,
@@ -223,8 +224,9 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         raise r.err("transform", f"{transform!r} must be a dotted path 'package.module.function'")
 
     sink_raw = r.section("sink")
-    r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"})
-    sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres"})
+    sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres", "kafka"})
+    r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"}
+              | (KAFKA_SINK_FIELDS if sink_type == "kafka" else set()))
     sink_conn = r.conn_id(sink_raw, "sink.", "connection")
     try:
         connection = r.string(sink_raw, "connection", "sink.",
@@ -237,9 +239,17 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     if not (connection or "").strip() and not sink_conn:
         raise r.err("sink.connection", "must not be empty (or give sink.conn_id, an Airflow "
                                        "postgres connection)")
-    table = validate_table_name(source, "sink.table", sink_raw.get("table"))
-    mode = r.string(sink_raw, "mode", "sink.", "append", {"append", "upsert"})
-    key_raw = sink_raw.get("key") or []
+    kafka_sink = None
+    if sink_type == "kafka":
+        kafka_sink = _parse_kafka_sink(r, sink_raw, schema, format_type or "json", transform)
+        # batches record where they write; a Kafka sink's "table" is its topic
+        table = f"kafka:{kafka_sink.topic}"
+        mode: str | None = "append"
+        key_raw: Any = []
+    else:
+        table = validate_table_name(source, "sink.table", sink_raw.get("table"))
+        mode = r.string(sink_raw, "mode", "sink.", "append", {"append", "upsert"})
+        key_raw = sink_raw.get("key") or []
     if isinstance(key_raw, str):
         key_raw = [key_raw]
     key = tuple(validate_identifier(source, f"sink.key[{i}]", k) for i, k in enumerate(key_raw))
@@ -290,6 +300,13 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     r.unknown(quality, "quality.", {"suite", "on_failure"})
     suite = r.string(quality, "suite", "quality.")
     q_policy = r.string(quality, "on_failure", "quality.", "fail", {"fail", "dead_letter"})
+    if sink_type == "kafka" and q_policy == "dead_letter":
+        raise r.err("quality.on_failure", "a Kafka sink writes every staged row to its topic; "
+                                          "rows that break the suite cannot be held back. Use "
+                                          "on_failure: fail (the batch is not committed)")
+    if sink_type == "kafka" and tombstones:
+        raise r.err("tombstones", "a Kafka sink forwards a tombstone (null value) as a "
+                                  "tombstone with its key; remove this field")
 
     schedule = raw.get("schedule")
     if schedule is not None and not isinstance(schedule, str):
@@ -305,7 +322,8 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         max_records_per_batch=per_batch, data_loss=data_loss or "fail",
         format_type=format_type or "json", schema=schema, transform=transform,
         sink=SinkConfig(type=sink_type or "postgres", connection=connection or "",
-                        table=table, mode=mode or "append", key=key, conn_id=sink_conn),
+                        table=table, mode=mode or "append", key=key, conn_id=sink_conn,
+                        kafka=kafka_sink),
         bad_records=bad_records or "fail", dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy or "fail", description=str(desc or ""),
@@ -356,3 +374,75 @@ def _parse_starting(r: _Reader, v: Any) -> StartingPolicy:
                 parsed[str(topic)][pi] = oi
         return StartingPolicy("offsets", offsets=parsed)
     raise r.err(fld, f"{v!r}: use earliest, latest, {{timestamp: ...}} or {{offsets: ...}}")
+
+
+KAFKA_SINK_FIELDS = {"topic", "replay_topic", "key_column", "value_format", "value_columns",
+                     "value_column", "headers", "partitioning", "producer"}
+# what the sink sets itself (offsetflow.sink_kafka): the transaction and its fencing
+FORBIDDEN_PRODUCER_KEYS = {"transactional.id", "enable.idempotence", "bootstrap.servers"}
+
+
+def _parse_kafka_sink(r: _Reader, sec: Mapping[str, Any], schema: Mapping[str, str],
+                      format_type: str, transform: str | None) -> KafkaSinkConfig:
+    """`sink.type: kafka`. Columns are checked against format.schema when the config alone
+    decides them (json format, no transform); a transform's columns are checked at run time."""
+    for fld in ("table", "mode", "key"):
+        if sec.get(fld) is not None:
+            raise r.err(f"sink.{fld}", "is for sink.type: postgres; a Kafka sink writes "
+                                       "sink.topic (record key: sink.key_column)")
+    topics = {}
+    for fld in ("topic", "replay_topic"):
+        t = r.string(sec, fld, "sink.")
+        if t is not None and not TOPIC_RE.match(t):
+            raise r.err(f"sink.{fld}", f"{t!r} is not a valid Kafka topic name")
+        topics[fld] = t
+    if topics["topic"] is None:
+        raise r.err("sink.topic", "is required with sink.type: kafka (the output topic)")
+    if topics["replay_topic"] == topics["topic"]:
+        raise r.err("sink.replay_topic", "must differ from sink.topic: a replay into the live "
+                                         "output topic would write its records a second time")
+    known = None if transform else set(schema) | RESERVED_COLUMNS
+
+    def column(fld: str, name: Any) -> str:
+        col = validate_identifier(r.source, fld, name)
+        if known is not None and col not in known:
+            raise r.err(fld, f"{col!r} is not a column (format.schema or a source column "
+                             f"{sorted(RESERVED_COLUMNS)})")
+        return col
+
+    key_col = sec.get("key_column")
+    value_format = r.string(sec, "value_format", "sink.", "json", {"json", "raw"}) or "json"
+    cols_raw = sec.get("value_columns") or []
+    if isinstance(cols_raw, str):
+        cols_raw = [cols_raw]
+    if not isinstance(cols_raw, list):
+        raise r.err("sink.value_columns", "must be a list of column names")
+    value_cols = tuple(column(f"sink.value_columns[{i}]", c) for i, c in enumerate(cols_raw))
+    if value_cols and value_format != "json":
+        raise r.err("sink.value_columns", "is for value_format: json (raw takes value_column)")
+    if sec.get("value_column") is not None and value_format != "raw":
+        raise r.err("sink.value_column", "is for value_format: raw (json takes value_columns)")
+    if value_format == "json" and not value_cols and not transform and not schema:
+        raise r.err("sink.value_columns", "raw format has no typed columns to write as JSON: "
+                                          "use value_format: raw, or list value_columns")
+    producer_raw = sec.get("producer") or {}
+    if not isinstance(producer_raw, Mapping):
+        raise r.err("sink.producer", "must be a mapping of librdkafka producer settings")
+    producer: dict[str, str] = {}
+    for k, v in producer_raw.items():
+        if k in FORBIDDEN_PRODUCER_KEYS:
+            raise r.err(f"sink.producer.{k}", "is set by OffsetFlow (the batch's transaction "
+                                              "and its fencing depend on it) and may not be set")
+        if isinstance(v, (Mapping, list)):
+            raise r.err(f"sink.producer.{k}", "must be a scalar")
+        producer[str(k)] = resolve_env(str(v).lower() if isinstance(v, bool) else str(v),
+                                       r.source, f"sink.producer.{k}", r.env)
+    assert topics["topic"] is not None
+    return KafkaSinkConfig(
+        topic=topics["topic"], replay_topic=topics["replay_topic"],
+        key_column=None if key_col is None else column("sink.key_column", key_col),
+        value_format=value_format, value_columns=value_cols,
+        value_column=column("sink.value_column", sec.get("value_column", "value")),
+        headers=r.string(sec, "headers", "sink.", "carry", {"carry", "none"}) or "carry",
+        partitioning=r.string(sec, "partitioning", "sink.", "key", {"key", "source"}) or "key",
+        producer=producer)

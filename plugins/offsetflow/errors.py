@@ -237,3 +237,9 @@ def summarize(items: Sequence[str], limit: int = 5) -> str:
 class WaitError(OffsetFlowError):
     """Waiting for new data of a pipeline stopped on an error that polling again will not fix
     (a broken pipeline config, a missing topic); the message says which."""
+
+
+class KafkaSinkError(OffsetFlowError):
+    """The Kafka topic sink could not commit a batch's transaction (fenced by a newer run,
+    a producer error, an unknown outcome); names the batch, topic and transactional.id.
+    Nothing of the batch is visible to read_committed consumers unless it says so."""

@@ -539,8 +539,13 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         columns = stage_columns(cfg)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation), STATS_DDL)
+    if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
+        from offsetflow.sink_kafka_form import output_topic
+
+        output_topic(cfg.sink.kafka, batch, cfg.source_file)
     with connect_ctx(dsn) as cur:
-        ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
+        if cfg.sink.type == "postgres":
+            ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
         ensure_dead_letter(cur, cfg.dead_letter_table)
@@ -548,13 +553,19 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
     # append without a quality gate: the commit moves parts while later ones are read
-    partwise = fused and cfg.sink.mode == "append" and not cfg.quality_suite
+    # (an external sink commits the whole batch in step 4: never part by part)
+    partwise = (fused and cfg.sink.mode == "append" and not cfg.quality_suite
+                and cfg.sink.type == "postgres")
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused)
+    if cfg.sink.kafka is not None:
+        from offsetflow.sink_kafka import KafkaTopicSink
+
+        spec = dataclasses.replace(spec, external=KafkaTopicSink(cfg, columns, spec))
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None

@@ -68,7 +68,10 @@ def pipeline_datasets(cfg: PipelineConfig, topics: list[str] | tuple[str, ...] |
     """(inputs, outputs) of a pipeline: its topics (or those a batch read) and its table
     (or a backfill's side table)."""
     inputs = [kafka_topic(cfg.bootstrap_servers, t) for t in (topics or cfg.topics)]
-    outputs = [postgres_table(cfg.sink.connection, table or cfg.sink.table)]
+    target = table or cfg.sink.table
+    outputs = [kafka_topic(cfg.bootstrap_servers, target.removeprefix("kafka:"))
+               if target.startswith("kafka:")  # sink.type: kafka
+               else postgres_table(cfg.sink.connection, target)]
     return inputs, outputs
 
 

@@ -40,7 +40,10 @@ def alias_name(pipeline: str) -> str:
 
 
 def target_uris(cfg: PipelineConfig, table: str | None = None) -> str:
-    return table_uri(cfg.sink.connection, table or cfg.sink.table)
+    target = table or cfg.sink.table
+    if target.startswith("kafka:"):  # sink.type: kafka: the output topic
+        return topic_uri(cfg.bootstrap_servers, target.removeprefix("kafka:"))
+    return table_uri(cfg.sink.connection, target)
 
 
 def batch_extra(cfg: PipelineConfig, fig: Mapping[str, Any]) -> dict[str, Any]:

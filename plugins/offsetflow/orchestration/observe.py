@@ -16,7 +16,6 @@ from offsetflow.ledger import Ledger
 from offsetflow.lineage import (
     DatasetName,
     pipeline_datasets,
-    postgres_table,
     record_schema_extra,
 )
 from offsetflow.orchestration.pipeline_metrics import batch_metrics, emit
@@ -43,7 +42,7 @@ def datasets_of(cfg: PipelineConfig, batch_ids: list[int]
             tables[b.target_table or cfg.sink.table] = None
     inputs, outputs = pipeline_datasets(cfg, list(topics) or None)
     if tables:
-        outputs = [postgres_table(cfg.sink.connection, t) for t in tables]
+        outputs = [pipeline_datasets(cfg, list(topics) or None, t)[1][0] for t in tables]
     return inputs, outputs
 
 

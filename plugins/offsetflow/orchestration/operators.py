@@ -230,7 +230,7 @@ class OffsetFlowPublishOperator(_PipelineOperator):
         out = tasks.publish_task(cfg, batch_id_list(self.batch_ids))
         self._published = (cfg, [int(b["batch_id"]) for b in out["batches"]])
         for fig in out["batches"]:
-            uri = assets.table_uri(cfg.sink.connection, fig["target_table"])
+            uri = assets.target_uris(cfg, fig["target_table"])  # a table, or a topic
             context["outlet_events"][self.alias].add(
                 Asset(uri), extra=assets.batch_extra(cfg, fig))
             self.log.info("asset event %s: batch %s (%s)", uri, fig["batch_id"], fig["kind"])

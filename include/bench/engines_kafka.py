@@ -1,0 +1,120 @@
+"""Kafka -> Kafka: the same offset ranges parsed and written to a fresh output topic.
+
+  offsetflow-kafka     OffsetFlow with `sink.type: kafka` (read + stage in PostgreSQL, then
+                       one producer transaction per batch with the source offsets in it:
+                       exactly-once) on a warm local SparkSession;
+  spark-builtin-kafka  Spark's Kafka batch source -> from_json -> to_json -> Spark's Kafka
+                       sink (at-least-once: a retried task writes its records again).
+
+Both write the parsed fields as a JSON value with the source key. Every run gets a fresh
+output topic with the source's partition count, is checked (read_committed record count)
+and the topic is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError
+from confluent_kafka import TopicPartition as KTopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+from dataset import DataSet
+from engines import _plan, offsetflow_config, spark_ddl
+
+from offsetflow.config import parse_pipeline
+from offsetflow.metrics import read_task_metrics
+from offsetflow.ranges import split_ranges
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def _create_topic(bootstrap: str, topic: str, partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(timeout=60)
+
+
+def verify_and_delete(bootstrap: str, topic: str, ds: DataSet) -> dict[str, Any]:
+    """Count what read_committed consumers see, then delete the topic."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-verify-{topic}",
+                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                  "enable.partition.eof": True})
+    try:
+        c.assign([KTopicPartition(topic, p, OFFSET_BEGINNING) for p in range(ds.partitions)])
+        pending, count = set(range(ds.partitions)), 0
+        deadline = time.monotonic() + 600
+        while pending and time.monotonic() < deadline:
+            for m in c.consume(10_000, 1.0):
+                err = m.error()
+                if err is None:
+                    count += 1
+                elif err.code() == KafkaError._PARTITION_EOF:
+                    pending.discard(int(m.partition() or 0))
+                else:
+                    raise RuntimeError(f"verifying {topic}: {err}")
+    finally:
+        c.close()
+    if count != ds.records:
+        raise AssertionError(f"{topic} holds {count} records, expected {ds.records}")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.delete_topics([topic])[topic].result(timeout=60)
+    return {"verified_records": count}
+
+
+def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
+                         ) -> dict[str, Any]:
+    from offsetflow.job import run_batch
+
+    out = f"bench-out-{name.replace('_', '-')}"
+    _create_topic(ctx["bootstrap"], out, ds.partitions)
+    raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "submit",
+                            ctx["connect_url"], ctx["max_offsets_per_task"])
+    raw["sink"] = {"type": "kafka", "connection": raw["sink"]["connection"], "topic": out,
+                   "headers": "none"}
+    cfg = parse_pipeline(raw, f"<bench {name}>", os.environ)
+    t0 = time.perf_counter()
+    batch_id, plan_s = _plan(cfg, ctx["dsn"], ds)
+    report = run_batch(spark, cfg, batch_id, ctx["dsn"])
+    wall = time.perf_counter() - t0
+    assert report.result.status == "committed", report.result
+    stages = {"plan_s": round(plan_s, 3), "spark_start_s": 0.0,
+              **{k: v for k, v in report.timings.items() if k != "total_s"}}
+    return {"wall_s": wall, "stages": stages, "batch_id": batch_id,
+            "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
+            **verify_and_delete(ctx["bootstrap"], out, ds)}
+
+
+def builtin_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
+                      ) -> dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    out = f"bench-out-{name.replace('_', '-')}"
+    _create_topic(ctx["bootstrap"], out, ds.partitions)
+    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
+    starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
+    ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
+    t0 = time.perf_counter()
+    df = (spark.read.format("kafka")
+          .option("kafka.bootstrap.servers", ctx["bootstrap"])
+          .option("kafka.isolation.level", "read_committed")
+          .option("subscribe", ds.topic)
+          .option("startingOffsets", json.dumps(starting))
+          .option("endingOffsets", json.dumps(ending))
+          .option("failOnDataLoss", "true")
+          .option("minPartitions", str(tasks))
+          .load())
+    parsed = df.select("key", F.from_json(F.col("value").cast("string"), spark_ddl())
+                       .alias("d"))
+    (parsed.select("key", F.to_json(F.col("d")).alias("value"))
+     .write.format("kafka")
+     .option("kafka.bootstrap.servers", ctx["bootstrap"])
+     .option("kafka.linger.ms", "20")
+     .option("topic", out).save())
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall,
+            "stages": {"plan_s": 0.0, "spark_start_s": 0.0, "read_parse_write_s": round(wall, 3)},
+            **verify_and_delete(ctx["bootstrap"], out, ds)}

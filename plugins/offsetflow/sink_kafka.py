@@ -1,0 +1,307 @@
+"""The Kafka topic sink: step 4 of the commit protocol (`offsetflow.commit.ExternalSink`) as
+one Kafka transaction per batch, written by the driver.
+
+Tasks stage rows in PostgreSQL as for every sink (the stage is the batch's durable buffer).
+Inside the commit's still-open ledger transaction, with the batch row locked:
+  `find`: `init_transactions` with the batch's stable `transactional.id` first. That bumps
+    the producer epoch, so a zombie of an older attempt can neither commit nor add records
+    from here on (the broker fences it), and it completes or aborts whatever transaction an
+    earlier attempt left. Only then are the sink group's committed offsets read
+    (read_committed, so stable): this batch's until_offsets with its metadata mean the Kafka
+    commit happened and the ledger only has to catch up; nothing is produced again.
+  `write`: the stage in source order (a server-side cursor, bounded memory) is produced in
+    one transaction, the batch's until_offsets go into the same transaction with
+    `send_offsets_to_transaction` (KIP-98), and it commits. Output and the record of the
+    commit are visible together or not at all; the ledger's COMMIT follows.
+Which names, which topic and how a row becomes a record: `offsetflow.sink_kafka_form`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg2.extensions
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import TopicPartition as KTopicPartition
+
+from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
+from offsetflow.errors import KafkaSinkError, StagedRowsLostError
+from offsetflow.ledger import Batch, stage_table
+from offsetflow.sink_kafka_form import (
+    check_columns,
+    committed_state,
+    offset_metadata,
+    output_topic,
+    record_headers,
+    select_sql,
+    sink_group,
+    transactional_id,
+)
+
+log = logging.getLogger(__name__)
+
+# test-only fault points (tests/integration/test_sink_kafka*.py), looked up once per batch:
+# pause_before_commit (records produced and flushed, transaction open; waits for the RESUME
+# file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process group
+# right after the Kafka commit, before the ledger's)
+FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
+PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
+RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
+
+KAFKA_TIMEOUT_S = 60.0
+CURSOR_ROWS = 5_000
+
+
+class KafkaTopicSink:
+    """`ExternalSink` for `sink.type: kafka`. One instance serves one commit attempt."""
+
+    def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]],
+                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
+        assert cfg.sink.kafka is not None
+        self.cfg = cfg
+        self.sink: KafkaSinkConfig = cfg.sink.kafka
+        self.columns = dict(columns)
+        check_columns(self.sink, self.columns, cfg.source_file)
+        self.spec = spec  # its dead-letter settings: the tasks' bad records go there
+        self.timeout_s = timeout_s
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._txn_id = ""
+        self._delivery_error: str | None = None
+        self._open_txn = False  # begun, neither committed nor aborted by this run
+
+    # --- ExternalSink ---------------------------------------------------------------
+
+    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        topic = output_topic(self.sink, batch, self.cfg.source_file)
+        self._open(batch)
+        assert self._consumer is not None
+        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
+        try:
+            found = self._consumer.committed(tps, timeout=self.timeout_s)
+            state = {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
+            if not committed_state(batch, self.cfg.name, state):
+                return None  # the producer stays open (and its fence up) for `write`
+        except KafkaException as e:
+            self.close()
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
+                                 f"of group {sink_group(self.cfg.name, batch)}: {e}") from e
+        except BaseException:
+            self.close()
+            raise
+        self.close()
+        log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
+                 "offsets); nothing is produced again", batch.batch_id, topic,
+                 sink_group(self.cfg.name, batch))
+        moved = Moved(rows=_staged_rows(cur, batch.batch_id))
+        move_stage_dead_letters(cur, batch, self.spec, moved)
+        return moved
+
+    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        topic = output_topic(self.sink, batch, self.cfg.source_file)
+        if self._producer is None:
+            self._open(batch)
+        try:
+            return self._write(cur, batch, staged, topic)
+        except BaseException:
+            if self._open_txn:  # not left open: it would hold back read_committed readers
+                self._abort(batch)
+            raise
+        finally:
+            self.close()
+
+    # --- the transaction --------------------------------------------------------------
+
+    def _open(self, batch: Batch) -> None:
+        """Producer and group consumer; `init_transactions` fences every older attempt."""
+        base = self.cfg.admin_settings()
+        self._txn_id = transactional_id(self.cfg.name, batch)
+        conf: dict[str, Any] = {
+            **base, "transactional.id": self._txn_id, "enable.idempotence": True,
+            "linger.ms": 20, "partitioner": "murmur2_random",
+            "transaction.timeout.ms": 300_000, "delivery.report.only.error": True,
+            "on_delivery": self._on_delivery, **self.sink.producer}
+        self._producer = Producer(conf)
+        self._consumer = Consumer({**base, "group.id": sink_group(self.cfg.name, batch),
+                                   "enable.auto.commit": False,
+                                   "isolation.level": "read_committed"})
+        try:
+            self._producer.init_transactions(self.timeout_s)
+        except KafkaException as e:
+            self.close()
+            raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
+                                 f"transactional.id {self._txn_id} failed: {e}") from e
+
+    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        if err is not None and self._delivery_error is None:
+            src = dict(msg.headers() or []).get("offsetflow.source", b"?").decode()
+            self._delivery_error = f"record of source {src}: {err.str()}"
+
+    def _write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
+               topic: str) -> Moved:
+        p = self._producer
+        assert p is not None and self._consumer is not None
+        partitions = self._partitions(batch, topic)
+        by_source = self.sink.partitioning == "source"
+        p.begin_transaction()
+        self._open_txn = True
+        produced = 0
+        with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
+            rows.itersize = CURSOR_ROWS
+            cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+            rows.execute(select_sql(self.sink, self.columns, stage_table(batch.batch_id)))
+            for s_topic, s_part, s_off, key, value, hdrs, ts in rows:
+                kw: dict[str, Any] = {}
+                if by_source:
+                    if s_part >= partitions:
+                        self._abort(batch)
+                        raise KafkaSinkError(
+                            f"batch {batch.batch_id}: sink.partitioning: source puts "
+                            f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
+                            f"has {partitions} partitions; add partitions to {topic} or use "
+                            f"partitioning: key")
+                    kw["partition"] = s_part
+                if ts is not None:
+                    kw["timestamp"] = ts
+                headers = record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs)
+                self._produce(p, topic, key, value, headers, kw)
+                produced += 1
+        if produced != staged:
+            self._abort(batch)
+            raise StagedRowsLostError(batch.batch_id, None, f"the stage holds {produced} rows "
+                                                            f"but its markers count {staged}")
+        p.flush(self.timeout_s)
+        if self._delivery_error is not None:
+            self._abort(batch)
+            raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
+                                 f"({self._delivery_error}); the transaction was aborted")
+        self._send_offsets(batch)
+        _fault_point("pause_before_commit")
+        self._commit(batch, topic, produced)
+        self._open_txn = False
+        _fault_point("kill_after_commit")
+        moved = Moved(rows=produced)
+        move_stage_dead_letters(cur, batch, self.spec, moved)
+        return moved
+
+    @staticmethod
+    def _produce(p: Producer, topic: str, key: Any, value: Any, headers: Any,
+                 kw: dict[str, Any]) -> None:
+        while True:
+            try:
+                p.produce(topic, None if value is None else bytes(value),
+                          None if key is None else bytes(key), headers=headers, **kw)
+                return
+            except BufferError:  # the local queue is full: let deliveries drain it
+                p.poll(0.05)
+
+    def _partitions(self, batch: Batch, topic: str) -> int:
+        assert self._producer is not None
+        try:
+            md = self._producer.list_topics(topic, timeout=self.timeout_s)
+        except KafkaException as e:
+            raise KafkaSinkError(f"batch {batch.batch_id}: no metadata for output topic "
+                                 f"{topic}: {e}") from e
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            why = t.error.str() if t is not None and t.error is not None else "not found"
+            raise KafkaSinkError(f"batch {batch.batch_id}: output topic {topic} is not "
+                                 f"usable ({why}); create it before running the pipeline")
+        return len(t.partitions)
+
+    def _send_offsets(self, batch: Batch) -> None:
+        assert self._producer is not None and self._consumer is not None
+        meta = offset_metadata(self.cfg.name, batch.batch_id)
+        offsets = [KTopicPartition(r.topic, r.partition, r.until_offset, metadata=meta)
+                   for r in batch.ranges if r.until_offset > r.from_offset]
+        if not offsets:
+            return
+        group = self._consumer.consumer_group_metadata()
+        self._retry(batch, "send_offsets_to_transaction",
+                    lambda t: self._producer.send_offsets_to_transaction(  # type: ignore[union-attr]
+                        offsets, group, t))
+
+    def _commit(self, batch: Batch, topic: str, produced: int) -> None:
+        assert self._producer is not None
+        t = time.monotonic()
+        self._retry(batch, "commit_transaction",
+                    lambda left: self._producer.commit_transaction(left))  # type: ignore[union-attr]
+        log.info("batch %d: Kafka transaction committed: %d records to %s "
+                 "(transactional.id %s, %.1fs)", batch.batch_id, produced, topic,
+                 self._txn_id, time.monotonic() - t)
+
+    def _retry(self, batch: Batch, what: str, call: Any) -> None:
+        """Retry a retriable error until the timeout (a broker restarting); an abortable one
+        aborts; a fenced or fatal one leaves the outcome to the broker: the next run's
+        `init_transactions` completes or aborts it and `find` tells which."""
+        deadline = time.monotonic() + 3 * self.timeout_s
+        while True:
+            try:
+                call(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as e:
+                err: KafkaError = e.args[0]
+                if err.retriable() and time.monotonic() < deadline:
+                    log.warning("batch %d: %s: %s; retrying", batch.batch_id, what, err.str())
+                    time.sleep(0.5)
+                    continue
+                if err.txn_requires_abort():
+                    self._abort(batch)
+                    raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
+                                         f"({err.str()}); the transaction was aborted, "
+                                         f"nothing of it is visible") from e
+                fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                                        KafkaError.INVALID_PRODUCER_EPOCH)
+                why = (f"this run was fenced: a newer run of the batch took over "
+                       f"transactional.id {self._txn_id} (its producer epoch is higher), so "
+                       f"nothing this run produced becomes visible" if fenced else
+                       "the outcome is left to the broker; the next run finds the batch "
+                       "committed in Kafka or writes it again")
+                raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed ({err.str()}); "
+                                     f"{why}") from e
+
+    def _abort(self, batch: Batch) -> None:
+        assert self._producer is not None
+        self._open_txn = False
+        try:
+            self._producer.abort_transaction(self.timeout_s)
+        except KafkaException as e:  # the next run's init_transactions aborts it
+            log.warning("batch %d: abort_transaction failed (%s); the next run's "
+                        "init_transactions aborts the transaction", batch.batch_id, e)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        # no flush: the transaction is committed or aborted by now, and a fenced producer's
+        # flush would raise over the error that says what happened
+        self._producer = None
+
+
+def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+    cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def _fault_point(name: str) -> None:
+    """A test-only fault (FAULT_ENV); not on the per-record path."""
+    if os.environ.get(FAULT_ENV) != name:
+        return
+    if name == "kill_after_commit":
+        log.warning("test fault: SIGKILL after the Kafka commit, before the ledger's")
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    paused, resume = os.environ.get(PAUSED_ENV), os.environ.get(RESUME_ENV)
+    if paused:
+        Path(paused).write_text(str(os.getpid()))
+    deadline = time.monotonic() + 600
+    while resume and not Path(resume).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -1,0 +1,164 @@
+"""Pure rules of the Kafka topic sink (`offsetflow.sink_kafka` does the I/O).
+
+- Names: the `transactional.id` and the consumer group a batch's transaction commits its
+  source positions to. Live batches share the pipeline's (stable across attempts, so
+  `init_transactions` of a newer attempt fences a zombie of an older one); a replay or
+  backfill batch has its own, so it neither fences the live run nor overwrites the live
+  batch's record of its commit. The groups are `offsetflow-sink-...`, never the lag
+  publisher's `offsetflow-<pipeline>`.
+- The record of a commit: each committed offset carries `offset_metadata` (pipeline and
+  batch id), so `find` tells this batch's commit from any other (an earlier batch that ended
+  at the same offset after a position reset, a replay of the same range).
+- What a staged row becomes: one SELECT (`select_sql`) lets PostgreSQL build key and value
+  bytes per chunk, in offset order, so the driver's per-row work is one `produce` call.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg2 import sql
+
+from offsetflow.config_schema import RESERVED_COLUMNS, KafkaSinkConfig
+from offsetflow.errors import ConfigError, KafkaSinkError
+from offsetflow.ledger import Batch
+
+BATCH_HEADER = "offsetflow.batch"
+SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record
+# json_build_object takes at most 100 arguments: 50 name/value pairs
+_JSON_PAIRS_PER_CALL = 50
+
+
+def is_live(batch: Batch) -> bool:
+    return batch.moves_positions and batch.kind == "scheduled"
+
+
+def transactional_id(pipeline: str, batch: Batch) -> str:
+    base = f"offsetflow-sink-{pipeline}"
+    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+
+
+def sink_group(pipeline: str, batch: Batch) -> str:
+    """The group the batch's transaction commits its until positions to (KIP-98)."""
+    base = f"offsetflow-sink-{pipeline}"
+    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+
+
+def offset_metadata(pipeline: str, batch_id: int) -> str:
+    return f"offsetflow pipeline={pipeline} batch={batch_id}"
+
+
+def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
+    """The live topic for live batches; a replay or backfill goes to `replay_topic` only:
+    written to the live topic it would put its records there a second time."""
+    if is_live(batch):
+        return sink.topic
+    if sink.replay_topic is None:
+        raise ConfigError(
+            source_file, "sink.replay_topic",
+            f"batch {batch.batch_id} is a {batch.kind} of offsets the pipeline already wrote "
+            f"to its live output topic {sink.topic}; writing them there again would "
+            f"duplicate them (Kafka cannot delete records). Name a side topic in "
+            f"sink.replay_topic and run the batch again, or abandon it")
+    return sink.replay_topic
+
+
+def committed_state(batch: Batch, pipeline: str,
+                    found: Mapping[tuple[str, int], tuple[int, str | None]]) -> bool:
+    """Whether the group's committed offsets are this batch's commit: every non-empty range
+    at its `until_offset` with this batch's metadata (True), none of them (False). Anything
+    in between is not a state one Kafka transaction leaves: refused, naming the group."""
+    meta = offset_metadata(pipeline, batch.batch_id)
+    ranges = [r for r in batch.ranges if r.until_offset > r.from_offset]
+    hits = [found.get(r.topic_partition) == (r.until_offset, meta) for r in ranges]
+    if ranges and all(hits):
+        return True
+    if not any(hits):
+        return False
+    missing = [f"{r.topic}[{r.partition}]" for r, h in zip(ranges, hits, strict=True) if not h]
+    raise KafkaSinkError(
+        f"batch {batch.batch_id}: the sink's consumer group holds this batch's committed "
+        f"offsets for some partitions but not for {missing}; one Kafka transaction commits "
+        f"all or none, so the group was changed by hand (or its offsets expired). Check the "
+        f"output topic for the batch's records (header {BATCH_HEADER}={batch.batch_id}) "
+        f"before abandoning or re-running it")
+
+
+def payload_columns(columns: Sequence[str]) -> list[str]:
+    """The columns a JSON value holds by default: all but the source record's own."""
+    return [c for c in columns if c not in RESERVED_COLUMNS]
+
+
+def check_columns(sink: KafkaSinkConfig, columns: Mapping[str, str], source_file: str) -> None:
+    """Columns the sink reads exist in the stage (a transform decides them at run time)."""
+    wanted: list[tuple[str, str]] = [("sink.value_columns", c) for c in sink.value_columns]
+    if sink.key_column is not None:
+        wanted.append(("sink.key_column", sink.key_column))
+    if sink.value_format == "raw":
+        wanted.append(("sink.value_column", sink.value_column))
+    elif not sink.value_columns and not payload_columns(list(columns)):
+        raise ConfigError(source_file, "sink.value_columns",
+                          f"the staged rows have no payload columns for a JSON value (only "
+                          f"{sorted(columns)}); list value_columns or use value_format: raw")
+    for fld, col in wanted:
+        if col not in columns:
+            raise ConfigError(source_file, fld, f"{col!r} is not a column of the staged rows "
+                                                f"({sorted(columns)})")
+
+
+def _as_bytes(col: str, pg_type: str) -> sql.Composable:
+    """A column as record bytes: bytea as is, text as UTF-8, else its JSON scalar text."""
+    ident = sql.SQL("s.{}").format(sql.Identifier(col))
+    if pg_type == "bytea":
+        return ident
+    if pg_type == "text":
+        return sql.SQL("convert_to({}, 'UTF8')").format(ident)
+    return sql.SQL("convert_to(to_json({}) #>> '{{}}', 'UTF8')").format(ident)
+
+
+def _json_value(cols: Sequence[str]) -> sql.Composable:
+    calls = []
+    for i in range(0, len(cols), _JSON_PAIRS_PER_CALL):
+        pairs = sql.SQL(", ").join(
+            sql.SQL("{}, s.{}").format(sql.Literal(c), sql.Identifier(c))
+            for c in cols[i:i + _JSON_PAIRS_PER_CALL])
+        calls.append(sql.SQL("jsonb_build_object({})" if len(cols) > _JSON_PAIRS_PER_CALL
+                             else "json_build_object({})").format(pairs))
+    return sql.SQL("convert_to(({})::text, 'UTF8')").format(sql.SQL(" || ").join(calls))
+
+
+def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
+               stage: sql.Composable) -> sql.Composed:
+    """topic, partition, offset, key bytes, value bytes, headers (jsonb or NULL), timestamp
+    (epoch ms or NULL) of every staged row, in source order. A tombstone (the source `value`
+    is NULL) stays one: a NULL value, whatever the value format."""
+    key = (_as_bytes(sink.key_column, columns[sink.key_column]) if sink.key_column
+           else sql.SQL("s.key") if "key" in columns else sql.SQL("NULL::bytea"))
+    if sink.value_format == "raw":
+        value = _as_bytes(sink.value_column, columns[sink.value_column])
+    else:
+        value = _json_value(list(sink.value_columns) or payload_columns(list(columns)))
+        if "value" in columns:
+            value = sql.SQL("CASE WHEN s.value IS NULL THEN NULL ELSE {} END").format(value)
+    headers = (sql.SQL("s.headers") if sink.headers == "carry" and "headers" in columns
+               else sql.SQL("NULL::jsonb"))
+    ts = (sql.SQL("(extract(epoch FROM s.\"timestamp\") * 1000)::bigint")
+          if columns.get("timestamp", "").startswith("timestamp") else sql.SQL("NULL::bigint"))
+    return sql.SQL("SELECT s.topic, s.partition, s.\"offset\", {key}, {value}, {headers}, {ts} "
+                   "FROM {stage} s ORDER BY s.topic, s.partition, s.\"offset\"").format(
+                       key=key, value=value, headers=headers, ts=ts, stage=stage)
+
+
+def record_headers(batch_id: int, topic: str, partition: int, offset: int,
+                   carried: list[dict[str, Any]] | None) -> list[tuple[str, bytes | None]]:
+    """The source record's headers (staged as JSON, binary values base64) and the two
+    offsetflow headers that name the batch and the source record."""
+    out: list[tuple[str, bytes | None]] = []
+    for h in carried or ():
+        v = h.get("value")
+        out.append((str(h.get("key")), None if v is None else base64.b64decode(v)))
+    out.append((BATCH_HEADER, str(batch_id).encode()))
+    out.append((SOURCE_HEADER, f"{topic}/{partition}/{offset}".encode()))
+    return out

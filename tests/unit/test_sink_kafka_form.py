@@ -1,0 +1,198 @@
+"""sink.type: kafka: config validation and the sink's pure rules (names, the record of a
+commit, the replay rule, the SELECT that turns staged rows into records)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from psycopg2 import sql
+
+from offsetflow.config import parse_pipeline
+from offsetflow.errors import ConfigError, KafkaSinkError
+from offsetflow.ledger import Batch
+from offsetflow.ranges import OffsetRange
+from offsetflow.sink_kafka_form import (
+    BATCH_HEADER,
+    SOURCE_HEADER,
+    committed_state,
+    offset_metadata,
+    output_topic,
+    record_headers,
+    select_sql,
+    sink_group,
+    transactional_id,
+)
+
+ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
+COLUMNS = {"topic": "text", "partition": "integer", "offset": "bigint",
+           "timestamp": "timestamptz", "key": "bytea", "value": "bytea", "headers": "jsonb",
+           "id": "text", "amount": "double precision"}
+
+
+def raw(**sink: Any) -> dict[str, Any]:
+    return {"kafka": {"bootstrap_servers": "127.0.0.1:19092"},
+            "source": {"topics": ["orders"]},
+            "format": {"type": "json", "schema": {"id": "string", "amount": "double"}},
+            "sink": {"type": "kafka", **sink}}
+
+
+def batch(bid: int = 7, kind: str = "scheduled", moves: bool = True) -> Batch:
+    return Batch(bid, "orders", kind, "running",
+                 (OffsetRange("in", 0, 10, 20), OffsetRange("in", 1, 5, 5)),
+                 "kafka:out", moves_positions=moves)
+
+
+def test_kafka_sink_config_defaults_and_fields() -> None:
+    cfg = parse_pipeline(raw(topic="orders.clean", key_column="id",
+                             producer={"compression.type": "lz4"}), "orders.yaml", ENV)
+    k = cfg.sink.kafka
+    assert k is not None and cfg.sink.type == "kafka"
+    assert (k.topic, k.key_column, k.value_format, k.headers, k.partitioning) == (
+        "orders.clean", "id", "json", "carry", "key")
+    assert cfg.sink.table == "kafka:orders.clean" and cfg.sink.mode == "append"
+    assert dict(k.producer) == {"compression.type": "lz4"}
+    plain = parse_pipeline(raw(topic="orders.clean"), "orders.yaml", ENV)
+    assert plain.fingerprint() != cfg.fingerprint()  # the key decides the output
+    # naming a side topic for replays is not a change of the live output
+    side = parse_pipeline(raw(topic="orders.clean", replay_topic="orders.replay"),
+                          "orders.yaml", ENV)
+    assert side.fingerprint() == plain.fingerprint()
+
+
+@pytest.mark.parametrize(("sink", "field", "words"), [
+    ({}, "sink.topic", "is required"),
+    ({"topic": "bad topic"}, "sink.topic", "not a valid Kafka topic"),
+    ({"topic": "o", "replay_topic": "o"}, "sink.replay_topic", "must differ"),
+    ({"topic": "o", "table": "t"}, "sink.table", "sink.type: postgres"),
+    ({"topic": "o", "mode": "upsert"}, "sink.mode", "sink.type: postgres"),
+    ({"topic": "o", "key_column": "nope"}, "sink.key_column", "not a column"),
+    ({"topic": "o", "value_columns": ["id", "nope"]}, "sink.value_columns[1]", "not a column"),
+    ({"topic": "o", "value_format": "avro"}, "sink.value_format", "not one of"),
+    ({"topic": "o", "value_columns": ["id"], "value_format": "raw"}, "sink.value_columns",
+     "value_format: json"),
+    ({"topic": "o", "value_column": "value"}, "sink.value_column", "value_format: raw"),
+    ({"topic": "o", "partitioning": "round_robin"}, "sink.partitioning", "not one of"),
+    ({"topic": "o", "producer": {"transactional.id": "x"}}, "sink.producer.transactional.id",
+     "set by OffsetFlow"),
+    ({"topic": "o", "bogus": 1}, "sink.bogus", "unknown field"),
+])
+def test_kafka_sink_config_errors_name_the_field(sink: dict[str, Any], field: str,
+                                                 words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_pipeline(raw(**sink), "orders.yaml", ENV)
+    assert e.value.field == field and words in e.value.message
+
+
+def test_kafka_sink_refuses_what_it_cannot_honour() -> None:
+    with pytest.raises(ConfigError, match="on_failure: fail") as e:
+        parse_pipeline({**raw(topic="o"), "quality": {"suite": "s", "on_failure": "dead_letter"}},
+                       "orders.yaml", ENV)
+    assert e.value.field == "quality.on_failure"
+    with pytest.raises(ConfigError) as e:
+        parse_pipeline({**raw(topic="o"), "tombstones": "dead_letter"}, "orders.yaml", ENV)
+    assert e.value.field == "tombstones"
+    raw_fmt = {**raw(topic="o"), "format": {"type": "raw"}}
+    with pytest.raises(ConfigError) as e:  # raw format: no typed columns for a JSON value
+        parse_pipeline(raw_fmt, "orders.yaml", ENV)
+    assert e.value.field == "sink.value_columns"
+    raw_fmt["sink"]["value_format"] = "raw"
+    assert parse_pipeline(raw_fmt, "orders.yaml", ENV).sink.kafka is not None
+
+
+def test_redacted_hides_producer_secrets() -> None:
+    cfg = parse_pipeline(raw(topic="o", producer={"sasl.password": "pw"}), "o.yaml", ENV)
+    assert cfg.redacted()["sink"]["kafka"]["producer"] == {"sasl.password": "***"}
+
+
+def test_names_live_batches_share_replays_get_their_own() -> None:
+    live, replay = batch(7), batch(8, "replay", moves=False)
+    assert transactional_id("orders", live) == transactional_id("orders", batch(9))
+    assert transactional_id("orders", live) == "offsetflow-sink-orders"
+    assert transactional_id("orders", replay) == "offsetflow-sink-orders-replay-8"
+    assert sink_group("orders", live) == "offsetflow-sink-orders"  # not the lag group
+    assert sink_group("orders", replay) != sink_group("orders", live)
+
+
+def test_committed_state_needs_this_batch_at_every_until_offset() -> None:
+    b = batch(7)
+    meta = offset_metadata("orders", 7)
+    # the empty range [5, 5) of partition 1 says nothing either way
+    assert committed_state(b, "orders", {("in", 0): (20, meta)})
+    assert not committed_state(b, "orders", {})
+    assert not committed_state(b, "orders", {("in", 0): (10, offset_metadata("orders", 6))})
+    # the same offset from another batch (a position reset re-planned the same range)
+    assert not committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 3))})
+    two = Batch(7, "orders", "scheduled", "running",
+                (OffsetRange("in", 0, 10, 20), OffsetRange("in", 1, 0, 5)), "kafka:out")
+    with pytest.raises(KafkaSinkError, match=r"not for \['in\[1\]'\]"):
+        committed_state(two, "orders", {("in", 0): (20, meta), ("in", 1): (3, meta)})
+
+
+def test_replay_goes_to_the_side_topic_or_is_refused() -> None:
+    cfg = parse_pipeline(raw(topic="o"), "orders.yaml", ENV)
+    assert cfg.sink.kafka is not None
+    assert output_topic(cfg.sink.kafka, batch(), "orders.yaml") == "o"
+    for kind in ("replay", "backfill"):
+        with pytest.raises(ConfigError, match="duplicate") as e:
+            output_topic(cfg.sink.kafka, batch(8, kind, moves=False), "orders.yaml")
+        assert e.value.field == "sink.replay_topic"
+    side = parse_pipeline(raw(topic="o", replay_topic="o.replay"), "orders.yaml", ENV)
+    assert side.sink.kafka is not None
+    assert output_topic(side.sink.kafka, batch(8, "replay", moves=False), "x") == "o.replay"
+
+
+def test_record_headers_carry_the_source_ones_and_name_batch_and_source() -> None:
+    carried = [{"key": "trace", "value": base64.b64encode(b"\x00t1").decode()},
+               {"key": "empty", "value": None}]
+    assert record_headers(7, "in", 1, 42, carried) == [
+        ("trace", b"\x00t1"), ("empty", None), (BATCH_HEADER, b"7"),
+        (SOURCE_HEADER, b"in/1/42")]
+    assert record_headers(7, "in", 1, 42, None)[0][0] == BATCH_HEADER
+
+
+def _render(q: sql.Composable) -> str:
+    """SQL text of a composed query without a connection (identifiers double-quoted,
+    literals single-quoted), enough to check what the query is made of."""
+    if isinstance(q, sql.Composed):
+        return "".join(_render(x) for x in q.seq)
+    if isinstance(q, sql.SQL):
+        return q.string
+    if isinstance(q, sql.Identifier):
+        return ".".join(f'"{s}"' for s in q.strings)
+    if isinstance(q, sql.Literal):
+        return f"'{q.wrapped}'"
+    raise TypeError(q)
+
+
+def _text(cfg_sink: dict[str, Any], columns: dict[str, str] | None = None) -> str:
+    cfg = parse_pipeline(raw(**cfg_sink), "orders.yaml", ENV)
+    assert cfg.sink.kafka is not None
+    return _render(select_sql(cfg.sink.kafka, columns or COLUMNS, sql.SQL("stage")))
+
+
+def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
+    q = _text({"topic": "o", "key_column": "id"})
+    assert 'convert_to(s."id", \'UTF8\')' in q
+    assert "json_build_object('id', s.\"id\", 'amount', s.\"amount\")" in q
+    assert "CASE WHEN s.value IS NULL THEN NULL" in q  # a tombstone stays one
+    assert q.endswith('ORDER BY s.topic, s.partition, s."offset"')
+    raw_q = _text({"topic": "o", "value_format": "raw", "headers": "none"})
+    assert "s.key" in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
+    # a non-text key column is its JSON scalar text; many columns: jsonb pieces joined
+    wide = {**COLUMNS, **{f"c{i}": "integer" for i in range(60)}}
+    q = _text({"topic": "o", "key_column": "amount"}, wide)
+    assert "to_json(s.\"amount\") #>> '{}'" in q
+    assert q.count("jsonb_build_object(") == 2 and "json_build_object(" not in q
+
+
+def test_lineage_and_assets_name_the_output_topic() -> None:
+    from offsetflow.lineage import pipeline_datasets
+    from offsetflow.orchestration.assets import target_uris
+
+    cfg = parse_pipeline(raw(topic="orders.clean"), "orders.yaml", ENV)
+    _, outputs = pipeline_datasets(cfg)
+    assert [o.uri for o in outputs] == ["kafka://127.0.0.1:19092/orders.clean"]
+    assert target_uris(cfg) == "kafka://127.0.0.1:19092/orders.clean"
+    assert target_uris(cfg, "kafka:orders.replayed") == "kafka://127.0.0.1:19092/orders.replayed"
