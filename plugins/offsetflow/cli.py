@@ -124,7 +124,35 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_abandon(args: argparse.Namespace) -> int:
+    """An external sink (Kafka topic, Iceberg table) may hold the batch already (its run
+    died after the sink's commit): then the ledger is completed instead, since abandoning
+    it would plan its ranges again and write them to the sink twice."""
+    from offsetflow.commit import settle_from_sink
+    from offsetflow.errors import BatchStateError
+    from offsetflow.orchestration.connections import resolve
+    from offsetflow.sinks import external_sink
+
     with Ledger(_dsn(args)) as ledger:
+        owner = ledger.get_batch(args.batch_id).pipeline
+        if args.pipeline or args.pipeline_file:
+            cfg: PipelineConfig | None = _pipeline(args)
+        else:
+            try:
+                cfg = resolve(find_pipeline(owner))
+            except ConfigError as e:  # its file is elsewhere: say what was not checked
+                log.warning("pipeline %s's config was not found (%s); batch %d is abandoned "
+                            "without asking an external sink whether it holds it (pass "
+                            "--pipeline-file to check)", owner, e, args.batch_id)
+                cfg = None
+        if cfg is not None and cfg.name != owner:
+            raise BatchStateError(f"batch {args.batch_id} belongs to pipeline {owner}, "
+                                  f"not {cfg.name}")
+        sink = external_sink(cfg) if cfg is not None else None
+        settled = settle_from_sink(ledger, args.batch_id, sink) if sink else None
+        if settled is not None:
+            print(f"batch {args.batch_id} was not abandoned: its sink already holds it, so "
+                  f"the ledger now records it as committed ({settled.rows_written} rows)")
+            return 1
         ledger.abandon(args.batch_id, args.reason)
     print(f"batch {args.batch_id} abandoned; its staged data was dropped")
     return 0
@@ -287,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("abandon", help="close an open batch for good")
+    sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
+    sp.add_argument("--pipeline-file")
     sp.add_argument("--batch-id", type=int, required=True)
     sp.add_argument("--reason", required=True)
     sp.set_defaults(fn=cmd_abandon)

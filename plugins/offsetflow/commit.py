@@ -33,6 +33,12 @@ same steps, step 4 part by part while the batch is still being read):
   5. `record_batch`: per-range counts, the batch marked committed;
   6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
      included: a retry routes the same rows again, once.
+
+`settle_from_sink` is the same protocol for an external sink whose record of the batch may
+already exist, run before a job reads anything and before a batch is abandoned: step 1, step
+4's `find` only, then steps 3, 5 and 6. A batch the sink already holds is completed in the
+ledger from that record (its stage may be gone, its records deleted from Kafka); abandoning
+it instead would plan its ranges again and write them to the sink a second time.
 """
 
 from __future__ import annotations
@@ -99,6 +105,9 @@ class ExternalSink(Protocol):
 
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
         """Write the staged rows and commit them in the sink, tagged with the batch id."""
+
+    def close(self) -> None:
+        """Release what `find` left open for `write` (e.g. a producer holding its fence)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,36 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             log.error("batch %d: could not drop the refused part(s); the next run refuses "
                       "them again: %s", batch_id, forget)
         raise
+
+
+def settle_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink) -> CommitResult | None:
+    """Complete an open batch from the sink's record of it; None when the sink has none
+    (the batch is untouched). See the module docstring."""
+    try:
+        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
+                                                      ledger.conn.get_backend_pid()):
+            batch = lock_batch(cur, ledger, batch_id)  # 1
+            if batch.status == "committed":
+                return already_committed(batch)
+            moved = sink.find(cur, batch)  # 4, find only
+            if moved is None:
+                return None
+            log.info("batch %d is already committed in its sink; the ledger records it now "
+                     "without reading or writing it again", batch_id)
+            if batch.moves_positions:  # 3
+                _fence_and_advance(cur, batch)
+            staged, moved.per_range = _staged_rows(cur, batch_id), \
+                _staged_per_range(cur, batch_id)
+            return record_batch(cur, ledger, batch, moved, staged, None)  # 5, 6
+    finally:
+        sink.close()
+
+
+def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+    cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -> Batch:

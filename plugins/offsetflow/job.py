@@ -29,6 +29,7 @@ from offsetflow.commit import (
     CommitSpec,
     check_fence,
     commit_batch,
+    settle_from_sink,
 )
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
 from offsetflow.dead_letters import Coordinate
@@ -45,6 +46,7 @@ from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.sinks import external_sink
 from offsetflow.stage_reset import stage_generation
 from offsetflow.staging import (
     BadBuffer,
@@ -386,9 +388,15 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             return RunReport(batch_id, res)
         try:
             _check_topic_identity(cfg, ledger, batch)
+            sink = external_sink(cfg)
+            # the sink may hold the batch already (a run died after the sink's commit):
+            # then the ledger is completed from that record, whatever the config says now
+            settled = settle_from_sink(ledger, batch_id, sink) if sink is not None else None
         except OffsetFlowError as e:
             ledger.mark_failed(batch_id, str(e))
             raise
+        if settled is not None:
+            return RunReport(batch_id, settled)
         drift = config_drift(cfg, batch.config_fingerprint, batch.split_offsets)
         if drift.output_changed and not accept_config_change:
             err = BatchStateError(
@@ -562,10 +570,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused)
-    if cfg.sink.kafka is not None:
-        from offsetflow.sink_kafka import KafkaTopicSink
-
-        spec = dataclasses.replace(spec, external=KafkaTopicSink(cfg, columns, spec))
+    sink = external_sink(cfg, columns, spec)
+    if sink is not None:
+        spec = dataclasses.replace(spec, external=sink)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None

@@ -62,13 +62,15 @@ CURSOR_ROWS = 5_000
 class KafkaTopicSink:
     """`ExternalSink` for `sink.type: kafka`. One instance serves one commit attempt."""
 
-    def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]],
+    def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
+        """`columns`: the stage's (None: only `find`, which reads no rows)."""
         assert cfg.sink.kafka is not None
         self.cfg = cfg
         self.sink: KafkaSinkConfig = cfg.sink.kafka
-        self.columns = dict(columns)
-        check_columns(self.sink, self.columns, cfg.source_file)
+        self.columns = dict(columns or ())
+        if columns is not None:
+            check_columns(self.sink, self.columns, cfg.source_file)
         self.spec = spec  # its dead-letter settings: the tasks' bad records go there
         self.timeout_s = timeout_s
         self._producer: Producer | None = None

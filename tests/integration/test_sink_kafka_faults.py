@@ -22,10 +22,11 @@ import psycopg2
 import pytest
 import yaml
 
+from offsetflow.cli import main as cli
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only
+from offsetflow.runner import plan_only, run_until_caught_up
 from offsetflow.sink_kafka import FAULT_ENV, PAUSED_ENV, RESUME_ENV
 from tests.tooling import chaos
 from tests.tooling.chaos import SCHEMA, Workload
@@ -150,6 +151,25 @@ def test_killed_between_kafka_commit_and_ledger_commit_writes_no_second_copy(
     v = case.verdict()
     assert v.in_log == RECORDS  # not even an aborted second copy
     assert "nothing is produced again" in caplog.text
+
+
+@pytest.mark.slow
+def test_abandoning_a_batch_its_topic_already_holds_completes_it_instead(
+        spark: Any, case: Case) -> None:
+    """Review s23 H1: the driver dies between the Kafka commit and the ledger's, and an
+    operator abandons the batch (or a config-drift error advised it). Abandoning would plan
+    the same ranges again and write them a second time: the ledger is completed instead."""
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    assert case.status() != "committed"
+    rc = cli(["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file), "--batch-id",
+              str(case.batch_id), "--reason", "operator thinks it is dead"])
+    assert rc == 1  # not abandoned
+    assert case.status() == "committed"
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    v = case.verdict()
+    assert v.in_log == RECORDS  # no second copy, not even an aborted one
 
 
 def _cut_idle_ledger_transactions(dsn: str) -> int:

@@ -1,0 +1,21 @@
+"""Which `ExternalSink` a pipeline's commit writes through: None for the PostgreSQL sink,
+whose step 4 runs in the ledger's own transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from offsetflow.commit import CommitSpec, ExternalSink
+from offsetflow.config_schema import PipelineConfig
+
+
+def external_sink(cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None = None,
+                  spec: CommitSpec | None = None) -> ExternalSink | None:
+    """The pipeline's external sink for one commit attempt. Without `columns` (a check
+    before anything is read: `commit.settle_from_sink`) the row shape is not checked."""
+    spec = spec or CommitSpec(columns=())
+    if cfg.sink.kafka is not None:
+        from offsetflow.sink_kafka import KafkaTopicSink
+
+        return KafkaTopicSink(cfg, columns, spec)
+    return None
