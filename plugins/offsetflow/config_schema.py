@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from offsetflow.sink_iceberg_config import IcebergConfig
+
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -58,6 +60,7 @@ class SinkConfig:
     mode: str  # append | upsert
     key: tuple[str, ...] = ()
     conn_id: str | None = None  # an Airflow `postgres` connection
+    iceberg: IcebergConfig | None = None  # type: iceberg (sink_iceberg_config)
 
     @property
     def schema_and_table(self) -> tuple[str, str]:
@@ -156,6 +159,8 @@ class PipelineConfig:
             "format": [self.format_type, dict(self.schema)],
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
+            **({"sink_iceberg": self.sink.iceberg.identifier}
+               if self.sink.iceberg is not None else {}),
             "bad_records": [self.bad_records, self.dead_letter_table],
             "isolation_level": self.isolation_level,
             # only when not the default: fingerprints of batches planned before the option
@@ -180,6 +185,10 @@ class PipelineConfig:
         d = asdict(self)
         d["client"] = {k: redact_value(k, v) for k, v in self.client.items()}
         d["sink"]["connection"] = redact_dsn(self.sink.connection)
+        if d["sink"].get("iceberg"):
+            props = d["sink"]["iceberg"]["properties"]
+            d["sink"]["iceberg"]["properties"] = {k: redact_value(k, v) if k != "uri" else
+                                                  redact_dsn(v) for k, v in props.items()}
         return d
 
 

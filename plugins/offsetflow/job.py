@@ -540,7 +540,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation), STATS_DDL)
     with connect_ctx(dsn) as cur:
-        ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
+        if cfg.sink.iceberg is None:  # an Iceberg table is made by its sink
+            ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
         ensure_dead_letter(cur, cfg.dead_letter_table)
@@ -548,7 +549,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
     # append without a quality gate: the commit moves parts while later ones are read
-    partwise = fused and cfg.sink.mode == "append" and not cfg.quality_suite
+    # (PostgreSQL sink only: an external sink commits the whole batch at once)
+    partwise = fused and cfg.sink.mode == "append" and not cfg.quality_suite and \
+        cfg.sink.iceberg is None
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
@@ -580,6 +583,11 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         # checked again before COMMIT: a topic deleted and recreated while the tasks read
         # gave them the new topic's records under the old one's offsets
         _check_topic_identity(cfg, ledger, batch)
+        if cfg.sink.iceberg is not None:
+            from offsetflow.sink_iceberg import IcebergSink
+
+            spec = dataclasses.replace(spec, external=IcebergSink(
+                cfg.sink.iceberg, cfg.sink.connection or dsn, spec, columns))
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))
