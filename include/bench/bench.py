@@ -43,7 +43,7 @@ from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
 ENGINES = ("baseline", "spark-builtin", "offsetflow-local", "offsetflow-connect",
-           "offsetflow-submit", "offsetflow-cluster")
+           "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # timings that run inside another stage's wall time, so not stacked in the chart: the
 # commit's tail insert is part of commit_s, its part moves run during read_stage_s
@@ -216,7 +216,7 @@ def chart(summary: dict[str, Any], main_label: str, path: Path,
     lo = [m - r["min"] for r, m in zip(rps, med, strict=True)]
     hi = [r["max"] - m for r, m in zip(rps, med, strict=True)]
     ax1.bar(engines, med, yerr=[lo, hi], capsize=4,
-            color=["#888", "#c66", "#36c", "#39c", "#9bd"][:len(engines)])
+            color=["#888", "#c66", "#36c", "#39c", "#9bd", "#6a6", "#c9c"][:len(engines)])
     ax1.set_title(f"{main_label} records: records/s (median, min-max)")
     ax1.tick_params(axis="x", rotation=20)
     for e in ("offsetflow-local", "baseline"):
@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs)],
         "offsetflow-submit": [job(small_ds, args.cold_runs), job(main_ds, args.cold_runs)],
         "offsetflow-cluster": [job(main_ds, args.runs)],
+        "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
@@ -427,9 +428,11 @@ def main(argv: list[str] | None = None) -> int:
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit",
-                         "offsetflow-cluster")
+                         "offsetflow-cluster", "offsetflow-iceberg")
                for o in ("spark-builtin", "baseline")}
-           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio},
+           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio,
+              f"offsetflow-iceberg/offsetflow-local@{main_label}":
+                  report.ratio(summary, "offsetflow-iceberg", "offsetflow-local", main_label)},
            "runs": results}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     md = report.markdown(summary, goal_rows, fixed)

@@ -38,7 +38,8 @@ def main(spec_path: str) -> int:
     spark_start_s = 0.0
     spark: Any = None
     t = time.perf_counter()
-    if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster"):
+    if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
+                  "offsetflow-iceberg"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
@@ -50,6 +51,10 @@ def main(spec_path: str) -> int:
         spark = build_spark(parse_pipeline(raw, "<bench>", os.environ), f"bench-{engine}")
 
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            if engine == "offsetflow-iceberg":
+                import engines_iceberg
+
+                return engines_iceberg.offsetflow_iceberg_run(spark, ds, name, ctx)
             return engines.offsetflow_warm_run(spark, ds, name, ctx)
     elif engine == "spark-builtin":
         spark = engines.builtin_session(f"bench-{engine}")

@@ -587,7 +587,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
             from offsetflow.sink_iceberg import IcebergSink
 
             spec = dataclasses.replace(spec, external=IcebergSink(
-                cfg.sink.iceberg, cfg.sink.connection or dsn, spec, columns))
+                cfg.sink.iceberg, cfg.sink.connection or dsn, spec, columns, cfg.sink.table))
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))
@@ -597,6 +597,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         timings["commit_s"] = round(time.monotonic() - t, 3)
     if result.status == "committed":
         _record_commit_time(ledger, batch.batch_id, timings["commit_s"])
+        if cfg.sink.iceberg is not None and batch.attempts > 1:  # dead attempts' files
+            from offsetflow.sink_iceberg_maint import sweep_after_retry
+
+            sweep_after_retry(cfg, dsn, batch.batch_id)
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":
         _publish_lag(cfg, ledger)

@@ -42,10 +42,12 @@ import pyarrow as pa
 from psycopg2 import sql
 
 from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.config_schema import split_table_name
 from offsetflow.dead_letters import dead_letters_from, route_quality_failures
 from offsetflow.errors import OffsetFlowError, StagedRowsLostError
 from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
+    DEFAULT_NAMESPACE,
     IcebergConfig,
     catalog_properties,
     snapshot_summary,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMMIT_RETRIES = 5
+NO_REBASE = ("commit.retry.num-retries", "0")
 FETCH_ROWS = 20_000
 # test-only fault hook: SIGKILL the driver after the data files are written (before the
 # catalog commit) or after the catalog commit (before the ledger commits)
@@ -105,6 +108,7 @@ class IcebergSink:
     sink_dsn: str
     spec: CommitSpec
     columns: Sequence[tuple[str, str]]  # stage columns and their PostgreSQL types
+    table_name: str = ""  # sink.table as configured (a backfill may name another)
     _catalog: Any = None
     _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
 
@@ -116,7 +120,7 @@ class IcebergSink:
 
     # -- ExternalSink ------------------------------------------------------------------
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
-        table = self.table()
+        table = self.table(self.identifier(batch))
         found = find_batch(table, batch)
         if found is None:
             return None
@@ -133,7 +137,7 @@ class IcebergSink:
                                       f"the stage holds {data.num_rows} rows for Iceberg and "
                                       f"{quality_and_tombstones} dead letters but its markers "
                                       f"count {staged}")
-        table = self.table()
+        table = self.table(self.identifier(batch))
         summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
                                    [(r.topic, r.partition, r.from_offset, r.until_offset)
                                     for r in batch.ranges], data.num_rows, moved.dead)
@@ -170,16 +174,23 @@ class IcebergSink:
         self._task_dead = moved.dead - before
         return moved
 
-    def table(self) -> Table:
+    def identifier(self, batch: Batch) -> str:
+        """The pipeline's table, or the one a backfill named (`target_table`)."""
+        if split_table_name(batch.target_table) == split_table_name(self.table_name):
+            return self.iceberg.identifier
+        ns, _, name = batch.target_table.rpartition(".")
+        return f"{ns or DEFAULT_NAMESPACE}.{name}"
+
+    def table(self, ident: str) -> Table:
         """The target table, created on first use with the configured layout."""
         from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
 
-        cat, ident = self.catalog, self.iceberg.identifier
+        cat = self.catalog
         try:
             return cat.load_table(ident)
         except NoSuchTableError:
             pass
-        cat.create_namespace_if_not_exists(self.iceberg.namespace)
+        cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
         try:
             table = cat.create_table(ident, schema=arrow_schema(self.columns), properties={
                 "write.target-file-size-bytes": str(self.iceberg.target_file_mb << 20)})
@@ -242,6 +253,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
+        _no_rebase(table)
         txn = table.transaction()
         if batch.kind in ("replay", "backfill"):
             txn.delete(window_filter(batch), snapshot_properties=summary)
@@ -267,6 +279,17 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
     raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
                              f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
                              f"with other writers; nothing was committed, re-run the batch")
+
+
+def _no_rebase(table: Table) -> None:
+    """pyiceberg retries a conflicting commit itself (`commit.retry.num-retries`, default 4)
+    by rebasing the append onto the new main: a zombie's batch would then land a second
+    time. This view of the table (never the stored properties) retries nothing, so a
+    conflict comes back here and the batch is looked for first."""
+    props = table.metadata.properties
+    if props.get(NO_REBASE[0]) != NO_REBASE[1]:
+        table.metadata = table.metadata.model_copy(
+            update={"properties": {**props, NO_REBASE[0]: NO_REBASE[1]}})
 
 
 def window_filter(batch: Batch) -> Any:
