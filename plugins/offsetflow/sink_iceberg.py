@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -256,7 +257,9 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
         _no_rebase(table)
         txn = table.transaction()
         if batch.kind in ("replay", "backfill"):
-            txn.delete(window_filter(batch), snapshot_properties=summary)
+            with warnings.catch_warnings():  # a window with nothing before is no news
+                warnings.filterwarnings("ignore", "Delete operation did not match")
+                txn.delete(window_filter(batch), snapshot_properties=summary)
         if data.num_rows:
             txn.append(data, snapshot_properties=summary)
         else:  # an empty snapshot still records the batch, so the retry finds it
