@@ -254,6 +254,11 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
+        # the snapshot the commit asserts is the one searched here (`find` may have looked
+        # at an older load of the table)
+        found = find_batch(table, batch)
+        if found is not None:
+            return found[0]
         _no_rebase(table)
         txn = table.transaction()
         if batch.kind in ("replay", "backfill"):
@@ -272,10 +277,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
             log.warning("batch %d: Iceberg commit conflicted (%s); refreshing and looking "
                         "for the batch before retrying", batch.batch_id, e)
             time.sleep(0.2 * (attempt + 1))
-            table.refresh()
-            found = find_batch(table, batch)
-            if found is not None:
-                return found[0]
+            table.refresh()  # the loop's next round looks for the batch before retrying
             continue
         _fault("after-commit")
         return None
