@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from offsetflow.backfill import plan_window, run_batches, submit_window
+from offsetflow.errors import SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
@@ -240,3 +241,18 @@ def test_backfill_with_its_own_target_table_writes_that_iceberg_table(
 def _count(case: IcebergCase, partition: int, until: int) -> int:
     return sum(1 for p in case.workload.produced.values()
                if p.committed and p.partition == partition and p.offset < until)
+
+
+def test_rows_that_do_not_fit_the_table_fail_the_batch_naming_it(case: IcebergCase,
+                                                                  spark: Any) -> None:
+    case.workload.mixed(500, random.Random(30))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    positions = case.positions()
+    case.raw["format"]["schema"]["extra"] = "string"  # a column the table does not have
+    case.write_config()
+    case.workload.mixed(300, random.Random(31))
+    with pytest.raises(SchemaMismatchError, match=rf"batch \d+: its rows do not fit the "
+                                                  rf"Iceberg table lake\.{case.table} .*extra"):
+        run_until_caught_up(case.cfg, case.dsn, spark)
+    assert case.positions() == positions  # nothing moved, nothing lost
+    case.assert_exactly_once(expect_all=False)

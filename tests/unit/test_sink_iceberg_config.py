@@ -140,3 +140,16 @@ def test_explicit_catalog_uri_wins_and_secrets_are_redacted() -> None:
     assert props == {"type": "rest", "uri": "https://cat", "token": "s3cr3t",
                      "warehouse": "wh"}
     assert cfg.redacted()["sink"]["iceberg"]["properties"]["token"] == "***"
+
+
+def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None:
+    import pyarrow as pa
+
+    from offsetflow.sink_iceberg import _unhex, arrow_schema, arrow_type
+
+    hexes = pa.array(["00ff", None, "", "616263"])
+    assert _unhex(hexes).to_pylist() == [b"\x00\xff", None, b"", b"abc"]
+    assert _unhex(hexes.slice(1)).to_pylist() == [None, b"", b"abc"]
+    assert _unhex(pa.array([], pa.string())).to_pylist() == []
+    assert arrow_type("numeric(12,3)") == pa.decimal128(12, 3)
+    assert arrow_schema([("offset", "bigint")]).names == ["offset", "_offsetflow_batch_id"]
