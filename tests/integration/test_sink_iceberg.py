@@ -4,7 +4,9 @@ checker reads the table back with a pyiceberg scan: 0 lost, 0 duplicated."""
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from offsetflow.sink_iceberg import (
     load_catalog,
     remove_orphan_files,
 )
+from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
 from offsetflow.tables import LINEAGE_COLUMN
 from tests.integration.test_faults import Case
 from tests.tooling import chaos
@@ -92,17 +95,21 @@ def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_remo
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-files")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert "after-files: killing this driver" in case.job_output()
-    orphans = case.data_files()
-    assert orphans, "the fault must come after the data files were written"
+    orphans = sorted(case.data_files())
+    assert len(orphans) >= 2, "the fault must come after the data files were written"
     assert case.batch(bid).status != "committed"
     assert snapshot_batches(case.cfg, case.dsn) == []
+    old = time.time() - 2 * ORPHAN_GRACE_S  # one file of the dead attempt ages past the grace
+    os.utime(orphans[0], (old, old))
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    assert not orphans[0].exists()  # swept after the retried batch committed
+    assert all(p.exists() for p in orphans[1:])  # younger than the grace: spared
     table = iceberg_table(case.cfg, case.dsn)
-    assert remove_orphan_files(table, older_than_s=3600) == []  # too young: spared
+    assert remove_orphan_files(table, older_than_s=3600) == []
     removed = {Path(p) for p in remove_orphan_files(table, older_than_s=0)}
-    assert removed == orphans  # exactly the dead attempt's files, none of the commit's
+    assert removed == set(orphans[1:])  # exactly the dead attempt's files, none of the commit's
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 
@@ -258,3 +265,36 @@ def test_rows_that_do_not_fit_the_table_fail_the_batch_naming_it(case: IcebergCa
         run_until_caught_up(case.cfg, case.dsn, spark)
     assert case.positions() == positions  # nothing moved, nothing lost
     case.assert_exactly_once(expect_all=False)
+
+
+def test_maintenance_expires_old_snapshots_but_never_one_an_open_batch_may_need(
+        case: IcebergCase, spark: Any) -> None:
+    """Snapshot expiry keeps every snapshot younger than the oldest open batch (its retry
+    may have to find its own); the command also removes orphan files."""
+    case.workload.mixed(600, random.Random(32))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.workload.mixed(600, random.Random(33))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    done = snapshot_batches(case.cfg, case.dsn)
+    assert len(done) >= 2
+    case.workload.mixed(300, random.Random(34))
+    bid = case.planned_batch(300, seed=35)  # open: planned, not committed
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0  # its snapshot is in Iceberg, its ledger row open
+    txn = iceberg_table(case.cfg, case.dsn).transaction()  # another writer on top
+    with txn, txn.update_snapshot().fast_append():
+        pass
+    data_dir = next(case.warehouse.rglob("data"))
+    stray = data_dir / "00000-0-stray.parquet"
+    stray.write_bytes(b"not referenced")
+    args = ["--pipeline-file", str(case.file), "--dsn", case.dsn,
+            "--orphans-older-than-hours", "0", "--expire-snapshots-older-than-days", "0"]
+    assert main(args) == 0
+    assert not stray.exists()
+    # everything older than the open batch went; its own snapshot stayed (not the current
+    # one any more, and older than "0 days": kept only for the open batch)
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    rep = run_batch(spark, case.cfg, bid, case.dsn)
+    assert rep.result.status == "committed"  # found its snapshot: not appended again
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    case.assert_exactly_once()
