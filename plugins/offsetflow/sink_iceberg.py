@@ -150,8 +150,9 @@ class IcebergSink:
         rows = commit_snapshot(table, batch, data, summary)
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
                  "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
-        if rows is not None and rows != data.num_rows:  # found: an earlier attempt's count
-            log.info("batch %d: found in Iceberg after a conflict", batch.batch_id)
+        if rows is not None:  # another attempt committed it meanwhile: its count stands
+            log.info("batch %d: found in Iceberg after a conflict; nothing appended",
+                     batch.batch_id)
         moved.rows = data.num_rows if rows is None else rows
         return moved
 
