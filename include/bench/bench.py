@@ -43,7 +43,7 @@ from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
 ENGINES = ("baseline", "spark-builtin", "offsetflow-local", "offsetflow-connect",
-           "offsetflow-submit", "offsetflow-cluster",
+           "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
@@ -218,7 +218,8 @@ def chart(summary: dict[str, Any], main_label: str, path: Path,
     lo = [m - r["min"] for r, m in zip(rps, med, strict=True)]
     hi = [r["max"] - m for r, m in zip(rps, med, strict=True)]
     ax1.bar(engines, med, yerr=[lo, hi], capsize=4,
-            color=["#888", "#c66", "#36c", "#39c", "#9bd", "#6ab", "#c96", "#693"][:len(engines)])
+            color=["#888", "#c66", "#36c", "#39c", "#9bd", "#6ab", "#6a6", "#c96",
+                   "#693"][:len(engines)])
     ax1.set_title(f"{main_label} records: records/s (median, min-max)")
     ax1.tick_params(axis="x", rotation=20)
     for e in ("offsetflow-local", "baseline"):
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "offsetflow-cluster": [job(main_ds, args.runs)],
         "spark-builtin-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka": [job(main_ds, args.runs)],
+        "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
@@ -431,9 +433,11 @@ def main(argv: list[str] | None = None) -> int:
            "ratios": {
                f"{w}/{o}@{main_label}": report.ratio(summary, w, o, main_label)
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit",
-                         "offsetflow-cluster")
+                         "offsetflow-cluster", "offsetflow-iceberg")
                for o in ("spark-builtin", "baseline")}
-           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio}
+           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio,
+              f"offsetflow-iceberg/offsetflow-local@{main_label}":
+                  report.ratio(summary, "offsetflow-iceberg", "offsetflow-local", main_label)}
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
            | {f"offsetflow-kafka/spark-builtin-kafka@{main_label}": report.ratio(
                summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)},

@@ -40,7 +40,7 @@ def main(spec_path: str) -> int:
     spark: Any = None
     t = time.perf_counter()
     if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
-                  "offsetflow-kafka"):
+                  "offsetflow-kafka", "offsetflow-iceberg"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
@@ -54,6 +54,10 @@ def main(spec_path: str) -> int:
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             if engine == "offsetflow-kafka":
                 return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx)
+            if engine == "offsetflow-iceberg":
+                import engines_iceberg
+
+                return engines_iceberg.offsetflow_iceberg_run(spark, ds, name, ctx)
             return engines.offsetflow_warm_run(spark, ds, name, ctx)
     elif engine == "spark-builtin-kafka":
         spark = engines.builtin_session(f"bench-{engine}")

@@ -147,7 +147,7 @@ def cmd_abandon(args: argparse.Namespace) -> int:
         if cfg is not None and cfg.name != owner:
             raise BatchStateError(f"batch {args.batch_id} belongs to pipeline {owner}, "
                                   f"not {cfg.name}")
-        sink = external_sink(cfg) if cfg is not None else None
+        sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
         settled = settle_from_sink(ledger, args.batch_id, sink) if sink else None
         if settled is not None:
             print(f"batch {args.batch_id} was not abandoned: its sink already holds it, so "

@@ -37,6 +37,9 @@ from offsetflow.config_schema import (
     default_tombstones,
 )
 from offsetflow.errors import ConfigError
+from offsetflow.sink_iceberg_config import parse_iceberg
+
+ICEBERG_FIELDS = ("catalog", "partition_by", "sort_by", "target_file_mb")
 
 
 def validate_table_name(source: str, fld: str, table: Any) -> str:
@@ -224,9 +227,10 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         raise r.err("transform", f"{transform!r} must be a dotted path 'package.module.function'")
 
     sink_raw = r.section("sink")
-    sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres", "kafka"})
+    sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres", "kafka", "iceberg"})
     r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"}
-              | (KAFKA_SINK_FIELDS if sink_type == "kafka" else set()))
+              | (KAFKA_SINK_FIELDS if sink_type == "kafka" else set())
+              | (set(ICEBERG_FIELDS) if sink_type == "iceberg" else set()))
     sink_conn = r.conn_id(sink_raw, "sink.", "connection")
     try:
         connection = r.string(sink_raw, "connection", "sink.",
@@ -262,6 +266,11 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
                 raise r.err(f"sink.key[{i}]", f"{k!r} is not a column of format.schema")
     elif key:
         raise r.err("sink.key", "a key is only used with mode: upsert")
+
+    iceberg = None
+    if sink_type == "iceberg":
+        iceberg = parse_iceberg(sink_raw, source, table, mode or "append",
+                                None if transform else _table_columns(format_type, schema))
 
     bad_records = r.string(raw, "bad_records", "", "fail", {"fail", "dead_letter"})
     tombstones = r.string(raw, "tombstones", "") or ""
@@ -323,12 +332,18 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
         format_type=format_type or "json", schema=schema, transform=transform,
         sink=SinkConfig(type=sink_type or "postgres", connection=connection or "",
                         table=table, mode=mode or "append", key=key, conn_id=sink_conn,
-                        kafka=kafka_sink),
+                        kafka=kafka_sink, iceberg=iceberg),
         bad_records=bad_records or "fail", dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy or "fail", description=str(desc or ""),
         tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn),
     )
+
+
+def _table_columns(format_type: str | None, schema: Mapping[str, str]) -> list[str]:
+    """The target's columns without a transform: the source columns, then the schema's."""
+    return ["topic", "partition", "offset", "timestamp", "timestamp_type", "key", "value",
+            "headers", *(schema if format_type == "json" else ())]
 
 
 def _utc_ms(dt: datetime) -> int:

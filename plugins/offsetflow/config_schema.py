@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from offsetflow.sink_iceberg_config import IcebergConfig
+
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -75,6 +77,7 @@ class SinkConfig:
     key: tuple[str, ...] = ()
     conn_id: str | None = None  # an Airflow `postgres` connection
     kafka: KafkaSinkConfig | None = None  # type: kafka
+    iceberg: IcebergConfig | None = None  # type: iceberg (sink_iceberg_config)
 
     @property
     def schema_and_table(self) -> tuple[str, str]:
@@ -173,6 +176,8 @@ class PipelineConfig:
             "format": [self.format_type, dict(self.schema)],
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
+            **({"sink_iceberg": self.sink.iceberg.identifier}
+               if self.sink.iceberg is not None else {}),
             "bad_records": [self.bad_records, self.dead_letter_table],
             "isolation_level": self.isolation_level,
             # only for a Kafka sink: other pipelines' fingerprints stay as they were. Not
@@ -205,6 +210,10 @@ class PipelineConfig:
         if self.sink.kafka is not None:
             d["sink"]["kafka"]["producer"] = {k: redact_value(k, v) for k, v
                                               in self.sink.kafka.producer.items()}
+        if d["sink"].get("iceberg"):
+            props = d["sink"]["iceberg"]["properties"]
+            d["sink"]["iceberg"]["properties"] = {k: redact_value(k, v) if k != "uri" else
+                                                  redact_dsn(v) for k, v in props.items()}
         return d
 
 

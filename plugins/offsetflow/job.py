@@ -388,7 +388,7 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             return RunReport(batch_id, res)
         try:
             _check_topic_identity(cfg, ledger, batch)
-            sink = external_sink(cfg)
+            sink = external_sink(cfg, dsn)
             # the sink may hold the batch already (a run died after the sink's commit):
             # then the ledger is completed from that record, whatever the config says now
             settled = settle_from_sink(ledger, batch_id, sink) if sink is not None else None
@@ -570,9 +570,6 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused)
-    sink = external_sink(cfg, columns, spec)
-    if sink is not None:
-        spec = dataclasses.replace(spec, external=sink)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None
@@ -598,6 +595,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         # checked again before COMMIT: a topic deleted and recreated while the tasks read
         # gave them the new topic's records under the old one's offsets
         _check_topic_identity(cfg, ledger, batch)
+        sink = external_sink(cfg, dsn, columns, spec)  # with the quality gate's routes
+        if sink is not None:
+            spec = dataclasses.replace(spec, external=sink)
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))
@@ -607,6 +607,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         timings["commit_s"] = round(time.monotonic() - t, 3)
     if result.status == "committed":
         _record_commit_time(ledger, batch.batch_id, timings["commit_s"])
+        if cfg.sink.iceberg is not None and batch.attempts > 1:  # dead attempts' files
+            from offsetflow.sink_iceberg_maint import sweep_after_retry
+
+            sweep_after_retry(cfg, dsn, batch.batch_id)
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":
         _publish_lag(cfg, ledger)

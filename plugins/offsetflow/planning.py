@@ -75,7 +75,7 @@ def _settled_from_sink(ledger: Ledger, cfg: PipelineConfig, batch: Batch) -> boo
     from offsetflow.commit import settle_from_sink
     from offsetflow.sinks import external_sink
 
-    sink = external_sink(cfg)
+    sink = external_sink(cfg, ledger.dsn)
     if sink is None:
         return False
     with Ledger(ledger.dsn) as own:

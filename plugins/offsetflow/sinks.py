@@ -9,13 +9,20 @@ from offsetflow.commit import CommitSpec, ExternalSink
 from offsetflow.config_schema import PipelineConfig
 
 
-def external_sink(cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None = None,
+def external_sink(cfg: PipelineConfig, dsn: str,
+                  columns: Sequence[tuple[str, str]] | None = None,
                   spec: CommitSpec | None = None) -> ExternalSink | None:
-    """The pipeline's external sink for one commit attempt. Without `columns` (a check
-    before anything is read: `commit.settle_from_sink`) the row shape is not checked."""
+    """The pipeline's external sink for one commit attempt (`dsn`: the ledger's). Without
+    `columns` (a check before anything is read: `commit.settle_from_sink`) the row shape is
+    not checked and nothing can be written."""
     spec = spec or CommitSpec(columns=())
     if cfg.sink.kafka is not None:
         from offsetflow.sink_kafka import KafkaTopicSink
 
         return KafkaTopicSink(cfg, columns, spec)
+    if cfg.sink.iceberg is not None:
+        from offsetflow.sink_iceberg import IcebergSink
+
+        return IcebergSink(cfg.sink.iceberg, cfg.sink.connection or dsn, spec,
+                           tuple(columns or ()), cfg.sink.table)
     return None

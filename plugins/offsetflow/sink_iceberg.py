@@ -1,0 +1,445 @@
+"""Apache Iceberg as the sink: step 4 of the commit protocol (`offsetflow.commit`,
+`ExternalSink`) appends a batch to an Iceberg table in ONE catalog commit whose snapshot
+summary names the batch (`sink_iceberg_config.snapshot_summary`).
+
+Order inside the still-open ledger transaction (batch row locked):
+  1. `find`: the table's snapshots (ancestors of main) are searched for this batch; found ->
+     an earlier attempt committed to Iceberg and died before the ledger COMMIT: the ledger is
+     completed, nothing is appended again;
+  2. `write`: the stage is read as Arrow on the driver, data files are written, and one
+     catalog commit adds them. The commit asserts that main is still the snapshot `find`
+     checked (pyiceberg's AssertRefSnapshotId): a concurrent writer (a zombie whose ledger
+     lock is gone) makes it fail with CommitFailedException; then the table is refreshed,
+     `find` runs again, and only then is the append retried. Any other failure of the
+     catalog commit has an unknown outcome: it is raised, the ledger rolls back, and the
+     next attempt's `find` decides;
+  3. the ledger transaction commits (positions, batch committed).
+Dead letters (bad records, tombstones by policy, quality failures) stay in PostgreSQL and
+are written by this same transaction, on both paths.
+
+Files of an attempt that died before its catalog commit are referenced by no snapshot;
+`remove_orphan_files` deletes them (after a grace period, so files of a commit still under
+way are spared).
+
+Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
+in the same catalog commit. What this first version does not do: the Spark tasks stage into
+PostgreSQL as for every sink, and the driver reads the stage to write Parquet (task-side
+data files are not built yet); mode upsert.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import psycopg2.extensions
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+from psycopg2 import sql
+
+from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.config_schema import split_table_name
+from offsetflow.dead_letters import dead_letters_from, route_quality_failures
+from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLostError
+from offsetflow.ledger import Batch, qualified, stage_table
+from offsetflow.sink_iceberg_config import (
+    DEFAULT_NAMESPACE,
+    IcebergConfig,
+    catalog_properties,
+    snapshot_summary,
+    summary_batch,
+)
+from offsetflow.tables import LINEAGE_COLUMN
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.table import Table
+
+log = logging.getLogger(__name__)
+
+COMMIT_RETRIES = 5
+NO_REBASE = ("commit.retry.num-retries", "0")
+# test-only fault hook: SIGKILL the driver after the data files are written (before the
+# catalog commit) or after the catalog commit (before the ledger commits)
+FAULT_ENV = "OFFSETFLOW_ICEBERG_FAULT"
+
+_ARROW: dict[str, pa.DataType] = {
+    "text": pa.string(), "bigint": pa.int64(), "integer": pa.int32(), "smallint": pa.int32(),
+    "double precision": pa.float64(), "real": pa.float32(), "boolean": pa.bool_(),
+    "timestamptz": pa.timestamp("us", tz="UTC"), "timestamp": pa.timestamp("us"),
+    "date": pa.date32(), "bytea": pa.binary(), "jsonb": pa.string(),
+}
+
+
+class IcebergCommitError(OffsetFlowError):
+    """The Iceberg commit kept conflicting with other writers; nothing was committed."""
+
+
+def arrow_type(pg_type: str) -> pa.DataType:
+    """The Iceberg (Arrow) type of a stage column; nested Spark types (jsonb in the stage)
+    are kept as their JSON text."""
+    if pg_type.startswith("numeric("):
+        p, s = pg_type[len("numeric("):-1].split(",")
+        return pa.decimal128(int(p), int(s))
+    return _ARROW[pg_type]
+
+
+def arrow_schema(columns: Sequence[tuple[str, str]]) -> pa.Schema:
+    return pa.schema([pa.field(n, arrow_type(t)) for n, t in columns]
+                     + [pa.field(LINEAGE_COLUMN, pa.int64())])
+
+
+def load_catalog(cfg: IcebergConfig, sink_dsn: str) -> Catalog:
+    from pyiceberg.catalog import load_catalog as _load
+
+    return _load(cfg.catalog_name, **catalog_properties(cfg, sink_dsn))
+
+
+@dataclass
+class IcebergSink:
+    """An `ExternalSink` (see the module docstring)."""
+
+    iceberg: IcebergConfig
+    sink_dsn: str
+    spec: CommitSpec
+    columns: Sequence[tuple[str, str]]  # stage columns and their PostgreSQL types
+    table_name: str = ""  # sink.table as configured (a backfill may name another)
+    _catalog: Any = None
+    _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
+
+    @property
+    def catalog(self) -> Catalog:
+        if self._catalog is None:
+            self._catalog = load_catalog(self.iceberg, self.sink_dsn)
+        return self._catalog
+
+    # -- ExternalSink ------------------------------------------------------------------
+    def close(self) -> None:
+        """The SQL catalog's connection pool goes with the attempt."""
+        engine = getattr(self._catalog, "engine", None)
+        if engine is not None:
+            engine.dispose()
+        self._catalog = None
+
+    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        table = self.table(self.identifier(batch))
+        found = find_batch(table, batch)
+        if found is None:
+            return None
+        moved = self._dead_letters(cur, batch)  # they commit with the ledger, so again
+        moved.rows = found[0]
+        return moved
+
+    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        moved = self._dead_letters(cur, batch)
+        t = time.monotonic()
+        data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
+        read_s = time.monotonic() - t
+        quality_and_tombstones = moved.dead - self._task_dead
+        if data.num_rows + quality_and_tombstones != staged:
+            raise StagedRowsLostError(batch.batch_id, None,
+                                      f"the stage holds {data.num_rows} rows for Iceberg and "
+                                      f"{quality_and_tombstones} dead letters but its markers "
+                                      f"count {staged}")
+        table = self.table(self.identifier(batch))
+        summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
+                                   [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                    for r in batch.ranges], data.num_rows, moved.dead)
+        t = time.monotonic()
+        rows = commit_snapshot(table, batch, data, summary)
+        log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
+                 "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
+        if rows is not None:  # another attempt committed it meanwhile: its count stands
+            log.info("batch %d: found in Iceberg after a conflict; nothing appended",
+                     batch.batch_id)
+        moved.rows = data.num_rows if rows is None else rows
+        return moved
+
+    # -- helpers -----------------------------------------------------------------------
+    def _dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
+        """Everything that goes to the PostgreSQL dead-letter table, in this transaction."""
+        moved = Moved()
+        spec = self.spec
+        dl = spec.dead_letter_table
+        if batch.kind in ("replay", "backfill") and dl:
+            for r in batch.ranges:
+                cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s AND "
+                                    "partition = %s AND \"offset\" >= %s AND \"offset\" < %s")
+                            .format(qualified(dl)), (batch.pipeline, r.topic, r.partition,
+                                                     r.from_offset, r.until_offset))
+        stage = stage_table(batch.batch_id)
+        if spec.quality_routes:
+            assert dl is not None
+            moved.dead += route_quality_failures(cur, batch, dl, stage, spec.quality_routes,
+                                                 spec.columns)
+        if spec.routes_tombstones:
+            assert dl is not None
+            moved.dead += dead_letters_from(cur, batch, dl, sql.SQL("{} s").format(stage),
+                                            spec.columns, sql.SQL("s.value IS NULL"),
+                                            sql.Literal(TOMBSTONE_ERROR), "tombstone")
+        before = moved.dead
+        move_stage_dead_letters(cur, batch, spec, moved)
+        self._task_dead = moved.dead - before
+        return moved
+
+    def identifier(self, batch: Batch) -> str:
+        """The pipeline's table, or the one a backfill named (`target_table`)."""
+        if split_table_name(batch.target_table) == split_table_name(self.table_name):
+            return self.iceberg.identifier
+        ns, _, name = batch.target_table.rpartition(".")
+        return f"{ns or DEFAULT_NAMESPACE}.{name}"
+
+    def table(self, ident: str) -> Table:
+        """The target table, created on first use with the configured layout."""
+        from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
+
+        cat = self.catalog
+        try:
+            return cat.load_table(ident)
+        except NoSuchTableError:
+            pass
+        cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
+        try:
+            table = cat.create_table(ident, schema=arrow_schema(self.columns), properties={
+                "write.target-file-size-bytes": str(self.iceberg.target_file_mb << 20)})
+        except TableAlreadyExistsError:  # a concurrent run made it first
+            return cat.load_table(ident)
+        if self.iceberg.partition_by or self.iceberg.sort_by:
+            with table.transaction() as txn:
+                if self.iceberg.partition_by:
+                    with txn.update_spec() as spec:
+                        for f in self.iceberg.partition_by:
+                            spec.add_field(f.column, f.transform, f.name)
+                if self.iceberg.sort_by:
+                    from pyiceberg.table.sorting import NullOrder
+                    from pyiceberg.transforms import IdentityTransform
+
+                    with txn.update_sort_order() as order:
+                        for s in self.iceberg.sort_by:
+                            nulls = NullOrder.NULLS_FIRST if s.nulls_first else \
+                                NullOrder.NULLS_LAST
+                            (order.desc if s.descending else order.asc)(
+                                s.column, IdentityTransform(), nulls)
+            table = cat.load_table(ident)
+        log.info("created Iceberg table %s", ident)
+        return table
+
+
+def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
+    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+        summary = snap.summary.additional_properties if snap.summary else {}
+        found = summary_batch(summary, batch.pipeline, batch.batch_id)
+        if found is not None:
+            return found
+    return None
+
+
+def _fault(point: str) -> None:
+    """Test-only: `after-files` / `after-commit` SIGKILL this driver there;
+    `pause-before-commit:<path>` creates <path> and waits until it is removed (a test
+    breaks a service meanwhile)."""
+    want = os.environ.get(FAULT_ENV, "")
+    if want == point:
+        log.warning("%s=%s: killing this driver (test fault)", FAULT_ENV, point)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "after-files" and want.startswith("pause-before-commit:"):
+        flag = want.split(":", 1)[1]
+        open(flag, "w").close()
+        deadline = time.monotonic() + 600
+        while os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[str, str]
+                    ) -> int | None:
+    """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
+    append `data`. Returns None when this call committed, else the rows of the snapshot an
+    earlier or concurrent attempt committed for the batch."""
+    from pyiceberg.exceptions import CommitFailedException
+
+    for attempt in range(COMMIT_RETRIES):
+        # the snapshot the commit asserts is the one searched here (`find` may have looked
+        # at an older load of the table)
+        found = find_batch(table, batch)
+        if found is not None:
+            return found[0]
+        _no_rebase(table)
+        txn = table.transaction()
+        if batch.kind in ("replay", "backfill"):
+            with warnings.catch_warnings():  # a window with nothing before is no news
+                warnings.filterwarnings("ignore", "Delete operation did not match")
+                txn.delete(window_filter(batch), snapshot_properties=summary)
+        if data.num_rows:
+            try:
+                txn.append(data, snapshot_properties=summary)
+            except ValueError as e:  # pyiceberg's word for rows that do not fit the table
+                raise SchemaMismatchError(
+                    f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
+                    f"{'.'.join(table.name())} ({e}); the table's schema is fixed when "
+                    f"OffsetFlow creates it: evolve it (e.g. Spark ALTER TABLE) or write "
+                    f"to a new sink.table") from e
+        else:  # an empty snapshot still records the batch, so the retry finds it
+            with txn.update_snapshot(snapshot_properties=summary).fast_append():
+                pass
+        _fault("after-files")
+        try:
+            txn.commit_transaction()
+        except CommitFailedException as e:
+            log.warning("batch %d: Iceberg commit conflicted (%s); refreshing and looking "
+                        "for the batch before retrying", batch.batch_id, e)
+            time.sleep(0.2 * (attempt + 1))
+            table.refresh()  # the loop's next round looks for the batch before retrying
+            continue
+        _fault("after-commit")
+        return None
+    raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
+                             f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
+                             f"with other writers; nothing was committed, re-run the batch")
+
+
+def _no_rebase(table: Table) -> None:
+    """pyiceberg retries a conflicting commit itself (`commit.retry.num-retries`, default 4)
+    by rebasing the append onto the new main: a zombie's batch would then land a second
+    time. This view of the table (never the stored properties) retries nothing, so a
+    conflict comes back here and the batch is looked for first."""
+    props = table.metadata.properties
+    if props.get(NO_REBASE[0]) != NO_REBASE[1]:
+        table.metadata = table.metadata.model_copy(
+            update={"properties": {**props, NO_REBASE[0]: NO_REBASE[1]}})
+
+
+def window_filter(batch: Batch) -> Any:
+    """The rows a replay/backfill window produced before: its ranges' coordinates."""
+    from pyiceberg import expressions
+
+    ex: Any = expressions  # pydantic models: mypy cannot read their positional signatures
+    out: Any = None
+    for r in batch.ranges:
+        term = ex.And(ex.EqualTo("topic", r.topic), ex.EqualTo("partition", r.partition),
+                      ex.GreaterThanOrEqual("offset", r.from_offset),
+                      ex.LessThan("offset", r.until_offset))
+        out = term if out is None else ex.Or(out, term)
+    return out
+
+
+def read_stage(cur: psycopg2.extensions.cursor, batch_id: int,
+               columns: Sequence[tuple[str, str]], skip_tombstones: bool) -> pa.Table:
+    """The batch's staged rows as Arrow (dead letters routed out already), with the lineage
+    column, in the table's schema. One COPY to CSV with every column in a form Arrow's
+    C++ CSV reader parses itself (bytea as hex, timestamps as epoch microseconds, dates as
+    day numbers), so no Python runs per row."""
+    schema = arrow_schema(columns)
+    where = sql.SQL(" WHERE value IS NOT NULL") if skip_tombstones else sql.SQL("")
+    exprs = [_csv_expr(n, t) for n, t in columns]
+    buf = io.BytesIO()
+    cur.copy_expert(sql.SQL("COPY (SELECT {} FROM {}{}) TO STDOUT WITH (FORMAT csv)").format(
+        sql.SQL(", ").join(exprs), stage_table(batch_id), where).as_string(cur), buf)
+    names = [f"c{i}" for i in range(len(columns))]
+    raw = pa_csv.read_csv(
+        io.BytesIO(buf.getvalue()),
+        read_options=pa_csv.ReadOptions(column_names=names, block_size=16 << 20),
+        parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+        convert_options=pa_csv.ConvertOptions(
+            column_types={c: _CSV_TYPES.get(t, pa.string()) for c, (_, t) in
+                          zip(names, columns, strict=True)},
+            null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=False))
+    arrays = [_from_csv(raw.column(i), t, schema.field(i).type)
+              for i, (_, t) in enumerate(columns)]
+    arrays.append(pa.chunked_array([pa.array(np.full(raw.num_rows, batch_id, np.int64))]))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+# how a stage column travels through CSV when Arrow cannot parse PostgreSQL's text form
+_CSV_TYPES: dict[str, pa.DataType] = {
+    "bigint": pa.int64(), "integer": pa.int32(), "smallint": pa.int32(),
+    "double precision": pa.float64(), "real": pa.float32(), "boolean": pa.int8(),
+    "timestamptz": pa.int64(), "timestamp": pa.int64(), "date": pa.int32(),
+}
+
+
+def _csv_expr(name: str, pg_type: str) -> sql.Composable:
+    col = sql.Identifier(name)
+    if pg_type == "bytea":
+        return sql.SQL("encode({}, 'hex')").format(col)
+    if pg_type in ("timestamptz", "timestamp"):
+        return sql.SQL("(extract(epoch FROM {}) * 1000000)::bigint").format(col)
+    if pg_type == "date":
+        return sql.SQL("({} - date '1970-01-01')").format(col)
+    if pg_type == "boolean":
+        return sql.SQL("{}::int").format(col)
+    if pg_type == "jsonb" or pg_type.startswith("numeric("):
+        return sql.SQL("{}::text").format(col)
+    return col
+
+
+def _from_csv(col: pa.ChunkedArray, pg_type: str, want: pa.DataType) -> pa.ChunkedArray:
+    if pg_type == "bytea":
+        return pa.chunked_array([_unhex(c) for c in col.chunks], pa.binary())
+    return col.cast(want)
+
+
+def _unhex(hexes: pa.Array) -> pa.Array:
+    """Hex text to binary for a whole chunk at once: the string array's value buffer is
+    every value's hex back to back, so one `bytes.fromhex` decodes them all."""
+    n = len(hexes)
+    if n == 0:
+        return pa.array([], pa.binary())
+    offsets = np.frombuffer(hexes.buffers()[1], np.int32, n + 1, hexes.offset * 4)
+    data = hexes.buffers()[2]
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    decoded = bytes.fromhex(data.to_pybytes()[lo:hi].decode("ascii")) if data else b""
+    new_offsets = ((offsets - lo) // 2).astype(np.int32)
+    validity = None
+    if hexes.null_count:
+        validity = hexes.is_valid().buffers()[1]
+    return pa.Array.from_buffers(pa.binary(), n, [validity, pa.py_buffer(new_offsets),
+                                                  pa.py_buffer(decoded)], hexes.null_count)
+
+
+def remove_orphan_files(table: Table, older_than_s: float = 3600.0) -> list[str]:
+    """Delete data files under the table's data folder that no snapshot references and that
+    are older than `older_than_s` (files of a commit still under way are younger). Returns
+    the removed paths."""
+    from pyarrow import fs as pafs
+
+    referenced: set[str] = set()
+    for snap in table.snapshots():
+        for manifest in snap.manifests(table.io):
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                referenced.add(_plain(entry.data_file.file_path))
+    location = table.location().rstrip("/") + "/data"
+    filesystem, root = pafs.FileSystem.from_uri(location)
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
+    except FileNotFoundError:
+        return []
+    cutoff = time.time() - older_than_s
+    removed = []
+    for info in infos:
+        if info.type != pafs.FileType.File or not info.path.endswith(".parquet"):
+            continue
+        if _plain(info.path) in referenced:
+            continue
+        if info.mtime is not None and info.mtime.timestamp() > cutoff:
+            continue
+        filesystem.delete_file(info.path)
+        removed.append(info.path)
+    if removed:
+        log.info("removed %d orphan data files of %s", len(removed), ".".join(table.name()))
+    return removed
+
+
+def _plain(path: str) -> str:
+    """A file path without its scheme, as pyarrow's file systems name it."""
+    return path.split("://", 1)[1] if "://" in path else path

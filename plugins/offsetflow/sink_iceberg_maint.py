@@ -1,0 +1,104 @@
+"""Upkeep of an Iceberg sink table: data files no snapshot references (written by an
+attempt that died before its catalog commit) are removed, and old snapshots expired, but
+never one that an open batch may still have to find.
+
+    python -m offsetflow.sink_iceberg_maint --pipeline-file include/pipelines/x.yaml \\
+        [--orphans-older-than-hours 1] [--expire-snapshots-older-than-days N]
+
+Snapshot expiry keeps every snapshot younger than the oldest open (planned, running or
+failed) batch of the pipeline: that batch may have committed to Iceberg and died before
+the ledger did, and its retry finds its snapshot among main's ancestors to not append again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from offsetflow.config import PipelineConfig, load_pipeline
+from offsetflow.errors import ConfigError
+from offsetflow.ledger import Ledger
+from offsetflow.sink_iceberg import load_catalog, remove_orphan_files
+
+if TYPE_CHECKING:
+    from pyiceberg.table import Table
+
+log = logging.getLogger(__name__)
+
+# after a batch that needed more than one attempt commits, its dead attempts' files older
+# than this are swept (a younger unreferenced file may belong to a commit under way)
+ORPHAN_GRACE_S = 600.0
+
+
+def sink_table(cfg: PipelineConfig, dsn: str) -> Table:
+    if cfg.sink.iceberg is None:
+        raise ConfigError(cfg.source_file, "sink.type", "is not iceberg")
+    return load_catalog(cfg.sink.iceberg, cfg.sink.connection or dsn).load_table(
+        cfg.sink.iceberg.identifier)
+
+
+def sweep_after_retry(cfg: PipelineConfig, dsn: str, batch_id: int) -> None:
+    """Best effort after a retried batch committed: a failure here never fails it."""
+    try:
+        removed = remove_orphan_files(sink_table(cfg, dsn), ORPHAN_GRACE_S)
+        if removed:
+            log.info("batch %d: removed %d data files of dead attempts", batch_id, len(removed))
+    except Exception as e:  # noqa: BLE001
+        log.warning("batch %d: could not sweep orphan data files (the maintenance command "
+                    "does it later): %s", batch_id, e)
+
+
+def oldest_open_batch_start(dsn: str, pipeline: str) -> datetime | None:
+    with Ledger(dsn) as ledger, ledger.transaction() as cur:
+        cur.execute("""SELECT min(planned_at) FROM offsetflow.batches
+                        WHERE pipeline = %s AND status IN ('planned', 'running', 'failed')""",
+                    (pipeline,))
+        row = cur.fetchone()
+    return row[0] if row else None
+
+
+def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime) -> int:
+    """Expire main's snapshots older than `older_than`, but none younger than the oldest
+    open batch; the current snapshot always stays. Returns how many were expired."""
+    open_since = oldest_open_batch_start(dsn, cfg.name)
+    if open_since is not None:
+        older_than = min(older_than, open_since)
+    table = sink_table(cfg, dsn)
+    current = table.current_snapshot()
+    cutoff_ms = int(older_than.timestamp() * 1000)
+    ids = [s.snapshot_id for s in table.snapshots()
+           if s.timestamp_ms < cutoff_ms and (current is None or s.snapshot_id !=
+                                              current.snapshot_id)]
+    if ids:
+        table.maintenance.expire_snapshots().by_ids(ids).commit()
+    return len(ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m offsetflow.sink_iceberg_maint",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipeline-file", required=True)
+    ap.add_argument("--dsn", default=os.environ.get("OFFSETFLOW_PG_DSN"),
+                    help="the ledger (default $OFFSETFLOW_PG_DSN)")
+    ap.add_argument("--orphans-older-than-hours", type=float, default=1.0)
+    ap.add_argument("--expire-snapshots-older-than-days", type=float, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = load_pipeline(args.pipeline_file)
+    if not args.dsn:
+        ap.error("give --dsn or set OFFSETFLOW_PG_DSN")
+    if args.expire_snapshots_older_than_days is not None:
+        n = expire_snapshots(cfg, args.dsn, datetime.now(UTC) - timedelta(
+            days=args.expire_snapshots_older_than_days))
+        print(f"expired {n} snapshots")
+    removed = remove_orphan_files(sink_table(cfg, args.dsn),
+                                  args.orphans_older_than_hours * 3600)
+    print(f"removed {len(removed)} orphan data files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

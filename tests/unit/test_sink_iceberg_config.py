@@ -1,0 +1,155 @@
+"""The Iceberg sink's pure parts: config validation, partition/sort parsing, the snapshot
+summary that makes a batch findable, catalog properties."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from offsetflow.config import parse_pipeline
+from offsetflow.errors import ConfigError
+from offsetflow.sink_iceberg_config import (
+    PartitionField,
+    SortField,
+    catalog_properties,
+    parse_partition_field,
+    parse_sort_field,
+    snapshot_summary,
+    sqlalchemy_url,
+    summary_batch,
+)
+
+
+def raw(**sink: Any) -> dict[str, Any]:
+    return {"name": "p", "kafka": {"bootstrap_servers": "k:9092"},
+            "source": {"topics": ["t"]},
+            "format": {"type": "json", "schema": {"event_id": "string", "amount": "double"}},
+            "sink": {"type": "iceberg", "connection": "postgresql://u:pw@h:5432/db",
+                     "table": "lake.events", "catalog": {"warehouse": "file:///w"}, **sink}}
+
+
+def test_iceberg_sink_config_is_parsed() -> None:
+    cfg = parse_pipeline(raw(partition_by=["day(timestamp)", "bucket(16, event_id)",
+                                           "partition"],
+                             sort_by=["offset desc nulls first", "event_id"]), "f.yaml", {})
+    ice = cfg.sink.iceberg
+    assert ice is not None
+    assert ice.identifier == "lake.events" and ice.catalog_type == "sql"
+    assert ice.partition_by == (PartitionField("timestamp", "day"),
+                                PartitionField("event_id", "bucket[16]"),
+                                PartitionField("partition", "identity"))
+    assert [p.name for p in ice.partition_by] == ["timestamp_day", "event_id_bucket",
+                                                  "partition"]
+    assert ice.sort_by == (SortField("offset", True, True), SortField("event_id"))
+    assert catalog_properties(ice, cfg.sink.connection) == {
+        "type": "sql", "warehouse": "file:///w",
+        "uri": "postgresql+psycopg2://u:pw@h:5432/db"}
+    assert cfg.redacted()["sink"]["iceberg"]["properties"]["warehouse"] == "file:///w"
+
+
+def test_a_table_without_namespace_goes_to_the_default_one() -> None:
+    ice = parse_pipeline(raw(table="events"), "f.yaml", {}).sink.iceberg
+    assert ice is not None and ice.identifier == "offsetflow.events"
+
+
+def test_postgres_pipelines_have_no_iceberg_section_and_keep_their_fingerprint() -> None:
+    r = raw()
+    r["sink"] = {"connection": "postgresql://h/db", "table": "events"}
+    cfg = parse_pipeline(r, "f.yaml", {})
+    assert cfg.sink.iceberg is None
+    assert "sink_iceberg" not in cfg._output_relevant()
+    ice = parse_pipeline(raw(table="events"), "f.yaml", {})
+    assert ice.fingerprint() != cfg.fingerprint()  # another sink: another output
+
+
+@pytest.mark.parametrize(("sink", "field", "msg"), [
+    ({"mode": "upsert", "key": ["event_id"]}, "sink.mode", "append only"),
+    ({"catalog": {}}, "sink.catalog.warehouse", "needs a warehouse"),
+    ({"catalog": {"type": "rest"}}, "sink.catalog.uri", "needs its uri"),
+    ({"catalog": {"type": "nessie", "warehouse": "w"}}, "sink.catalog.type", "not one of"),
+    ({"catalog": "sql"}, "sink.catalog", "must be a mapping"),
+    ({"partition_by": ["day(nope)"]}, "sink.partition_by[0]", "'nope' is not a column"),
+    ({"partition_by": ["bucket(event_id)"]}, "sink.partition_by[0]", "positive width"),
+    ({"partition_by": ["week(timestamp)"]}, "sink.partition_by[0]", "unknown transform"),
+    ({"partition_by": ["day(1, timestamp)"]}, "sink.partition_by[0]", "takes no width"),
+    ({"partition_by": [3]}, "sink.partition_by[0]", "is not a partition field"),
+    ({"partition_by": {"a": 1}}, "sink.partition_by", "must be a list"),
+    ({"sort_by": ["amount sideways"]}, "sink.sort_by[0]", "is not a sort field"),
+    ({"sort_by": ["missing"]}, "sink.sort_by[0]", "'missing' is not a column"),
+    ({"target_file_mb": 0}, "sink.target_file_mb", "positive integer"),
+    ({"warehouse": "w"}, "sink.warehouse", "unknown field"),
+])
+def test_bad_iceberg_config_names_the_field(sink: dict[str, Any], field: str, msg: str) -> None:
+    with pytest.raises(ConfigError, match=msg) as e:
+        parse_pipeline(raw(**sink), "f.yaml", {})
+    assert e.value.field == field and e.value.source == "f.yaml"
+
+
+def test_iceberg_fields_are_unknown_to_a_postgres_sink() -> None:
+    r = raw()
+    r["sink"] = {"connection": "postgresql://h/db", "table": "events",
+                 "partition_by": ["partition"]}
+    with pytest.raises(ConfigError, match="unknown field") as e:
+        parse_pipeline(r, "f.yaml", {})
+    assert e.value.field == "sink.partition_by"
+
+
+def test_a_transform_pipeline_defers_the_column_check_to_the_table() -> None:
+    r = raw(partition_by=["day(made_by_transform)"])
+    r["transform"] = "pkg.mod.fn"
+    ice = parse_pipeline(r, "f.yaml", {}).sink.iceberg
+    assert ice is not None and ice.partition_by[0].column == "made_by_transform"
+
+
+def test_partition_and_sort_fields_parse() -> None:
+    assert parse_partition_field(" truncate( 4 , topic ) ", "f", "x") == \
+        PartitionField("topic", "truncate[4]")
+    assert parse_partition_field("HOUR(timestamp)", "f", "x") == PartitionField("timestamp",
+                                                                                "hour")
+    assert parse_sort_field("amount ASC NULLS LAST", "f", "x") == SortField("amount")
+
+
+def test_snapshot_summary_round_trip_matches_only_its_own_batch() -> None:
+    s = snapshot_summary("p", 42, "replay", [("t", 0, 10, 20), ("t", 1, 5, 5)], 9, 1)
+    assert s["offsetflow.ranges"] == '[["t",0,10,20],["t",1,5,5]]'
+    assert all(isinstance(v, str) for v in s.values())  # Iceberg summaries are strings
+    assert summary_batch(s, "p", 42) == (9, 1)
+    assert summary_batch(s, "p", 4) is None
+    assert summary_batch(s, "other", 42) is None
+    assert summary_batch({}, "p", 42) is None
+
+
+@pytest.mark.parametrize(("dsn", "url"), [
+    ("postgresql://u:p@h:5/db", "postgresql+psycopg2://u:p@h:5/db"),
+    ("postgres://h/db", "postgresql+psycopg2://h/db"),
+    ("host=h port=5 dbname=db user=u password='p w@x' sslmode=require",
+     "postgresql+psycopg2://u:p%20w%40x@h:5/db?sslmode=require"),
+    ("dbname=db", "postgresql+psycopg2://localhost/db"),
+    ("postgresql+psycopg://u@h/db", "postgresql+psycopg://u@h/db"),
+])
+def test_sqlalchemy_url_from_a_libpq_dsn(dsn: str, url: str) -> None:
+    assert sqlalchemy_url(dsn) == url
+
+
+def test_explicit_catalog_uri_wins_and_secrets_are_redacted() -> None:
+    cfg = parse_pipeline(raw(catalog={"type": "rest", "uri": "https://cat", "token": "s3cr3t",
+                                      "warehouse": "wh"}), "f.yaml", {})
+    assert cfg.sink.iceberg is not None
+    props = catalog_properties(cfg.sink.iceberg, cfg.sink.connection)
+    assert props == {"type": "rest", "uri": "https://cat", "token": "s3cr3t",
+                     "warehouse": "wh"}
+    assert cfg.redacted()["sink"]["iceberg"]["properties"]["token"] == "***"
+
+
+def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None:
+    import pyarrow as pa
+
+    from offsetflow.sink_iceberg import _unhex, arrow_schema, arrow_type
+
+    hexes = pa.array(["00ff", None, "", "616263"])
+    assert _unhex(hexes).to_pylist() == [b"\x00\xff", None, b"", b"abc"]
+    assert _unhex(hexes.slice(1)).to_pylist() == [None, b"", b"abc"]
+    assert _unhex(pa.array([], pa.string())).to_pylist() == []
+    assert arrow_type("numeric(12,3)") == pa.decimal128(12, 3)
+    assert arrow_schema([("offset", "bigint")]).names == ["offset", "_offsetflow_batch_id"]
