@@ -130,7 +130,12 @@ class IcebergSink:
         self._catalog = None
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
-        table = self.table(self.identifier(batch))
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:  # not `table()`: a check made before anything is read knows no columns
+            table = self.catalog.load_table(self.identifier(batch))
+        except NoSuchTableError:
+            return None  # no table holds no batch; `write` creates it
         found = find_batch(table, batch)
         if found is None:
             return None

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from offsetflow.backfill import plan_window, run_batches, submit_window
+from offsetflow.cli import main as cli
 from offsetflow.errors import SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
@@ -133,6 +134,25 @@ def test_killed_between_iceberg_commit_and_ledger_commit_retry_finds_the_snapsho
     assert rep.result.rows_written == len(iceberg_sink_rows(case.cfg, case.dsn))
     assert rep.result.bad_records == 40  # the tombstones, once
     run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+
+
+@pytest.mark.slow
+def test_abandoning_a_batch_its_table_already_holds_completes_it_instead(
+        case: IcebergCase, spark: Any) -> None:
+    """Review s23 H3: killed between the Iceberg commit and the ledger's, then abandoned by
+    an operator: the next plan would read the same ranges and append them again. The ledger
+    is completed from the snapshot instead."""
+    bid = case.planned_batch(3000, seed=29)
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    rc = cli(["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file), "--batch-id",
+              str(bid), "--reason", "operator thinks it is dead"])
+    assert rc == 1  # not abandoned
+    assert case.batch(bid).status == "committed"
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    assert snapshot_batches(case.cfg, case.dsn).count(bid) == 1
     case.assert_exactly_once()
 
 
