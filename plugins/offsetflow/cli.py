@@ -125,34 +125,35 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_abandon(args: argparse.Namespace) -> int:
     """An external sink (Kafka topic, Iceberg table) may hold the batch already (its run
-    died after the sink's commit): then the ledger is completed instead, since abandoning
-    it would plan its ranges again and write them to the sink twice."""
-    from offsetflow.commit import settle_from_sink
+    died after the sink's commit): abandoning it would plan its ranges again and write them
+    to the sink twice, so that is refused; running it again completes it."""
+    from offsetflow.commit import sink_holds
     from offsetflow.errors import BatchStateError
     from offsetflow.orchestration.connections import resolve
     from offsetflow.sinks import external_sink
 
     with Ledger(_dsn(args)) as ledger:
-        owner = ledger.get_batch(args.batch_id).pipeline
+        batch = ledger.get_batch(args.batch_id)
         if args.pipeline or args.pipeline_file:
             cfg: PipelineConfig | None = _pipeline(args)
         else:
             try:
-                cfg = resolve(find_pipeline(owner))
+                cfg = resolve(find_pipeline(batch.pipeline))
             except ConfigError as e:  # its file is elsewhere: say what was not checked
                 log.warning("pipeline %s's config was not found (%s); batch %d is abandoned "
                             "without asking an external sink whether it holds it (pass "
-                            "--pipeline-file to check)", owner, e, args.batch_id)
+                            "--pipeline-file to check)", batch.pipeline, e, args.batch_id)
                 cfg = None
-        if cfg is not None and cfg.name != owner:
-            raise BatchStateError(f"batch {args.batch_id} belongs to pipeline {owner}, "
-                                  f"not {cfg.name}")
+        if cfg is not None and cfg.name != batch.pipeline:
+            raise BatchStateError(f"batch {args.batch_id} belongs to pipeline "
+                                  f"{batch.pipeline}, not {cfg.name}")
         sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
-        settled = settle_from_sink(ledger, args.batch_id, sink) if sink else None
-        if settled is not None:
-            print(f"batch {args.batch_id} was not abandoned: its sink already holds it, so "
-                  f"the ledger now records it as committed ({settled.rows_written} rows)")
-            return 1
+        if sink is not None and batch.is_open and sink_holds(ledger.dsn, batch, sink):
+            raise BatchStateError(
+                f"batch {args.batch_id} is not abandoned: its sink already holds it (a run "
+                f"died after the sink's commit, before the ledger's), and abandoning it would "
+                f"write its records twice. Run it again to complete it: offsetflow run-batch "
+                f"--pipeline {batch.pipeline} --batch-id {args.batch_id}")
         ledger.abandon(args.batch_id, args.reason)
     print(f"batch {args.batch_id} abandoned; its staged data was dropped")
     return 0

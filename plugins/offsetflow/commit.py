@@ -34,11 +34,10 @@ same steps, step 4 part by part while the batch is still being read):
   6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
      included: a retry routes the same rows again, once.
 
-`settle_from_sink` is the same protocol for an external sink whose record of the batch may
-already exist, run before a job reads anything and before a batch is abandoned: step 1, step
-4's `find` only, then steps 3, 5 and 6. A batch the sink already holds is completed in the
-ledger from that record (its stage may be gone, its records deleted from Kafka); abandoning
-it instead would plan its ranges again and write them to the sink a second time.
+`sink_holds` asks an external sink, outside the protocol, whether it holds an open batch
+already (a run died after the sink's commit, before the ledger's): such a batch must never be
+abandoned, which would plan its ranges again and write them twice. Running it again
+completes it (step 4 finds the record), with its dead letters, as any retry does.
 """
 
 from __future__ import annotations
@@ -66,6 +65,7 @@ from offsetflow.errors import (
 from offsetflow.ledger import (
     Batch,
     Ledger,
+    connect,
     dead_letter_stage_table,
     qualified,
     stage_table,
@@ -178,34 +178,17 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
         raise
 
 
-def settle_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink) -> CommitResult | None:
-    """Complete an open batch from the sink's record of it; None when the sink has none
-    (the batch is untouched). See the module docstring."""
+def sink_holds(dsn: str, batch: Batch, sink: ExternalSink) -> bool:
+    """Whether the sink already holds `batch` (step 4's `find`, in a transaction rolled
+    back afterwards: a find may route dead letters, which only a commit may keep)."""
+    conn = connect(dsn)
     try:
-        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
-                                                      ledger.conn.get_backend_pid()):
-            batch = lock_batch(cur, ledger, batch_id)  # 1
-            if batch.status == "committed":
-                return already_committed(batch)
-            moved = sink.find(cur, batch)  # 4, find only
-            if moved is None:
-                return None
-            log.info("batch %d is already committed in its sink; the ledger records it now "
-                     "without reading or writing it again", batch_id)
-            if batch.moves_positions:  # 3
-                _fence_and_advance(cur, batch)
-            staged, moved.per_range = _staged_rows(cur, batch_id), \
-                _staged_per_range(cur, batch_id)
-            return record_batch(cur, ledger, batch, moved, staged, None)  # 5, 6
+        with conn.cursor() as cur:
+            return sink.find(cur, batch) is not None
     finally:
+        conn.rollback()
+        conn.close()
         sink.close()
-
-
-def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
-    cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
-                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
-    row = cur.fetchone()
-    return int(row[0]) if row else 0
 
 
 def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -> Batch:

@@ -29,7 +29,6 @@ from offsetflow.commit import (
     CommitSpec,
     check_fence,
     commit_batch,
-    settle_from_sink,
 )
 from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
 from offsetflow.dead_letters import Coordinate
@@ -388,15 +387,9 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             return RunReport(batch_id, res)
         try:
             _check_topic_identity(cfg, ledger, batch)
-            sink = external_sink(cfg, dsn)
-            # the sink may hold the batch already (a run died after the sink's commit):
-            # then the ledger is completed from that record, whatever the config says now
-            settled = settle_from_sink(ledger, batch_id, sink) if sink is not None else None
         except OffsetFlowError as e:
             ledger.mark_failed(batch_id, str(e))
             raise
-        if settled is not None:
-            return RunReport(batch_id, settled)
         drift = config_drift(cfg, batch.config_fingerprint, batch.split_offsets)
         if drift.output_changed and not accept_config_change:
             err = BatchStateError(

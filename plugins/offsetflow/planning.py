@@ -68,18 +68,18 @@ def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, ba
                                       pipeline=pipeline, batch_id=batch.batch_id)
 
 
-def _settled_from_sink(ledger: Ledger, cfg: PipelineConfig, batch: Batch) -> bool:
-    """Before a batch is abandoned: whether its external sink already committed it, and
-    the ledger now records it (`offsetflow.commit.settle_from_sink`, on a connection of its
-    own: this transaction holds the pipeline lock, not the batch row)."""
-    from offsetflow.commit import settle_from_sink
+def _refuse_if_in_sink(ledger: Ledger, cfg: PipelineConfig, batch: Batch, why: str) -> None:
+    """Before a batch is abandoned: its external sink must not hold it already."""
+    from offsetflow.commit import sink_holds
     from offsetflow.sinks import external_sink
 
     sink = external_sink(cfg, ledger.dsn)
-    if sink is None:
-        return False
-    with Ledger(ledger.dsn) as own:
-        return settle_from_sink(own, batch.batch_id, sink) is not None
+    if sink is not None and sink_holds(ledger.dsn, batch, sink):
+        raise BatchStateError(
+            f"pipeline {cfg.name}: batch {batch.batch_id} should be abandoned ({why}), but "
+            f"its sink already holds it (a run died after the sink's commit); abandoning it "
+            f"would write its records twice. Run it again to complete it (offsetflow "
+            f"run-batch --pipeline {cfg.name} --batch-id {batch.batch_id})")
 
 
 def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
@@ -174,9 +174,8 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                 f"were deleted from Kafka before it read them, so it can never complete. If "
                 f"no job is running it any more, abandon it (offsetflow abandon --batch-id "
                 f"{existing.batch_id} --reason '...'); the next plan skips the gap")
-        if existing is not None and _settled_from_sink(ledger, cfg, existing):
-            existing = None  # its sink holds it: committed now, plan the next batch
         if existing is not None:
+            _refuse_if_in_sink(ledger, cfg, existing, f"{unreadable} were deleted")
             # it can never be read; `continue` means plan again from the earliest offsets
             reason = (f"{unreadable} were deleted from Kafka before this batch could read "
                       f"them (not in its stage either); data_loss: continue planned a new "

@@ -138,19 +138,21 @@ def test_killed_between_iceberg_commit_and_ledger_commit_retry_finds_the_snapsho
 
 
 @pytest.mark.slow
-def test_abandoning_a_batch_its_table_already_holds_completes_it_instead(
+def test_abandoning_a_batch_its_table_already_holds_is_refused(
         case: IcebergCase, spark: Any) -> None:
     """Review s23 H3: killed between the Iceberg commit and the ledger's, then abandoned by
     an operator: the next plan would read the same ranges and append them again. The ledger
-    is completed from the snapshot instead."""
+    is refused instead, and a re-run completes the batch from the snapshot."""
     bid = case.planned_batch(3000, seed=29)
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
     rc = cli(["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file), "--batch-id",
               str(bid), "--reason", "operator thinks it is dead"])
-    assert rc == 1  # not abandoned
-    assert case.batch(bid).status == "committed"
+    assert rc != 0  # refused: not abandoned
+    assert case.batch(bid).status != "abandoned"
+    rep = run_batch(spark, case.cfg, bid, case.dsn)  # what the error says to do
+    assert rep.result.status == "committed"
     run_until_caught_up(case.cfg, case.dsn, spark)
     assert snapshot_batches(case.cfg, case.dsn).count(bid) == 1
     case.assert_exactly_once()

@@ -154,19 +154,21 @@ def test_killed_between_kafka_commit_and_ledger_commit_writes_no_second_copy(
 
 
 @pytest.mark.slow
-def test_abandoning_a_batch_its_topic_already_holds_completes_it_instead(
+def test_abandoning_a_batch_its_topic_already_holds_is_refused(
         spark: Any, case: Case) -> None:
     """Review s23 H1: the driver dies between the Kafka commit and the ledger's, and an
     operator abandons the batch (or a config-drift error advised it). Abandoning would plan
-    the same ranges again and write them a second time: the ledger is completed instead."""
+    the same ranges again and write them a second time: it is refused, and a re-run completes it."""
     proc = case.start("kill_after_commit")
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     assert case.status() != "committed"
     rc = cli(["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file), "--batch-id",
               str(case.batch_id), "--reason", "operator thinks it is dead"])
-    assert rc == 1  # not abandoned
-    assert case.status() == "committed"
+    assert rc != 0  # refused: not abandoned
+    assert case.status() != "abandoned"
+    rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)  # what the error says to do
+    assert rep.result.status == "committed" and rep.result.rows_written == RECORDS
     run_until_caught_up(case.cfg, case.dsn, spark)
     v = case.verdict()
     assert v.in_log == RECORDS  # no second copy, not even an aborted one
