@@ -208,9 +208,10 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
     them keyed by coordinates and writes the sub-range's marker when it is read to its end.
     A tombstone (null value) is a row with a null `value` (see
     `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
-    shared by the sub-ranges it reads; None: one for this sub-range alone."""
+    shared by the small sub-ranges it reads (a large one, or None: a consumer of its
+    own for this sub-range)."""
     from offsetflow.deserialize import BadRecord, arrow_schema, deserialize_json
-    from offsetflow.reader import read_range
+    from offsetflow.reader import SHARED_MAX_SPAN, read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
     typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
@@ -221,8 +222,9 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
                                  rc.generation)
     else:
         sink = bad_sink
-    chunks = iter(read_range(rc.consumer_conf, r) if consumer is None
-                  else read_range(rc.consumer_conf, r, consumer=consumer))
+    shared = consumer is not None and r.span <= SHARED_MAX_SPAN
+    chunks = iter(read_range(rc.consumer_conf, r, consumer=consumer) if shared
+                  else read_range(rc.consumer_conf, r))
     while True:
         with clock.stage("read"):
             chunk = next(chunks, None)
@@ -290,7 +292,7 @@ def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[s
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from offsetflow.reader import range_consumer
 
-        with range_consumer(rc.consumer_conf) as consumer:
+        with range_consumer(rc.consumer_conf, shared=True) as consumer:
             for idx in _subranges(groups, batches):
                 clock = TaskClock()
                 yield from read_subrange(rc, idx, clock, consumer=consumer)
@@ -350,7 +352,7 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
         consumer = contextlib.ExitStack()
 
         def rows() -> Iterator[pa.RecordBatch]:
-            shared = consumer.enter_context(range_consumer(rc.consumer_conf))
+            shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
             for idx in _subranges(groups, batches):
                 yield from read_subrange(rc, idx, clock, bad_in, shared)
         with consumer:

@@ -1,6 +1,8 @@
 """Read exactly one OffsetRange with a confluent-kafka consumer that assigns and seeks.
-A task reading several ranges (`offsetflow.packing`) passes one consumer (`range_consumer`)
-to each `read_range` in turn: per range it costs an assign, not a consumer.
+A task reading several small ranges (`offsetflow.packing`) passes one consumer
+(`range_consumer`) to each `read_range` in turn: per range it costs an assign, not a
+consumer (with its connections and metadata). Large ranges get a consumer each: see
+`SHARED_MAX_SPAN`.
 
 The KafkaRDD of the direct approach, as a plain iterator of Arrow record batches so it
 runs inside Spark's `mapInArrow` (and in tests without Spark). Preconditions as in
@@ -58,6 +60,16 @@ FIRST_CONSUME = 8
 # microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
 # message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
 MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
+# A consumer shared by a task's ranges switches partitions with assign(); the fetch left
+# outstanding for the partition it read up to the log end is long-polled by the broker for
+# fetch.wait.max.ms (500 ms by default) before the next partition's fetch goes out, which made
+# every switch cost half a second. The shared consumer waits SHARED_FETCH_WAIT_MS instead
+# (a pipeline's client.fetch.wait.max.ms wins): ~3 ms a switch, against ~6 ms for a fresh
+# consumer locally and far more against a remote TLS cluster. While it sits at a log end it
+# then fetches every few ms, so only ranges of up to SHARED_MAX_SPAN offsets share it (read
+# in milliseconds); a larger range gets a consumer of its own with the default wait.
+SHARED_FETCH_WAIT_MS = 2
+SHARED_MAX_SPAN = 10_000
 # Transient errors (leader moving, broker restarting): retried with exponential backoff for
 # as long as a read may stall (`stall_timeout_s`)
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -151,10 +163,14 @@ def check_preconditions(conf: Mapping[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def range_consumer(conf: Mapping[str, str]) -> Iterator[Consumer]:
-    """A consumer for reading ranges one after the other (`read_range(consumer=...)`)."""
+def range_consumer(conf: Mapping[str, str], shared: bool = False) -> Iterator[Consumer]:
+    """A consumer for reading ranges; `shared`: one after the other, small ones
+    (`read_range(consumer=...)`, see SHARED_FETCH_WAIT_MS)."""
     check_preconditions(conf)
-    consumer = Consumer(consumer_conf(conf))
+    settings = consumer_conf(conf)
+    if shared:
+        settings.setdefault("fetch.wait.max.ms", str(SHARED_FETCH_WAIT_MS))
+    consumer = Consumer(settings)
     try:
         yield consumer
     finally:

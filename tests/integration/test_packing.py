@@ -149,3 +149,26 @@ def test_commit_refuses_a_part_that_read_other_sub_ranges_and_the_retry_commits_
                          "AND part = 1", (bid,)) in ([], [(list(groups[1]),)])
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "committed"
     _exactly_once(pg_dsn, cfg.sink.table, 120)
+
+
+def test_a_shared_consumer_switches_ranges_without_waiting_out_a_fetch(
+        kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Each small range read to its partition's end left a fetch the broker long-polls for
+    fetch.wait.max.ms (500 ms); the next range's records waited behind it: 20 ranges took
+    10 s on one consumer. The shared consumer's switch costs milliseconds."""
+    import time
+
+    from offsetflow.ranges import OffsetRange
+
+    topic = make_topic("pks", 20)
+    produce_plain(kafka_bootstrap, topic, 200, f"pks{unique}", 20)
+    conf = pipeline_for(topic, "postgresql://unused", kafka_bootstrap,
+                        f"pks_{unique}").consumer_settings()
+    with reader.range_consumer(conf, shared=True) as consumer:
+        t = time.monotonic()
+        got = [len(c) for p in range(20)
+               for c in reader.read_range(conf, OffsetRange(topic, p, 0, 10),
+                                          consumer=consumer)]
+        took = time.monotonic() - t
+    assert sum(got) == 200
+    assert took < 4.0, f"20 ranges on one consumer took {took:.1f}s"
