@@ -356,7 +356,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
             for idx in _subranges(groups, batches):
                 yield from read_subrange(rc, idx, clock, bad_in, shared)
         with consumer:
-            stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
+            stats = stage_rows(dsn, batch_id, part, _coalesced(rows()), clock,
+                               binary_encoder(pg_types),
                                table=stage_part_table(batch_id, part),
                                bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
                                generation=generation,
@@ -364,6 +365,26 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
+
+
+def _coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Successive small chunks (a packed task's ranges of a few records each) as one, so
+    they cost one COPY and savepoint, not one per range; a chunk stays within the reader's
+    row and byte bounds, and chunks of another schema are never joined."""
+    from offsetflow.reader import MAX_CHUNK_BYTES, MAX_CHUNK_ROWS
+
+    buf: list[pa.RecordBatch] = []
+    rows = size = 0
+    for b in batches:
+        if buf and (rows + b.num_rows > MAX_CHUNK_ROWS or size + b.nbytes > MAX_CHUNK_BYTES
+                    or not b.schema.equals(buf[0].schema)):
+            yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+            buf, rows, size = [], 0, 0
+        buf.append(b)
+        rows += b.num_rows
+        size += b.nbytes
+    if buf:
+        yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
 
 
 def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
