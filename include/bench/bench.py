@@ -1,8 +1,11 @@
-"""`make bench`: OffsetFlow against Spark's built-in Kafka source and a single-process baseline.
+"""`make bench`: OffsetFlow against Spark's built-in Kafka source, a single-process baseline
+and the machine's floor (one consumer reading the rows unparsed; binary COPY of them into the
+target with its unique index: `floors.py`).
 
     python include/bench/bench.py [--records 1000000] [--partitions 6] [--runs 3]
                                   [--scaling 100000,1000000,5000000] [--scaling-runs 3]
                                   [--partition-scaling 100,1000] [--partition-records 100000]
+                                  [--many-partitions 1000] [--many-partition-records 10]
                                   [--out bench-results]
 
 Needs the local stack (`make up`); starts the Spark Connect server and the Spark standalone
@@ -42,8 +45,8 @@ from offsetflow.metrics import load_task_metrics
 from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
-ENGINES = ("baseline", "spark-builtin", "offsetflow-local", "offsetflow-connect",
-           "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg",
+ENGINES = ("source-floor", "sink-floor", "baseline", "spark-builtin", "offsetflow-local",
+           "offsetflow-connect", "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
@@ -287,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="partition counts for end-to-end runs of --partition-records records "
                          "(warm local OffsetFlow; '' to skip)")
     ap.add_argument("--partition-records", type=int, default=100_000)
+    ap.add_argument("--many-partitions", type=int, default=1000,
+                    help="many small partitions, end to end warm local (0 to skip)")
+    ap.add_argument("--many-partition-records", type=int, default=10,
+                    help="records per partition of the --many-partitions run")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--max-offsets-per-task", type=int, default=DEFAULT_MAX_OFFSETS_PER_TASK,
                     help="OffsetFlow's split of ranges into Spark tasks (the built-in source "
@@ -344,10 +351,17 @@ def main(argv: list[str] | None = None) -> int:
 
     by_partitions = [(f"{label_of(args.partition_records)}_{p}p", args.partition_records,
                       int(p)) for p in args.partition_scaling.split(",") if p]
+    many_label = None
+    if args.many_partitions:
+        many = args.many_partitions * args.many_partition_records
+        many_label = f"{label_of(many)}_{args.many_partitions}p"
+        by_partitions.append((many_label, many, args.many_partitions))
     partition_jobs = [job(ensure_dataset(bootstrap, n, p), args.scaling_runs, label)
                       for label, n, p in by_partitions]
 
     jobs = {
+        "source-floor": [job(main_ds, args.runs)],
+        "sink-floor": [job(main_ds, args.runs)],
         "baseline": [job(main_ds, args.runs)] + [job(d, args.scaling_runs) for d in scaling],
         "spark-builtin": [job(main_ds, args.runs)],
         "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
@@ -361,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
+    connect_was_up = "connect   up" in subprocess.run([*STACK, "status"], capture_output=True,
+                                                      text=True).stdout
     for engine in engines:
         extra: list[int] = []
         if engine == "offsetflow-connect":
@@ -376,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if engine == "offsetflow-connect":  # it runs with bench metrics on: not for reuse
                 subprocess.run([*STACK, "connect-stop"], check=True)
+                if connect_was_up:  # make up's server, which the shipped pipelines use
+                    subprocess.run([*STACK, "connect-start"], check=True)
             if stop_cluster:
                 subprocess.run([*STACK, "spark-cluster-stop"], check=True)
     results = [r for e in raw.values() for r in e["results"]]
@@ -421,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
                              if plan else None)
+    goal_rows += report.speed_goals(summary, main_label, small_label, many_label)
     doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
            "duration_s": round(time.time() - started, 1),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -440,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
                   report.ratio(summary, "offsetflow-iceberg", "offsetflow-local", main_label)}
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
            | {f"offsetflow-kafka/spark-builtin-kafka@{main_label}": report.ratio(
-               summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)},
+               summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)}
+           | {f"{w}/floor@{main_label}": (round(summary[w][main_label]["wall_s"]["median"]
+                                                / low[1], 3))
+              for w in report.WARM_OFFSETFLOW
+              if (low := report.floor(summary, main_label)) and main_label in summary.get(w, {})},
            "runs": results}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     md = report.markdown(summary, goal_rows, fixed)

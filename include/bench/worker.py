@@ -75,6 +75,14 @@ def main(spec_path: str) -> int:
     elif engine == "baseline":
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             return engines.baseline_run(ds, name, ctx)
+    elif engine in ("source-floor", "sink-floor"):
+        import floors
+
+        floor_run = floors.source_floor_run if engine == "source-floor" \
+            else floors.sink_floor_run
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return floor_run(ds, name, ctx)
     else:
         raise SystemExit(f"unknown engine {engine!r}")
     spark_start_s = time.perf_counter() - t

@@ -1,10 +1,12 @@
 """Step 2 and 3 of the lifecycle on Spark: read a planned batch, stage it, commit it.
 
 DataFrame API only (`mapInArrow`), so the same job runs on a local SparkSession, through
-spark-submit on a cluster, or over Spark Connect. One Spark task per (sub-)range reads it
-with `offsetflow.reader`; rows are staged by the tasks and committed by the driver in one
-PostgreSQL transaction (`offsetflow.commit.commit_batch`; in append mode
-`offsetflow.partwise.PartwiseCommit`, which starts moving parts while later ones are read).
+spark-submit on a cluster, or over Spark Connect. Large ranges are split into sub-ranges and
+small ones packed into about 4 tasks per core (`offsetflow.packing`); a task reads its
+sub-ranges with one `offsetflow.reader` consumer; rows are staged by the tasks and
+committed by the driver in one PostgreSQL transaction (`offsetflow.commit.commit_batch`; in
+append mode `offsetflow.partwise.PartwiseCommit`, which starts moving parts while later ones
+are read).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from offsetflow.errors import (
 )
 from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
 from offsetflow.metrics import TaskClock
+from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.sinks import external_sink
-from offsetflow.stage_reset import stage_generation
+from offsetflow.stage_reset import claim_pack_tasks, stage_generation
 from offsetflow.staging import (
     BadBuffer,
     BadRows,
@@ -199,14 +202,17 @@ class ReadContext:
 
 
 def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
-                  bad_sink: BadBuffer | None = None) -> Iterator[pa.RecordBatch]:
+                  bad_sink: BadBuffer | None = None, consumer: Any = None
+                  ) -> Iterator[pa.RecordBatch]:
     """Raw columns + typed fields of sub-range `idx`, chunk by chunk. Bad records go to
     `bad_sink` (the caller's staging transaction), else to a `SubrangeBad` that records
     them keyed by coordinates and writes the sub-range's marker when it is read to its end.
     A tombstone (null value) is a row with a null `value` (see
-    `deserialize.tombstone_fields`)."""
+    `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
+    shared by the small sub-ranges it reads (a large one, or None: a consumer of its
+    own for this sub-range)."""
     from offsetflow.deserialize import BadRecord, arrow_schema, deserialize_json
-    from offsetflow.reader import read_range
+    from offsetflow.reader import SHARED_MAX_SPAN, read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
     typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
@@ -217,7 +223,9 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
                                  rc.generation)
     else:
         sink = bad_sink
-    chunks = iter(read_range(rc.consumer_conf, r))
+    shared = consumer is not None and r.span <= SHARED_MAX_SPAN
+    chunks = iter(read_range(rc.consumer_conf, r, consumer=consumer) if shared
+                  else read_range(rc.consumer_conf, r))
     while True:
         with clock.stage("read"):
             chunk = next(chunks, None)
@@ -267,17 +275,28 @@ def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
     return [good[j] for j in keep], typed, bad
 
 
+def _subranges(groups: list[tuple[int, ...]] | None, ids: Iterator[pa.RecordBatch]
+               ) -> Iterator[int]:
+    """The sub-ranges a task reads: its ids are sub-ranges, or (`groups`) packed parts."""
+    for b in ids:
+        for i in b.column("id").to_pylist():
+            yield from (i,) if groups is None else groups[i]
+
+
 def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-                generation: int | None = None
+                generation: int | None = None, groups: list[tuple[int, ...]] | None = None
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """DataFrame path (a transform is configured): rows go to Spark for the transform."""
+    """DataFrame path (a transform is configured): rows go to Spark for the transform.
+    `groups`: the sub-ranges each task id reads (`offsetflow.packing`), else one each."""
     rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for b in batches:
-            for idx in b.column("id").to_pylist():
+        from offsetflow.reader import range_consumer
+
+        with range_consumer(rc.consumer_conf, shared=True) as consumer:
+            for idx in _subranges(groups, batches):
                 clock = TaskClock()
-                yield from read_subrange(rc, idx, clock)
+                yield from read_subrange(rc, idx, clock, consumer=consumer)
                 clock.emit(batch_id, "read", idx)
     return read
 
@@ -313,31 +332,60 @@ def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = 
 
 
 def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
-                        specs: list[dict[str, Any]], generation: int | None = None
+                        specs: list[dict[str, Any]], generation: int | None = None,
+                        groups: list[tuple[int, ...]] | None = None
                         ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Fused path (no transform): each task reads its sub-range and COPYs it into the stage
-    itself, so records never cross into the JVM and back. Spark schedules, retries and
-    spreads the tasks; the stage marker still makes a retried task stage nothing twice."""
+    """Fused path (no transform): each task reads its sub-ranges (`groups[part]`, packed by
+    `offsetflow.packing`; without `groups`, the sub-range its id names) with one consumer
+    and COPYs them into its stage part itself, so records never cross into the JVM and
+    back. Spark schedules, retries and spreads the tasks; the stage marker, which names the
+    sub-ranges, still makes a retried task stage nothing twice."""
     rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
     pg_types = [t for _, t in stage_columns(cfg)]
 
     def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from offsetflow.reader import range_consumer
+
         part = _task_part()
         clock = TaskClock(ignore=("wait_upstream",))  # here upstream is read + deserialize
 
         bad_in = BadBuffer()  # read-side bad records: written in the part's transaction
+        consumer = contextlib.ExitStack()
 
         def rows() -> Iterator[pa.RecordBatch]:
-            for b in batches:
-                for idx in b.column("id").to_pylist():
-                    yield from read_subrange(rc, idx, clock, bad_in)
-        stats = stage_rows(dsn, batch_id, part, rows(), clock, binary_encoder(pg_types),
-                           table=stage_part_table(batch_id, part),
-                           bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
-                           generation=generation)
+            shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
+            for idx in _subranges(groups, batches):
+                yield from read_subrange(rc, idx, clock, bad_in, shared)
+        with consumer:
+            stats = stage_rows(dsn, batch_id, part, _coalesced(rows()), clock,
+                               binary_encoder(pg_types),
+                               table=stage_part_table(batch_id, part),
+                               bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
+                               generation=generation,
+                               subranges=None if groups is None else groups[part])
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
+
+
+def _coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Successive small chunks (a packed task's ranges of a few records each) as one, so
+    they cost one COPY and savepoint, not one per range; a chunk stays within the reader's
+    row and byte bounds, and chunks of another schema are never joined."""
+    from offsetflow.reader import MAX_CHUNK_BYTES, MAX_CHUNK_ROWS
+
+    buf: list[pa.RecordBatch] = []
+    rows = size = 0
+    for b in batches:
+        if buf and (rows + b.num_rows > MAX_CHUNK_ROWS or size + b.nbytes > MAX_CHUNK_BYTES
+                    or not b.schema.equals(buf[0].schema)):
+            yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+            buf, rows, size = [], 0, 0
+        buf.append(b)
+        rows += b.num_rows
+        size += b.nbytes
+    if buf:
+        yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
 
 
 def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
@@ -433,6 +481,23 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
     return report
 
 
+def _cores(spark: SparkSession) -> int:
+    """The cores the batch's tasks run on: the session's default parallelism (a Spark
+    Connect client cannot ask for it: the server's `spark.default.parallelism` if set,
+    else this machine's, where the local server runs)."""
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
+        pass
+    try:
+        value = spark.conf.get("spark.default.parallelism", None)
+        if value:
+            return int(value)
+    except Exception:  # noqa: BLE001
+        pass
+    return os.cpu_count() or 1
+
+
 def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> None:
     """Before anything is read: the batch's topics are the ones it was planned with."""
     from offsetflow.kafka_meta import KafkaMetadata
@@ -520,10 +585,15 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                                   restart=not fused)
     subranges = split_ranges(batch.ranges, cfg.spark.max_offsets_per_task)
     specs = [r.to_dict() for r in subranges]
-    n = max(len(specs), 1)
-    ids = spark.range(0, len(specs), 1, n)
+    # small sub-ranges share a task, as many tasks as the batch's first run chose
+    packing = pack(subranges, claim_pack_tasks(ledger, batch.batch_id,
+                                               task_count(_cores(spark))),
+                   cfg.spark.max_offsets_per_task)
+    groups = list(packing.groups)
+    n = max(len(groups), 1)
+    ids = spark.range(0, len(groups), 1, n)
     if cfg.transform:
-        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation),
+        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups),
                             spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
         missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
@@ -539,7 +609,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     else:
         columns = stage_columns(cfg)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
-                                                     generation), STATS_DDL)
+                                                     generation, groups), STATS_DDL)
     if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
         from offsetflow.sink_kafka_form import output_topic
 

@@ -46,7 +46,7 @@ from offsetflow.commit import (
 from offsetflow.commit_locks import lock_errors
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
 from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
-from offsetflow.ranges import OffsetRange
+from offsetflow.packing import Packing
 from offsetflow.stage_layout import Marker
 from offsetflow.stage_reset import check_layout, check_markers, forget_parts, layout_of
 
@@ -73,7 +73,7 @@ class PartwiseCommit:
         self.parts = parts
         self.timings = timings
         self._moved_parts: set[int] = set()
-        self._layout: tuple[int, list[OffsetRange] | None] | None = None
+        self._layout: tuple[int, Packing | None] | None = None
         self._finish = threading.Event()
         self._aborted = False
         self._expected_parts = 0
@@ -179,15 +179,16 @@ class PartwiseCommit:
 
     def _move_staged_parts(self, cur: psycopg2.extensions.cursor, moved: Moved,
                            timing: str) -> None:
-        cur.execute("""SELECT part, rows_staged, per_partition, generation
+        cur.execute("""SELECT part, rows_staged, per_partition, generation, subranges
                          FROM offsetflow.staged_parts
                         WHERE batch_id = %s AND kind = 'rows' AND NOT (part = ANY(%s))
                           AND part < %s ORDER BY part""",
                     (self.batch.batch_id, sorted(self._moved_parts), self.parts))
-        for part, rows_staged, per_tp, generation in cur.fetchall():
+        for part, rows_staged, per_tp, generation, subranges in cur.fetchall():
             assert self._layout is not None
             # a part of another layout is never moved (nor locked: its retry may drop it)
-            check_markers(self.batch.batch_id, [Marker("rows", part, generation, per_tp)],
+            check_markers(self.batch.batch_id,
+                          [Marker("rows", part, generation, per_tp, subranges)],
                           *self._layout)
             t = time.monotonic()
             table = stage_part_table(self.batch.batch_id, part)

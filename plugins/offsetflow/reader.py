@@ -1,4 +1,8 @@
 """Read exactly one OffsetRange with a confluent-kafka consumer that assigns and seeks.
+A task reading several small ranges (`offsetflow.packing`) passes one consumer
+(`range_consumer`) to each `read_range` in turn: per range it costs an assign, not a
+consumer (with its connections and metadata). Large ranges get a consumer each: see
+`SHARED_MAX_SPAN`.
 
 The KafkaRDD of the direct approach, as a plain iterator of Arrow record batches so it
 runs inside Spark's `mapInArrow` (and in tests without Spark). Preconditions as in
@@ -11,6 +15,7 @@ partition before `until_offset`, or finding the start deleted, is an error.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -55,6 +60,16 @@ FIRST_CONSUME = 8
 # microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
 # message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
 MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
+# A consumer shared by a task's ranges switches partitions with assign(); the fetch left
+# outstanding for the partition it read up to the log end is long-polled by the broker for
+# fetch.wait.max.ms (500 ms by default) before the next partition's fetch goes out, which made
+# every switch cost half a second. The shared consumer waits SHARED_FETCH_WAIT_MS instead
+# (a pipeline's client.fetch.wait.max.ms wins): ~3 ms a switch, against ~6 ms for a fresh
+# consumer locally and far more against a remote TLS cluster. While it sits at a log end it
+# then fetches every few ms, so only ranges of up to SHARED_MAX_SPAN offsets share it (read
+# in milliseconds); a larger range gets a consumer of its own with the default wait.
+SHARED_FETCH_WAIT_MS = 2
+SHARED_MAX_SPAN = 10_000
 # Transient errors (leader moving, broker restarting): retried with exponential backoff for
 # as long as a read may stall (`stall_timeout_s`)
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -147,98 +162,138 @@ def check_preconditions(conf: Mapping[str, str]) -> None:
             raise ValueError(f"reader consumer needs {k}={v}, got {conf.get(k)!r}")
 
 
+@contextlib.contextmanager
+def range_consumer(conf: Mapping[str, str], shared: bool = False) -> Iterator[Consumer]:
+    """A consumer for reading ranges; `shared`: one after the other, small ones
+    (`read_range(consumer=...)`, see SHARED_FETCH_WAIT_MS)."""
+    check_preconditions(conf)
+    settings = consumer_conf(conf)
+    if shared:
+        settings.setdefault("fetch.wait.max.ms", str(SHARED_FETCH_WAIT_MS))
+    consumer = Consumer(settings)
+    try:
+        yield consumer
+    finally:
+        consumer.close()
+
+
 def read_range(conf: Mapping[str, str], r: OffsetRange, max_rows: int = MAX_CHUNK_ROWS,
                poll_timeout_s: float = 1.0, stall_timeout_s: float = 300.0,
-               max_bytes: int = MAX_CHUNK_BYTES) -> Iterator[RawChunk]:
+               max_bytes: int = MAX_CHUNK_BYTES, consumer: Consumer | None = None
+               ) -> Iterator[RawChunk]:
     """Yield the records of `r` in offset order, in chunks of at most `max_rows` records
     and about `max_bytes` of keys, values and headers (a chunk ends after the record that
-    passes it).
+    passes it). With `consumer` (`range_consumer`), that one is assigned to `r` (its
+    previous assignment ends) and left open, else one of its own is made and closed.
     A record whose timestamp cannot be written is kept, with its reason in `refused`."""
     if r.is_empty:
         return
-    check_preconditions(conf)
-    consumer = Consumer(consumer_conf(conf))
-    try:
-        consumer.assign([KTopicPartition(r.topic, r.partition, r.from_offset)])
-        chunk = RawChunk()
-        reached = r.from_offset  # every offset below this is accounted for
-        last_progress = time.monotonic()
-        backoff = Backoff(stall_timeout_s)
-        seen_records = seen_bytes = 0
-        while reached < r.until_offset:
-            want = consume_size(max_rows - len(chunk), max_bytes - chunk.nbytes,
-                                r.until_offset - reached, seen_records, seen_bytes)
-            msgs = consumer.consume(num_messages=want, timeout=poll_timeout_s)
-            if not msgs:
-                stalled = time.monotonic() - last_progress
-                if stalled > 30 and int(stalled) % 30 == 0:
-                    log.warning("%s: no record for %.0fs at offset %d (broker restarting or "
-                                "leader moving?); still waiting", r, stalled, reached)
-                if stalled > stall_timeout_s:
-                    lo, hi = _watermarks(consumer, r)
-                    raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
-                                         reached, f"no progress for {stall_timeout_s:.0f}s "
-                                                  f"(partition offsets now [{lo}, {hi}))")
-                continue
-            before = reached
-            until = r.until_offset
-            for m in msgs:  # the hot loop: one pass per record, locals only
-                err = m.error()
-                if err is not None:
-                    reached = _handle_error(consumer, r, err, m.offset(), reached, backoff)
-                    if reached >= until:
-                        break
-                    continue
-                off = m.offset()
-                if off is None:
-                    continue
-                if off >= until:
-                    reached = until
+    with contextlib.ExitStack() as own:
+        if consumer is None:
+            consumer = own.enter_context(range_consumer(conf))
+        else:
+            check_preconditions(conf)
+        yield from _read(consumer, r, max_rows, poll_timeout_s, stall_timeout_s, max_bytes)
+
+
+def _foreign(m: Any, r: OffsetRange) -> bool:
+    """A record or partition event (end of partition, say) of another partition than `r`'s;
+    errors of no partition (topic None) concern every range."""
+    topic = m.topic()
+    return topic is not None and (topic != r.topic or m.partition() != r.partition)
+
+
+def _other_partition(msgs: list[Any], r: OffsetRange) -> bool:
+    """Whether a consume() batch may hold a record or event of a range read before `r` on
+    the same consumer. librdkafka discards what it fetched for an old assignment; this
+    checks that it did, per batch, not per record (its first and last message: what is
+    left of an old assignment comes first)."""
+    return _foreign(msgs[0], r) or _foreign(msgs[-1], r)
+
+
+def _read(consumer: Consumer, r: OffsetRange, max_rows: int, poll_timeout_s: float,
+          stall_timeout_s: float, max_bytes: int) -> Iterator[RawChunk]:
+    """The body of `read_range`, on a consumer it may not own."""
+    consumer.assign([KTopicPartition(r.topic, r.partition, r.from_offset)])
+    chunk = RawChunk()
+    reached = r.from_offset  # every offset below this is accounted for
+    last_progress = time.monotonic()
+    backoff = Backoff(stall_timeout_s)
+    seen_records = seen_bytes = 0
+    while reached < r.until_offset:
+        want = consume_size(max_rows - len(chunk), max_bytes - chunk.nbytes,
+                            r.until_offset - reached, seen_records, seen_bytes)
+        msgs = consumer.consume(num_messages=want, timeout=poll_timeout_s)
+        if not msgs:
+            stalled = time.monotonic() - last_progress
+            if stalled > 30 and int(stalled) % 30 == 0:
+                log.warning("%s: no record for %.0fs at offset %d (broker restarting or "
+                            "leader moving?); still waiting", r, stalled, reached)
+            if stalled > stall_timeout_s:
+                lo, hi = _watermarks(consumer, r)
+                raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
+                                     reached, f"no progress for {stall_timeout_s:.0f}s "
+                                              f"(partition offsets now [{lo}, {hi}))")
+            continue
+        if _other_partition(msgs, r):
+            msgs = [m for m in msgs if not _foreign(m, r)]
+        before = reached
+        until = r.until_offset
+        for m in msgs:  # the hot loop: one pass per record, locals only
+            err = m.error()
+            if err is not None:
+                reached = _handle_error(consumer, r, err, m.offset(), reached, backoff)
+                if reached >= until:
                     break
-                if off < reached:  # never yield an offset twice
-                    continue
-                ts_type, ts = m.timestamp()
-                if ts_type and ts > MAX_TIMESTAMP_MS:
-                    chunk.refused[len(chunk.offsets)] = (
-                        f"Kafka timestamp {ts} ms is beyond the largest timestamp "
-                        f"PostgreSQL and Arrow hold (year ~294,000)")
-                    ts_type = 0
-                chunk.offsets.append(off)
-                chunk.timestamps.append(ts * 1000 if ts_type else None)
-                chunk.timestamp_types.append(ts_type)
-                key, value = m.key(), m.value()
-                chunk.keys.append(key)
-                chunk.values.append(value)
-                nb = 0
-                if value is not None:
-                    nb = len(value)
-                if key is not None:
-                    nb += len(key)
-                hdrs = _headers(m)
-                if hdrs is _UNREADABLE:
-                    chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
-                    hdrs = None
-                if hdrs:
-                    chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
-                    # names as characters (ASCII in practice), values as bytes
-                    nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0)
-                              for h in hdrs)
-                else:
-                    chunk.headers.append(None)
-                chunk.nbytes += nb
-                seen_bytes += nb
-                seen_records += 1
-                reached = off + 1
-                if len(chunk.offsets) >= max_rows or chunk.nbytes >= max_bytes:
-                    yield chunk
-                    chunk = RawChunk()
-            if reached > before:
-                last_progress = time.monotonic()
-                backoff.reset()
-        if len(chunk):
-            yield chunk
-    finally:
-        consumer.close()
+                continue
+            off = m.offset()
+            if off is None:
+                continue
+            if off >= until:
+                reached = until
+                break
+            if off < reached:  # never yield an offset twice
+                continue
+            ts_type, ts = m.timestamp()
+            if ts_type and ts > MAX_TIMESTAMP_MS:
+                chunk.refused[len(chunk.offsets)] = (
+                    f"Kafka timestamp {ts} ms is beyond the largest timestamp "
+                    f"PostgreSQL and Arrow hold (year ~294,000)")
+                ts_type = 0
+            chunk.offsets.append(off)
+            chunk.timestamps.append(ts * 1000 if ts_type else None)
+            chunk.timestamp_types.append(ts_type)
+            key, value = m.key(), m.value()
+            chunk.keys.append(key)
+            chunk.values.append(value)
+            nb = 0
+            if value is not None:
+                nb = len(value)
+            if key is not None:
+                nb += len(key)
+            hdrs = _headers(m)
+            if hdrs is _UNREADABLE:
+                chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
+                hdrs = None
+            if hdrs:
+                chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
+                # names as characters (ASCII in practice), values as bytes
+                nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0)
+                          for h in hdrs)
+            else:
+                chunk.headers.append(None)
+            chunk.nbytes += nb
+            seen_bytes += nb
+            seen_records += 1
+            reached = off + 1
+            if len(chunk.offsets) >= max_rows or chunk.nbytes >= max_bytes:
+                yield chunk
+                chunk = RawChunk()
+        if reached > before:
+            last_progress = time.monotonic()
+            backoff.reset()
+    if len(chunk):
+        yield chunk
 
 
 _UNREADABLE: list[tuple[str, bytes | None]] = []

@@ -26,8 +26,9 @@ from offsetflow.ledger import (
     stage_part_table,
     stage_table,
 )
-from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.stage_layout import Marker, foreign_markers
+from offsetflow.packing import Packing, pack
+from offsetflow.ranges import split_ranges
+from offsetflow.stage_layout import Layout, Marker, foreign_markers
 
 log = logging.getLogger(__name__)
 
@@ -143,25 +144,43 @@ def stage_generation(ledger: Ledger, batch: Batch, split_offsets: int,
     return int(generation)
 
 
+def claim_pack_tasks(ledger: Ledger, batch_id: int, tasks: int) -> int:
+    """The task count the batch is packed into (`offsetflow.packing`): `tasks` on its first
+    run, the recorded one ever after, so every attempt (on another core count too, and a
+    zombie) draws the same parts."""
+    with ledger.transaction() as cur:
+        cur.execute("UPDATE offsetflow.batches SET pack_tasks = COALESCE(pack_tasks, %s) "
+                    "WHERE batch_id = %s RETURNING pack_tasks", (tasks, batch_id))
+        row = cur.fetchone()
+    assert row is not None, f"batch {batch_id} is not in the ledger"
+    return int(row[0])
+
+
+def packing_of(batch: Batch, pack_tasks: int | None) -> Packing:
+    """The fused path's parts: the batch's split, packed as recorded."""
+    return pack(split_ranges(batch.ranges, batch.split_offsets), pack_tasks,
+                batch.split_offsets)
+
+
 def layout_of(cur: psycopg2.extensions.cursor, batch: Batch, generation: int | None,
-              subrange_parts: bool) -> tuple[int, list[OffsetRange] | None]:
+              subrange_parts: bool) -> tuple[int, Packing | None]:
     """In the commit, under the batch lock: the stage generation and (fused path) the
-    sub-ranges its parts stand for. A run whose own generation is not the batch's is a
-    zombie: StaleStageError, and it drops nothing."""
-    cur.execute("SELECT stage_generation FROM offsetflow.batches WHERE batch_id = %s",
-                (batch.batch_id,))
+    packing of sub-ranges its parts stand for. A run whose own generation is not the
+    batch's is a zombie: StaleStageError, and it drops nothing."""
+    cur.execute("SELECT stage_generation, pack_tasks FROM offsetflow.batches "
+                "WHERE batch_id = %s", (batch.batch_id,))
     row = cur.fetchone()
     assert row is not None
     current = int(row[0])
     if generation is not None and generation != current:
         raise StaleStageError(batch.batch_id, generation, current)
-    split = split_ranges(batch.ranges, batch.split_offsets) \
+    packing = packing_of(batch, None if row[1] is None else int(row[1])) \
         if subrange_parts and batch.split_offsets else None
-    return current, split
+    return current, packing
 
 
 def check_markers(batch_id: int, markers: list[Marker], generation: int,
-                  split: list[OffsetRange] | None) -> None:
+                  split: Layout) -> None:
     """Refuse parts of another layout (`offsetflow.stage_layout`) as lost: the commit rolls
     back and they are dropped, so the next run stages them again under this layout."""
     foreign = foreign_markers(markers, generation, split)
@@ -189,7 +208,7 @@ def check_layout(cur: psycopg2.extensions.cursor, batch: Batch, generation: int 
                  subrange_parts: bool) -> None:
     """Step 2's first check: every marker of the batch is of its current layout."""
     current, split = layout_of(cur, batch, generation, subrange_parts)
-    cur.execute("""SELECT kind, part, generation, per_partition FROM offsetflow.staged_parts
-                    WHERE batch_id = %s""", (batch.batch_id,))
-    check_markers(batch.batch_id, [Marker(k, int(p), g, pp) for k, p, g, pp in cur.fetchall()],
-                  current, split)
+    cur.execute("""SELECT kind, part, generation, per_partition, subranges
+                     FROM offsetflow.staged_parts WHERE batch_id = %s""", (batch.batch_id,))
+    check_markers(batch.batch_id, [Marker(k, int(p), g, pp, sr)
+                                   for k, p, g, pp, sr in cur.fetchall()], current, split)

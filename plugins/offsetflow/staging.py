@@ -72,17 +72,22 @@ def binary_encoder(pg_types: Sequence[str]) -> Encoder:
 
 
 def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
-                chunk: int, generation: int | None) -> dict[str, Any] | None:
-    """Insert the part's marker, of the stage generation the run stages under; return the
-    earlier attempt's stats if it already exists. A concurrent attempt blocks here on the
-    primary key until the first one ends. A task of a run whose stage was rebuilt since (a
-    zombie) stages nothing (`StaleStageError`); one that slips past this check just before
-    the rebuild leaves a marker of the old generation, which the commit refuses."""
+                chunk: int, generation: int | None, subranges: Sequence[int] | None = None
+                ) -> dict[str, Any] | None:
+    """Insert the part's marker, of the stage generation the run stages under and naming
+    the sub-ranges the part reads (fused path); return the earlier attempt's stats if it
+    already exists (one of another layout is skipped too: the commit refuses it). A
+    concurrent attempt blocks here on the primary key until the first one ends. A task of a
+    run whose stage was rebuilt since (a zombie) stages nothing (`StaleStageError`); one
+    that slips past this check just before the rebuild leaves a marker of the old
+    generation, which the commit refuses."""
     generation = _check_generation(cur, batch_id, generation)
     cur.execute("""INSERT INTO offsetflow.staged_parts
-                     (batch_id, kind, part, chunk, rows_staged, bad_records, generation)
-                   VALUES (%s, %s, %s, %s, 0, 0, %s) ON CONFLICT DO NOTHING""",
-                (batch_id, kind, part, chunk, generation))
+                     (batch_id, kind, part, chunk, rows_staged, bad_records, generation,
+                      subranges)
+                   VALUES (%s, %s, %s, %s, 0, 0, %s, %s) ON CONFLICT DO NOTHING""",
+                (batch_id, kind, part, chunk, generation,
+                 None if subranges is None else [int(i) for i in subranges]))
     if cur.rowcount == 1:
         return None
     cur.execute("""SELECT rows_staged, bad_records, per_partition FROM offsetflow.staged_parts
@@ -122,8 +127,8 @@ REFUSED_CHUNK = -1
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
                table: sql.Composed | None = None, bad: BadRows | None = None,
-               bad_in: BadBuffer | None = None, generation: int | None = None
-               ) -> dict[str, Any]:
+               bad_in: BadBuffer | None = None, generation: int | None = None,
+               subranges: Sequence[int] | None = None) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
@@ -133,14 +138,15 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
     without it a refused COPY fails the task. `bad_in` holds the bad records the reader of
     `batches` finds; they are written here, in the part's transaction, as they come.
     `generation`: the stage generation the run stages under (`stage_reset.stage_generation`;
-    the job always passes it, None takes the batch's current one).
+    the job always passes it, None takes the batch's current one). `subranges`: the
+    sub-ranges of the batch's split the part reads (fused path), recorded in its marker.
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
     conn = connect(dsn)
     try:
         with conn, conn.cursor() as cur:
-            earlier = _claim_part(cur, batch_id, "rows", part, 0, generation)
+            earlier = _claim_part(cur, batch_id, "rows", part, 0, generation, subranges)
             if earlier is not None:
                 return {"part": part, "skipped": True, **earlier}
             rows = 0
