@@ -88,17 +88,20 @@ def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
     not hold either ("" if none: the batch can still be run, maybe from its stage).
 
     A part staged by an earlier attempt is never read again, so deleted offsets inside
-    staged parts are not lost: the run commits them from the stage. The job reads sub-range
-    i in Spark partition i and stages it as part i (fused path, and a transform that keeps
-    the partitioning); a transform that repartitions breaks that mapping (README)."""
+    staged parts are not lost: the run commits them from the stage. A part's marker names
+    the sub-ranges of the batch's split it read (packed parts read several); a marker
+    without that list is of part k = sub-range k (the layout before packing, and a
+    transform that keeps the partitioning; one that repartitions breaks it, README)."""
     offsets = kafka.partition_offsets([r.topic_partition for r in batch.ranges])
     deleted = [(r, min(r.until_offset, offsets[r.topic_partition].earliest))
                for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]
     if not deleted:
         return ""
-    cur.execute("""SELECT DISTINCT part FROM offsetflow.staged_parts
+    cur.execute("""SELECT part, subranges FROM offsetflow.staged_parts
                     WHERE batch_id = %s AND kind = 'rows'""", (batch.batch_id,))
-    staged = {int(p) for (p,) in cur.fetchall()}
+    staged: set[int] = set()
+    for part, read in cur.fetchall():
+        staged.update((int(part),) if read is None else (int(i) for i in read))
     if staged and batch.split_offsets == cfg.spark.max_offsets_per_task:
         # (a changed split makes the run drop the stage and read again: nothing covered)
         subs = split_ranges(batch.ranges, batch.split_offsets)
