@@ -471,11 +471,25 @@ standalone_stop() { stop_group "airflow standalone" "$AIRFLOW_HOME_DIR/standalon
 connect_start() {
   write_env; load_env
   mkdir -p "$CONNECT_DIR"
-  if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then log "spark connect already up on 127.0.0.1:$CONNECT_PORT"; return 0; fi
+  if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then
+    # its reused Python workers keep the offsetflow modules they first imported: code
+    # changed since the server started means a restart, not tasks running old code
+    if [[ -z "$(find "$ROOT/plugins/offsetflow" -name '*.py' -newer "$CONNECT_DIR/connect.pid" -print -quit)" ]]; then
+      log "spark connect already up on 127.0.0.1:$CONNECT_PORT"; return 0
+    fi
+    log "offsetflow changed since the Spark Connect server started: restarting it"
+  fi
   connect_stop
   port_open "$CONNECT_PORT" && fail_service spark-connect "127.0.0.1:$CONNECT_PORT" "" "the port is taken by a process not started by this stack"
   log "starting Spark Connect server ($CONNECT_MASTER) on 127.0.0.1:$CONNECT_PORT"
-  setsid nohup "$VENV/bin/spark-submit" --class org.apache.spark.sql.connect.service.SparkConnectServer \
+  # the server needs no credentials (each batch's client passes what its tasks use), and
+  # anything that can reach its port can run code in it: it gets none in its environment
+  local -a no_secrets=()
+  local v
+  for v in $(compgen -e); do
+    [[ "$v" == *DSN* || "$v" == *PASSWORD* || "$v" == AIRFLOW_CONN_* || "$v" == *SECRET* || "$v" == *TOKEN* ]] && no_secrets+=(-u "$v")
+  done
+  env "${no_secrets[@]}" setsid nohup "$VENV/bin/spark-submit" --class org.apache.spark.sql.connect.service.SparkConnectServer \
     --name offsetflow-spark-connect --master "$CONNECT_MASTER" \
     --conf spark.connect.grpc.binding.address=127.0.0.1 \
     --conf "spark.connect.grpc.binding.port=$CONNECT_PORT" \
