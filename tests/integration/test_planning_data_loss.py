@@ -149,52 +149,24 @@ def _fail_inserts(dsn: str, table: str, on: bool) -> None:
         query(dsn, f"DROP TRIGGER fail_ins ON {table}")
 
 
+@pytest.mark.parametrize("partitions", [1, 20])
 def test_data_loss_continue_commits_a_staged_batch_whose_records_were_deleted(
-        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+        partitions: int, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
     """A batch read and staged in full whose commit failed: retention then deletes part of
     its offsets. Its stage still holds those records, so planning must re-use it (not
-    abandon it as 'deleted before read') and the run commits them all."""
-    topic = make_topic("dls", 1)
-    produced = produce_plain(kafka_bootstrap, topic, 100, f"a{unique}", 1)
+    abandon it as 'deleted before read') and the run commits them all. With 20 partitions
+    the sub-ranges are packed into fewer tasks (part k is no longer sub-range k): planning
+    must find the deleted offsets in the part whose marker names their sub-range."""
+    topic = make_topic("dls", partitions)
+    produced = produce_plain(kafka_bootstrap, topic, 100 * partitions, f"a{unique}",
+                             partitions)
     table = f"dls_{unique}"
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue",
                        mode="upsert", key=["event_id"])
     run_cycle(cfg, pg_dsn, spark)
-    produce_plain(kafka_bootstrap, topic, 500, f"a{unique}", 1, produced, start_seq=100)
-    _fail_inserts(pg_dsn, table, True)
-    with pytest.raises(Exception, match="commit refused"):
-        run_cycle(cfg, pg_dsn, spark)
-    _fail_inserts(pg_dsn, table, False)
-    with Ledger(pg_dsn) as ledger:
-        failed = ledger.open_batch(ledger.conn.cursor(), cfg.name)
-    assert failed is not None and failed.status == "failed"
-    assert query(pg_dsn, "SELECT sum(rows_staged) FROM offsetflow.staged_parts "
-                         "WHERE batch_id = %s AND kind = 'rows'", (failed.batch_id,)) \
-        == [(500,)]
-    _delete_before(kafka_bootstrap, topic, 0, 300)  # [100, 300) gone from Kafka, not stage
-
-    res = run_cycle(cfg, pg_dsn, spark)
-    assert res.report is not None and res.report.batch_id == failed.batch_id
-    assert res.report.result.status == "committed"
-    with Ledger(pg_dsn) as ledger:
-        assert ledger.positions(cfg.name) == {(topic, 0): 600}
-        assert ledger.data_loss_events(cfg.name) == []
-    rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
-    assert rows == {k: 1 for k in produced.committed}
-
-
-def test_data_loss_continue_commits_a_packed_staged_batch_whose_records_were_deleted(
-        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
-    """The same with packed parts (20 partitions into fewer tasks, so part k is no longer
-    sub-range k): planning must find the deleted offsets in the part that read them, not in
-    a part numbered like their sub-range, and re-use the staged batch."""
-    topic = make_topic("dlp", 20)
-    produced = produce_plain(kafka_bootstrap, topic, 200, f"p{unique}", 20)
-    table = f"dlp_{unique}"
-    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, data_loss="continue",
-                       mode="upsert", key=["event_id"])
-    run_cycle(cfg, pg_dsn, spark)
-    produce_plain(kafka_bootstrap, topic, 400, f"p{unique}", 20, produced, start_seq=200)
+    produce_plain(kafka_bootstrap, topic, 500 * partitions, f"a{unique}", partitions,
+                  produced, start_seq=100 * partitions)
     _fail_inserts(pg_dsn, table, True)
     with pytest.raises(Exception, match="commit refused"):
         run_cycle(cfg, pg_dsn, spark)
@@ -204,13 +176,17 @@ def test_data_loss_continue_commits_a_packed_staged_batch_whose_records_were_del
     assert failed is not None and failed.status == "failed"
     parts = query(pg_dsn, "SELECT count(*), sum(rows_staged) FROM offsetflow.staged_parts "
                           "WHERE batch_id = %s AND kind = 'rows'", (failed.batch_id,))
-    assert parts[0][1] == 400 and 1 <= parts[0][0] < 20, parts  # staged in packed parts
-    _delete_before(kafka_bootstrap, topic, 15, 15)  # t[15] [10, 15): gone, but staged
+    assert parts[0][1] == 500 * partitions, parts
+    if partitions > 1:
+        assert parts[0][0] < partitions, parts  # packed: fewer parts than sub-ranges
+    last = partitions - 1  # [100, 300) of the last partition: gone from Kafka, not stage
+    _delete_before(kafka_bootstrap, topic, last, 300)
 
     res = run_cycle(cfg, pg_dsn, spark)
     assert res.report is not None and res.report.batch_id == failed.batch_id
     assert res.report.result.status == "committed"
     with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, p): 600 for p in range(partitions)}
         assert ledger.data_loss_events(cfg.name) == []
     rows = dict(query(pg_dsn, f"SELECT event_id, count(*) FROM {table} GROUP BY 1"))
     assert rows == {k: 1 for k in produced.committed}
