@@ -106,10 +106,30 @@ def check_columns(sink: KafkaSinkConfig, columns: Mapping[str, str], source_file
         if col not in columns:
             raise ConfigError(source_file, fld, f"{col!r} is not a column of the staged rows "
                                                 f"({sorted(columns)})")
+    key_col, key_field = key_source(sink, columns)
+    if key_col is not None and columns[key_col] in _NESTED_TYPES:
+        raise ConfigError(source_file, key_field,
+                          f"the record key column {key_col!r} is {columns[key_col]} (a nested "
+                          f"value); a key must be bytes, text or a scalar: pick or build "
+                          f"such a column")
+
+
+# Spark's arrays, structs and maps are staged as jsonb: no one obvious key encoding
+_NESTED_TYPES = frozenset({"json", "jsonb"})
+
+
+def key_source(sink: KafkaSinkConfig, columns: Mapping[str, str]
+               ) -> tuple[str | None, str]:
+    """The column the record key comes from and the setting that chose it: `key_column`,
+    else the stage's `key` (the source key, or what a transform put there), else none."""
+    if sink.key_column is not None:
+        return sink.key_column, "sink.key_column"
+    return ("key" if "key" in columns else None), "transform"
 
 
 def _as_bytes(col: str, pg_type: str) -> sql.Composable:
-    """A column as record bytes: bytea as is, text as UTF-8, else its JSON scalar text."""
+    """A column as record bytes: bytea as is, text as UTF-8, else its JSON scalar text
+    (a number its decimal text, a boolean true/false, a timestamp ISO text)."""
     ident = sql.SQL("s.{}").format(sql.Identifier(col))
     if pg_type == "bytea":
         return ident
@@ -134,8 +154,10 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     """topic, partition, offset, key bytes, value bytes, headers (jsonb or NULL), timestamp
     (epoch ms or NULL) of every staged row, in source order. A tombstone (the source `value`
     is NULL) stays one: a NULL value, whatever the value format."""
-    key = (_as_bytes(sink.key_column, columns[sink.key_column]) if sink.key_column
-           else sql.SQL("s.key") if "key" in columns else sql.SQL("NULL::bytea"))
+    key_col, _ = key_source(sink, columns)
+    # a transform's `key` may be any type: encoded like key_column (never bytes(int))
+    key = (_as_bytes(key_col, columns[key_col]) if key_col is not None
+           else sql.SQL("NULL::bytea"))
     if sink.value_format == "raw":
         value = _as_bytes(sink.value_column, columns[sink.value_column])
     else:

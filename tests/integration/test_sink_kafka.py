@@ -229,3 +229,49 @@ def test_kafka_sink_after_a_transform(spark: Any, pg_dsn: str, kafka_bootstrap: 
     assert verdict.committed.ok, verdict.committed.explain()
     assert all(r.key == json.loads(r.value or b"")["event_id"].encode()
                for r in read_topic(kafka_bootstrap, out))
+
+
+def key_from_seq(df: Any) -> Any:
+    """Re-keys every record by a bigint column (the issue's re-keying use)."""
+    from pyspark.sql import functions as F
+
+    return df.withColumn("key", F.col("seq"))
+
+
+def key_from_event_id(df: Any) -> Any:
+    """Re-keys every record by a string column."""
+    from pyspark.sql import functions as F
+
+    return df.withColumn("key", F.col("event_id"))
+
+
+@pytest.mark.parametrize("transform, expected", [
+    ("key_from_seq", lambda body: str(body["seq"]).encode()),
+    ("key_from_event_id", lambda body: body["event_id"].encode()),
+])
+def test_kafka_sink_key_set_by_a_transform_is_encoded_as_text(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        transform: str, expected: Any) -> None:
+    """A transform's `key` column that is not bytea: a number becomes its decimal text, a
+    string its UTF-8 bytes (never `bytes(int)`, a run of NUL bytes as long as the number)."""
+    src = make_topic("kk-src", 2)
+    out = make_topic("kk-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kk{unique}")
+    w.plain(40)
+    name = f"kk_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+           "transform": f"tests.integration.test_sink_kafka.{transform}",
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out}}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.rows_written == 40
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    records = read_topic(kafka_bootstrap, out)
+    assert len(records) == 40
+    for r in records:
+        assert r.key == expected(json.loads(r.value or b"")), (r.key, r.value)

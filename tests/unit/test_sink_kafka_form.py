@@ -16,6 +16,7 @@ from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
     SOURCE_HEADER,
+    check_columns,
     committed_state,
     offset_metadata,
     output_topic,
@@ -179,7 +180,7 @@ def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
     assert "CASE WHEN s.value IS NULL THEN NULL" in q  # a tombstone stays one
     assert q.endswith('ORDER BY s.topic, s.partition, s."offset"')
     raw_q = _text({"topic": "o", "value_format": "raw", "headers": "none"})
-    assert "s.key" in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
+    assert 's."key"' in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
     # a non-text key column is its JSON scalar text; many columns: jsonb pieces joined
     wide = {**COLUMNS, **{f"c{i}": "integer" for i in range(60)}}
     q = _text({"topic": "o", "key_column": "amount"}, wide)
@@ -196,3 +197,27 @@ def test_lineage_and_assets_name_the_output_topic() -> None:
     assert [o.uri for o in outputs] == ["kafka://127.0.0.1:19092/orders.clean"]
     assert target_uris(cfg) == "kafka://127.0.0.1:19092/orders.clean"
     assert target_uris(cfg, "kafka:orders.replayed") == "kafka://127.0.0.1:19092/orders.replayed"
+
+
+@pytest.mark.parametrize(("key_type", "encoded"), [
+    ("bytea", 's."key", '),
+    ("text", 'convert_to(s."key", \'UTF8\')'),
+    ("bigint", 'convert_to(to_json(s."key") #>> \'{}\', \'UTF8\')'),
+])
+def test_a_transforms_key_is_encoded_by_its_type(key_type: str, encoded: str) -> None:
+    """A transform may put any type in `key`: never handed to the driver as an int."""
+    q = _text({"topic": "o", "value_format": "raw"}, {**COLUMNS, "key": key_type})
+    assert encoded in q
+
+
+@pytest.mark.parametrize(("sink", "columns", "field"), [
+    ({"topic": "o"}, {**COLUMNS, "key": "jsonb"}, "transform"),
+    ({"topic": "o", "key_column": "headers"}, COLUMNS, "sink.key_column"),
+])
+def test_a_nested_key_is_refused_naming_the_column_and_type(
+        sink: dict[str, Any], columns: dict[str, str], field: str) -> None:
+    cfg = parse_pipeline(raw(**sink), "orders.yaml", ENV)
+    assert cfg.sink.kafka is not None
+    with pytest.raises(ConfigError, match="is jsonb") as e:
+        check_columns(cfg.sink.kafka, columns, "orders.yaml")
+    assert e.value.field == field
