@@ -29,17 +29,25 @@ from typing import Any
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource
+from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
+from offsetflow.dead_letters import dead_letters_from
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sink_kafka_form import (
+    METADATA_MAX_BYTES,
+    NotProduced,
     check_columns,
     committed_state,
+    not_produced_in,
     offset_metadata,
     output_topic,
     record_headers,
+    record_limit,
+    record_size,
     select_sql,
     sink_group,
     transactional_id,
@@ -57,6 +65,8 @@ RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
 CURSOR_ROWS = 5_000
+# a row whose key and value alone are this far below the record limit needs no exact size
+NEAR_LIMIT_BYTES = 65_536
 
 
 class KafkaTopicSink:
@@ -89,6 +99,7 @@ class KafkaTopicSink:
             state = {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
             if not committed_state(batch, self.cfg.name, state):
                 return None  # the producer stays open (and its fence up) for `write`
+            skipped = not_produced_in(batch, self.cfg.name, state)
         except KafkaException as e:
             self.close()
             raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
@@ -100,7 +111,9 @@ class KafkaTopicSink:
         log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  sink_group(self.cfg.name, batch))
-        moved = Moved(rows=_staged_rows(cur, batch.batch_id))
+        # the records that transaction left out go to the dead-letter table as it did
+        self._route_not_produced(cur, batch, skipped, topic, None)
+        moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
@@ -149,6 +162,9 @@ class KafkaTopicSink:
         p = self._producer
         assert p is not None and self._consumer is not None
         partitions = self._partitions(batch, topic)
+        limit, compacted = self._topic_limits(batch, topic)
+        near = limit - NEAR_LIMIT_BYTES
+        skipped: list[NotProduced] = []
         by_source = self.sink.partitioning == "source"
         p.begin_transaction()
         self._open_txn = True
@@ -171,36 +187,120 @@ class KafkaTopicSink:
                 if ts is not None:
                     kw["timestamp"] = ts
                 headers = record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs)
-                self._produce(p, topic, key, value, headers, kw)
+                size = (0 if key is None else len(key)) + (0 if value is None else len(value))
+                if (key is None and compacted) or (
+                        size > near and record_size(key, value, headers) > limit) or \
+                        not self._produce(p, topic, key, value, headers, kw):
+                    skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                        s_topic, s_part, s_off, None if key is None and compacted
+                        else record_size(key, value, headers))))
+                    continue
                 produced += 1
-        if produced != staged:
+        if produced + len(skipped) != staged:
             self._abort(batch)
-            raise StagedRowsLostError(batch.batch_id, None, f"the stage holds {produced} rows "
-                                                            f"but its markers count {staged}")
+            raise StagedRowsLostError(batch.batch_id, None,
+                                      f"the stage holds {produced + len(skipped)} rows but "
+                                      f"its markers count {staged}")
         p.flush(self.timeout_s)
         if self._delivery_error is not None:
             self._abort(batch)
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
                                  f"({self._delivery_error}); the transaction was aborted")
-        self._send_offsets(batch)
+        self._send_offsets(batch, skipped)
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False
         _fault_point("kill_after_commit")
-        moved = Moved(rows=produced)
+        self._route_not_produced(cur, batch, skipped, topic, limit)
+        moved = Moved(rows=produced, dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
     @staticmethod
     def _produce(p: Producer, topic: str, key: Any, value: Any, headers: Any,
-                 kw: dict[str, Any]) -> None:
+                 kw: dict[str, Any]) -> bool:
+        """False: librdkafka refused the record as too large (a size check it makes that
+        `record_size` did not foresee); any other error is raised."""
         while True:
             try:
                 p.produce(topic, None if value is None else bytes(value),
                           None if key is None else bytes(key), headers=headers, **kw)
-                return
+                return True
             except BufferError:  # the local queue is full: let deliveries drain it
                 p.poll(0.05)
+            except KafkaException as e:
+                if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    return False
+                raise
+
+    # --- records the output topic cannot take -----------------------------------------
+
+    def _topic_limits(self, batch: Batch, topic: str) -> tuple[int, bool]:
+        """The record size limit for `topic` and whether it is compacted (then a keyless
+        record is refused by the broker, which aborts the whole transaction)."""
+        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
+        try:
+            futures = admin.describe_configs([ConfigResource("topic", topic)],
+                                             request_timeout=self.timeout_s)
+            entries = next(iter(futures.values())).result(timeout=self.timeout_s)
+        except KafkaException as e:  # e.g. no DescribeConfigs ACL: the producer's limit
+            log.warning("batch %d: cannot read the configs of %s (%s); records are checked "
+                        "against the producer's message.max.bytes only", batch.batch_id,
+                        topic, e)
+            return record_limit(self.sink.producer, None), False
+        tmax, policy = entries.get("max.message.bytes"), entries.get("cleanup.policy")
+        limit = record_limit(self.sink.producer,
+                             int(tmax.value) if tmax is not None and tmax.value else None)
+        return limit, policy is not None and "compact" in str(policy.value or "")
+
+    def _not_produced(self, batch: Batch, topic: str, limit: int,
+                      rec: NotProduced) -> NotProduced:
+        """A record that can never be produced: kept for the dead-letter table, or, without
+        one, the batch fails here naming it (nothing of the transaction becomes visible)."""
+        if self.cfg.bad_records == "dead_letter" and self.cfg.dead_letter_table:
+            log.warning("batch %d: %s/%d/%d goes to the dead-letter table: %s",
+                        batch.batch_id, rec.topic, rec.partition, rec.offset,
+                        rec.error(topic, limit))
+            return rec
+        raise KafkaSinkError(
+            f"batch {batch.batch_id}: the record {rec.topic}/{rec.partition}/{rec.offset} can "
+            f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
+            f"Set bad_records: dead_letter to route such records to the dead-letter table, "
+            f"or raise the limits")
+
+    def _route_not_produced(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                            skipped: Sequence[NotProduced], topic: str,
+                            limit: int | None) -> None:
+        """The left-out records, with their source key and value, into the dead-letter
+        table in the ledger's transaction."""
+        if not skipped:
+            return
+        if not (self.cfg.bad_records == "dead_letter" and self.cfg.dead_letter_table):
+            raise KafkaSinkError(
+                f"batch {batch.batch_id}: its Kafka transaction left out {len(skipped)} "
+                f"records for the dead-letter table (first: {skipped[0].topic}/"
+                f"{skipped[0].partition}/{skipped[0].offset}), but the pipeline no longer "
+                f"has bad_records: dead_letter; restore it to complete the batch")
+
+        def arr(values: list[Any], pg_type: str) -> sql.Composable:
+            return sql.SQL("{}::{}[]").format(sql.Literal(values), sql.SQL(pg_type))
+
+        src = sql.SQL(
+            "{st} s JOIN unnest({t}, {p}, {o}, {e}) AS r(topic, partition, off, error) "
+            "ON s.topic = r.topic AND s.partition = r.partition AND s.\"offset\" = r.off"
+        ).format(st=stage_table(batch.batch_id), t=arr([r.topic for r in skipped], "text"),
+                 p=arr([r.partition for r in skipped], "int"),
+                 o=arr([r.offset for r in skipped], "bigint"),
+                 e=arr([r.error(topic, limit) for r in skipped], "text"))
+        # a transform's non-bytea key or value stays out (the coordinates name the record)
+        cols = [c for c in self.columns if c not in ("key", "value")
+                or self.columns[c] == "bytea"]
+        n = dead_letters_from(cur, batch, self.cfg.dead_letter_table, src, cols,
+                              sql.SQL("true"), sql.SQL("r.error"), "sink")
+        if n != len(skipped):
+            raise StagedRowsLostError(batch.batch_id, None, f"{len(skipped)} records the "
+                                                            f"Kafka transaction left out, "
+                                                            f"{n} of them in the stage")
 
     def _partitions(self, batch: Batch, topic: str) -> int:
         assert self._producer is not None
@@ -216,11 +316,22 @@ class KafkaTopicSink:
                                  f"usable ({why}); create it before running the pipeline")
         return len(t.partitions)
 
-    def _send_offsets(self, batch: Batch) -> None:
+    def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced]) -> None:
         assert self._producer is not None and self._consumer is not None
-        meta = offset_metadata(self.cfg.name, batch.batch_id)
-        offsets = [KTopicPartition(r.topic, r.partition, r.until_offset, metadata=meta)
-                   for r in batch.ranges if r.until_offset > r.from_offset]
+        offsets = []
+        for r in batch.ranges:
+            if r.until_offset <= r.from_offset:
+                continue
+            left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
+            meta = offset_metadata(self.cfg.name, batch.batch_id, left_out)
+            if len(meta.encode()) > METADATA_MAX_BYTES:
+                raise KafkaSinkError(
+                    f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
+                    f"[{r.partition}] cannot be produced (first: offset {left_out[0].offset}:"
+                    f" {left_out[0].error(self.sink.topic, None)}): too many to record in "
+                    f"the commit; raise the limits, or make batches smaller")
+            offsets.append(KTopicPartition(r.topic, r.partition, r.until_offset,
+                                           metadata=meta))
         if not offsets:
             return
         group = self._consumer.consumer_group_metadata()

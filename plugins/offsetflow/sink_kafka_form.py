@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg2 import sql
@@ -29,6 +30,56 @@ BATCH_HEADER = "offsetflow.batch"
 SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record
 # json_build_object takes at most 100 arguments: 50 name/value pairs
 _JSON_PAIRS_PER_CALL = 50
+_NOT_PRODUCED = "not_produced="
+# sizes as the producer and broker count them (librdkafka's worst-case v2 record overhead;
+# per header two varints; a record batch's header, which the topic's limit includes)
+RECORD_OVERHEAD = 36
+HEADER_OVERHEAD = 10
+BATCH_OVERHEAD = 61
+PRODUCER_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+# the broker refuses offset metadata over offset.metadata.max.bytes (4096 by default)
+METADATA_MAX_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class NotProduced:
+    """A staged row the output topic can never take: over the record size limit (`size`),
+    or without a key for a compacted topic (`size` None). It goes to the dead-letter table
+    and into the commit's offset metadata, never into the topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    size: int | None
+
+    def error(self, out: str, limit: int | None) -> str:
+        if self.size is None:
+            return (f"kafka sink: not produced to {out}: a record without a key, and {out} "
+                    f"is compacted (cleanup.policy=compact), which refuses keyless records")
+        over = f" over the limit of {limit} bytes" if limit else " over the record size limit"
+        return (f"kafka sink: not produced to {out}: the record is {self.size} bytes,{over} "
+                f"(the producer's message.max.bytes, sink.producer, and the topic's "
+                f"max.message.bytes)")
+
+
+def record_limit(producer: Mapping[str, Any], topic_max: int | None) -> int:
+    """The largest record the sink can produce to the topic: the producer's
+    message.max.bytes, and the topic's max.message.bytes unless records are compressed
+    (the broker counts compressed batches; the producer still refuses at its own limit)."""
+    limit = int(producer.get("message.max.bytes", PRODUCER_MAX_BYTES))
+    compressed = str(producer.get("compression.type",
+                                  producer.get("compression.codec", "none"))) != "none"
+    if topic_max is not None and not compressed:
+        limit = min(limit, topic_max - BATCH_OVERHEAD)
+    return limit
+
+
+def record_size(key: Any, value: Any, headers: Sequence[tuple[str, bytes | None]]) -> int:
+    """An upper bound of a record's size as librdkafka checks it against message.max.bytes."""
+    return (RECORD_OVERHEAD + (0 if key is None else len(key))
+            + (0 if value is None else len(value))
+            + sum(HEADER_OVERHEAD + len(k.encode()) + (0 if v is None else len(v))
+                  for k, v in headers))
 
 
 def is_live(batch: Batch) -> bool:
@@ -46,8 +97,15 @@ def sink_group(pipeline: str, batch: Batch) -> str:
     return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
 
 
-def offset_metadata(pipeline: str, batch_id: int) -> str:
-    return f"offsetflow pipeline={pipeline} batch={batch_id}"
+def offset_metadata(pipeline: str, batch_id: int,
+                    skipped: Sequence[NotProduced] = ()) -> str:
+    """The batch's mark on each committed offset; with the records of that partition the
+    topic could not take (so a run that finds the commit routes the same ones)."""
+    base = f"offsetflow pipeline={pipeline} batch={batch_id}"
+    if not skipped:
+        return base
+    return f"{base} {_NOT_PRODUCED}" + ",".join(
+        f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
 
 
 def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
@@ -71,8 +129,13 @@ def committed_state(batch: Batch, pipeline: str,
     at its `until_offset` with this batch's metadata (True), none of them (False). Anything
     in between is not a state one Kafka transaction leaves: refused, naming the group."""
     meta = offset_metadata(pipeline, batch.batch_id)
+
+    def hit(got: tuple[int, str | None] | None, until: int) -> bool:
+        return got is not None and got[0] == until and got[1] is not None and (
+            got[1] == meta or got[1].startswith(f"{meta} {_NOT_PRODUCED}"))
+
     ranges = [r for r in batch.ranges if r.until_offset > r.from_offset]
-    hits = [found.get(r.topic_partition) == (r.until_offset, meta) for r in ranges]
+    hits = [hit(found.get(r.topic_partition), r.until_offset) for r in ranges]
     if ranges and all(hits):
         return True
     if not any(hits):
@@ -84,6 +147,22 @@ def committed_state(batch: Batch, pipeline: str,
         f"all or none, so the group was changed by hand (or its offsets expired). Check the "
         f"output topic for the batch's records (header {BATCH_HEADER}={batch.batch_id}) "
         f"before abandoning or re-running it")
+
+
+def not_produced_in(batch: Batch, pipeline: str,
+                    found: Mapping[tuple[str, int], tuple[int, str | None]]
+                    ) -> list[NotProduced]:
+    """The records a committed batch's transaction left out (`committed_state` is True)."""
+    prefix = f"{offset_metadata(pipeline, batch.batch_id)} {_NOT_PRODUCED}"
+    out: list[NotProduced] = []
+    for (topic, partition), (_, meta) in sorted(found.items()):
+        if not meta or not meta.startswith(prefix):
+            continue
+        for item in meta[len(prefix):].split(","):
+            off, size = item.split(":")
+            out.append(NotProduced(topic, partition, int(off),
+                                   None if size == "nullkey" else int(size)))
+    return out
 
 
 def payload_columns(columns: Sequence[str]) -> list[str]:

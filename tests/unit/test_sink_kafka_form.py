@@ -16,11 +16,15 @@ from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
     SOURCE_HEADER,
+    NotProduced,
     check_columns,
     committed_state,
+    not_produced_in,
     offset_metadata,
     output_topic,
     record_headers,
+    record_limit,
+    record_size,
     select_sql,
     sink_group,
     transactional_id,
@@ -221,3 +225,40 @@ def test_a_nested_key_is_refused_naming_the_column_and_type(
     with pytest.raises(ConfigError, match="is jsonb") as e:
         check_columns(cfg.sink.kafka, columns, "orders.yaml")
     assert e.value.field == field
+
+
+def test_left_out_records_round_trip_through_the_offset_metadata() -> None:
+    """The commit names, per partition, the records it left out; the run that finds the
+    commit reads the same ones back, and the commit still counts as this batch's."""
+    b = batch()
+    left = [NotProduced("in", 0, 12, 1_020_345), NotProduced("in", 0, 15, None)]
+    meta = offset_metadata("orders", 7, left)
+    assert meta == "offsetflow pipeline=orders batch=7 not_produced=12:1020345,15:nullkey"
+    found = {("in", 0): (20, meta), ("in", 1): (5, None)}
+    assert committed_state(b, "orders", found) is True
+    assert not_produced_in(b, "orders", found) == left
+    plain = {("in", 0): (20, offset_metadata("orders", 7))}
+    assert committed_state(b, "orders", plain) and not_produced_in(b, "orders", plain) == []
+    # another batch's mark with a list is still another batch's
+    assert committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 70, left))}
+                           ) is False
+    assert "1020345 bytes" in left[0].error("out", 1_000_000)
+    assert "compact" in left[1].error("out", None)
+
+
+@pytest.mark.parametrize(("producer", "topic_max", "limit"), [
+    ({}, None, 1_000_000),
+    ({}, 1_048_588, 1_000_000),  # the producer's default is the lower
+    ({}, 500_000, 500_000 - 61),  # the topic's, less the record batch header
+    ({"message.max.bytes": "2000000"}, 1_048_588, 1_048_588 - 61),
+    ({"message.max.bytes": 2_000_000, "compression.type": "lz4"}, 1_048_588, 2_000_000),
+])
+def test_record_limit(producer: dict[str, Any], topic_max: int | None, limit: int) -> None:
+    assert record_limit(producer, topic_max) == limit
+
+
+def test_record_size_counts_key_value_and_headers() -> None:
+    hdrs = record_headers(7, "in", 0, 12, None)
+    size = record_size(b"k", b"v" * 100, hdrs)
+    assert size > 101 + sum(len(k) + len(v or b"") for k, v in hdrs)
+    assert record_size(None, None, []) == 36
