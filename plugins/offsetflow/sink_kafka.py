@@ -64,6 +64,12 @@ PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
+# transaction.timeout.ms unless sink.producer sets it: the broker's transaction.max.timeout.ms
+# up to this (its default), so a big batch is not aborted by the broker half way; the
+# fallback when the broker's setting cannot be read is librdkafka's own default (1 min)
+# raised to 5 min as before
+TXN_TIMEOUT_CAP_MS = 900_000
+TXN_TIMEOUT_FALLBACK_MS = 300_000
 CURSOR_ROWS = 5_000
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
@@ -86,6 +92,8 @@ class KafkaTopicSink:
         self._txn_id = ""
         self._delivery_error: str | None = None
         self._open_txn = False  # begun, neither committed nor aborted by this run
+        self._txn_began = 0.0  # time.monotonic() at begin_transaction
+        self._txn_timeout_ms = 0
 
     # --- ExternalSink ---------------------------------------------------------------
 
@@ -136,11 +144,16 @@ class KafkaTopicSink:
         """Producer and group consumer; `init_transactions` fences every older attempt."""
         base = self.cfg.admin_settings()
         self._txn_id = transactional_id(self.cfg.name, batch)
+        if not self._txn_timeout_ms:
+            self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
+                                    if "transaction.timeout.ms" in self.sink.producer
+                                    else self._broker_txn_timeout_ms(batch))
         conf: dict[str, Any] = {
             **base, "transactional.id": self._txn_id, "enable.idempotence": True,
             "linger.ms": 20, "partitioner": "murmur2_random",
-            "transaction.timeout.ms": 300_000, "delivery.report.only.error": True,
-            "on_delivery": self._on_delivery, **self.sink.producer}
+            "delivery.report.only.error": True,
+            "on_delivery": self._on_delivery, **self.sink.producer,
+            "transaction.timeout.ms": self._txn_timeout_ms}
         self._producer = Producer(conf)
         self._consumer = Consumer({**base, "group.id": sink_group(self.cfg.name, batch),
                                    "enable.auto.commit": False,
@@ -151,6 +164,39 @@ class KafkaTopicSink:
             self.close()
             raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
                                  f"transactional.id {self._txn_id} failed: {e}") from e
+
+    def _broker_txn_timeout_ms(self, batch: Batch) -> int:
+        """The longest transaction the broker allows (transaction.max.timeout.ms), capped;
+        a longer transaction.timeout.ms would fail init_transactions."""
+        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
+        try:
+            brokers = sorted(admin.list_topics(timeout=self.timeout_s).brokers)
+            res = ConfigResource("broker", str(brokers[0]))
+            entries = admin.describe_configs([res], request_timeout=self.timeout_s)[res].result(
+                timeout=self.timeout_s)
+            allowed = int(entries["transaction.max.timeout.ms"].value)
+        except (KafkaException, KeyError, IndexError, ValueError, TypeError) as e:
+            log.warning("batch %d: cannot read the broker's transaction.max.timeout.ms (%s); "
+                        "transaction.timeout.ms is %d", batch.batch_id, e,
+                        TXN_TIMEOUT_FALLBACK_MS)
+            return TXN_TIMEOUT_FALLBACK_MS
+        return min(allowed, TXN_TIMEOUT_CAP_MS)
+
+    def _timed_out(self) -> str | None:
+        """Why a fence is not a newer run: the transaction is older than its timeout, after
+        which the broker aborts it and bumps the epoch (the producer then reports a fence).
+        The broker's clock starts after begin_transaction, so a younger one was not it."""
+        if not self._txn_began:
+            return None
+        open_s = time.monotonic() - self._txn_began
+        if open_s * 1000 < self._txn_timeout_ms:
+            return None
+        return (f"the transaction was open {open_s:.0f} s, longer than its "
+                f"transaction.timeout.ms of {self._txn_timeout_ms} ms, so the broker aborted "
+                f"it; nothing of it is visible. Every attempt of a batch this large takes as "
+                f"long: make batches smaller (source.max_records_per_batch) or raise "
+                f"sink.producer.transaction.timeout.ms (at most the broker's "
+                f"transaction.max.timeout.ms)")
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None and self._delivery_error is None:
@@ -168,6 +214,7 @@ class KafkaTopicSink:
         by_source = self.sink.partitioning == "source"
         p.begin_transaction()
         self._open_txn = True
+        self._txn_began = time.monotonic()
         produced = 0
         with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
             rows.itersize = CURSOR_ROWS
@@ -205,7 +252,8 @@ class KafkaTopicSink:
         if self._delivery_error is not None:
             self._abort(batch)
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
-                                 f"({self._delivery_error}); the transaction was aborted")
+                                 f"({self._delivery_error}); "
+                                 f"{self._timed_out() or 'the transaction was aborted'}")
         self._send_offsets(batch, skipped)
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
@@ -365,12 +413,14 @@ class KafkaTopicSink:
                     continue
                 if err.txn_requires_abort():
                     self._abort(batch)
+                    aborted = "the transaction was aborted, nothing of it is visible"
                     raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
-                                         f"({err.str()}); the transaction was aborted, "
-                                         f"nothing of it is visible") from e
+                                         f"({err.str()}); {self._timed_out() or aborted}"
+                                         ) from e
                 fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                         KafkaError.INVALID_PRODUCER_EPOCH)
-                why = (f"this run was fenced: a newer run of the batch took over "
+                timed_out = self._timed_out() if fenced else None
+                why = timed_out or (f"this run was fenced: a newer run of the batch took over "
                        f"transactional.id {self._txn_id} (its producer epoch is higher), so "
                        f"nothing this run produced becomes visible" if fenced else
                        "the outcome is left to the broker; the next run finds the batch "
