@@ -48,6 +48,8 @@ from offsetflow.sink_kafka_form import (
     record_headers,
     record_limit,
     record_size,
+    row_bytes_sql,
+    rows_per_fetch,
     select_sql,
     sink_group,
     transactional_id,
@@ -71,6 +73,11 @@ KAFKA_TIMEOUT_S = 60.0
 TXN_TIMEOUT_CAP_MS = 900_000
 TXN_TIMEOUT_FALLBACK_MS = 300_000
 CURSOR_ROWS = 5_000
+# driver memory for one fetch of staged rows (large records: fewer rows per fetch) and,
+# unless sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default
+# of 1 GB would let large records pile up in the driver)
+FETCH_BYTES = 32 * 2**20
+QUEUE_KBYTES = 65_536
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
 
@@ -151,7 +158,7 @@ class KafkaTopicSink:
         conf: dict[str, Any] = {
             **base, "transactional.id": self._txn_id, "enable.idempotence": True,
             "linger.ms": 20, "partitioner": "murmur2_random",
-            "delivery.report.only.error": True,
+            "delivery.report.only.error": True, "queue.buffering.max.kbytes": QUEUE_KBYTES,
             "on_delivery": self._on_delivery, **self.sink.producer,
             "transaction.timeout.ms": self._txn_timeout_ms}
         self._producer = Producer(conf)
@@ -217,9 +224,12 @@ class KafkaTopicSink:
         self._txn_began = time.monotonic()
         produced = 0
         with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
-            rows.itersize = CURSOR_ROWS
+            stage = stage_table(batch.batch_id)
+            cur.execute(row_bytes_sql(self.columns, stage))
+            largest = int(cur.fetchone()[0])  # type: ignore[index]
+            rows.itersize = rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS)
             cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
-            rows.execute(select_sql(self.sink, self.columns, stage_table(batch.batch_id)))
+            rows.execute(select_sql(self.sink, self.columns, stage))
             for s_topic, s_part, s_off, key, value, hdrs, ts in rows:
                 kw: dict[str, Any] = {}
                 if by_source:

@@ -252,6 +252,30 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
                        key=key, value=value, headers=headers, ts=ts, stage=stage)
 
 
+_SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
+
+
+def row_bytes_sql(columns: Mapping[str, str], stage: sql.Composable) -> sql.Composed:
+    """The largest staged row in bytes: its text, bytea and json columns (no value is
+    detoasted: octet_length reads the stored length; jsonb its stored size) plus a fixed
+    allowance per other column. What the driver holds per row fetched is a few times that
+    (bytea arrives as hex, then bytes): `rows_per_fetch` sizes its fetches by it."""
+    var = [(c, t) for c, t in columns.items() if t in ("text", "bytea", "json", "jsonb")]
+    parts = [sql.SQL("coalesce({}(s.{}), 0)").format(
+        sql.SQL("octet_length" if t in ("text", "bytea") else "pg_column_size"),
+        sql.Identifier(c)) for c, t in var]
+    fixed = sql.Literal(_SCALAR_BYTES * (len(columns) - len(var)))
+    return sql.SQL("SELECT coalesce(max({}), 0) + {} FROM {} s").format(
+        sql.SQL(" + ").join(parts) if parts else sql.SQL("0"), fixed, stage)
+
+
+def rows_per_fetch(max_row_bytes: int, budget_bytes: int, max_rows: int) -> int:
+    """Rows per fetch of the stage so that one fetch stays within `budget_bytes` of driver
+    memory: a row costs about three times its staged bytes (hex text in the result, the
+    bytes object, the record handed to librdkafka)."""
+    return max(1, min(max_rows, budget_bytes // (3 * max_row_bytes + 256)))
+
+
 def record_headers(batch_id: int, topic: str, partition: int, offset: int,
                    carried: list[dict[str, Any]] | None) -> list[tuple[str, bytes | None]]:
     """The source record's headers (staged as JSON, binary values base64) and the two

@@ -25,6 +25,8 @@ from offsetflow.sink_kafka_form import (
     record_headers,
     record_limit,
     record_size,
+    row_bytes_sql,
+    rows_per_fetch,
     select_sql,
     sink_group,
     transactional_id,
@@ -262,3 +264,12 @@ def test_record_size_counts_key_value_and_headers() -> None:
     size = record_size(b"k", b"v" * 100, hdrs)
     assert size > 101 + sum(len(k) + len(v or b"") for k, v in hdrs)
     assert record_size(None, None, []) == 36
+
+
+def test_rows_per_fetch_is_bounded_by_bytes() -> None:
+    assert rows_per_fetch(300, 32 * 2**20, 5_000) == 5_000  # small rows: the row cap
+    assert rows_per_fetch(1_000_000, 32 * 2**20, 5_000) == 11  # ~3 bytes held per byte
+    assert rows_per_fetch(10**9, 32 * 2**20, 5_000) == 1  # never 0
+    q = _render(row_bytes_sql(COLUMNS, sql.SQL("stage")))
+    assert 'octet_length(s."value")' in q and 'pg_column_size(s."headers")' in q
+    assert "partition" not in q  # fixed-width columns: an allowance, no per-row call
