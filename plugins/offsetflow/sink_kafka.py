@@ -29,12 +29,9 @@ from typing import Any
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
-from confluent_kafka.admin import AdminClient, ConfigResource
-from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
-from offsetflow.dead_letters import dead_letters_from
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sink_kafka_form import (
@@ -46,13 +43,17 @@ from offsetflow.sink_kafka_form import (
     offset_metadata,
     output_topic,
     record_headers,
-    record_limit,
     record_size,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
     sink_group,
     transactional_id,
+)
+from offsetflow.sink_kafka_limits import (
+    broker_txn_timeout_ms,
+    route_not_produced,
+    topic_limits,
 )
 
 log = logging.getLogger(__name__)
@@ -66,12 +67,6 @@ PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
-# transaction.timeout.ms unless sink.producer sets it: the broker's transaction.max.timeout.ms
-# up to this (its default), so a big batch is not aborted by the broker half way; the
-# fallback when the broker's setting cannot be read is librdkafka's own default (1 min)
-# raised to 5 min as before
-TXN_TIMEOUT_CAP_MS = 900_000
-TXN_TIMEOUT_FALLBACK_MS = 300_000
 CURSOR_ROWS = 5_000
 # driver memory for one fetch of staged rows (large records: fewer rows per fetch) and,
 # unless sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default
@@ -127,7 +122,7 @@ class KafkaTopicSink:
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  sink_group(self.cfg.name, batch))
         # the records that transaction left out go to the dead-letter table as it did
-        self._route_not_produced(cur, batch, skipped, topic, None)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None)
         moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
@@ -154,7 +149,7 @@ class KafkaTopicSink:
         if not self._txn_timeout_ms:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
                                     if "transaction.timeout.ms" in self.sink.producer
-                                    else self._broker_txn_timeout_ms(batch))
+                                    else broker_txn_timeout_ms(self.cfg, batch, self.timeout_s))
         conf: dict[str, Any] = {
             **base, "transactional.id": self._txn_id, "enable.idempotence": True,
             "linger.ms": 20, "partitioner": "murmur2_random",
@@ -171,23 +166,6 @@ class KafkaTopicSink:
             self.close()
             raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
                                  f"transactional.id {self._txn_id} failed: {e}") from e
-
-    def _broker_txn_timeout_ms(self, batch: Batch) -> int:
-        """The longest transaction the broker allows (transaction.max.timeout.ms), capped;
-        a longer transaction.timeout.ms would fail init_transactions."""
-        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
-        try:
-            brokers = sorted(admin.list_topics(timeout=self.timeout_s).brokers)
-            res = ConfigResource("broker", str(brokers[0]))
-            entries = admin.describe_configs([res], request_timeout=self.timeout_s)[res].result(
-                timeout=self.timeout_s)
-            allowed = int(entries["transaction.max.timeout.ms"].value)
-        except (KafkaException, KeyError, IndexError, ValueError, TypeError) as e:
-            log.warning("batch %d: cannot read the broker's transaction.max.timeout.ms (%s); "
-                        "transaction.timeout.ms is %d", batch.batch_id, e,
-                        TXN_TIMEOUT_FALLBACK_MS)
-            return TXN_TIMEOUT_FALLBACK_MS
-        return min(allowed, TXN_TIMEOUT_CAP_MS)
 
     def _timed_out(self) -> str | None:
         """Why a fence is not a newer run: the transaction is older than its timeout, after
@@ -215,7 +193,7 @@ class KafkaTopicSink:
         p = self._producer
         assert p is not None and self._consumer is not None
         partitions = self._partitions(batch, topic)
-        limit, compacted = self._topic_limits(batch, topic)
+        limit, compacted = topic_limits(self.cfg, batch, topic, self.timeout_s)
         near = limit - NEAR_LIMIT_BYTES
         skipped: list[NotProduced] = []
         by_source = self.sink.partitioning == "source"
@@ -269,7 +247,7 @@ class KafkaTopicSink:
         self._commit(batch, topic, produced)
         self._open_txn = False
         _fault_point("kill_after_commit")
-        self._route_not_produced(cur, batch, skipped, topic, limit)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
         moved = Moved(rows=produced, dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
@@ -293,24 +271,6 @@ class KafkaTopicSink:
 
     # --- records the output topic cannot take -----------------------------------------
 
-    def _topic_limits(self, batch: Batch, topic: str) -> tuple[int, bool]:
-        """The record size limit for `topic` and whether it is compacted (then a keyless
-        record is refused by the broker, which aborts the whole transaction)."""
-        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
-        try:
-            futures = admin.describe_configs([ConfigResource("topic", topic)],
-                                             request_timeout=self.timeout_s)
-            entries = next(iter(futures.values())).result(timeout=self.timeout_s)
-        except KafkaException as e:  # e.g. no DescribeConfigs ACL: the producer's limit
-            log.warning("batch %d: cannot read the configs of %s (%s); records are checked "
-                        "against the producer's message.max.bytes only", batch.batch_id,
-                        topic, e)
-            return record_limit(self.sink.producer, None), False
-        tmax, policy = entries.get("max.message.bytes"), entries.get("cleanup.policy")
-        limit = record_limit(self.sink.producer,
-                             int(tmax.value) if tmax is not None and tmax.value else None)
-        return limit, policy is not None and "compact" in str(policy.value or "")
-
     def _not_produced(self, batch: Batch, topic: str, limit: int,
                       rec: NotProduced) -> NotProduced:
         """A record that can never be produced: kept for the dead-letter table, or, without
@@ -325,40 +285,6 @@ class KafkaTopicSink:
             f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
             f"Set bad_records: dead_letter to route such records to the dead-letter table, "
             f"or raise the limits")
-
-    def _route_not_produced(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                            skipped: Sequence[NotProduced], topic: str,
-                            limit: int | None) -> None:
-        """The left-out records, with their source key and value, into the dead-letter
-        table in the ledger's transaction."""
-        if not skipped:
-            return
-        if not (self.cfg.bad_records == "dead_letter" and self.cfg.dead_letter_table):
-            raise KafkaSinkError(
-                f"batch {batch.batch_id}: its Kafka transaction left out {len(skipped)} "
-                f"records for the dead-letter table (first: {skipped[0].topic}/"
-                f"{skipped[0].partition}/{skipped[0].offset}), but the pipeline no longer "
-                f"has bad_records: dead_letter; restore it to complete the batch")
-
-        def arr(values: list[Any], pg_type: str) -> sql.Composable:
-            return sql.SQL("{}::{}[]").format(sql.Literal(values), sql.SQL(pg_type))
-
-        src = sql.SQL(
-            "{st} s JOIN unnest({t}, {p}, {o}, {e}) AS r(topic, partition, off, error) "
-            "ON s.topic = r.topic AND s.partition = r.partition AND s.\"offset\" = r.off"
-        ).format(st=stage_table(batch.batch_id), t=arr([r.topic for r in skipped], "text"),
-                 p=arr([r.partition for r in skipped], "int"),
-                 o=arr([r.offset for r in skipped], "bigint"),
-                 e=arr([r.error(topic, limit) for r in skipped], "text"))
-        # a transform's non-bytea key or value stays out (the coordinates name the record)
-        cols = [c for c in self.columns if c not in ("key", "value")
-                or self.columns[c] == "bytea"]
-        n = dead_letters_from(cur, batch, self.cfg.dead_letter_table, src, cols,
-                              sql.SQL("true"), sql.SQL("r.error"), "sink")
-        if n != len(skipped):
-            raise StagedRowsLostError(batch.batch_id, None, f"{len(skipped)} records the "
-                                                            f"Kafka transaction left out, "
-                                                            f"{n} of them in the stage")
 
     def _partitions(self, batch: Batch, topic: str) -> int:
         assert self._producer is not None
