@@ -189,7 +189,9 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
                                 target_table=cfg.sink.table if cfg.sink.mode == "append"
                                 and cfg.sink.type == "postgres" else None,
                                 archive_to=args.archive_to,
-                                dead_letter_table=cfg.dead_letter_table)
+                                dead_letter_table=cfg.dead_letter_table,
+                                live_topic=cfg.sink.kafka.topic if cfg.sink.kafka is not None
+                                and not args.allow_duplicates else None)
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")
@@ -332,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--archive-to", metavar="TABLE",
                     help="move sink rows at or beyond the new position to TABLE (else they "
                          "refuse the reset)")
+    sp.add_argument("--allow-duplicates", action="store_true",
+                    help="Kafka sink: move a position back although the live output topic "
+                         "already holds those records (they are written there again)")
     sp.add_argument("--reason", required=True)
     sp.set_defaults(fn=cmd_reset_position)
 

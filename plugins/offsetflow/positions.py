@@ -20,14 +20,16 @@ from offsetflow.ledger import OPEN_STATUSES, Ledger, qualified
 def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Sequence[int],
                     next_offset: int, reason: str, *, topic_id: str | None,
                     target_table: str | None = None, archive_to: str | None = None,
-                    dead_letter_table: str | None = None) -> int:
+                    dead_letter_table: str | None = None,
+                    live_topic: str | None = None) -> int:
     """Operator override of positions (e.g. after a topic was recreated), in one
     transaction. `topic_id`: the topic's current Kafka id, recorded with the positions
     so planning accepts them. Rows of `target_table` (and the pipeline's dead letters in
     `dead_letter_table`) at or beyond the new position of a partition would collide with
     (or be written again by) the records read from there: they are refused, or moved to
     `archive_to` (dead letters to `archive_to`_dead_letter) in the same transaction.
-    Returns the rows moved."""
+    `live_topic`: the Kafka topic a Kafka sink writes, which holds the records below a
+    position: moving it back (same topic incarnation) is refused. Returns the rows moved."""
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, pipeline)
         open_batch = ledger.open_batch(cur, pipeline)
@@ -38,6 +40,9 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                 f"abandon --batch-id {open_batch.batch_id} --reason '...') before moving a "
                 f"position")
         _refuse_open_batches_beyond(cur, pipeline, topic, partitions, next_offset)
+        if live_topic is not None:
+            _refuse_rewind_into_live_topic(cur, pipeline, topic, partitions, next_offset,
+                                           topic_id, live_topic)
         moved = _clear_rows_beyond(cur, topic, partitions, next_offset, target_table,
                                    archive_to)
         moved += _clear_rows_beyond(cur, topic, partitions, next_offset, dead_letter_table,
@@ -63,6 +68,30 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                          f"manual: {reason}" + (f" (topic id {topic_id})" if topic_id
                                                 else "")))
     return moved
+
+def _refuse_rewind_into_live_topic(cur: psycopg2.extensions.cursor, pipeline: str,
+                                   topic: str, partitions: Sequence[int], next_offset: int,
+                                   topic_id: str | None, live_topic: str) -> None:
+    """A Kafka sink's output cannot be moved aside like a table's rows: records read again
+    from a position moved back would be in the live topic twice. A recreated source topic
+    (another id than the one recorded) has new records at those offsets: allowed."""
+    cur.execute("""SELECT partition, next_offset, topic_id FROM offsetflow.positions
+                    WHERE pipeline = %s AND topic = %s AND partition = ANY(%s)
+                      AND next_offset > %s ORDER BY partition""",
+                (pipeline, topic, list(partitions), next_offset))
+    same = [(p, o) for p, o, tid in cur.fetchall()
+            if tid is None or topic_id is None or tid == topic_id]
+    if same:
+        part, at = same[0]
+        more = f" (and {len(same) - 1} more partition(s))" if len(same) > 1 else ""
+        raise BatchStateError(
+            f"pipeline {pipeline} has written {topic}[{part}] up to offset {at}{more} to its "
+            f"live Kafka topic {live_topic}; moving the position back to {next_offset} would "
+            f"write offsets [{next_offset}, {at}) there a second time (Kafka cannot delete "
+            f"records). Nothing was changed. Re-read them with a replay into "
+            f"sink.replay_topic (offsetflow replay), or pass --allow-duplicates if consumers "
+            f"of {live_topic} should get them again")
+
 
 def _refuse_open_batches_beyond(cur: psycopg2.extensions.cursor, pipeline: str, topic: str,
                                 partitions: Sequence[int], next_offset: int) -> None:

@@ -35,14 +35,25 @@ from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sink_kafka_form import (
+    METADATA_MAX_BYTES,
+    NotProduced,
     check_columns,
     committed_state,
+    not_produced_in,
     offset_metadata,
     output_topic,
     record_headers,
+    record_size,
+    row_bytes_sql,
+    rows_per_fetch,
     select_sql,
     sink_group,
     transactional_id,
+)
+from offsetflow.sink_kafka_limits import (
+    broker_txn_timeout_ms,
+    route_not_produced,
+    topic_limits,
 )
 
 log = logging.getLogger(__name__)
@@ -57,6 +68,13 @@ RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
 CURSOR_ROWS = 5_000
+# driver memory for one fetch of staged rows (large records: fewer rows per fetch) and,
+# unless sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default
+# of 1 GB would let large records pile up in the driver)
+FETCH_BYTES = 32 * 2**20
+QUEUE_KBYTES = 65_536
+# a row whose key and value alone are this far below the record limit needs no exact size
+NEAR_LIMIT_BYTES = 65_536
 
 
 class KafkaTopicSink:
@@ -78,6 +96,8 @@ class KafkaTopicSink:
         self._txn_id = ""
         self._delivery_error: str | None = None
         self._open_txn = False  # begun, neither committed nor aborted by this run
+        self._txn_began = 0.0  # time.monotonic() at begin_transaction
+        self._txn_timeout_ms = 0
 
     # --- ExternalSink ---------------------------------------------------------------
 
@@ -91,6 +111,7 @@ class KafkaTopicSink:
             state = {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
             if not committed_state(batch, self.cfg.name, state):
                 return None  # the producer stays open (and its fence up) for `write`
+            skipped = not_produced_in(batch, self.cfg.name, state)
         except KafkaException as e:
             self.close()
             raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
@@ -102,7 +123,9 @@ class KafkaTopicSink:
         log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  sink_group(self.cfg.name, batch))
-        moved = Moved(rows=_staged_rows(cur, batch.batch_id))
+        # the records that transaction left out go to the dead-letter table as it did
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None)
+        moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
@@ -125,11 +148,16 @@ class KafkaTopicSink:
         """Producer and group consumer; `init_transactions` fences every older attempt."""
         base = self.cfg.admin_settings()
         self._txn_id = transactional_id(self.cfg.name, batch)
+        if not self._txn_timeout_ms:
+            self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
+                                    if "transaction.timeout.ms" in self.sink.producer
+                                    else broker_txn_timeout_ms(self.cfg, batch, self.timeout_s))
         conf: dict[str, Any] = {
             **base, "transactional.id": self._txn_id, "enable.idempotence": True,
             "linger.ms": 20, "partitioner": "murmur2_random",
-            "transaction.timeout.ms": 300_000, "delivery.report.only.error": True,
-            "on_delivery": self._on_delivery, **self.sink.producer}
+            "delivery.report.only.error": True, "queue.buffering.max.kbytes": QUEUE_KBYTES,
+            "on_delivery": self._on_delivery, **self.sink.producer,
+            "transaction.timeout.ms": self._txn_timeout_ms}
         self._producer = Producer(conf)
         self._consumer = Consumer({**base, "group.id": sink_group(self.cfg.name, batch),
                                    "enable.auto.commit": False,
@@ -141,6 +169,22 @@ class KafkaTopicSink:
             raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
                                  f"transactional.id {self._txn_id} failed: {e}") from e
 
+    def _timed_out(self) -> str | None:
+        """Why a fence is not a newer run: the transaction is older than its timeout, after
+        which the broker aborts it and bumps the epoch (the producer then reports a fence).
+        The broker's clock starts after begin_transaction, so a younger one was not it."""
+        if not self._txn_began:
+            return None
+        open_s = time.monotonic() - self._txn_began
+        if open_s * 1000 < self._txn_timeout_ms:
+            return None
+        return (f"the transaction was open {open_s:.0f} s, longer than its "
+                f"transaction.timeout.ms of {self._txn_timeout_ms} ms, so the broker aborted "
+                f"it; nothing of it is visible. Every attempt of a batch this large takes as "
+                f"long: make batches smaller (source.max_records_per_batch) or raise "
+                f"sink.producer.transaction.timeout.ms (at most the broker's "
+                f"transaction.max.timeout.ms)")
+
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         if err is not None and self._delivery_error is None:
             src = dict(msg.headers() or []).get("offsetflow.source", b"?").decode()
@@ -151,14 +195,21 @@ class KafkaTopicSink:
         p = self._producer
         assert p is not None and self._consumer is not None
         partitions = self._partitions(batch, topic)
+        limit, compacted = topic_limits(self.cfg, batch, topic, self.timeout_s)
+        near = limit - NEAR_LIMIT_BYTES
+        skipped: list[NotProduced] = []
         by_source = self.sink.partitioning == "source"
         p.begin_transaction()
         self._open_txn = True
+        self._txn_began = time.monotonic()
         produced = 0
         with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
-            rows.itersize = CURSOR_ROWS
+            stage = stage_table(batch.batch_id)
+            cur.execute(row_bytes_sql(self.columns, stage))
+            largest = int(cur.fetchone()[0])  # type: ignore[index]
+            rows.itersize = rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS)
             cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
-            rows.execute(select_sql(self.sink, self.columns, stage_table(batch.batch_id)))
+            rows.execute(select_sql(self.sink, self.columns, stage))
             for s_topic, s_part, s_off, key, value, hdrs, ts in rows:
                 kw: dict[str, Any] = {}
                 if by_source:
@@ -173,36 +224,69 @@ class KafkaTopicSink:
                 if ts is not None:
                     kw["timestamp"] = ts
                 headers = record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs)
-                self._produce(p, topic, key, value, headers, kw)
+                size = (0 if key is None else len(key)) + (0 if value is None else len(value))
+                if (key is None and compacted) or (
+                        size > near and record_size(key, value, headers) > limit) or \
+                        not self._produce(p, topic, key, value, headers, kw):
+                    skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                        s_topic, s_part, s_off, None if key is None and compacted
+                        else record_size(key, value, headers))))
+                    continue
                 produced += 1
-        if produced != staged:
+        if produced + len(skipped) != staged:
             self._abort(batch)
-            raise StagedRowsLostError(batch.batch_id, None, f"the stage holds {produced} rows "
-                                                            f"but its markers count {staged}")
+            raise StagedRowsLostError(batch.batch_id, None,
+                                      f"the stage holds {produced + len(skipped)} rows but "
+                                      f"its markers count {staged}")
         p.flush(self.timeout_s)
         if self._delivery_error is not None:
             self._abort(batch)
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
-                                 f"({self._delivery_error}); the transaction was aborted")
-        self._send_offsets(batch)
+                                 f"({self._delivery_error}); "
+                                 f"{self._timed_out() or 'the transaction was aborted'}")
+        self._send_offsets(batch, skipped)
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False
         _fault_point("kill_after_commit")
-        moved = Moved(rows=produced)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
+        moved = Moved(rows=produced, dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
     @staticmethod
     def _produce(p: Producer, topic: str, key: Any, value: Any, headers: Any,
-                 kw: dict[str, Any]) -> None:
+                 kw: dict[str, Any]) -> bool:
+        """False: librdkafka refused the record as too large (a size check it makes that
+        `record_size` did not foresee); any other error is raised."""
         while True:
             try:
                 p.produce(topic, None if value is None else bytes(value),
                           None if key is None else bytes(key), headers=headers, **kw)
-                return
+                return True
             except BufferError:  # the local queue is full: let deliveries drain it
                 p.poll(0.05)
+            except KafkaException as e:
+                if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
+                    return False
+                raise
+
+    # --- records the output topic cannot take -----------------------------------------
+
+    def _not_produced(self, batch: Batch, topic: str, limit: int,
+                      rec: NotProduced) -> NotProduced:
+        """A record that can never be produced: kept for the dead-letter table, or, without
+        one, the batch fails here naming it (nothing of the transaction becomes visible)."""
+        if self.cfg.bad_records == "dead_letter" and self.cfg.dead_letter_table:
+            log.warning("batch %d: %s/%d/%d goes to the dead-letter table: %s",
+                        batch.batch_id, rec.topic, rec.partition, rec.offset,
+                        rec.error(topic, limit))
+            return rec
+        raise KafkaSinkError(
+            f"batch {batch.batch_id}: the record {rec.topic}/{rec.partition}/{rec.offset} can "
+            f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
+            f"Set bad_records: dead_letter to route such records to the dead-letter table, "
+            f"or raise the limits")
 
     def _partitions(self, batch: Batch, topic: str) -> int:
         assert self._producer is not None
@@ -218,11 +302,22 @@ class KafkaTopicSink:
                                  f"usable ({why}); create it before running the pipeline")
         return len(t.partitions)
 
-    def _send_offsets(self, batch: Batch) -> None:
+    def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced]) -> None:
         assert self._producer is not None and self._consumer is not None
-        meta = offset_metadata(self.cfg.name, batch.batch_id)
-        offsets = [KTopicPartition(r.topic, r.partition, r.until_offset, metadata=meta)
-                   for r in batch.ranges if r.until_offset > r.from_offset]
+        offsets = []
+        for r in batch.ranges:
+            if r.until_offset <= r.from_offset:
+                continue
+            left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
+            meta = offset_metadata(self.cfg.name, batch.batch_id, left_out)
+            if len(meta.encode()) > METADATA_MAX_BYTES:
+                raise KafkaSinkError(
+                    f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
+                    f"[{r.partition}] cannot be produced (first: offset {left_out[0].offset}:"
+                    f" {left_out[0].error(self.sink.topic, None)}): too many to record in "
+                    f"the commit; raise the limits, or make batches smaller")
+            offsets.append(KTopicPartition(r.topic, r.partition, r.until_offset,
+                                           metadata=meta))
         if not offsets:
             return
         group = self._consumer.consumer_group_metadata()
@@ -256,12 +351,14 @@ class KafkaTopicSink:
                     continue
                 if err.txn_requires_abort():
                     self._abort(batch)
+                    aborted = "the transaction was aborted, nothing of it is visible"
                     raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
-                                         f"({err.str()}); the transaction was aborted, "
-                                         f"nothing of it is visible") from e
+                                         f"({err.str()}); {self._timed_out() or aborted}"
+                                         ) from e
                 fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                         KafkaError.INVALID_PRODUCER_EPOCH)
-                why = (f"this run was fenced: a newer run of the batch took over "
+                timed_out = self._timed_out() if fenced else None
+                why = timed_out or (f"this run was fenced: a newer run of the batch took over "
                        f"transactional.id {self._txn_id} (its producer epoch is higher), so "
                        f"nothing this run produced becomes visible" if fenced else
                        "the outcome is left to the broker; the next run finds the batch "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg2 import sql
@@ -29,6 +30,56 @@ BATCH_HEADER = "offsetflow.batch"
 SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record
 # json_build_object takes at most 100 arguments: 50 name/value pairs
 _JSON_PAIRS_PER_CALL = 50
+_NOT_PRODUCED = "not_produced="
+# sizes as the producer and broker count them (librdkafka's worst-case v2 record overhead;
+# per header two varints; a record batch's header, which the topic's limit includes)
+RECORD_OVERHEAD = 36
+HEADER_OVERHEAD = 10
+BATCH_OVERHEAD = 61
+PRODUCER_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+# the broker refuses offset metadata over offset.metadata.max.bytes (4096 by default)
+METADATA_MAX_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class NotProduced:
+    """A staged row the output topic can never take: over the record size limit (`size`),
+    or without a key for a compacted topic (`size` None). It goes to the dead-letter table
+    and into the commit's offset metadata, never into the topic."""
+
+    topic: str
+    partition: int
+    offset: int
+    size: int | None
+
+    def error(self, out: str, limit: int | None) -> str:
+        if self.size is None:
+            return (f"kafka sink: not produced to {out}: a record without a key, and {out} "
+                    f"is compacted (cleanup.policy=compact), which refuses keyless records")
+        over = f" over the limit of {limit} bytes" if limit else " over the record size limit"
+        return (f"kafka sink: not produced to {out}: the record is {self.size} bytes,{over} "
+                f"(the producer's message.max.bytes, sink.producer, and the topic's "
+                f"max.message.bytes)")
+
+
+def record_limit(producer: Mapping[str, Any], topic_max: int | None) -> int:
+    """The largest record the sink can produce to the topic: the producer's
+    message.max.bytes, and the topic's max.message.bytes unless records are compressed
+    (the broker counts compressed batches; the producer still refuses at its own limit)."""
+    limit = int(producer.get("message.max.bytes", PRODUCER_MAX_BYTES))
+    compressed = str(producer.get("compression.type",
+                                  producer.get("compression.codec", "none"))) != "none"
+    if topic_max is not None and not compressed:
+        limit = min(limit, topic_max - BATCH_OVERHEAD)
+    return limit
+
+
+def record_size(key: Any, value: Any, headers: Sequence[tuple[str, bytes | None]]) -> int:
+    """An upper bound of a record's size as librdkafka checks it against message.max.bytes."""
+    return (RECORD_OVERHEAD + (0 if key is None else len(key))
+            + (0 if value is None else len(value))
+            + sum(HEADER_OVERHEAD + len(k.encode()) + (0 if v is None else len(v))
+                  for k, v in headers))
 
 
 def is_live(batch: Batch) -> bool:
@@ -46,8 +97,15 @@ def sink_group(pipeline: str, batch: Batch) -> str:
     return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
 
 
-def offset_metadata(pipeline: str, batch_id: int) -> str:
-    return f"offsetflow pipeline={pipeline} batch={batch_id}"
+def offset_metadata(pipeline: str, batch_id: int,
+                    skipped: Sequence[NotProduced] = ()) -> str:
+    """The batch's mark on each committed offset; with the records of that partition the
+    topic could not take (so a run that finds the commit routes the same ones)."""
+    base = f"offsetflow pipeline={pipeline} batch={batch_id}"
+    if not skipped:
+        return base
+    return f"{base} {_NOT_PRODUCED}" + ",".join(
+        f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
 
 
 def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
@@ -71,8 +129,13 @@ def committed_state(batch: Batch, pipeline: str,
     at its `until_offset` with this batch's metadata (True), none of them (False). Anything
     in between is not a state one Kafka transaction leaves: refused, naming the group."""
     meta = offset_metadata(pipeline, batch.batch_id)
+
+    def hit(got: tuple[int, str | None] | None, until: int) -> bool:
+        return got is not None and got[0] == until and got[1] is not None and (
+            got[1] == meta or got[1].startswith(f"{meta} {_NOT_PRODUCED}"))
+
     ranges = [r for r in batch.ranges if r.until_offset > r.from_offset]
-    hits = [found.get(r.topic_partition) == (r.until_offset, meta) for r in ranges]
+    hits = [hit(found.get(r.topic_partition), r.until_offset) for r in ranges]
     if ranges and all(hits):
         return True
     if not any(hits):
@@ -84,6 +147,22 @@ def committed_state(batch: Batch, pipeline: str,
         f"all or none, so the group was changed by hand (or its offsets expired). Check the "
         f"output topic for the batch's records (header {BATCH_HEADER}={batch.batch_id}) "
         f"before abandoning or re-running it")
+
+
+def not_produced_in(batch: Batch, pipeline: str,
+                    found: Mapping[tuple[str, int], tuple[int, str | None]]
+                    ) -> list[NotProduced]:
+    """The records a committed batch's transaction left out (`committed_state` is True)."""
+    prefix = f"{offset_metadata(pipeline, batch.batch_id)} {_NOT_PRODUCED}"
+    out: list[NotProduced] = []
+    for (topic, partition), (_, meta) in sorted(found.items()):
+        if not meta or not meta.startswith(prefix):
+            continue
+        for item in meta[len(prefix):].split(","):
+            off, size = item.split(":")
+            out.append(NotProduced(topic, partition, int(off),
+                                   None if size == "nullkey" else int(size)))
+    return out
 
 
 def payload_columns(columns: Sequence[str]) -> list[str]:
@@ -106,10 +185,30 @@ def check_columns(sink: KafkaSinkConfig, columns: Mapping[str, str], source_file
         if col not in columns:
             raise ConfigError(source_file, fld, f"{col!r} is not a column of the staged rows "
                                                 f"({sorted(columns)})")
+    key_col, key_field = key_source(sink, columns)
+    if key_col is not None and columns[key_col] in _NESTED_TYPES:
+        raise ConfigError(source_file, key_field,
+                          f"the record key column {key_col!r} is {columns[key_col]} (a nested "
+                          f"value); a key must be bytes, text or a scalar: pick or build "
+                          f"such a column")
+
+
+# Spark's arrays, structs and maps are staged as jsonb: no one obvious key encoding
+_NESTED_TYPES = frozenset({"json", "jsonb"})
+
+
+def key_source(sink: KafkaSinkConfig, columns: Mapping[str, str]
+               ) -> tuple[str | None, str]:
+    """The column the record key comes from and the setting that chose it: `key_column`,
+    else the stage's `key` (the source key, or what a transform put there), else none."""
+    if sink.key_column is not None:
+        return sink.key_column, "sink.key_column"
+    return ("key" if "key" in columns else None), "transform"
 
 
 def _as_bytes(col: str, pg_type: str) -> sql.Composable:
-    """A column as record bytes: bytea as is, text as UTF-8, else its JSON scalar text."""
+    """A column as record bytes: bytea as is, text as UTF-8, else its JSON scalar text
+    (a number its decimal text, a boolean true/false, a timestamp ISO text)."""
     ident = sql.SQL("s.{}").format(sql.Identifier(col))
     if pg_type == "bytea":
         return ident
@@ -134,8 +233,10 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     """topic, partition, offset, key bytes, value bytes, headers (jsonb or NULL), timestamp
     (epoch ms or NULL) of every staged row, in source order. A tombstone (the source `value`
     is NULL) stays one: a NULL value, whatever the value format."""
-    key = (_as_bytes(sink.key_column, columns[sink.key_column]) if sink.key_column
-           else sql.SQL("s.key") if "key" in columns else sql.SQL("NULL::bytea"))
+    key_col, _ = key_source(sink, columns)
+    # a transform's `key` may be any type: encoded like key_column (never bytes(int))
+    key = (_as_bytes(key_col, columns[key_col]) if key_col is not None
+           else sql.SQL("NULL::bytea"))
     if sink.value_format == "raw":
         value = _as_bytes(sink.value_column, columns[sink.value_column])
     else:
@@ -149,6 +250,30 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     return sql.SQL("SELECT s.topic, s.partition, s.\"offset\", {key}, {value}, {headers}, {ts} "
                    "FROM {stage} s ORDER BY s.topic, s.partition, s.\"offset\"").format(
                        key=key, value=value, headers=headers, ts=ts, stage=stage)
+
+
+_SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
+
+
+def row_bytes_sql(columns: Mapping[str, str], stage: sql.Composable) -> sql.Composed:
+    """The largest staged row in bytes: its text, bytea and json columns (no value is
+    detoasted: octet_length reads the stored length; jsonb its stored size) plus a fixed
+    allowance per other column. What the driver holds per row fetched is a few times that
+    (bytea arrives as hex, then bytes): `rows_per_fetch` sizes its fetches by it."""
+    var = [(c, t) for c, t in columns.items() if t in ("text", "bytea", "json", "jsonb")]
+    parts = [sql.SQL("coalesce({}(s.{}), 0)").format(
+        sql.SQL("octet_length" if t in ("text", "bytea") else "pg_column_size"),
+        sql.Identifier(c)) for c, t in var]
+    fixed = sql.Literal(_SCALAR_BYTES * (len(columns) - len(var)))
+    return sql.SQL("SELECT coalesce(max({}), 0) + {} FROM {} s").format(
+        sql.SQL(" + ").join(parts) if parts else sql.SQL("0"), fixed, stage)
+
+
+def rows_per_fetch(max_row_bytes: int, budget_bytes: int, max_rows: int) -> int:
+    """Rows per fetch of the stage so that one fetch stays within `budget_bytes` of driver
+    memory: a row costs about three times its staged bytes (hex text in the result, the
+    bytes object, the record handed to librdkafka)."""
+    return max(1, min(max_rows, budget_bytes // (3 * max_row_bytes + 256)))
 
 
 def record_headers(batch_id: int, topic: str, partition: int, offset: int,

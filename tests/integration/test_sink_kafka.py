@@ -5,9 +5,11 @@ topic. The crash and fencing cases are in test_sink_kafka_faults.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 
@@ -229,3 +231,98 @@ def test_kafka_sink_after_a_transform(spark: Any, pg_dsn: str, kafka_bootstrap: 
     assert verdict.committed.ok, verdict.committed.explain()
     assert all(r.key == json.loads(r.value or b"")["event_id"].encode()
                for r in read_topic(kafka_bootstrap, out))
+
+
+def key_from_seq(df: Any) -> Any:
+    """Re-keys every record by a bigint column (the issue's re-keying use)."""
+    from pyspark.sql import functions as F
+
+    return df.withColumn("key", F.col("seq"))
+
+
+def key_from_event_id(df: Any) -> Any:
+    """Re-keys every record by a string column."""
+    from pyspark.sql import functions as F
+
+    return df.withColumn("key", F.col("event_id"))
+
+
+@pytest.mark.parametrize("transform, expected", [
+    ("key_from_seq", lambda body: str(body["seq"]).encode()),
+    ("key_from_event_id", lambda body: body["event_id"].encode()),
+])
+def test_kafka_sink_key_set_by_a_transform_is_encoded_as_text(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        transform: str, expected: Any) -> None:
+    """A transform's `key` column that is not bytea: a number becomes its decimal text, a
+    string its UTF-8 bytes (never `bytes(int)`, a run of NUL bytes as long as the number)."""
+    src = make_topic("kk-src", 2)
+    out = make_topic("kk-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kk{unique}")
+    w.plain(40)
+    name = f"kk_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+           "transform": f"tests.integration.test_sink_kafka.{transform}",
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out}}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.rows_written == 40
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+    assert verdict.committed.ok, verdict.committed.explain()
+    records = read_topic(kafka_bootstrap, out)
+    assert len(records) == 40
+    for r in records:
+        assert r.key == expected(json.loads(r.value or b"")), (r.key, r.value)
+
+
+def test_reset_position_backwards_into_the_live_topic_is_refused(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, capsys: Any) -> None:
+    """Moving a position back re-reads records the live topic already holds: written there
+    again they would be duplicates (Kafka cannot delete records). Refused unless forced, or
+    unless the source topic was recreated (its offsets are then a new incarnation's)."""
+    from offsetflow.cli import main as cli
+    from tests.integration.test_planning_topic_identity import _recreate
+
+    src = make_topic("kp-src", 2)
+    out = make_topic("kp-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kp{unique}")
+    w.plain(60)
+    name = f"kp_{unique}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out}}
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    cfg = parse_pipeline(raw, str(f), {})
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    assert run_batch(spark, cfg, planned.batch.batch_id, pg_dsn).result.rows_written == 60
+    with Ledger(pg_dsn) as ledger:
+        positions = ledger.positions(name)
+    reset = ["--dsn", pg_dsn, "reset-position", "--pipeline-file", str(f), "--topic", src,
+             "--reason", "test"]
+
+    assert cli([*reset, "--all-partitions", "--offset", "0"]) == 2
+    err = capsys.readouterr().err
+    assert out in err and "sink.replay_topic" in err and "--allow-duplicates" in err
+    assert f"{src}[0]" in err
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(name) == positions  # nothing changed
+    assert plan_only(cfg, pg_dsn).batch is None  # nothing to write again
+    assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == 60
+
+    # forward (or to where it is) is no rewind
+    assert cli([*reset, "--partition", "0", "--offset", str(positions[(src, 0)])]) == 0
+    # forced: the operator wants the duplicates
+    assert cli([*reset, "--partition", "1", "--offset", "0", "--allow-duplicates"]) == 0
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(name)[(src, 1)] == 0
+    # a recreated source topic: its offsets are new records, not the ones the topic holds
+    _recreate(kafka_bootstrap, src, 2)
+    capsys.readouterr()
+    assert cli([*reset, "--all-partitions", "--offset", "0"]) == 0, capsys.readouterr().err

@@ -230,3 +230,28 @@ def test_broker_killed_during_the_commit_the_batch_commits_once(
             "committed", "already_committed")
     assert case.status() == "committed"
     case.verdict()
+
+
+@pytest.mark.slow
+def test_a_transaction_outlasting_its_timeout_says_so_not_fenced(
+        spark: Any, case: Case) -> None:
+    """The broker aborts a transaction open longer than transaction.timeout.ms and bumps the
+    epoch, which the producer sees as a fence: the error must name the timeout (the next
+    attempt of a batch that big times out the same way), not a newer run that took over."""
+    raw = yaml.safe_load(case.file.read_text())
+    raw["sink"]["producer"] = {"transaction.timeout.ms": "5000"}
+    case.file.write_text(yaml.safe_dump(raw))
+    proc = case.start("pause_before_commit")
+    with killed_at_end(proc):
+        case.wait_paused(proc)
+        # the timeout, then the coordinator's sweep for timed-out transactions (every 10 s)
+        time.sleep(20)
+        case.resume()
+        assert proc.wait(timeout=300) != 0
+    out = case.output()
+    assert "transaction.timeout.ms" in out and "5000" in out, out[-3000:]
+    assert "a newer run of the batch took over" not in out, out[-3000:]
+    assert case.status() != "committed"
+    assert run_batch(spark, case.cfg, case.batch_id, case.dsn).result.status == "committed"
+    v = case.verdict()
+    assert v.aborted_in_log == RECORDS  # the timed-out attempt's records: aborted

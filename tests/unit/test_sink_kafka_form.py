@@ -16,10 +16,17 @@ from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
     SOURCE_HEADER,
+    NotProduced,
+    check_columns,
     committed_state,
+    not_produced_in,
     offset_metadata,
     output_topic,
     record_headers,
+    record_limit,
+    record_size,
+    row_bytes_sql,
+    rows_per_fetch,
     select_sql,
     sink_group,
     transactional_id,
@@ -179,7 +186,7 @@ def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
     assert "CASE WHEN s.value IS NULL THEN NULL" in q  # a tombstone stays one
     assert q.endswith('ORDER BY s.topic, s.partition, s."offset"')
     raw_q = _text({"topic": "o", "value_format": "raw", "headers": "none"})
-    assert "s.key" in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
+    assert 's."key"' in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
     # a non-text key column is its JSON scalar text; many columns: jsonb pieces joined
     wide = {**COLUMNS, **{f"c{i}": "integer" for i in range(60)}}
     q = _text({"topic": "o", "key_column": "amount"}, wide)
@@ -196,3 +203,73 @@ def test_lineage_and_assets_name_the_output_topic() -> None:
     assert [o.uri for o in outputs] == ["kafka://127.0.0.1:19092/orders.clean"]
     assert target_uris(cfg) == "kafka://127.0.0.1:19092/orders.clean"
     assert target_uris(cfg, "kafka:orders.replayed") == "kafka://127.0.0.1:19092/orders.replayed"
+
+
+@pytest.mark.parametrize(("key_type", "encoded"), [
+    ("bytea", 's."key", '),
+    ("text", 'convert_to(s."key", \'UTF8\')'),
+    ("bigint", 'convert_to(to_json(s."key") #>> \'{}\', \'UTF8\')'),
+])
+def test_a_transforms_key_is_encoded_by_its_type(key_type: str, encoded: str) -> None:
+    """A transform may put any type in `key`: never handed to the driver as an int."""
+    q = _text({"topic": "o", "value_format": "raw"}, {**COLUMNS, "key": key_type})
+    assert encoded in q
+
+
+@pytest.mark.parametrize(("sink", "columns", "field"), [
+    ({"topic": "o"}, {**COLUMNS, "key": "jsonb"}, "transform"),
+    ({"topic": "o", "key_column": "headers"}, COLUMNS, "sink.key_column"),
+])
+def test_a_nested_key_is_refused_naming_the_column_and_type(
+        sink: dict[str, Any], columns: dict[str, str], field: str) -> None:
+    cfg = parse_pipeline(raw(**sink), "orders.yaml", ENV)
+    assert cfg.sink.kafka is not None
+    with pytest.raises(ConfigError, match="is jsonb") as e:
+        check_columns(cfg.sink.kafka, columns, "orders.yaml")
+    assert e.value.field == field
+
+
+def test_left_out_records_round_trip_through_the_offset_metadata() -> None:
+    """The commit names, per partition, the records it left out; the run that finds the
+    commit reads the same ones back, and the commit still counts as this batch's."""
+    b = batch()
+    left = [NotProduced("in", 0, 12, 1_020_345), NotProduced("in", 0, 15, None)]
+    meta = offset_metadata("orders", 7, left)
+    assert meta == "offsetflow pipeline=orders batch=7 not_produced=12:1020345,15:nullkey"
+    found = {("in", 0): (20, meta), ("in", 1): (5, None)}
+    assert committed_state(b, "orders", found) is True
+    assert not_produced_in(b, "orders", found) == left
+    plain = {("in", 0): (20, offset_metadata("orders", 7))}
+    assert committed_state(b, "orders", plain) and not_produced_in(b, "orders", plain) == []
+    # another batch's mark with a list is still another batch's
+    assert committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 70, left))}
+                           ) is False
+    assert "1020345 bytes" in left[0].error("out", 1_000_000)
+    assert "compact" in left[1].error("out", None)
+
+
+@pytest.mark.parametrize(("producer", "topic_max", "limit"), [
+    ({}, None, 1_000_000),
+    ({}, 1_048_588, 1_000_000),  # the producer's default is the lower
+    ({}, 500_000, 500_000 - 61),  # the topic's, less the record batch header
+    ({"message.max.bytes": "2000000"}, 1_048_588, 1_048_588 - 61),
+    ({"message.max.bytes": 2_000_000, "compression.type": "lz4"}, 1_048_588, 2_000_000),
+])
+def test_record_limit(producer: dict[str, Any], topic_max: int | None, limit: int) -> None:
+    assert record_limit(producer, topic_max) == limit
+
+
+def test_record_size_counts_key_value_and_headers() -> None:
+    hdrs = record_headers(7, "in", 0, 12, None)
+    size = record_size(b"k", b"v" * 100, hdrs)
+    assert size > 101 + sum(len(k) + len(v or b"") for k, v in hdrs)
+    assert record_size(None, None, []) == 36
+
+
+def test_rows_per_fetch_is_bounded_by_bytes() -> None:
+    assert rows_per_fetch(300, 32 * 2**20, 5_000) == 5_000  # small rows: the row cap
+    assert rows_per_fetch(1_000_000, 32 * 2**20, 5_000) == 11  # ~3 bytes held per byte
+    assert rows_per_fetch(10**9, 32 * 2**20, 5_000) == 1  # never 0
+    q = _render(row_bytes_sql(COLUMNS, sql.SQL("stage")))
+    assert 'octet_length(s."value")' in q and 'pg_column_size(s."headers")' in q
+    assert "partition" not in q  # fixed-width columns: an allowance, no per-row call
