@@ -17,9 +17,9 @@ Order inside the still-open ledger transaction (batch row locked):
 Dead letters (bad records, tombstones by policy, quality failures) stay in PostgreSQL and
 are written by this same transaction, on both paths.
 
-Files of an attempt that died before its catalog commit are referenced by no snapshot;
-`remove_orphan_files` deletes them (after a grace period, so files of a commit still under
-way are spared).
+Files of an attempt that died before its catalog commit are referenced by no snapshot; they
+carry the batch's name prefix, and the sweep after the retried batch deletes exactly those
+(`sink_iceberg_files`).
 
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
 in the same catalog commit. What this first version does not do: the Spark tasks stage into
@@ -46,17 +46,18 @@ import pyarrow.csv as pa_csv
 from psycopg2 import sql
 
 from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
-from offsetflow.config_schema import split_table_name
 from offsetflow.dead_letters import dead_letters_from, route_quality_failures
 from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLostError
 from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
-    DEFAULT_NAMESPACE,
     IcebergConfig,
     catalog_properties,
+    resolve_identifier,
     snapshot_summary,
     summary_batch,
 )
+from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
+from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
 from offsetflow.tables import LINEAGE_COLUMN
 
 if TYPE_CHECKING:
@@ -185,10 +186,7 @@ class IcebergSink:
 
     def identifier(self, batch: Batch) -> str:
         """The pipeline's table, or the one a backfill named (`target_table`)."""
-        if split_table_name(batch.target_table) == split_table_name(self.table_name):
-            return self.iceberg.identifier
-        ns, _, name = batch.target_table.rpartition(".")
-        return f"{ns or DEFAULT_NAMESPACE}.{name}"
+        return resolve_identifier(self.iceberg, self.table_name, batch.target_table)
 
     def table(self, ident: str) -> Table:
         """The target table, created on first use with the configured layout."""
@@ -268,6 +266,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
         if found is not None:
             return found[0]
         _no_rebase(table)
+        name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
         txn = table.transaction()
         if batch.kind in ("replay", "backfill"):
             with warnings.catch_warnings():  # a window with nothing before is no news
@@ -398,41 +397,3 @@ def _unhex(hexes: pa.Array) -> pa.Array:
         validity = hexes.is_valid().buffers()[1]
     return pa.Array.from_buffers(pa.binary(), n, [validity, pa.py_buffer(new_offsets),
                                                   pa.py_buffer(decoded)], hexes.null_count)
-
-
-def remove_orphan_files(table: Table, older_than_s: float = 3600.0) -> list[str]:
-    """Delete data files under the table's data folder that no snapshot references and that
-    are older than `older_than_s` (files of a commit still under way are younger). Returns
-    the removed paths."""
-    from pyarrow import fs as pafs
-
-    referenced: set[str] = set()
-    for snap in table.snapshots():
-        for manifest in snap.manifests(table.io):
-            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
-                referenced.add(_plain(entry.data_file.file_path))
-    location = table.location().rstrip("/") + "/data"
-    filesystem, root = pafs.FileSystem.from_uri(location)
-    try:
-        infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
-    except FileNotFoundError:
-        return []
-    cutoff = time.time() - older_than_s
-    removed = []
-    for info in infos:
-        if info.type != pafs.FileType.File or not info.path.endswith(".parquet"):
-            continue
-        if _plain(info.path) in referenced:
-            continue
-        if info.mtime is not None and info.mtime.timestamp() > cutoff:
-            continue
-        filesystem.delete_file(info.path)
-        removed.append(info.path)
-    if removed:
-        log.info("removed %d orphan data files of %s", len(removed), ".".join(table.name()))
-    return removed
-
-
-def _plain(path: str) -> str:
-    """A file path without its scheme, as pyarrow's file systems name it."""
-    return path.split("://", 1)[1] if "://" in path else path

@@ -73,6 +73,23 @@ class IcebergConfig:
         return f"{self.namespace}.{self.table}"
 
 
+def resolve_identifier(cfg: IcebergConfig, sink_table: str, target_table: str) -> str:
+    """The Iceberg table a batch writes, as `namespace.table`: the pipeline's own when
+    `target_table` names `sink.table` (`t`, `public.t` and `offsetflow.t` are all the table
+    `sink.table: t` lands in), else `target_table` with namespace offsetflow by default.
+    Compare these, never the spellings, to decide "the pipeline's own table"."""
+    if _pg_name(target_table) == _pg_name(sink_table):
+        return cfg.identifier
+    ns, _, name = target_table.rpartition(".")
+    return f"{ns or DEFAULT_NAMESPACE}.{name}"
+
+
+def _pg_name(table: str) -> tuple[str, str]:
+    """`config_schema.split_table_name` (a PostgreSQL name: schema public by default)."""
+    ns, _, name = table.rpartition(".")
+    return ns or "public", name
+
+
 def parse_partition_field(text: Any, source: str, fld: str) -> PartitionField:
     """`event_id`, `day(timestamp)`, `bucket(16, event_id)`, `truncate(4, topic)`."""
     m = _PARTITION_RE.match(text) if isinstance(text, str) else None

@@ -3,7 +3,12 @@ attempt that died before its catalog commit) are removed, and old snapshots expi
 never one that an open batch may still have to find.
 
     python -m offsetflow.sink_iceberg_maint --pipeline-file include/pipelines/x.yaml \\
-        [--orphans-older-than-hours 1] [--expire-snapshots-older-than-days N]
+        [--orphans-older-than-hours 72] [--expire-snapshots-older-than-days N]
+
+The orphan sweep deletes every unreferenced data file older than its age, whoever wrote it:
+never give it an age shorter than the longest write of any writer of the table (a Spark
+compaction, a large backfill), or it deletes files that writer is about to commit. The
+sweep a retried batch runs on its own deletes only that batch's files (its name prefix).
 
 Snapshot expiry keeps every snapshot younger than the oldest open (planned, running or
 failed) batch of the pipeline: that batch may have committed to Iceberg and died before
@@ -20,35 +25,51 @@ from typing import TYPE_CHECKING
 
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.errors import ConfigError
-from offsetflow.ledger import Ledger
-from offsetflow.sink_iceberg import load_catalog, remove_orphan_files
+from offsetflow.ledger import Batch, Ledger
+from offsetflow.sink_iceberg import load_catalog
+from offsetflow.sink_iceberg_config import resolve_identifier
+from offsetflow.sink_iceberg_files import batch_file_prefix, remove_orphan_files
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
 
 log = logging.getLogger(__name__)
 
-# after a batch that needed more than one attempt commits, its dead attempts' files older
-# than this are swept (a younger unreferenced file may belong to a commit under way)
+# the maintenance command's default age of an unreferenced file it deletes (Java Iceberg's
+# deleteOrphanFiles keeps 3 days): another writer's files stay unreferenced until its commit
+ORPHAN_AGE_HOURS = 72.0
+# kept for callers of the earlier automatic sweep (it now matches the batch's own files)
 ORPHAN_GRACE_S = 600.0
 
 
-def sink_table(cfg: PipelineConfig, dsn: str) -> Table:
+def sink_table(cfg: PipelineConfig, dsn: str, identifier: str | None = None) -> Table:
     if cfg.sink.iceberg is None:
         raise ConfigError(cfg.source_file, "sink.type", "is not iceberg")
     return load_catalog(cfg.sink.iceberg, cfg.sink.connection or dsn).load_table(
-        cfg.sink.iceberg.identifier)
+        identifier or cfg.sink.iceberg.identifier)
 
 
 def sweep_after_retry(cfg: PipelineConfig, dsn: str, batch_id: int) -> None:
-    """Best effort after a retried batch committed: a failure here never fails it."""
+    """Best effort after a retried batch committed: a failure here never fails it. Only
+    data files named with THIS batch's prefix and referenced by no snapshot go (its dead
+    attempts', or its conflict losers'); a zombie attempt of it cannot commit any more
+    (its commit asserts a main the committed batch moved), so their age does not matter."""
     try:
-        removed = remove_orphan_files(sink_table(cfg, dsn), ORPHAN_GRACE_S)
+        with Ledger(dsn) as ledger:
+            batch: Batch = ledger.get_batch(batch_id)
+        table = sink_table(cfg, dsn, _identifier(cfg, batch))
+        removed = remove_orphan_files(table, 0, prefix=batch_file_prefix(batch))
         if removed:
             log.info("batch %d: removed %d data files of dead attempts", batch_id, len(removed))
     except Exception as e:  # noqa: BLE001
         log.warning("batch %d: could not sweep orphan data files (the maintenance command "
                     "does it later): %s", batch_id, e)
+
+
+def _identifier(cfg: PipelineConfig, batch: Batch) -> str:
+    """The Iceberg table the batch wrote (a backfill may name its own)."""
+    assert cfg.sink.iceberg is not None
+    return resolve_identifier(cfg.sink.iceberg, cfg.sink.table, batch.target_table)
 
 
 def oldest_open_batch_start(dsn: str, pipeline: str) -> datetime | None:
@@ -83,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-file", required=True)
     ap.add_argument("--dsn", default=os.environ.get("OFFSETFLOW_PG_DSN"),
                     help="the ledger (default $OFFSETFLOW_PG_DSN)")
-    ap.add_argument("--orphans-older-than-hours", type=float, default=1.0)
+    ap.add_argument("--orphans-older-than-hours", type=float, default=ORPHAN_AGE_HOURS,
+                    help="age of an unreferenced data file to delete; never shorter than "
+                         "the longest write of any writer of the table")
     ap.add_argument("--expire-snapshots-older-than-days", type=float, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

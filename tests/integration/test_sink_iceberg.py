@@ -91,6 +91,12 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
 @pytest.mark.slow
 def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_removed(
         case: IcebergCase, spark: Any) -> None:
+    """The sweep after a retried batch removes the files of that batch's dead attempts
+    (named with its prefix, whatever their age) and nothing else: a concurrent writer's
+    uncommitted files (a compaction in flight), however old, are spared."""
+    import pyarrow.parquet as pq
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
     bid = case.planned_batch(3000, seed=22)
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-files")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
@@ -99,18 +105,47 @@ def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_remo
     assert len(orphans) >= 2, "the fault must come after the data files were written"
     assert case.batch(bid).status != "committed"
     assert snapshot_batches(case.cfg, case.dsn) == []
-    old = time.time() - 2 * ORPHAN_GRACE_S  # one file of the dead attempt ages past the grace
-    os.utime(orphans[0], (old, old))
+    # another writer's files, written long ago and not committed yet (a compaction)
+    table = iceberg_table(case.cfg, case.dsn)
+    rows = pq.read_table(orphans[0]).slice(0, 5)
+    foreign = list(_dataframe_to_data_files(table.metadata, rows, table.io))
+    foreign_paths = sorted(case.data_files() - set(orphans))
+    assert len(foreign_paths) == len(foreign) >= 1
+    old = time.time() - 2 * ORPHAN_GRACE_S
+    for p in [orphans[0], *foreign_paths]:
+        os.utime(p, (old, old))
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
-    assert not orphans[0].exists()  # swept after the retried batch committed
-    assert all(p.exists() for p in orphans[1:])  # younger than the grace: spared
+    assert all(p.exists() for p in foreign_paths), "another writer's files were swept"
+    assert not any(p.exists() for p in orphans)  # the dead attempt's files: all swept
     table = iceberg_table(case.cfg, case.dsn)
     assert remove_orphan_files(table, older_than_s=3600) == []
-    removed = {Path(p) for p in remove_orphan_files(table, older_than_s=0)}
-    assert removed == set(orphans[1:])  # exactly the dead attempt's files, none of the commit's
     run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+    # the other writer commits its files: the table still reads
+    table = iceberg_table(case.cfg, case.dsn)
+    with table.transaction() as txn, txn.update_snapshot().fast_append() as append:
+        for f in foreign:
+            append.append_data_file(f)
+    total = len(iceberg_sink_rows(case.cfg, case.dsn))
+    assert total == rows.num_rows + case.workload.committed_count
+
+
+@pytest.mark.parametrize("spelling", ["file:{}", "{}", "file://{}"])
+def test_orphan_sweep_keeps_every_referenced_file_however_the_warehouse_is_spelled(
+        case: IcebergCase, spark: Any, spelling: str) -> None:
+    case.raw["sink"]["catalog"]["warehouse"] = spelling.format(case.warehouse)
+    case.write_config()
+    case.workload.mixed(600, random.Random(40))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    files = case.data_files()
+    assert files
+    stray = next(iter(files)).with_name("00000-0-stray.parquet")
+    stray.write_bytes(b"not referenced")
+    assert remove_orphan_files(iceberg_table(case.cfg, case.dsn), older_than_s=0) == [
+        str(stray)]
+    assert case.data_files() == files
     case.assert_exactly_once()
 
 
@@ -298,3 +333,4 @@ def test_maintenance_expires_old_snapshots_but_never_one_an_open_batch_may_need(
     assert rep.result.status == "committed"  # found its snapshot: not appended again
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
     case.assert_exactly_once()
+

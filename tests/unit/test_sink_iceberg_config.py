@@ -153,3 +153,33 @@ def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None
     assert _unhex(pa.array([], pa.string())).to_pylist() == []
     assert arrow_type("numeric(12,3)") == pa.decimal128(12, 3)
     assert arrow_schema([("offset", "bigint")]).names == ["offset", "_offsetflow_batch_id"]
+
+
+@pytest.mark.parametrize(("path", "canonical"), [
+    ("file:/w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("file:///w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("/w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("/w//t/./data/x.parquet", "/w/t/data/x.parquet"),
+    ("file:/w/t/data/k=a%2Fb/x.parquet", "/w/t/data/k=a%2Fb/x.parquet"),  # kept encoded
+    ("s3://bucket/t/data/x.parquet", "bucket/t/data/x.parquet"),
+    ("hdfs://nn:8020/t/data/x.parquet", "/t/data/x.parquet"),
+])
+def test_data_file_paths_compare_in_one_canonical_form(path: str, canonical: str) -> None:
+    from offsetflow.sink_iceberg_files import canonical_path
+
+    assert canonical_path(path) == canonical
+
+
+def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
+    from datetime import UTC, datetime
+
+    from offsetflow.ledger import Batch
+    from offsetflow.sink_iceberg_files import batch_file_prefix
+
+    at = datetime(2026, 11, 23, tzinfo=UTC)
+    b = Batch(7, "p", "live", "running", (), "t", planned_at=at)
+    assert batch_file_prefix(b).startswith("ofb-") and batch_file_prefix(b).endswith("-7-")
+    assert batch_file_prefix(b) != batch_file_prefix(Batch(7, "q", "live", "running", (),
+                                                           "t", planned_at=at))
+    assert batch_file_prefix(b) != batch_file_prefix(Batch(
+        7, "p", "live", "running", (), "t", planned_at=datetime(2026, 1, 1, tzinfo=UTC)))
