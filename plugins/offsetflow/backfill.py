@@ -113,9 +113,19 @@ def _check_live_positions(cfg: PipelineConfig, req: WindowRequest,
     """A replay, or a backfill into the pipeline's own table, covers committed offsets only."""
     if req.kind == "replay":
         check_replay_window(window, committed)
-    elif req.target_table is None or (split_table_name(req.target_table)
-                                      == split_table_name(cfg.sink.table)):
+    elif req.target_table is None or _own_table(cfg, req.target_table):
         check_backfill_window(window, committed, cfg.sink.table)
+
+
+def _own_table(cfg: PipelineConfig, target_table: str) -> bool:
+    """Whether `target_table` is the pipeline's own table, however spelled: for Iceberg,
+    by the resolved identifier (`t` and `offsetflow.t` are one table there)."""
+    if cfg.sink.iceberg is not None:
+        from offsetflow.sink_iceberg_config import resolve_identifier
+
+        return (resolve_identifier(cfg.sink.iceberg, cfg.sink.table, target_table)
+                == cfg.sink.iceberg.identifier)
+    return split_table_name(target_table) == split_table_name(cfg.sink.table)
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from offsetflow.backfill import plan_window, run_batches, submit_window
-from offsetflow.errors import SchemaMismatchError
+from offsetflow.errors import RequestError, SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
@@ -334,3 +334,25 @@ def test_maintenance_expires_old_snapshots_but_never_one_an_open_batch_may_need(
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
     case.assert_exactly_once()
 
+
+@pytest.mark.parametrize("sink_table,alias", [("{t}", "offsetflow.{t}"),
+                                              ("offsetflow.{t}", "{t}"),
+                                              ("lake.{t}", "lake.{t}")])
+def test_backfill_naming_the_pipelines_own_table_in_another_spelling_is_live_guarded(
+        case: IcebergCase, sink_table: str, alias: str) -> None:
+    """`offsetflow.<t>` and `<t>` are one Iceberg table (namespace offsetflow by default):
+    a backfill past the live position into it, however spelled, is refused (Iceberg has
+    no coordinates index to stop the live batches writing those offsets again)."""
+    case.raw["sink"]["table"] = sink_table.format(t=case.table)
+    case.write_config()
+    case.workload.mixed(300, random.Random(41))
+    cfg = case.cfg
+    req = parse_request("backfill", {"pipeline": cfg.name, "topic": case.workload.topic,
+                                     "partitions": "0", "from_offset": 0, "until_offset": 100,
+                                     "target_table": alias.format(t=case.table)})
+    with Ledger(case.dsn) as ledger:
+        wp = plan_window(cfg, ledger, kafka_for(cfg), req)
+        assert wp.refused is not None and "pipeline's own table" in wp.refused
+        with pytest.raises(RequestError, match=r"cannot backfill .*\[0\] \[0, 100\) into the "
+                                               r"pipeline's own table"):
+            submit_window(cfg, ledger, wp, "test")

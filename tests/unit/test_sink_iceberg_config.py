@@ -170,6 +170,24 @@ def test_data_file_paths_compare_in_one_canonical_form(path: str, canonical: str
     assert canonical_path(path) == canonical
 
 
+@pytest.mark.parametrize(("table", "target", "ident"), [
+    ("events", "events", "offsetflow.events"),
+    ("events", "public.events", "offsetflow.events"),
+    ("events", "offsetflow.events", "offsetflow.events"),
+    ("offsetflow.events", "events", "offsetflow.events"),
+    ("lake.events", "lake.events", "lake.events"),
+    ("lake.events", "events", "offsetflow.events"),
+    ("lake.events", "lake.other", "lake.other"),
+])
+def test_a_target_table_resolves_to_one_iceberg_identifier(table: str, target: str,
+                                                           ident: str) -> None:
+    from offsetflow.sink_iceberg_config import resolve_identifier
+
+    ice = parse_pipeline(raw(table=table), "f.yaml", {}).sink.iceberg
+    assert ice is not None
+    assert resolve_identifier(ice, table, target) == ident
+
+
 def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
     from datetime import UTC, datetime
 
