@@ -52,6 +52,7 @@ from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
     IcebergConfig,
     catalog_properties,
+    check_summary_ranges,
     resolve_identifier,
     snapshot_summary,
     summary_batch,
@@ -225,13 +226,18 @@ class IcebergSink:
 
 
 def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
-    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None."""
+    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None; a
+    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError."""
     from pyiceberg.table.snapshots import ancestors_of
 
     for snap in ancestors_of(table.current_snapshot(), table.metadata):
         summary = snap.summary.additional_properties if snap.summary else {}
         found = summary_batch(summary, batch.pipeline, batch.batch_id)
-        if found is not None:
+        if found is not None:  # and the very ranges: batch ids repeat when ledgers do
+            check_summary_ranges(summary, batch.pipeline, batch.batch_id,
+                                 [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                  for r in batch.ranges],
+                                 f"{snap.snapshot_id} of {'.'.join(table.name())}")
             return found
     return None
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from offsetflow.errors import ConfigError
+from offsetflow.errors import ConfigError, OffsetFlowError
 
 CATALOG_TYPES = ("sql", "rest", "glue", "hive")
 DEFAULT_NAMESPACE = "offsetflow"
@@ -32,6 +32,12 @@ SUMMARY_KIND = "offsetflow.kind"
 SUMMARY_RANGES = "offsetflow.ranges"
 SUMMARY_ROWS = "offsetflow.rows"
 SUMMARY_DEAD = "offsetflow.dead-letters"
+
+
+class BatchIdentityError(OffsetFlowError):
+    """A snapshot names this pipeline's batch id but other ranges: batch ids were reused
+    (a ledger restored or rebuilt, two deployments on one table), so it is not this
+    batch; neither "found" (records lost) nor "missing" (maybe written twice) is safe."""
 
 
 @dataclass(frozen=True)
@@ -223,3 +229,27 @@ def summary_batch(summary: Mapping[str, str], pipeline: str, batch_id: int
     if summary.get(SUMMARY_PIPELINE) != pipeline or summary.get(SUMMARY_BATCH) != str(batch_id):
         return None
     return int(summary.get(SUMMARY_ROWS, "0")), int(summary.get(SUMMARY_DEAD, "0"))
+
+
+def check_summary_ranges(summary: Mapping[str, str], pipeline: str, batch_id: int,
+                         ranges: Sequence[tuple[str, int, int, int]], snapshot: str) -> None:
+    """Raise BatchIdentityError unless the snapshot `summary_batch` matched recorded the
+    batch's very ranges (`snapshot`: how the error names it)."""
+    try:
+        recorded = sorted((str(t), int(p), int(lo), int(hi))
+                          for t, p, lo, hi in json.loads(summary.get(SUMMARY_RANGES, "[]")))
+    except (ValueError, TypeError):
+        recorded = []
+    if recorded == sorted(ranges):
+        return
+
+    def show(rs: Sequence[tuple[str, int, int, int]]) -> str:
+        return ", ".join(f"{t}[{p}] [{lo}, {hi})" for t, p, lo, hi in rs) or "none"
+
+    raise BatchIdentityError(
+        f"batch {batch_id} of pipeline {pipeline}: Iceberg snapshot {snapshot} names this "
+        f"batch with ranges {show(recorded)} but the ledger's batch has {show(sorted(ranges))}"
+        f"; a ledger restored or rebuilt, or two deployments writing one table under one "
+        f"pipeline name, reuse batch ids. Nothing was written and the ledger did not move: "
+        f"find which ledger belongs to the table, and give another deployment its own "
+        f"pipeline name or table")

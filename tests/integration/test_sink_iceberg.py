@@ -24,6 +24,7 @@ from offsetflow.sink_iceberg import (
     load_catalog,
     remove_orphan_files,
 )
+from offsetflow.sink_iceberg_config import BatchIdentityError, snapshot_summary
 from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
 from offsetflow.tables import LINEAGE_COLUMN
 from tests.integration.test_faults import Case
@@ -356,3 +357,30 @@ def test_backfill_naming_the_pipelines_own_table_in_another_spelling_is_live_gua
         with pytest.raises(RequestError, match=r"cannot backfill .*\[0\] \[0, 100\) into the "
                                                r"pipeline's own table"):
             submit_window(cfg, ledger, wp, "test")
+
+
+def test_a_snapshot_with_the_batch_id_but_other_ranges_is_an_error_not_found(
+        case: IcebergCase, spark: Any) -> None:
+    """A ledger restored or rebuilt (or a second deployment on the table) reuses batch
+    ids: a snapshot naming this pipeline and batch id with other ranges is not this batch.
+    Taking it as "found" would complete the ledger without writing and lose the records."""
+    case.workload.mixed(300, random.Random(42))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.workload.mixed(300, random.Random(43))
+    bid = plan_only(case.cfg, case.dsn).batch
+    assert bid is not None
+    table = iceberg_table(case.cfg, case.dsn)  # the old ledger's batch of the same id
+    stale = snapshot_summary(case.cfg.name, bid.batch_id, "live",
+                             [(case.workload.topic, 0, 0, 5)], 5, 0)
+    with table.transaction() as txn, txn.update_snapshot(
+            snapshot_properties=stale).fast_append():
+        pass
+    positions = case.positions()
+    with pytest.raises(BatchIdentityError, match=(
+            rf"batch {bid.batch_id} of pipeline {case.cfg.name}: Iceberg snapshot \d+ of "
+            rf"lake\.{case.table} names this batch with ranges .*\[0, 5\).* but the ledger's "
+            rf"batch has .*; a ledger restored or rebuilt, or two deployments")):
+        run_batch(spark, case.cfg, bid.batch_id, case.dsn)
+    assert case.positions() == positions  # nothing moved, nothing lost
+    assert case.batch(bid.batch_id).status != "committed"
+

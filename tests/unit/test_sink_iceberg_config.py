@@ -201,3 +201,18 @@ def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
                                                            "t", planned_at=at))
     assert batch_file_prefix(b) != batch_file_prefix(Batch(
         7, "p", "live", "running", (), "t", planned_at=datetime(2026, 1, 1, tzinfo=UTC)))
+
+
+def test_a_found_snapshot_must_carry_the_batchs_very_ranges() -> None:
+    from offsetflow.sink_iceberg_config import BatchIdentityError, check_summary_ranges
+
+    s = snapshot_summary("p", 7, "live", [("t", 1, 5, 9), ("t", 0, 0, 100)], 9, 0)
+    check_summary_ranges(s, "p", 7, [("t", 0, 0, 100), ("t", 1, 5, 9)], "1 of ns.t")
+    with pytest.raises(BatchIdentityError, match=r"batch 7 of pipeline p: Iceberg snapshot "
+                                                 r"1 of ns\.t names this batch with ranges "
+                                                 r"t\[0\] \[0, 100\), t\[1\] \[5, 9\) but "
+                                                 r"the ledger's batch has t\[0\] \[0, 5000\)"):
+        check_summary_ranges(s, "p", 7, [("t", 0, 0, 5000)], "1 of ns.t")
+    with pytest.raises(BatchIdentityError, match="with ranges none"):
+        check_summary_ranges({**s, "offsetflow.ranges": "garbage"}, "p", 7,
+                             [("t", 0, 0, 100)], "1 of ns.t")
