@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from offsetflow.errors import ConfigError, OffsetFlowError
 
@@ -204,6 +204,44 @@ def sqlalchemy_url(dsn: str) -> str:
     query = "&".join(f"{k}={quote(v, safe='')}" for k, v in kv.items())
     return (f"postgresql+psycopg2://{auth}{'@' if auth else ''}{host}"
             f"{':' + port if port else ''}/{db}{'?' + query if query else ''}")
+
+
+def catalog_identity(cfg: IcebergConfig, sink_connection: str, sink_conn_id: str | None
+                     ) -> list[str]:
+    """Which catalog the table is in, without secrets, for the config fingerprint: type,
+    name, warehouse and where the catalog lives (its uri without user, password or query;
+    for a SQL catalog on the sink's PostgreSQL, that connection's conn_id or host, port
+    and database). A batch retried against another catalog would miss the snapshot an
+    earlier attempt committed and write the batch into a second table."""
+    uri = cfg.properties.get("uri", "")
+    if uri:
+        where = _uri_identity(uri)
+    elif sink_conn_id:
+        where = f"conn_id:{sink_conn_id}"
+    else:
+        where = _dsn_identity(sink_connection)
+    return [cfg.catalog_type, cfg.catalog_name, cfg.properties.get("warehouse", ""), where]
+
+
+def _uri_identity(uri: str) -> str:
+    u = urlsplit(uri)
+    if not u.scheme or not u.netloc:
+        return uri.split("?", 1)[0] if "@" not in uri else ""
+    host = u.hostname or ""
+    return f"{u.scheme}://{host}{f':{u.port}' if u.port else ''}{u.path}"
+
+
+def _dsn_identity(dsn: str) -> str:
+    """host:port/dbname of a libpq DSN (URI or key=value); "" when it does not parse."""
+    if not dsn:
+        return ""
+    from psycopg2.extensions import parse_dsn
+
+    try:
+        kv = parse_dsn(dsn)
+    except Exception:  # noqa: BLE001  (psycopg2.ProgrammingError; no password in the output)
+        return ""
+    return f"{kv.get('host', '')}:{kv.get('port', '')}/{kv.get('dbname', '')}"
 
 
 def catalog_properties(cfg: IcebergConfig, sink_dsn: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from offsetflow.backfill import plan_window, run_batches, submit_window
-from offsetflow.errors import RequestError, SchemaMismatchError
+from offsetflow.errors import BatchStateError, RequestError, SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
@@ -24,7 +24,11 @@ from offsetflow.sink_iceberg import (
     load_catalog,
     remove_orphan_files,
 )
-from offsetflow.sink_iceberg_config import BatchIdentityError, snapshot_summary
+from offsetflow.sink_iceberg_config import (
+    BatchIdentityError,
+    snapshot_summary,
+    sqlalchemy_url,
+)
 from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
 from offsetflow.tables import LINEAGE_COLUMN
 from tests.integration.test_faults import Case
@@ -384,3 +388,25 @@ def test_a_snapshot_with_the_batch_id_but_other_ranges_is_an_error_not_found(
     assert case.positions() == positions  # nothing moved, nothing lost
     assert case.batch(bid.batch_id).status != "committed"
 
+
+@pytest.mark.parametrize("change", ["name", "warehouse", "uri"])
+def test_a_catalog_change_between_plan_and_run_is_a_config_change(
+        case: IcebergCase, spark: Any, change: str) -> None:
+    """An attempt may have committed to catalog A and died; its retry against catalog B
+    would miss that snapshot and put the batch into a second table. So the catalog's
+    identity is part of the config fingerprint: the retry stops with the drift error."""
+    bid = case.planned_batch(200, seed=44)
+    cat = case.raw["sink"]["catalog"]
+    if change == "name":
+        cat["name"] = "other"
+    elif change == "warehouse":
+        other = case.warehouse.with_name("warehouse2")
+        other.mkdir()
+        cat["warehouse"] = f"file://{other}"
+    else:  # the catalog in another database of the same server
+        cat["uri"] = sqlalchemy_url(case.dsn).rsplit("/", 1)[0] + "/postgres"
+    case.write_config()
+    with pytest.raises(BatchStateError, match=rf"config changed since batch {bid} was "
+                                              rf"planned"):
+        run_batch(spark, case.cfg, bid, case.dsn)
+    assert case.batch(bid).status != "committed"

@@ -216,3 +216,37 @@ def test_a_found_snapshot_must_carry_the_batchs_very_ranges() -> None:
     with pytest.raises(BatchIdentityError, match="with ranges none"):
         check_summary_ranges({**s, "offsetflow.ranges": "garbage"}, "p", 7,
                              [("t", 0, 0, 100)], "1 of ns.t")
+
+
+@pytest.mark.parametrize("catalog", [
+    {"warehouse": "file:///w2"},
+    {"warehouse": "file:///w", "name": "other"},
+    {"warehouse": "file:///w", "type": "rest", "uri": "https://cat"},
+    {"warehouse": "file:///w", "uri": "postgresql+psycopg2://u:pw@other:5432/db"},
+])
+def test_the_catalog_is_part_of_the_fingerprint(catalog: dict[str, Any]) -> None:
+    base = parse_pipeline(raw(), "f.yaml", {}).fingerprint()
+    assert parse_pipeline(raw(catalog=catalog), "f.yaml", {}).fingerprint() != base
+    other_db = raw()
+    other_db["sink"]["connection"] = "postgresql://u:pw@h:5432/db2"
+    assert parse_pipeline(other_db, "f.yaml", {}).fingerprint() != base
+
+
+def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> None:
+    from offsetflow.sink_iceberg_config import catalog_identity
+
+    a = raw(catalog={"warehouse": "w", "uri": "postgresql+psycopg2://u:s3cr3t@h:5/db?x=1",
+                     "token": "t1"})
+    b = raw(catalog={"warehouse": "w", "uri": "postgresql+psycopg2://v:other@h:5/db",
+                     "token": "t2"})
+    ca, cb = (parse_pipeline(r, "f.yaml", {}) for r in (a, b))
+    assert ca.fingerprint() == cb.fingerprint()  # credentials rotate without a drift
+    assert ca.sink.iceberg is not None
+    ident = catalog_identity(ca.sink.iceberg, ca.sink.connection, None)
+    assert ident == ["sql", "offsetflow", "w", "postgresql+psycopg2://h:5/db"]
+    assert catalog_identity(ca.sink.iceberg, "postgresql://x@other/db", None) == ident
+    plain = parse_pipeline(raw(), "f.yaml", {})
+    assert plain.sink.iceberg is not None
+    assert catalog_identity(plain.sink.iceberg, "host=h port=5 dbname=d password=x",
+                            None)[3] == "h:5/d"
+    assert catalog_identity(plain.sink.iceberg, "", "pg_conn")[3] == "conn_id:pg_conn"
