@@ -6,6 +6,7 @@ Errors OffsetFlow raises on purpose are printed once, without a traceback, exit 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -152,14 +153,21 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
             partitions = sorted(known | {p for _, p in kafka.partitions([args.topic])})
         else:
             partitions = [args.partition]
+        check_sink = None
+        if cfg.sink.iceberg is not None and not args.force:  # no coordinates index there
+            from offsetflow.sink_iceberg_maint import refuse_rows_beyond
+
+            check_sink = functools.partial(refuse_rows_beyond, cfg, _dsn(args, cfg),
+                                           args.topic, partitions, args.offset)
         moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
                                 args.reason, topic_id=topic_id,
                                 # upsert rows cannot collide: a recreated topic's records
                                 # replace its old incarnation's (offsetflow.upsert)
                                 target_table=cfg.sink.table if cfg.sink.mode == "append"
-                                else None,
+                                and cfg.sink.iceberg is None else None,
                                 archive_to=args.archive_to,
-                                dead_letter_table=cfg.dead_letter_table)
+                                dead_letter_table=cfg.dead_letter_table,
+                                check_sink=check_sink)
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")
@@ -300,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--archive-to", metavar="TABLE",
                     help="move sink rows at or beyond the new position to TABLE (else they "
                          "refuse the reset)")
+    sp.add_argument("--force", action="store_true",
+                    help="Iceberg sink: reset although the table holds rows at or beyond the "
+                         "new position (the records read again are appended beside them)")
     sp.add_argument("--reason", required=True)
     sp.set_defaults(fn=cmd_reset_position)
 

@@ -8,7 +8,7 @@ pipeline reads next.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -20,13 +20,15 @@ from offsetflow.ledger import OPEN_STATUSES, Ledger, qualified
 def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Sequence[int],
                     next_offset: int, reason: str, *, topic_id: str | None,
                     target_table: str | None = None, archive_to: str | None = None,
-                    dead_letter_table: str | None = None) -> int:
+                    dead_letter_table: str | None = None,
+                    check_sink: Callable[[], None] | None = None) -> int:
     """Operator override of positions (e.g. after a topic was recreated), in one
     transaction. `topic_id`: the topic's current Kafka id, recorded with the positions
     so planning accepts them. Rows of `target_table` (and the pipeline's dead letters in
     `dead_letter_table`) at or beyond the new position of a partition would collide with
     (or be written again by) the records read from there: they are refused, or moved to
     `archive_to` (dead letters to `archive_to`_dead_letter) in the same transaction.
+    `check_sink`: an external sink's own refusal (it raises), run under the pipeline lock.
     Returns the rows moved."""
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, pipeline)
@@ -38,6 +40,8 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                 f"abandon --batch-id {open_batch.batch_id} --reason '...') before moving a "
                 f"position")
         _refuse_open_batches_beyond(cur, pipeline, topic, partitions, next_offset)
+        if check_sink is not None:
+            check_sink()
         moved = _clear_rows_beyond(cur, topic, partitions, next_offset, target_table,
                                    archive_to)
         moved += _clear_rows_beyond(cur, topic, partitions, next_offset, dead_letter_table,

@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig, load_pipeline
-from offsetflow.errors import ConfigError
+from offsetflow.errors import ConfigError, PositionResetError
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_config import resolve_identifier
@@ -70,6 +71,35 @@ def _identifier(cfg: PipelineConfig, batch: Batch) -> str:
     """The Iceberg table the batch wrote (a backfill may name its own)."""
     assert cfg.sink.iceberg is not None
     return resolve_identifier(cfg.sink.iceberg, cfg.sink.table, batch.target_table)
+
+
+def refuse_rows_beyond(cfg: PipelineConfig, dsn: str, topic: str, partitions: Sequence[int],
+                       offset: int) -> None:
+    """`reset-position` on an Iceberg sink: the table has no coordinates index, so rows at
+    or beyond the new position would be appended again by the next batches; refuse."""
+    from pyiceberg import expressions
+    from pyiceberg.exceptions import NoSuchTableError
+
+    ex: Any = expressions
+    try:
+        table = sink_table(cfg, dsn)
+    except NoSuchTableError:
+        return
+    rows = table.scan(row_filter=ex.And(ex.EqualTo("topic", topic),
+                                        ex.In("partition", set(partitions)),
+                                        ex.GreaterThanOrEqual("offset", offset)),
+                      selected_fields=("partition",)).to_arrow()
+    if not rows.num_rows:
+        return
+    found = sorted({int(p) for p in rows["partition"].to_pylist()})
+    table_id = ".".join(table.name())
+    raise PositionResetError(
+        f"Iceberg table {table_id} holds {rows.num_rows} rows of {topic} at offsets >= {offset} "
+        f"(partition(s) {found}); an Iceberg table has no coordinates index, so the batches "
+        f"read from offset {offset} on would append them again. Nothing was changed. Give "
+        f"--force to reset anyway (both copies are kept: e.g. after the topic was recreated), "
+        f"delete those rows from the table first, or choose another offset "
+        f"(--archive-to moves PostgreSQL sink rows and dead letters only)")
 
 
 def oldest_open_batch_start(dsn: str, pipeline: str) -> datetime | None:

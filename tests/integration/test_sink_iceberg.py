@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -410,3 +411,34 @@ def test_a_catalog_change_between_plan_and_run_is_a_config_change(
                                               rf"planned"):
         run_batch(spark, case.cfg, bid, case.dsn)
     assert case.batch(bid).status != "committed"
+
+
+def test_reset_position_back_under_rows_in_the_iceberg_table_is_refused_unless_forced(
+        case: IcebergCase, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Iceberg has no coordinates index: a backward reset would have the next batches
+    append again every row at or past the new position. Refused, naming the table and the
+    rows; --force applies it (and the rows are appended again, as asked)."""
+    from offsetflow.cli import main as cli
+
+    case.workload.mixed(600, random.Random(45))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    positions = case.positions()
+    topic = case.workload.topic
+    assert positions[(topic, 0)] > 100
+    base = ["--dsn", case.dsn, "reset-position", "--pipeline-file", str(case.file),
+            "--topic", topic, "--partition", "0", "--offset", "100", "--reason", "test"]
+    assert cli(base) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"lake\.{case.table} holds \d+ rows of {topic} at offsets >= 100 "
+                     rf"\(partition\(s\) \[0\]\).*would append them again.*--force", err), err
+    assert case.positions() == positions  # nothing moved
+    assert cli([*base, "--archive-to", "lake.archive"]) == 2
+    assert "--archive-to moves PostgreSQL sink rows" in capsys.readouterr().err
+    assert case.positions() == positions
+    assert cli([*base, "--force"]) == 0
+    assert case.positions()[(topic, 0)] == 100
+    rows = len(iceberg_sink_rows(case.cfg, case.dsn))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    again = sum(1 for p in case.workload.produced.values()
+                if p.committed and p.partition == 0 and p.offset >= 100)
+    assert len(iceberg_sink_rows(case.cfg, case.dsn)) == rows + again  # forced: as asked
