@@ -88,6 +88,11 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
     assert [f.name for f in table.spec().fields] == ["partition"]
     assert [table.schema().find_column_name(f.source_id)
             for f in table.sort_order().fields] == ["offset"]
+    # the sink names its files with the batch's prefix through its in-memory view only:
+    # other writers of the table never see (or need) OffsetFlow's location provider
+    assert not {"write.py-location-provider.impl", "offsetflow.data-file-prefix",
+                "commit.retry.num-retries"} & set(table.properties)
+    assert all(p.name.startswith("ofb-") for p in case.data_files())
     # a batch already committed: its re-run is a no-op and writes no snapshot
     rep = run_batch(spark, case.cfg, committed[0], case.dsn)
     assert rep.result.status == "already_committed"
