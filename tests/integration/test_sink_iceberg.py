@@ -447,3 +447,32 @@ def test_reset_position_back_under_rows_in_the_iceberg_table_is_refused_unless_f
     again = sum(1 for p in case.workload.produced.values()
                 if p.committed and p.partition == 0 and p.offset >= 100)
     assert len(iceberg_sink_rows(case.cfg, case.dsn)) == rows + again  # forced: as asked
+
+
+def test_orphan_sweep_refuses_when_none_of_the_referenced_files_is_listed(
+        case: IcebergCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path spelling the sweep does not understand (no referenced file matches the
+    listing) is not "every file is an orphan": it refuses and deletes nothing."""
+    import pyarrow as pa
+
+    from offsetflow import sink_iceberg_files
+    from offsetflow.sink_iceberg import IcebergSink
+
+    cfg = case.cfg
+    assert cfg.sink.iceberg is not None
+    sink = IcebergSink(cfg.sink.iceberg, case.dsn, None, [("topic", "text"),  # type: ignore[arg-type]
+                                                          ("partition", "integer"),
+                                                          ("offset", "bigint")], cfg.sink.table)
+    table = sink.table(cfg.sink.iceberg.identifier)
+    table.append(pa.table({"topic": ["t"], "partition": pa.array([0], pa.int32()),
+                           "offset": [0], LINEAGE_COLUMN: [1]}, schema=table.schema().as_arrow()))
+    files = case.data_files()
+    assert files
+    canonical = sink_iceberg_files.canonical_path
+    monkeypatch.setattr(sink_iceberg_files, "canonical_path",
+                        lambda p: "elsewhere:" + canonical(p))
+    with pytest.raises(sink_iceberg_files.OrphanSweepRefusedError,
+                       match=r"reference 1 data files .* but none of the 1 files listed .*"
+                             r"nothing deleted"):
+        remove_orphan_files(iceberg_table(cfg, case.dsn), older_than_s=0)
+    assert case.data_files() == files
