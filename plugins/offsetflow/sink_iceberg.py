@@ -51,8 +51,10 @@ from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLo
 from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
     IcebergConfig,
+    SortField,
     catalog_properties,
     check_summary_ranges,
+    layout_drift,
     resolve_identifier,
     snapshot_summary,
     summary_batch,
@@ -116,6 +118,7 @@ class IcebergSink:
     table_name: str = ""  # sink.table as configured (a backfill may name another)
     _catalog: Any = None
     _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
+    _layout_checked: bool = False  # the table's layout was compared with the config
 
     @property
     def catalog(self) -> Catalog:
@@ -195,9 +198,14 @@ class IcebergSink:
 
         cat = self.catalog
         try:
-            return cat.load_table(ident)
+            loaded = cat.load_table(ident)
         except NoSuchTableError:
             pass
+        else:
+            if ident == self.iceberg.identifier and not self._layout_checked:
+                self._layout_checked = True
+                _warn_layout_drift(loaded, self.iceberg)
+            return loaded
         cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
         try:
             table = cat.create_table(ident, schema=arrow_schema(self.columns), properties={
@@ -223,6 +231,26 @@ class IcebergSink:
             table = cat.load_table(ident)
         log.info("created Iceberg table %s", ident)
         return table
+
+
+def _warn_layout_drift(table: Table, cfg: IcebergConfig) -> None:
+    from pyiceberg.table.sorting import NullOrder, SortDirection
+
+    schema = table.schema()
+    diff = layout_drift(
+        cfg, [(schema.find_column_name(f.source_id) or "?", str(f.transform))
+              for f in table.spec().fields],
+        [SortField(schema.find_column_name(f.source_id) or "?",
+                   f.direction == SortDirection.DESC, f.null_order == NullOrder.NULLS_FIRST)
+         for f in table.sort_order().fields],
+        int(table.properties["write.target-file-size-bytes"])
+        if "write.target-file-size-bytes" in table.properties else None)
+    if diff:
+        log.warning("Iceberg table %s's layout differs from the config: %s. partition_by, "
+                    "sort_by and target_file_mb shape only a table OffsetFlow creates: evolve "
+                    "the table (e.g. Spark ALTER TABLE ... ADD PARTITION FIELD / WRITE "
+                    "ORDERED BY / SET TBLPROPERTIES) or undo the edit",
+                    ".".join(table.name()), "; ".join(diff))
 
 
 def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:

@@ -79,6 +79,35 @@ class IcebergConfig:
         return f"{self.namespace}.{self.table}"
 
 
+def layout_drift(cfg: IcebergConfig, partitioned: Sequence[tuple[str, str]],
+                 sorted_by: Sequence[SortField], file_bytes: int | None) -> list[str]:
+    """How an existing table's layout (partition fields as (column, transform), sort
+    fields, write.target-file-size-bytes) differs from the config's, in words; the config
+    shapes only a table OffsetFlow creates, so an edit afterwards would otherwise go
+    unnoticed."""
+    out = []
+    want_p = [(f.column, f.transform) for f in cfg.partition_by]
+    if list(partitioned) != want_p:
+        out.append(f"partitioned by {_show_partition(partitioned)} but sink.partition_by "
+                   f"says {_show_partition(want_p)}")
+    if list(sorted_by) != list(cfg.sort_by):
+        out.append(f"sorted by {_show_sort(sorted_by)} but sink.sort_by says "
+                   f"{_show_sort(cfg.sort_by)}")
+    if file_bytes is not None and file_bytes != cfg.target_file_mb << 20:
+        out.append(f"target file size {file_bytes / (1 << 20):g} MB but "
+                   f"sink.target_file_mb says {cfg.target_file_mb}")
+    return out
+
+
+def _show_partition(fields: Sequence[tuple[str, str]]) -> str:
+    return "[" + ", ".join(c if t == "identity" else f"{t}({c})" for c, t in fields) + "]"
+
+
+def _show_sort(fields: Sequence[SortField]) -> str:
+    return "[" + ", ".join(f"{f.column} {'desc' if f.descending else 'asc'}"
+                           + (" nulls first" if f.nulls_first else "") for f in fields) + "]"
+
+
 def resolve_identifier(cfg: IcebergConfig, sink_table: str, target_table: str) -> str:
     """The Iceberg table a batch writes, as `namespace.table`: the pipeline's own when
     `target_table` names `sink.table` (`t`, `public.t` and `offsetflow.t` are all the table

@@ -476,3 +476,31 @@ def test_orphan_sweep_refuses_when_none_of_the_referenced_files_is_listed(
                              r"nothing deleted"):
         remove_orphan_files(iceberg_table(cfg, case.dsn), older_than_s=0)
     assert case.data_files() == files
+
+
+def test_a_layout_edit_to_an_existing_table_is_reported_not_silently_ignored(
+        case: IcebergCase, spark: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """partition_by / sort_by / target_file_mb apply when OffsetFlow creates the table; an
+    edit afterwards changes nothing there, and the sink says so (naming both layouts)."""
+    import logging
+
+    case.workload.mixed(300, random.Random(46))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.workload.mixed(100, random.Random(48))
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+        run_until_caught_up(case.cfg, case.dsn, spark)  # the same layout: not a word
+    assert not [r for r in caplog.records if "layout" in r.getMessage()]
+    case.raw["sink"]["partition_by"] = ["bucket(4, event_id)"]
+    case.raw["sink"]["sort_by"] = ["offset desc"]
+    case.raw["sink"]["target_file_mb"] = 64
+    case.write_config()
+    case.workload.mixed(300, random.Random(47))
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+        runs = [r for r in run_until_caught_up(case.cfg, case.dsn, spark)
+                if r.report is not None]
+    warned = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
+    assert 1 <= len(warned) <= len(runs), warned  # once per batch, not per table load
+    assert re.search(rf"lake\.{case.table}.*partitioned by \[partition\].*partition_by "
+                     rf"says \[bucket\[4\]\(event_id\)\].*sorted by \[offset asc\].*sort_by "
+                     rf"says \[offset desc\].*128 MB.*target_file_mb says 64", warned[0])
+    case.assert_exactly_once()

@@ -250,3 +250,18 @@ def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> N
     assert catalog_identity(plain.sink.iceberg, "host=h port=5 dbname=d password=x",
                             None)[3] == "h:5/d"
     assert catalog_identity(plain.sink.iceberg, "", "pg_conn")[3] == "conn_id:pg_conn"
+
+
+def test_layout_drift_names_each_difference() -> None:
+    from offsetflow.sink_iceberg_config import layout_drift
+
+    ice = parse_pipeline(raw(partition_by=["day(amount)", "event_id"],
+                             sort_by=["amount desc nulls first"]), "f.yaml", {}).sink.iceberg
+    assert ice is not None
+    same = [("amount", "day"), ("event_id", "identity")]
+    assert layout_drift(ice, same, [SortField("amount", True, True)], 128 << 20) == []
+    assert layout_drift(ice, same, [SortField("amount", True, True)], None) == []
+    assert layout_drift(ice, [], [], 64 << 20) == [
+        "partitioned by [] but sink.partition_by says [day(amount), event_id]",
+        "sorted by [] but sink.sort_by says [amount desc nulls first]",
+        "target file size 64 MB but sink.target_file_mb says 128"]
