@@ -207,30 +207,41 @@ class IcebergSink:
                 _warn_layout_drift(loaded, self.iceberg)
             return loaded
         cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
-        try:
-            table = cat.create_table(ident, schema=arrow_schema(self.columns), properties={
-                "write.target-file-size-bytes": str(self.iceberg.target_file_mb << 20)})
+        schema, spec, order = _layout(self.iceberg, arrow_schema(self.columns))
+        try:  # one commit with its layout: a kill cannot leave it unpartitioned
+            table = cat.create_table(ident, schema=schema, partition_spec=spec,
+                                     sort_order=order, properties={
+                                         "write.target-file-size-bytes":
+                                             str(self.iceberg.target_file_mb << 20)})
         except TableAlreadyExistsError:  # a concurrent run made it first
             return cat.load_table(ident)
-        if self.iceberg.partition_by or self.iceberg.sort_by:
-            with table.transaction() as txn:
-                if self.iceberg.partition_by:
-                    with txn.update_spec() as spec:
-                        for f in self.iceberg.partition_by:
-                            spec.add_field(f.column, f.transform, f.name)
-                if self.iceberg.sort_by:
-                    from pyiceberg.table.sorting import NullOrder
-                    from pyiceberg.transforms import IdentityTransform
-
-                    with txn.update_sort_order() as order:
-                        for s in self.iceberg.sort_by:
-                            nulls = NullOrder.NULLS_FIRST if s.nulls_first else \
-                                NullOrder.NULLS_LAST
-                            (order.desc if s.descending else order.asc)(
-                                s.column, IdentityTransform(), nulls)
-            table = cat.load_table(ident)
         log.info("created Iceberg table %s", ident)
         return table
+
+
+def _layout(cfg: IcebergConfig, arrow: pa.Schema) -> tuple[Any, Any, Any]:
+    """(schema, partition spec, sort order) of a new table, for one create_table."""
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.schema import assign_fresh_schema_ids
+    from pyiceberg.table.sorting import NullOrder, SortDirection, SortOrder
+    from pyiceberg.table.sorting import SortField as IcebergSortField
+    from pyiceberg.transforms import IdentityTransform, parse_transform
+
+    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))
+
+    def source(column: str) -> int:
+        return int(schema.find_field(column).field_id)
+
+    spec = PartitionSpec(*[PartitionField(source_id=source(f.column), field_id=1000 + i,
+                                          transform=parse_transform(f.transform), name=f.name)
+                           for i, f in enumerate(cfg.partition_by)])
+    order = SortOrder(*[IcebergSortField(
+        source_id=source(s.column), transform=IdentityTransform(),
+        direction=SortDirection.DESC if s.descending else SortDirection.ASC,
+        null_order=NullOrder.NULLS_FIRST if s.nulls_first else NullOrder.NULLS_LAST)
+        for s in cfg.sort_by])
+    return schema, spec, order
 
 
 def _warn_layout_drift(table: Table, cfg: IcebergConfig) -> None:

@@ -93,6 +93,9 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
     assert not {"write.py-location-provider.impl", "offsetflow.data-file-prefix",
                 "commit.retry.num-retries"} & set(table.properties)
     assert all(p.name.startswith("ofb-") for p in case.data_files())
+    # created with its layout in ONE commit (a kill in between cannot leave it
+    # unpartitioned): one metadata version for the creation, then one per batch
+    assert len(table.metadata.metadata_log) == len(committed)
     # a batch already committed: its re-run is a no-op and writes no snapshot
     rep = run_batch(spark, case.cfg, committed[0], case.dsn)
     assert rep.result.status == "already_committed"
