@@ -51,16 +51,15 @@ from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLo
 from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
     IcebergConfig,
-    SortField,
     catalog_properties,
     check_summary_ranges,
-    layout_drift,
     resolve_identifier,
     snapshot_summary,
     summary_batch,
 )
 from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
 from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
+from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_drift
 from offsetflow.tables import LINEAGE_COLUMN
 
 if TYPE_CHECKING:
@@ -204,10 +203,10 @@ class IcebergSink:
         else:
             if ident == self.iceberg.identifier and not self._layout_checked:
                 self._layout_checked = True
-                _warn_layout_drift(loaded, self.iceberg)
+                warn_layout_drift(loaded, self.iceberg)
             return loaded
         cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
-        schema, spec, order = _layout(self.iceberg, arrow_schema(self.columns))
+        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(self.columns))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
             table = cat.create_table(ident, schema=schema, partition_spec=spec,
                                      sort_order=order, properties={
@@ -217,51 +216,6 @@ class IcebergSink:
             return cat.load_table(ident)
         log.info("created Iceberg table %s", ident)
         return table
-
-
-def _layout(cfg: IcebergConfig, arrow: pa.Schema) -> tuple[Any, Any, Any]:
-    """(schema, partition spec, sort order) of a new table, for one create_table."""
-    from pyiceberg.catalog import Catalog
-    from pyiceberg.partitioning import PartitionField, PartitionSpec
-    from pyiceberg.schema import assign_fresh_schema_ids
-    from pyiceberg.table.sorting import NullOrder, SortDirection, SortOrder
-    from pyiceberg.table.sorting import SortField as IcebergSortField
-    from pyiceberg.transforms import IdentityTransform, parse_transform
-
-    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))
-
-    def source(column: str) -> int:
-        return int(schema.find_field(column).field_id)
-
-    spec = PartitionSpec(*[PartitionField(source_id=source(f.column), field_id=1000 + i,
-                                          transform=parse_transform(f.transform), name=f.name)
-                           for i, f in enumerate(cfg.partition_by)])
-    order = SortOrder(*[IcebergSortField(
-        source_id=source(s.column), transform=IdentityTransform(),
-        direction=SortDirection.DESC if s.descending else SortDirection.ASC,
-        null_order=NullOrder.NULLS_FIRST if s.nulls_first else NullOrder.NULLS_LAST)
-        for s in cfg.sort_by])
-    return schema, spec, order
-
-
-def _warn_layout_drift(table: Table, cfg: IcebergConfig) -> None:
-    from pyiceberg.table.sorting import NullOrder, SortDirection
-
-    schema = table.schema()
-    diff = layout_drift(
-        cfg, [(schema.find_column_name(f.source_id) or "?", str(f.transform))
-              for f in table.spec().fields],
-        [SortField(schema.find_column_name(f.source_id) or "?",
-                   f.direction == SortDirection.DESC, f.null_order == NullOrder.NULLS_FIRST)
-         for f in table.sort_order().fields],
-        int(table.properties["write.target-file-size-bytes"])
-        if "write.target-file-size-bytes" in table.properties else None)
-    if diff:
-        log.warning("Iceberg table %s's layout differs from the config: %s. partition_by, "
-                    "sort_by and target_file_mb shape only a table OffsetFlow creates: evolve "
-                    "the table (e.g. Spark ALTER TABLE ... ADD PARTITION FIELD / WRITE "
-                    "ORDERED BY / SET TBLPROPERTIES) or undo the edit",
-                    ".".join(table.name()), "; ".join(diff))
 
 
 def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
