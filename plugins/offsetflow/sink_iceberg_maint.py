@@ -11,7 +11,8 @@ compaction, a large backfill), or it deletes files that writer is about to commi
 sweep a retried batch runs on its own deletes only that batch's files (its name prefix).
 
 Snapshot expiry keeps every snapshot younger than the oldest open (planned, running or
-failed) batch of the pipeline: that batch may have committed to Iceberg and died before
+failed) batch of the pipeline, and main's chain from the oldest snapshot naming an open
+batch on (no clock involved): that batch may have committed to Iceberg and died before
 the ledger did, and its retry finds its snapshot among main's ancestors to not append again.
 """
 
@@ -111,18 +112,47 @@ def oldest_open_batch_start(dsn: str, pipeline: str) -> datetime | None:
     return row[0] if row else None
 
 
+def open_batch_ids(dsn: str, pipeline: str) -> set[int]:
+    with Ledger(dsn) as ledger, ledger.transaction() as cur:
+        cur.execute("""SELECT batch_id FROM offsetflow.batches
+                        WHERE pipeline = %s AND status IN ('planned', 'running', 'failed')""",
+                    (pipeline,))
+        return {int(r[0]) for r in cur.fetchall()}
+
+
+def chain_kept_for(table: Table, pipeline: str, open_ids: set[int]) -> set[int]:
+    """Snapshot ids of main's chain from the oldest ancestor naming an open batch of the
+    pipeline up to the current one: that batch's retry walks this chain to find its
+    snapshot (an expired link would end the walk early), whatever the clocks say."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    from offsetflow.sink_iceberg_config import SUMMARY_BATCH, SUMMARY_PIPELINE
+
+    chain, keep_upto = [], -1
+    for i, snap in enumerate(ancestors_of(table.current_snapshot(), table.metadata)):
+        chain.append(snap.snapshot_id)
+        props = snap.summary.additional_properties if snap.summary else {}
+        if props.get(SUMMARY_PIPELINE) == pipeline and \
+                props.get(SUMMARY_BATCH, "").isdigit() and int(props[SUMMARY_BATCH]) in open_ids:
+            keep_upto = i
+    return set(chain[:keep_upto + 1])
+
+
 def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime) -> int:
     """Expire main's snapshots older than `older_than`, but none younger than the oldest
-    open batch; the current snapshot always stays. Returns how many were expired."""
+    open batch, nor any of main's chain from the oldest ancestor naming an open batch on
+    (the time floor alone compares the database's clock with the writers'); the current
+    snapshot always stays. Returns how many were expired."""
     open_since = oldest_open_batch_start(dsn, cfg.name)
     if open_since is not None:
         older_than = min(older_than, open_since)
     table = sink_table(cfg, dsn)
     current = table.current_snapshot()
+    keep = chain_kept_for(table, cfg.name, open_batch_ids(dsn, cfg.name))
     cutoff_ms = int(older_than.timestamp() * 1000)
     ids = [s.snapshot_id for s in table.snapshots()
-           if s.timestamp_ms < cutoff_ms and (current is None or s.snapshot_id !=
-                                              current.snapshot_id)]
+           if s.timestamp_ms < cutoff_ms and s.snapshot_id not in keep
+           and (current is None or s.snapshot_id != current.snapshot_id)]
     if ids:
         table.maintenance.expire_snapshots().by_ids(ids).commit()
     return len(ids)

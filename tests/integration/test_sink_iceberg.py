@@ -507,3 +507,30 @@ def test_a_layout_edit_to_an_existing_table_is_reported_not_silently_ignored(
                      rf"says \[bucket\[4\]\(event_id\)\].*sorted by \[offset asc\].*sort_by "
                      rf"says \[offset desc\].*128 MB.*target_file_mb says 64", warned[0])
     case.assert_exactly_once()
+
+
+def test_snapshot_expiry_keeps_an_open_batchs_snapshot_whatever_the_clocks_say(
+        case: IcebergCase, spark: Any) -> None:
+    """The expiry floor compared PostgreSQL's planned_at with the driver's snapshot
+    timestamps: a driver clock behind the database's let an open batch's snapshot expire,
+    and its retry appended the batch again. The floor is now the chain itself: the
+    oldest ancestor naming an open batch, and everything after it, stay."""
+    case.workload.mixed(600, random.Random(49))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    bid = case.planned_batch(300, seed=50)
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0  # its snapshot is in Iceberg, its ledger row open
+    with Ledger(case.dsn) as ledger, ledger.transaction() as cur:  # the driver's clock
+        cur.execute("UPDATE offsetflow.batches SET planned_at = now() + interval '1 hour' "
+                    "WHERE batch_id = %s", (bid,))  # an hour behind the database's
+    txn = iceberg_table(case.cfg, case.dsn).transaction()  # another writer on top
+    with txn, txn.update_snapshot().fast_append():
+        pass
+    assert main(["--pipeline-file", str(case.file), "--dsn", case.dsn,
+                 "--orphans-older-than-hours", "0", "--expire-snapshots-older-than-days",
+                 "0"]) == 0
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    rep = run_batch(spark, case.cfg, bid, case.dsn)
+    assert rep.result.status == "committed"
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # found: not appended again
+    case.assert_exactly_once()
