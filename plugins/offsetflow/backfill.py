@@ -118,8 +118,7 @@ def _check_live_positions(cfg: PipelineConfig, req: WindowRequest,
         return
     if req.kind == "replay":
         check_replay_window(window, committed)
-    elif req.target_table is None or (split_table_name(req.target_table)
-                                      == split_table_name(cfg.sink.table)):
+    elif req.target_table is None or _own_table(cfg, req.target_table):
         check_backfill_window(window, committed, cfg.sink.table)
 
 
@@ -134,6 +133,15 @@ def _check_kafka_side_topic(cfg: PipelineConfig, req: WindowRequest) -> None:
                            f"the live output topic {cfg.sink.kafka.topic} a second time "
                            f"(Kafka cannot delete them); name a side topic in "
                            f"sink.replay_topic of {cfg.source_file}")
+def _own_table(cfg: PipelineConfig, target_table: str) -> bool:
+    """Whether `target_table` is the pipeline's own table, however spelled: for Iceberg,
+    by the resolved identifier (`t` and `offsetflow.t` are one table there)."""
+    if cfg.sink.iceberg is not None:
+        from offsetflow.sink_iceberg_config import resolve_identifier
+
+        return (resolve_identifier(cfg.sink.iceberg, cfg.sink.table, target_table)
+                == cfg.sink.iceberg.identifier)
+    return split_table_name(target_table) == split_table_name(cfg.sink.table)
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,

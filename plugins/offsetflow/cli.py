@@ -6,6 +6,7 @@ Errors OffsetFlow raises on purpose are printed once, without a traceback, exit 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -181,6 +182,12 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
             partitions = sorted(known | {p for _, p in kafka.partitions([args.topic])})
         else:
             partitions = [args.partition]
+        check_sink = None
+        if cfg.sink.iceberg is not None and not args.force:  # no coordinates index there
+            from offsetflow.sink_iceberg_maint import refuse_rows_beyond
+
+            check_sink = functools.partial(refuse_rows_beyond, cfg, _dsn(args, cfg),
+                                           args.topic, partitions, args.offset)
         moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
                                 args.reason, topic_id=topic_id,
                                 # upsert rows cannot collide: a recreated topic's records
@@ -191,7 +198,8 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
                                 archive_to=args.archive_to,
                                 dead_letter_table=cfg.dead_letter_table,
                                 live_topic=cfg.sink.kafka.topic if cfg.sink.kafka is not None
-                                and not args.allow_duplicates else None)
+                                and not args.allow_duplicates else None,
+                                check_sink=check_sink)
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")
@@ -337,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-duplicates", action="store_true",
                     help="Kafka sink: move a position back although the live output topic "
                          "already holds those records (they are written there again)")
+    sp.add_argument("--force", action="store_true",
+                    help="Iceberg sink: reset although the table holds rows at or beyond the "
+                         "new position (the records read again are appended beside them)")
     sp.add_argument("--reason", required=True)
     sp.set_defaults(fn=cmd_reset_position)
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from offsetflow.sink_iceberg_config import IcebergConfig
+from offsetflow.sink_iceberg_config import IcebergConfig, catalog_identity
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -176,7 +176,8 @@ class PipelineConfig:
             "format": [self.format_type, dict(self.schema)],
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
-            **({"sink_iceberg": self.sink.iceberg.identifier}
+            **({"sink_iceberg": [self.sink.iceberg.identifier, *catalog_identity(
+                self.sink.iceberg, self.sink.connection, self.sink.conn_id)]}
                if self.sink.iceberg is not None else {}),
             "bad_records": [self.bad_records, self.dead_letter_table],
             "isolation_level": self.isolation_level,

@@ -8,7 +8,7 @@ pipeline reads next.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg2.extensions
 from psycopg2 import sql
@@ -21,7 +21,8 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
                     next_offset: int, reason: str, *, topic_id: str | None,
                     target_table: str | None = None, archive_to: str | None = None,
                     dead_letter_table: str | None = None,
-                    live_topic: str | None = None) -> int:
+                    live_topic: str | None = None,
+                    check_sink: Callable[[], None] | None = None) -> int:
     """Operator override of positions (e.g. after a topic was recreated), in one
     transaction. `topic_id`: the topic's current Kafka id, recorded with the positions
     so planning accepts them. Rows of `target_table` (and the pipeline's dead letters in
@@ -29,7 +30,8 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
     (or be written again by) the records read from there: they are refused, or moved to
     `archive_to` (dead letters to `archive_to`_dead_letter) in the same transaction.
     `live_topic`: the Kafka topic a Kafka sink writes, which holds the records below a
-    position: moving it back (same topic incarnation) is refused. Returns the rows moved."""
+    position: moving it back (same topic incarnation) is refused. `check_sink`: an external
+    sink's own refusal (it raises), run under the pipeline lock. Returns the rows moved."""
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, pipeline)
         open_batch = ledger.open_batch(cur, pipeline)
@@ -43,6 +45,8 @@ def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Seque
         if live_topic is not None:
             _refuse_rewind_into_live_topic(cur, pipeline, topic, partitions, next_offset,
                                            topic_id, live_topic)
+        if check_sink is not None:
+            check_sink()
         moved = _clear_rows_beyond(cur, topic, partitions, next_offset, target_table,
                                    archive_to)
         moved += _clear_rows_beyond(cur, topic, partitions, next_offset, dead_letter_table,

@@ -17,9 +17,9 @@ Order inside the still-open ledger transaction (batch row locked):
 Dead letters (bad records, tombstones by policy, quality failures) stay in PostgreSQL and
 are written by this same transaction, on both paths.
 
-Files of an attempt that died before its catalog commit are referenced by no snapshot;
-`remove_orphan_files` deletes them (after a grace period, so files of a commit still under
-way are spared).
+Files of an attempt that died before its catalog commit are referenced by no snapshot; they
+carry the batch's name prefix, and the sweep after the retried batch deletes exactly those
+(`sink_iceberg_files`).
 
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
 in the same catalog commit. What this first version does not do: the Spark tasks stage into
@@ -46,17 +46,20 @@ import pyarrow.csv as pa_csv
 from psycopg2 import sql
 
 from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
-from offsetflow.config_schema import split_table_name
 from offsetflow.dead_letters import dead_letters_from, route_quality_failures
 from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLostError
 from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sink_iceberg_config import (
-    DEFAULT_NAMESPACE,
     IcebergConfig,
     catalog_properties,
+    check_summary_ranges,
+    resolve_identifier,
     snapshot_summary,
     summary_batch,
 )
+from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
+from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
+from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_drift
 from offsetflow.tables import LINEAGE_COLUMN
 
 if TYPE_CHECKING:
@@ -114,6 +117,7 @@ class IcebergSink:
     table_name: str = ""  # sink.table as configured (a backfill may name another)
     _catalog: Any = None
     _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
+    _layout_checked: bool = False  # the table's layout was compared with the config
 
     @property
     def catalog(self) -> Catalog:
@@ -197,10 +201,7 @@ class IcebergSink:
 
     def identifier(self, batch: Batch) -> str:
         """The pipeline's table, or the one a backfill named (`target_table`)."""
-        if split_table_name(batch.target_table) == split_table_name(self.table_name):
-            return self.iceberg.identifier
-        ns, _, name = batch.target_table.rpartition(".")
-        return f"{ns or DEFAULT_NAMESPACE}.{name}"
+        return resolve_identifier(self.iceberg, self.table_name, batch.target_table)
 
     def table(self, ident: str) -> Table:
         """The target table, created on first use with the configured layout."""
@@ -208,44 +209,40 @@ class IcebergSink:
 
         cat = self.catalog
         try:
-            return cat.load_table(ident)
+            loaded = cat.load_table(ident)
         except NoSuchTableError:
             pass
+        else:
+            if ident == self.iceberg.identifier and not self._layout_checked:
+                self._layout_checked = True
+                warn_layout_drift(loaded, self.iceberg)
+            return loaded
         cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
-        try:
-            table = cat.create_table(ident, schema=arrow_schema(self.columns), properties={
-                "write.target-file-size-bytes": str(self.iceberg.target_file_mb << 20)})
+        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(self.columns))
+        try:  # one commit with its layout: a kill cannot leave it unpartitioned
+            table = cat.create_table(ident, schema=schema, partition_spec=spec,
+                                     sort_order=order, properties={
+                                         "write.target-file-size-bytes":
+                                             str(self.iceberg.target_file_mb << 20)})
         except TableAlreadyExistsError:  # a concurrent run made it first
             return cat.load_table(ident)
-        if self.iceberg.partition_by or self.iceberg.sort_by:
-            with table.transaction() as txn:
-                if self.iceberg.partition_by:
-                    with txn.update_spec() as spec:
-                        for f in self.iceberg.partition_by:
-                            spec.add_field(f.column, f.transform, f.name)
-                if self.iceberg.sort_by:
-                    from pyiceberg.table.sorting import NullOrder
-                    from pyiceberg.transforms import IdentityTransform
-
-                    with txn.update_sort_order() as order:
-                        for s in self.iceberg.sort_by:
-                            nulls = NullOrder.NULLS_FIRST if s.nulls_first else \
-                                NullOrder.NULLS_LAST
-                            (order.desc if s.descending else order.asc)(
-                                s.column, IdentityTransform(), nulls)
-            table = cat.load_table(ident)
         log.info("created Iceberg table %s", ident)
         return table
 
 
 def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
-    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None."""
+    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None; a
+    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError."""
     from pyiceberg.table.snapshots import ancestors_of
 
     for snap in ancestors_of(table.current_snapshot(), table.metadata):
         summary = snap.summary.additional_properties if snap.summary else {}
         found = summary_batch(summary, batch.pipeline, batch.batch_id)
-        if found is not None:
+        if found is not None:  # and the very ranges: batch ids repeat when ledgers do
+            check_summary_ranges(summary, batch.pipeline, batch.batch_id,
+                                 [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                  for r in batch.ranges],
+                                 f"{snap.snapshot_id} of {'.'.join(table.name())}")
             return found
     return None
 
@@ -280,6 +277,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
         if found is not None:
             return found[0]
         _no_rebase(table)
+        name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
         txn = table.transaction()
         if batch.kind in ("replay", "backfill"):
             with warnings.catch_warnings():  # a window with nothing before is no news
@@ -410,41 +408,3 @@ def _unhex(hexes: pa.Array) -> pa.Array:
         validity = hexes.is_valid().buffers()[1]
     return pa.Array.from_buffers(pa.binary(), n, [validity, pa.py_buffer(new_offsets),
                                                   pa.py_buffer(decoded)], hexes.null_count)
-
-
-def remove_orphan_files(table: Table, older_than_s: float = 3600.0) -> list[str]:
-    """Delete data files under the table's data folder that no snapshot references and that
-    are older than `older_than_s` (files of a commit still under way are younger). Returns
-    the removed paths."""
-    from pyarrow import fs as pafs
-
-    referenced: set[str] = set()
-    for snap in table.snapshots():
-        for manifest in snap.manifests(table.io):
-            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
-                referenced.add(_plain(entry.data_file.file_path))
-    location = table.location().rstrip("/") + "/data"
-    filesystem, root = pafs.FileSystem.from_uri(location)
-    try:
-        infos = filesystem.get_file_info(pafs.FileSelector(root, recursive=True))
-    except FileNotFoundError:
-        return []
-    cutoff = time.time() - older_than_s
-    removed = []
-    for info in infos:
-        if info.type != pafs.FileType.File or not info.path.endswith(".parquet"):
-            continue
-        if _plain(info.path) in referenced:
-            continue
-        if info.mtime is not None and info.mtime.timestamp() > cutoff:
-            continue
-        filesystem.delete_file(info.path)
-        removed.append(info.path)
-    if removed:
-        log.info("removed %d orphan data files of %s", len(removed), ".".join(table.name()))
-    return removed
-
-
-def _plain(path: str) -> str:
-    """A file path without its scheme, as pyarrow's file systems name it."""
-    return path.split("://", 1)[1] if "://" in path else path

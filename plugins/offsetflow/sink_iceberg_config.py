@@ -14,9 +14,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
-from offsetflow.errors import ConfigError
+from offsetflow.errors import ConfigError, OffsetFlowError
 
 CATALOG_TYPES = ("sql", "rest", "glue", "hive")
 DEFAULT_NAMESPACE = "offsetflow"
@@ -32,6 +32,12 @@ SUMMARY_KIND = "offsetflow.kind"
 SUMMARY_RANGES = "offsetflow.ranges"
 SUMMARY_ROWS = "offsetflow.rows"
 SUMMARY_DEAD = "offsetflow.dead-letters"
+
+
+class BatchIdentityError(OffsetFlowError):
+    """A snapshot names this pipeline's batch id but other ranges: batch ids were reused
+    (a ledger restored or rebuilt, two deployments on one table), so it is not this
+    batch; neither "found" (records lost) nor "missing" (maybe written twice) is safe."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,52 @@ class IcebergConfig:
     @property
     def identifier(self) -> str:
         return f"{self.namespace}.{self.table}"
+
+
+def layout_drift(cfg: IcebergConfig, partitioned: Sequence[tuple[str, str]],
+                 sorted_by: Sequence[SortField], file_bytes: int | None) -> list[str]:
+    """How an existing table's layout (partition fields as (column, transform), sort
+    fields, write.target-file-size-bytes) differs from the config's, in words; the config
+    shapes only a table OffsetFlow creates, so an edit afterwards would otherwise go
+    unnoticed."""
+    out = []
+    want_p = [(f.column, f.transform) for f in cfg.partition_by]
+    if list(partitioned) != want_p:
+        out.append(f"partitioned by {_show_partition(partitioned)} but sink.partition_by "
+                   f"says {_show_partition(want_p)}")
+    if list(sorted_by) != list(cfg.sort_by):
+        out.append(f"sorted by {_show_sort(sorted_by)} but sink.sort_by says "
+                   f"{_show_sort(cfg.sort_by)}")
+    if file_bytes is not None and file_bytes != cfg.target_file_mb << 20:
+        out.append(f"target file size {file_bytes / (1 << 20):g} MB but "
+                   f"sink.target_file_mb says {cfg.target_file_mb}")
+    return out
+
+
+def _show_partition(fields: Sequence[tuple[str, str]]) -> str:
+    return "[" + ", ".join(c if t == "identity" else f"{t}({c})" for c, t in fields) + "]"
+
+
+def _show_sort(fields: Sequence[SortField]) -> str:
+    return "[" + ", ".join(f"{f.column} {'desc' if f.descending else 'asc'}"
+                           + (" nulls first" if f.nulls_first else "") for f in fields) + "]"
+
+
+def resolve_identifier(cfg: IcebergConfig, sink_table: str, target_table: str) -> str:
+    """The Iceberg table a batch writes, as `namespace.table`: the pipeline's own when
+    `target_table` names `sink.table` (`t`, `public.t` and `offsetflow.t` are all the table
+    `sink.table: t` lands in), else `target_table` with namespace offsetflow by default.
+    Compare these, never the spellings, to decide "the pipeline's own table"."""
+    if _pg_name(target_table) == _pg_name(sink_table):
+        return cfg.identifier
+    ns, _, name = target_table.rpartition(".")
+    return f"{ns or DEFAULT_NAMESPACE}.{name}"
+
+
+def _pg_name(table: str) -> tuple[str, str]:
+    """`config_schema.split_table_name` (a PostgreSQL name: schema public by default)."""
+    ns, _, name = table.rpartition(".")
+    return ns or "public", name
 
 
 def parse_partition_field(text: Any, source: str, fld: str) -> PartitionField:
@@ -183,6 +235,44 @@ def sqlalchemy_url(dsn: str) -> str:
             f"{':' + port if port else ''}/{db}{'?' + query if query else ''}")
 
 
+def catalog_identity(cfg: IcebergConfig, sink_connection: str, sink_conn_id: str | None
+                     ) -> list[str]:
+    """Which catalog the table is in, without secrets, for the config fingerprint: type,
+    name, warehouse and where the catalog lives (its uri without user, password or query;
+    for a SQL catalog on the sink's PostgreSQL, that connection's conn_id or host, port
+    and database). A batch retried against another catalog would miss the snapshot an
+    earlier attempt committed and write the batch into a second table."""
+    uri = cfg.properties.get("uri", "")
+    if uri:
+        where = _uri_identity(uri)
+    elif sink_conn_id:
+        where = f"conn_id:{sink_conn_id}"
+    else:
+        where = _dsn_identity(sink_connection)
+    return [cfg.catalog_type, cfg.catalog_name, cfg.properties.get("warehouse", ""), where]
+
+
+def _uri_identity(uri: str) -> str:
+    u = urlsplit(uri)
+    if not u.scheme or not u.netloc:
+        return uri.split("?", 1)[0] if "@" not in uri else ""
+    host = u.hostname or ""
+    return f"{u.scheme}://{host}{f':{u.port}' if u.port else ''}{u.path}"
+
+
+def _dsn_identity(dsn: str) -> str:
+    """host:port/dbname of a libpq DSN (URI or key=value); "" when it does not parse."""
+    if not dsn:
+        return ""
+    from psycopg2.extensions import parse_dsn
+
+    try:
+        kv = parse_dsn(dsn)
+    except Exception:  # noqa: BLE001  (psycopg2.ProgrammingError; no password in the output)
+        return ""
+    return f"{kv.get('host', '')}:{kv.get('port', '')}/{kv.get('dbname', '')}"
+
+
 def catalog_properties(cfg: IcebergConfig, sink_dsn: str) -> dict[str, str]:
     """What `pyiceberg.catalog.load_catalog` gets."""
     props = {"type": cfg.catalog_type, **cfg.properties}
@@ -206,3 +296,27 @@ def summary_batch(summary: Mapping[str, str], pipeline: str, batch_id: int
     if summary.get(SUMMARY_PIPELINE) != pipeline or summary.get(SUMMARY_BATCH) != str(batch_id):
         return None
     return int(summary.get(SUMMARY_ROWS, "0")), int(summary.get(SUMMARY_DEAD, "0"))
+
+
+def check_summary_ranges(summary: Mapping[str, str], pipeline: str, batch_id: int,
+                         ranges: Sequence[tuple[str, int, int, int]], snapshot: str) -> None:
+    """Raise BatchIdentityError unless the snapshot `summary_batch` matched recorded the
+    batch's very ranges (`snapshot`: how the error names it)."""
+    try:
+        recorded = sorted((str(t), int(p), int(lo), int(hi))
+                          for t, p, lo, hi in json.loads(summary.get(SUMMARY_RANGES, "[]")))
+    except (ValueError, TypeError):
+        recorded = []
+    if recorded == sorted(ranges):
+        return
+
+    def show(rs: Sequence[tuple[str, int, int, int]]) -> str:
+        return ", ".join(f"{t}[{p}] [{lo}, {hi})" for t, p, lo, hi in rs) or "none"
+
+    raise BatchIdentityError(
+        f"batch {batch_id} of pipeline {pipeline}: Iceberg snapshot {snapshot} names this "
+        f"batch with ranges {show(recorded)} but the ledger's batch has {show(sorted(ranges))}"
+        f"; a ledger restored or rebuilt, or two deployments writing one table under one "
+        f"pipeline name, reuse batch ids. Nothing was written and the ledger did not move: "
+        f"find which ledger belongs to the table, and give another deployment its own "
+        f"pipeline name or table")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from offsetflow.backfill import plan_window, run_batches, submit_window
 from offsetflow.cli import main as cli
-from offsetflow.errors import SchemaMismatchError
+from offsetflow.errors import BatchStateError, RequestError, SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
@@ -24,6 +25,11 @@ from offsetflow.sink_iceberg import (
     find_batch,
     load_catalog,
     remove_orphan_files,
+)
+from offsetflow.sink_iceberg_config import (
+    BatchIdentityError,
+    snapshot_summary,
+    sqlalchemy_url,
 )
 from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
 from offsetflow.tables import LINEAGE_COLUMN
@@ -83,6 +89,14 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
     assert [f.name for f in table.spec().fields] == ["partition"]
     assert [table.schema().find_column_name(f.source_id)
             for f in table.sort_order().fields] == ["offset"]
+    # the sink names its files with the batch's prefix through its in-memory view only:
+    # other writers of the table never see (or need) OffsetFlow's location provider
+    assert not {"write.py-location-provider.impl", "offsetflow.data-file-prefix",
+                "commit.retry.num-retries"} & set(table.properties)
+    assert all(p.name.startswith("ofb-") for p in case.data_files())
+    # created with its layout in ONE commit (a kill in between cannot leave it
+    # unpartitioned): one metadata version for the creation, then one per batch
+    assert len(table.metadata.metadata_log) == len(committed)
     # a batch already committed: its re-run is a no-op and writes no snapshot
     rep = run_batch(spark, case.cfg, committed[0], case.dsn)
     assert rep.result.status == "already_committed"
@@ -92,6 +106,12 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
 @pytest.mark.slow
 def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_removed(
         case: IcebergCase, spark: Any) -> None:
+    """The sweep after a retried batch removes the files of that batch's dead attempts
+    (named with its prefix, whatever their age) and nothing else: a concurrent writer's
+    uncommitted files (a compaction in flight), however old, are spared."""
+    import pyarrow.parquet as pq
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+
     bid = case.planned_batch(3000, seed=22)
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-files")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
@@ -100,18 +120,47 @@ def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_remo
     assert len(orphans) >= 2, "the fault must come after the data files were written"
     assert case.batch(bid).status != "committed"
     assert snapshot_batches(case.cfg, case.dsn) == []
-    old = time.time() - 2 * ORPHAN_GRACE_S  # one file of the dead attempt ages past the grace
-    os.utime(orphans[0], (old, old))
+    # another writer's files, written long ago and not committed yet (a compaction)
+    table = iceberg_table(case.cfg, case.dsn)
+    rows = pq.read_table(orphans[0]).slice(0, 5)
+    foreign = list(_dataframe_to_data_files(table.metadata, rows, table.io))
+    foreign_paths = sorted(case.data_files() - set(orphans))
+    assert len(foreign_paths) == len(foreign) >= 1
+    old = time.time() - 2 * ORPHAN_GRACE_S
+    for p in [orphans[0], *foreign_paths]:
+        os.utime(p, (old, old))
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
-    assert not orphans[0].exists()  # swept after the retried batch committed
-    assert all(p.exists() for p in orphans[1:])  # younger than the grace: spared
+    assert all(p.exists() for p in foreign_paths), "another writer's files were swept"
+    assert not any(p.exists() for p in orphans)  # the dead attempt's files: all swept
     table = iceberg_table(case.cfg, case.dsn)
     assert remove_orphan_files(table, older_than_s=3600) == []
-    removed = {Path(p) for p in remove_orphan_files(table, older_than_s=0)}
-    assert removed == set(orphans[1:])  # exactly the dead attempt's files, none of the commit's
     run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+    # the other writer commits its files: the table still reads
+    table = iceberg_table(case.cfg, case.dsn)
+    with table.transaction() as txn, txn.update_snapshot().fast_append() as append:
+        for f in foreign:
+            append.append_data_file(f)
+    total = len(iceberg_sink_rows(case.cfg, case.dsn))
+    assert total == rows.num_rows + case.workload.committed_count
+
+
+@pytest.mark.parametrize("spelling", ["file:{}", "{}", "file://{}"])
+def test_orphan_sweep_keeps_every_referenced_file_however_the_warehouse_is_spelled(
+        case: IcebergCase, spark: Any, spelling: str) -> None:
+    case.raw["sink"]["catalog"]["warehouse"] = spelling.format(case.warehouse)
+    case.write_config()
+    case.workload.mixed(600, random.Random(40))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    files = case.data_files()
+    assert files
+    stray = next(iter(files)).with_name("00000-0-stray.parquet")
+    stray.write_bytes(b"not referenced")
+    assert remove_orphan_files(iceberg_table(case.cfg, case.dsn), older_than_s=0) == [
+        str(stray)]
+    assert case.data_files() == files
     case.assert_exactly_once()
 
 
@@ -319,4 +368,191 @@ def test_maintenance_expires_old_snapshots_but_never_one_an_open_batch_may_need(
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"  # found its snapshot: not appended again
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    case.assert_exactly_once()
+
+
+@pytest.mark.parametrize("sink_table,alias", [("{t}", "offsetflow.{t}"),
+                                              ("offsetflow.{t}", "{t}"),
+                                              ("lake.{t}", "lake.{t}")])
+def test_backfill_naming_the_pipelines_own_table_in_another_spelling_is_live_guarded(
+        case: IcebergCase, sink_table: str, alias: str) -> None:
+    """`offsetflow.<t>` and `<t>` are one Iceberg table (namespace offsetflow by default):
+    a backfill past the live position into it, however spelled, is refused (Iceberg has
+    no coordinates index to stop the live batches writing those offsets again)."""
+    case.raw["sink"]["table"] = sink_table.format(t=case.table)
+    case.write_config()
+    case.workload.mixed(300, random.Random(41))
+    cfg = case.cfg
+    req = parse_request("backfill", {"pipeline": cfg.name, "topic": case.workload.topic,
+                                     "partitions": "0", "from_offset": 0, "until_offset": 100,
+                                     "target_table": alias.format(t=case.table)})
+    with Ledger(case.dsn) as ledger:
+        wp = plan_window(cfg, ledger, kafka_for(cfg), req)
+        assert wp.refused is not None and "pipeline's own table" in wp.refused
+        with pytest.raises(RequestError, match=r"cannot backfill .*\[0\] \[0, 100\) into the "
+                                               r"pipeline's own table"):
+            submit_window(cfg, ledger, wp, "test")
+
+
+def test_a_snapshot_with_the_batch_id_but_other_ranges_is_an_error_not_found(
+        case: IcebergCase, spark: Any) -> None:
+    """A ledger restored or rebuilt (or a second deployment on the table) reuses batch
+    ids: a snapshot naming this pipeline and batch id with other ranges is not this batch.
+    Taking it as "found" would complete the ledger without writing and lose the records."""
+    case.workload.mixed(300, random.Random(42))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.workload.mixed(300, random.Random(43))
+    bid = plan_only(case.cfg, case.dsn).batch
+    assert bid is not None
+    table = iceberg_table(case.cfg, case.dsn)  # the old ledger's batch of the same id
+    stale = snapshot_summary(case.cfg.name, bid.batch_id, "live",
+                             [(case.workload.topic, 0, 0, 5)], 5, 0)
+    with table.transaction() as txn, txn.update_snapshot(
+            snapshot_properties=stale).fast_append():
+        pass
+    positions = case.positions()
+    with pytest.raises(BatchIdentityError, match=(
+            rf"batch {bid.batch_id} of pipeline {case.cfg.name}: Iceberg snapshot \d+ of "
+            rf"lake\.{case.table} names this batch with ranges .*\[0, 5\).* but the ledger's "
+            rf"batch has .*; a ledger restored or rebuilt, or two deployments")):
+        run_batch(spark, case.cfg, bid.batch_id, case.dsn)
+    assert case.positions() == positions  # nothing moved, nothing lost
+    assert case.batch(bid.batch_id).status != "committed"
+
+
+@pytest.mark.parametrize("change", ["name", "warehouse", "uri"])
+def test_a_catalog_change_between_plan_and_run_is_a_config_change(
+        case: IcebergCase, spark: Any, change: str) -> None:
+    """An attempt may have committed to catalog A and died; its retry against catalog B
+    would miss that snapshot and put the batch into a second table. So the catalog's
+    identity is part of the config fingerprint: the retry stops with the drift error."""
+    bid = case.planned_batch(200, seed=44)
+    cat = case.raw["sink"]["catalog"]
+    if change == "name":
+        cat["name"] = "other"
+    elif change == "warehouse":
+        other = case.warehouse.with_name("warehouse2")
+        other.mkdir()
+        cat["warehouse"] = f"file://{other}"
+    else:  # the catalog in another database of the same server
+        cat["uri"] = sqlalchemy_url(case.dsn).rsplit("/", 1)[0] + "/postgres"
+    case.write_config()
+    with pytest.raises(BatchStateError, match=rf"config changed since batch {bid} was "
+                                              rf"planned"):
+        run_batch(spark, case.cfg, bid, case.dsn)
+    assert case.batch(bid).status != "committed"
+
+
+def test_reset_position_back_under_rows_in_the_iceberg_table_is_refused_unless_forced(
+        case: IcebergCase, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Iceberg has no coordinates index: a backward reset would have the next batches
+    append again every row at or past the new position. Refused, naming the table and the
+    rows; --force applies it (and the rows are appended again, as asked)."""
+    from offsetflow.cli import main as cli
+
+    case.workload.mixed(600, random.Random(45))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    positions = case.positions()
+    topic = case.workload.topic
+    assert positions[(topic, 0)] > 100
+    base = ["--dsn", case.dsn, "reset-position", "--pipeline-file", str(case.file),
+            "--topic", topic, "--partition", "0", "--offset", "100", "--reason", "test"]
+    assert cli(base) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"lake\.{case.table} holds \d+ rows of {topic} at offsets >= 100 "
+                     rf"\(partition\(s\) \[0\]\).*would append them again.*--force", err), err
+    assert case.positions() == positions  # nothing moved
+    assert cli([*base, "--archive-to", "lake.archive"]) == 2
+    assert "--archive-to moves PostgreSQL sink rows" in capsys.readouterr().err
+    assert case.positions() == positions
+    assert cli([*base, "--force"]) == 0
+    assert case.positions()[(topic, 0)] == 100
+    rows = len(iceberg_sink_rows(case.cfg, case.dsn))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    again = sum(1 for p in case.workload.produced.values()
+                if p.committed and p.partition == 0 and p.offset >= 100)
+    assert len(iceberg_sink_rows(case.cfg, case.dsn)) == rows + again  # forced: as asked
+
+
+def test_orphan_sweep_refuses_when_none_of_the_referenced_files_is_listed(
+        case: IcebergCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path spelling the sweep does not understand (no referenced file matches the
+    listing) is not "every file is an orphan": it refuses and deletes nothing."""
+    import pyarrow as pa
+
+    from offsetflow import sink_iceberg_files
+    from offsetflow.sink_iceberg import IcebergSink
+
+    cfg = case.cfg
+    assert cfg.sink.iceberg is not None
+    sink = IcebergSink(cfg.sink.iceberg, case.dsn, None, [("topic", "text"),  # type: ignore[arg-type]
+                                                          ("partition", "integer"),
+                                                          ("offset", "bigint")], cfg.sink.table)
+    table = sink.table(cfg.sink.iceberg.identifier)
+    table.append(pa.table({"topic": ["t"], "partition": pa.array([0], pa.int32()),
+                           "offset": [0], LINEAGE_COLUMN: [1]}, schema=table.schema().as_arrow()))
+    files = case.data_files()
+    assert files
+    canonical = sink_iceberg_files.canonical_path
+    monkeypatch.setattr(sink_iceberg_files, "canonical_path",
+                        lambda p: "elsewhere:" + canonical(p))
+    with pytest.raises(sink_iceberg_files.OrphanSweepRefusedError,
+                       match=r"reference 1 data files .* but none of the 1 files listed .*"
+                             r"nothing deleted"):
+        remove_orphan_files(iceberg_table(cfg, case.dsn), older_than_s=0)
+    assert case.data_files() == files
+
+
+def test_a_layout_edit_to_an_existing_table_is_reported_not_silently_ignored(
+        case: IcebergCase, spark: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """partition_by / sort_by / target_file_mb apply when OffsetFlow creates the table; an
+    edit afterwards changes nothing there, and the sink says so (naming both layouts)."""
+    import logging
+
+    case.workload.mixed(300, random.Random(46))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.workload.mixed(100, random.Random(48))
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+        run_until_caught_up(case.cfg, case.dsn, spark)  # the same layout: not a word
+    assert not [r for r in caplog.records if "layout" in r.getMessage()]
+    case.raw["sink"]["partition_by"] = ["bucket(4, event_id)"]
+    case.raw["sink"]["sort_by"] = ["offset desc"]
+    case.raw["sink"]["target_file_mb"] = 64
+    case.write_config()
+    case.workload.mixed(300, random.Random(47))
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+        runs = [r for r in run_until_caught_up(case.cfg, case.dsn, spark)
+                if r.report is not None]
+    warned = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
+    assert 1 <= len(warned) <= len(runs), warned  # once per batch, not per table load
+    assert re.search(rf"lake\.{case.table}.*partitioned by \[partition\].*partition_by "
+                     rf"says \[bucket\[4\]\(event_id\)\].*sorted by \[offset asc\].*sort_by "
+                     rf"says \[offset desc\].*128 MB.*target_file_mb says 64", warned[0])
+    case.assert_exactly_once()
+
+
+def test_snapshot_expiry_keeps_an_open_batchs_snapshot_whatever_the_clocks_say(
+        case: IcebergCase, spark: Any) -> None:
+    """The expiry floor compared PostgreSQL's planned_at with the driver's snapshot
+    timestamps: a driver clock behind the database's let an open batch's snapshot expire,
+    and its retry appended the batch again. The floor is now the chain itself: the
+    oldest ancestor naming an open batch, and everything after it, stay."""
+    case.workload.mixed(600, random.Random(49))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    bid = case.planned_batch(300, seed=50)
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0  # its snapshot is in Iceberg, its ledger row open
+    with Ledger(case.dsn) as ledger, ledger.transaction() as cur:  # the driver's clock
+        cur.execute("UPDATE offsetflow.batches SET planned_at = now() + interval '1 hour' "
+                    "WHERE batch_id = %s", (bid,))  # an hour behind the database's
+    txn = iceberg_table(case.cfg, case.dsn).transaction()  # another writer on top
+    with txn, txn.update_snapshot().fast_append():
+        pass
+    assert main(["--pipeline-file", str(case.file), "--dsn", case.dsn,
+                 "--orphans-older-than-hours", "0", "--expire-snapshots-older-than-days",
+                 "0"]) == 0
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    rep = run_batch(spark, case.cfg, bid, case.dsn)
+    assert rep.result.status == "committed"
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # found: not appended again
     case.assert_exactly_once()

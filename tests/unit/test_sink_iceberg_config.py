@@ -153,3 +153,115 @@ def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None
     assert _unhex(pa.array([], pa.string())).to_pylist() == []
     assert arrow_type("numeric(12,3)") == pa.decimal128(12, 3)
     assert arrow_schema([("offset", "bigint")]).names == ["offset", "_offsetflow_batch_id"]
+
+
+@pytest.mark.parametrize(("path", "canonical"), [
+    ("file:/w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("file:///w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("/w/t/data/x.parquet", "/w/t/data/x.parquet"),
+    ("/w//t/./data/x.parquet", "/w/t/data/x.parquet"),
+    ("file:/w/t/data/k=a%2Fb/x.parquet", "/w/t/data/k=a%2Fb/x.parquet"),  # kept encoded
+    ("s3://bucket/t/data/x.parquet", "bucket/t/data/x.parquet"),
+    ("hdfs://nn:8020/t/data/x.parquet", "/t/data/x.parquet"),
+])
+def test_data_file_paths_compare_in_one_canonical_form(path: str, canonical: str) -> None:
+    from offsetflow.sink_iceberg_files import canonical_path
+
+    assert canonical_path(path) == canonical
+
+
+@pytest.mark.parametrize(("table", "target", "ident"), [
+    ("events", "events", "offsetflow.events"),
+    ("events", "public.events", "offsetflow.events"),
+    ("events", "offsetflow.events", "offsetflow.events"),
+    ("offsetflow.events", "events", "offsetflow.events"),
+    ("lake.events", "lake.events", "lake.events"),
+    ("lake.events", "events", "offsetflow.events"),
+    ("lake.events", "lake.other", "lake.other"),
+])
+def test_a_target_table_resolves_to_one_iceberg_identifier(table: str, target: str,
+                                                           ident: str) -> None:
+    from offsetflow.sink_iceberg_config import resolve_identifier
+
+    ice = parse_pipeline(raw(table=table), "f.yaml", {}).sink.iceberg
+    assert ice is not None
+    assert resolve_identifier(ice, table, target) == ident
+
+
+def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
+    from datetime import UTC, datetime
+
+    from offsetflow.ledger import Batch
+    from offsetflow.sink_iceberg_files import batch_file_prefix
+
+    at = datetime(2026, 11, 23, tzinfo=UTC)
+    b = Batch(7, "p", "live", "running", (), "t", planned_at=at)
+    assert batch_file_prefix(b).startswith("ofb-") and batch_file_prefix(b).endswith("-7-")
+    assert batch_file_prefix(b) != batch_file_prefix(Batch(7, "q", "live", "running", (),
+                                                           "t", planned_at=at))
+    assert batch_file_prefix(b) != batch_file_prefix(Batch(
+        7, "p", "live", "running", (), "t", planned_at=datetime(2026, 1, 1, tzinfo=UTC)))
+
+
+def test_a_found_snapshot_must_carry_the_batchs_very_ranges() -> None:
+    from offsetflow.sink_iceberg_config import BatchIdentityError, check_summary_ranges
+
+    s = snapshot_summary("p", 7, "live", [("t", 1, 5, 9), ("t", 0, 0, 100)], 9, 0)
+    check_summary_ranges(s, "p", 7, [("t", 0, 0, 100), ("t", 1, 5, 9)], "1 of ns.t")
+    with pytest.raises(BatchIdentityError, match=r"batch 7 of pipeline p: Iceberg snapshot "
+                                                 r"1 of ns\.t names this batch with ranges "
+                                                 r"t\[0\] \[0, 100\), t\[1\] \[5, 9\) but "
+                                                 r"the ledger's batch has t\[0\] \[0, 5000\)"):
+        check_summary_ranges(s, "p", 7, [("t", 0, 0, 5000)], "1 of ns.t")
+    with pytest.raises(BatchIdentityError, match="with ranges none"):
+        check_summary_ranges({**s, "offsetflow.ranges": "garbage"}, "p", 7,
+                             [("t", 0, 0, 100)], "1 of ns.t")
+
+
+@pytest.mark.parametrize("catalog", [
+    {"warehouse": "file:///w2"},
+    {"warehouse": "file:///w", "name": "other"},
+    {"warehouse": "file:///w", "type": "rest", "uri": "https://cat"},
+    {"warehouse": "file:///w", "uri": "postgresql+psycopg2://u:pw@other:5432/db"},
+])
+def test_the_catalog_is_part_of_the_fingerprint(catalog: dict[str, Any]) -> None:
+    base = parse_pipeline(raw(), "f.yaml", {}).fingerprint()
+    assert parse_pipeline(raw(catalog=catalog), "f.yaml", {}).fingerprint() != base
+    other_db = raw()
+    other_db["sink"]["connection"] = "postgresql://u:pw@h:5432/db2"
+    assert parse_pipeline(other_db, "f.yaml", {}).fingerprint() != base
+
+
+def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> None:
+    from offsetflow.sink_iceberg_config import catalog_identity
+
+    a = raw(catalog={"warehouse": "w", "uri": "postgresql+psycopg2://u:s3cr3t@h:5/db?x=1",
+                     "token": "t1"})
+    b = raw(catalog={"warehouse": "w", "uri": "postgresql+psycopg2://v:other@h:5/db",
+                     "token": "t2"})
+    ca, cb = (parse_pipeline(r, "f.yaml", {}) for r in (a, b))
+    assert ca.fingerprint() == cb.fingerprint()  # credentials rotate without a drift
+    assert ca.sink.iceberg is not None
+    ident = catalog_identity(ca.sink.iceberg, ca.sink.connection, None)
+    assert ident == ["sql", "offsetflow", "w", "postgresql+psycopg2://h:5/db"]
+    assert catalog_identity(ca.sink.iceberg, "postgresql://x@other/db", None) == ident
+    plain = parse_pipeline(raw(), "f.yaml", {})
+    assert plain.sink.iceberg is not None
+    assert catalog_identity(plain.sink.iceberg, "host=h port=5 dbname=d password=x",
+                            None)[3] == "h:5/d"
+    assert catalog_identity(plain.sink.iceberg, "", "pg_conn")[3] == "conn_id:pg_conn"
+
+
+def test_layout_drift_names_each_difference() -> None:
+    from offsetflow.sink_iceberg_config import layout_drift
+
+    ice = parse_pipeline(raw(partition_by=["day(amount)", "event_id"],
+                             sort_by=["amount desc nulls first"]), "f.yaml", {}).sink.iceberg
+    assert ice is not None
+    same = [("amount", "day"), ("event_id", "identity")]
+    assert layout_drift(ice, same, [SortField("amount", True, True)], 128 << 20) == []
+    assert layout_drift(ice, same, [SortField("amount", True, True)], None) == []
+    assert layout_drift(ice, [], [], 64 << 20) == [
+        "partitioned by [] but sink.partition_by says [day(amount), event_id]",
+        "sorted by [] but sink.sort_by says [amount desc nulls first]",
+        "target file size 64 MB but sink.target_file_mb says 128"]
