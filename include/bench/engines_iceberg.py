@@ -11,16 +11,14 @@ coordinates, the quantity checksum, no null payloads) and the table is purged af
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 from dataset import DataSet
-from engines import _plan, expected_quantity_sum, offsetflow_config
+from engines import expected_quantity_sum, offsetflow_config, timed_batch
 
 from offsetflow.config import parse_pipeline
-from offsetflow.metrics import read_task_metrics
 from offsetflow.sink_iceberg import load_catalog
 
 if TYPE_CHECKING:
@@ -42,19 +40,8 @@ def iceberg_config(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any
 
 def offsetflow_iceberg_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
                            ) -> dict[str, Any]:
-    from offsetflow.job import run_batch
-
     cfg = parse_pipeline(iceberg_config(ds, name, ctx), f"<bench {name}>", os.environ)
-    t0 = time.perf_counter()
-    batch_id, plan_s = _plan(cfg, ctx["dsn"], ds)
-    report = run_batch(spark, cfg, batch_id, ctx["dsn"])
-    wall = time.perf_counter() - t0
-    assert report.result.status == "committed", report.result
-    stages = {"plan_s": round(plan_s, 3), "spark_start_s": 0.0,
-              **{k: v for k, v in report.timings.items() if k != "total_s"}}
-    return {"wall_s": wall, "stages": stages, "batch_id": batch_id,
-            "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
-            **verify_and_purge(cfg, ctx["dsn"], ds)}
+    return {**timed_batch(spark, cfg, ds, ctx), **verify_and_purge(cfg, ctx["dsn"], ds)}
 
 
 def verify_and_purge(cfg: Any, dsn: str, ds: DataSet) -> dict[str, Any]:

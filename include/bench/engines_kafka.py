@@ -16,17 +16,15 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from dataset import DataSet
-from engines import _plan, offsetflow_config, spark_ddl
+from engines import offsetflow_config, spark_ddl, timed_batch
 
 from offsetflow.config import parse_pipeline
-from offsetflow.metrics import read_task_metrics
 from offsetflow.ranges import split_ranges
 
 if TYPE_CHECKING:
@@ -67,8 +65,6 @@ def verify_and_delete(bootstrap: str, topic: str, ds: DataSet) -> dict[str, Any]
 
 def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
                          ) -> dict[str, Any]:
-    from offsetflow.job import run_batch
-
     out = f"bench-out-{name.replace('_', '-')}"
     _create_topic(ctx["bootstrap"], out, ds.partitions)
     raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "submit",
@@ -76,16 +72,7 @@ def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[
     raw["sink"] = {"type": "kafka", "connection": raw["sink"]["connection"], "topic": out,
                    "headers": "none"}
     cfg = parse_pipeline(raw, f"<bench {name}>", os.environ)
-    t0 = time.perf_counter()
-    batch_id, plan_s = _plan(cfg, ctx["dsn"], ds)
-    report = run_batch(spark, cfg, batch_id, ctx["dsn"])
-    wall = time.perf_counter() - t0
-    assert report.result.status == "committed", report.result
-    stages = {"plan_s": round(plan_s, 3), "spark_start_s": 0.0,
-              **{k: v for k, v in report.timings.items() if k != "total_s"}}
-    return {"wall_s": wall, "stages": stages, "batch_id": batch_id,
-            "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
-            **verify_and_delete(ctx["bootstrap"], out, ds)}
+    return {**timed_batch(spark, cfg, ds, ctx), **verify_and_delete(ctx["bootstrap"], out, ds)}
 
 
 def builtin_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
