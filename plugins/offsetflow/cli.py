@@ -149,13 +149,18 @@ def cmd_abandon(args: argparse.Namespace) -> int:
             raise BatchStateError(f"batch {args.batch_id} belongs to pipeline "
                                   f"{batch.pipeline}, not {cfg.name}")
         sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
-        if sink is not None and batch.is_open and sink_holds(ledger.dsn, batch, sink):
-            raise BatchStateError(
-                f"batch {args.batch_id} is not abandoned: its sink already holds it (a run "
-                f"died after the sink's commit, before the ledger's), and abandoning it would "
-                f"write its records twice. Run it again to complete it: offsetflow run-batch "
-                f"--pipeline {batch.pipeline} --batch-id {args.batch_id}")
-        ledger.abandon(args.batch_id, args.reason)
+        with ledger.transaction() as cur:
+            # the batch row first: no run's commit can land in the sink between the check
+            # and the abandon (one in progress is waited for, then the sink is asked)
+            batch = ledger.get_batch(args.batch_id, cur, for_update=True)
+            if sink is not None and batch.is_open and sink_holds(ledger.dsn, batch, sink):
+                raise BatchStateError(
+                    f"batch {args.batch_id} is not abandoned: its sink already holds it (a "
+                    f"run died after the sink's commit, before the ledger's), and abandoning "
+                    f"it would write its records twice. Run it again to complete it: "
+                    f"offsetflow run-batch --pipeline {batch.pipeline} --batch-id "
+                    f"{args.batch_id}")
+            ledger.abandon(args.batch_id, args.reason, cur)
     print(f"batch {args.batch_id} abandoned; its staged data was dropped")
     return 0
 

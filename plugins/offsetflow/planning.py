@@ -68,13 +68,19 @@ def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, ba
                                       pipeline=pipeline, batch_id=batch.batch_id)
 
 
-def _refuse_if_in_sink(ledger: Ledger, cfg: PipelineConfig, batch: Batch, why: str) -> None:
+def _refuse_if_in_sink(cur: psycopg2.extensions.cursor, ledger: Ledger, cfg: PipelineConfig,
+                       batch: Batch, why: str) -> None:
     """Before a batch is abandoned: its external sink must not hold it already."""
     from offsetflow.commit import sink_holds
     from offsetflow.sinks import external_sink
 
     sink = external_sink(cfg, ledger.dsn)
-    if sink is not None and sink_holds(ledger.dsn, batch, sink):
+    if sink is None:
+        return
+    # the batch row, in planning's transaction until the abandon: no run's commit can land
+    # in the sink between this check and the abandon
+    ledger.get_batch(batch.batch_id, cur, for_update=True)
+    if sink_holds(ledger.dsn, batch, sink):
         raise BatchStateError(
             f"pipeline {cfg.name}: batch {batch.batch_id} should be abandoned ({why}), but "
             f"its sink already holds it (a run died after the sink's commit); abandoning it "
@@ -178,7 +184,7 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                 f"no job is running it any more, abandon it (offsetflow abandon --batch-id "
                 f"{existing.batch_id} --reason '...'); the next plan skips the gap")
         if existing is not None:
-            _refuse_if_in_sink(ledger, cfg, existing, f"{unreadable} were deleted")
+            _refuse_if_in_sink(cur, ledger, cfg, existing, f"{unreadable} were deleted")
             # it can never be read; `continue` means plan again from the earliest offsets
             reason = (f"{unreadable} were deleted from Kafka before this batch could read "
                       f"them (not in its stage either); data_loss: continue planned a new "

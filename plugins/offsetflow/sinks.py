@@ -13,7 +13,7 @@ def external_sink(cfg: PipelineConfig, dsn: str,
                   columns: Sequence[tuple[str, str]] | None = None,
                   spec: CommitSpec | None = None) -> ExternalSink | None:
     """The pipeline's external sink for one commit attempt (`dsn`: the ledger's). Without
-    `columns` (a check before anything is read: `commit.settle_from_sink`) the row shape is
+    `columns` (a check made before anything is read: `commit.sink_holds`) the row shape is
     not checked and nothing can be written."""
     spec = spec or CommitSpec(columns=())
     if cfg.sink.kafka is not None:
