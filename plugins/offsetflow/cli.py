@@ -140,10 +140,17 @@ def cmd_abandon(args: argparse.Namespace) -> int:
         else:
             try:
                 cfg = resolve(find_pipeline(batch.pipeline))
-            except ConfigError as e:  # its file is elsewhere: say what was not checked
-                log.warning("pipeline %s's config was not found (%s); batch %d is abandoned "
-                            "without asking an external sink whether it holds it (pass "
-                            "--pipeline-file to check)", batch.pipeline, e, args.batch_id)
+            except ConfigError as e:
+                if not args.unchecked:  # an external sink may hold it: never abandon blind
+                    raise BatchStateError(
+                        f"batch {args.batch_id} is not abandoned: pipeline {batch.pipeline}'s "
+                        f"config was not found ({e}), so its sink cannot be asked "
+                        f"whether it already holds the batch (a Kafka topic or Iceberg table "
+                        f"would then get its records twice). Pass --pipeline-file FILE, or "
+                        f"--unchecked if the sink is PostgreSQL") from e
+                log.warning("pipeline %s's config was not found; batch %d is abandoned "
+                            "without asking its sink (--unchecked)", batch.pipeline,
+                            args.batch_id)
                 cfg = None
         if cfg is not None and cfg.name != batch.pipeline:
             raise BatchStateError(f"batch {args.batch_id} belongs to pipeline "
@@ -335,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--pipeline-file")
     sp.add_argument("--batch-id", type=int, required=True)
     sp.add_argument("--reason", required=True)
+    sp.add_argument("--unchecked", action="store_true",
+                    help="abandon even when the pipeline's config is not found, without "
+                         "asking its sink whether it holds the batch (PostgreSQL sinks only)")
     sp.set_defaults(fn=cmd_abandon)
 
     sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))

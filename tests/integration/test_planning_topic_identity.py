@@ -139,9 +139,16 @@ def test_topic_recreation_documented_recovery(
 
     with pytest.raises(TopicRecreatedError):
         run_batch(spark, cfg, stale.batch_id, pg_dsn)
+    # without its config (not in the pipelines folder) the sink cannot be asked whether it
+    # holds the batch: refused, naming the ways on (review of the abandon guard)
+    abandon = ["--dsn", pg_dsn, "abandon", "--batch-id", str(stale.batch_id), "--reason",
+               "topic recreated"]
+    assert cli(abandon) == 2
+    assert "--pipeline-file" in capsys.readouterr().err
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.get_batch(stale.batch_id).is_open
     # the recovery, as the README gives it
-    assert cli(["--dsn", pg_dsn, "abandon", "--batch-id", str(stale.batch_id), "--reason",
-                "topic recreated"]) == 0
+    assert cli([*abandon, "--pipeline-file", str(f)]) == 0
     with pytest.raises(TopicRecreatedError, match=r"partition\(s\) \[0, 1\]"):
         plan_only(cfg, pg_dsn)
     reset = ["--dsn", pg_dsn, "reset-position", "--pipeline-file", str(f), "--topic",
