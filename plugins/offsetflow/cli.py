@@ -19,7 +19,7 @@ from pathlib import Path
 from offsetflow.config import PipelineConfig, find_pipeline, load_pipeline
 from offsetflow.console import setup_logging
 from offsetflow.errors import ConfigError, OffsetFlowError
-from offsetflow.ledger import Ledger
+from offsetflow.ledger import Batch, Ledger
 
 log = logging.getLogger("offsetflow")
 
@@ -124,37 +124,47 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_pipeline(args: argparse.Namespace, batch: Batch) -> PipelineConfig | None:
+    """The config of `batch`'s pipeline: --pipeline/--pipeline-file, else found by name.
+    Not found: an error (its sink cannot be asked), or None under `abandon --unchecked`."""
+    unchecked = getattr(args, "unchecked", None)  # None: the command does not offer it
+    from offsetflow.errors import BatchStateError
+    from offsetflow.orchestration.connections import resolve
+
+    if args.pipeline or args.pipeline_file:
+        cfg: PipelineConfig | None = _pipeline(args)
+    else:
+        try:
+            cfg = resolve(find_pipeline(batch.pipeline))
+        except ConfigError as e:
+            if unchecked is not True:  # an external sink may hold it: never act on it blind
+                raise BatchStateError(
+                    f"batch {batch.batch_id}: pipeline {batch.pipeline}'s config was not "
+                    f"found ({e}), so its sink cannot be asked whether it already holds the "
+                    f"batch (a Kafka topic or Iceberg table would then get its records "
+                    f"twice). Pass --pipeline-file FILE"
+                    f"{'' if unchecked is None else ', or --unchecked if the sink is PostgreSQL'}"
+                ) from e
+            log.warning("pipeline %s's config was not found; batch %d is abandoned "
+                        "without asking its sink (--unchecked)", batch.pipeline,
+                        batch.batch_id)
+            cfg = None
+    if cfg is not None and cfg.name != batch.pipeline:
+        raise BatchStateError(f"batch {batch.batch_id} belongs to pipeline "
+                              f"{batch.pipeline}, not {cfg.name}")
+    return cfg
+
+
 def cmd_abandon(args: argparse.Namespace) -> int:
     """An external sink (Kafka topic, Iceberg table) may hold the batch already (its run
     died after the sink's commit): abandoning it would plan its ranges again and write them
     to the sink twice, so that is refused; running it again completes it."""
     from offsetflow.commit import sink_holds
     from offsetflow.errors import BatchStateError
-    from offsetflow.orchestration.connections import resolve
     from offsetflow.sinks import external_sink
 
     with Ledger(_dsn(args)) as ledger:
-        batch = ledger.get_batch(args.batch_id)
-        if args.pipeline or args.pipeline_file:
-            cfg: PipelineConfig | None = _pipeline(args)
-        else:
-            try:
-                cfg = resolve(find_pipeline(batch.pipeline))
-            except ConfigError as e:
-                if not args.unchecked:  # an external sink may hold it: never abandon blind
-                    raise BatchStateError(
-                        f"batch {args.batch_id} is not abandoned: pipeline {batch.pipeline}'s "
-                        f"config was not found ({e}), so its sink cannot be asked "
-                        f"whether it already holds the batch (a Kafka topic or Iceberg table "
-                        f"would then get its records twice). Pass --pipeline-file FILE, or "
-                        f"--unchecked if the sink is PostgreSQL") from e
-                log.warning("pipeline %s's config was not found; batch %d is abandoned "
-                            "without asking its sink (--unchecked)", batch.pipeline,
-                            args.batch_id)
-                cfg = None
-        if cfg is not None and cfg.name != batch.pipeline:
-            raise BatchStateError(f"batch {args.batch_id} belongs to pipeline "
-                                  f"{batch.pipeline}, not {cfg.name}")
+        cfg = _batch_pipeline(args, ledger.get_batch(args.batch_id))
         sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
         with ledger.transaction() as cur:
             # the batch row first: no run's commit can land in the sink between the check
@@ -166,9 +176,33 @@ def cmd_abandon(args: argparse.Namespace) -> int:
                     f"run died after the sink's commit, before the ledger's), and abandoning "
                     f"it would write its records twice. Run it again to complete it: "
                     f"offsetflow run-batch --pipeline {batch.pipeline} --batch-id "
-                    f"{args.batch_id}")
+                    f"{args.batch_id} (if its records are gone from Kafka and its stage, "
+                    f"offsetflow complete --batch-id {args.batch_id} --reason '...')")
             ledger.abandon(args.batch_id, args.reason, cur)
     print(f"batch {args.batch_id} abandoned; its staged data was dropped")
+    return 0
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    """`offsetflow.complete`: a batch its external sink holds, completed from the sink's
+    record when it can be neither run (records gone) nor abandoned (the sink holds it)."""
+    from offsetflow.complete import complete_from_sink
+    from offsetflow.errors import BatchStateError
+    from offsetflow.sinks import external_sink
+
+    with Ledger(_dsn(args)) as ledger:
+        batch = ledger.get_batch(args.batch_id)
+        cfg = _batch_pipeline(args, batch)
+        sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
+        if sink is None:
+            raise BatchStateError(
+                f"batch {args.batch_id}: pipeline {batch.pipeline} writes to PostgreSQL, "
+                f"where rows and ledger commit together; there is no sink record to complete "
+                f"it from (run it, or abandon it)")
+        result = complete_from_sink(ledger, args.batch_id, sink, args.reason)
+    print(result.message if result.status != "committed" else
+          f"batch {args.batch_id} completed from its sink's record: {result.rows_written} "
+          f"rows there; positions advanced")
     return 0
 
 
@@ -346,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="abandon even when the pipeline's config is not found, without "
                          "asking its sink whether it holds the batch (PostgreSQL sinks only)")
     sp.set_defaults(fn=cmd_abandon)
+
+    sp = sub.add_parser("complete", help="complete an open batch from its external sink's "
+                                         "record (its stage and Kafka records are gone)")
+    sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
+    sp.add_argument("--pipeline-file")
+    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--reason", required=True)
+    sp.set_defaults(fn=cmd_complete)
 
     sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))
     sp.add_argument("--topic", required=True)

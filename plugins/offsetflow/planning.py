@@ -85,7 +85,9 @@ def _refuse_if_in_sink(cur: psycopg2.extensions.cursor, ledger: Ledger, cfg: Pip
             f"pipeline {cfg.name}: batch {batch.batch_id} should be abandoned ({why}), but "
             f"its sink already holds it (a run died after the sink's commit); abandoning it "
             f"would write its records twice. Run it again to complete it (offsetflow "
-            f"run-batch --pipeline {cfg.name} --batch-id {batch.batch_id})")
+            f"run-batch --pipeline {cfg.name} --batch-id {batch.batch_id}); if its records "
+            f"are gone from Kafka and from its stage, complete it from the sink's record "
+            f"(offsetflow complete --batch-id {batch.batch_id} --reason '...')")
 
 
 def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,

@@ -255,3 +255,55 @@ def test_a_transaction_outlasting_its_timeout_says_so_not_fenced(
     assert run_batch(spark, case.cfg, case.batch_id, case.dsn).result.status == "committed"
     v = case.verdict()
     assert v.aborted_in_log == RECORDS  # the timed-out attempt's records: aborted
+
+
+@pytest.mark.slow
+def test_batch_the_topic_holds_whose_stage_and_records_are_gone_is_completed_from_the_sink(
+        spark: Any, case: Case) -> None:
+    """Review of the abandon guard: killed after the Kafka commit, then PostgreSQL crashed
+    (the unlogged stage and markers are emptied) and retention deleted the source records.
+    A re-run cannot re-stage (the records are gone), abandoning is refused (the topic holds
+    the batch): without `offsetflow complete` the pipeline is wedged for good. It completes
+    the ledger from the sink's record and writes nothing again."""
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    chaos.crash_postgres()  # empties the unlogged stage and its markers
+    _delete_source_records(case)
+    with pytest.raises(Exception, match=r"data loss on "):  # the re-run cannot read it again
+        run_batch(spark, case.cfg, case.batch_id, case.dsn)
+    abandon = ["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file),
+               "--batch-id", str(case.batch_id), "--reason", "records gone"]
+    assert cli(abandon) != 0 and case.status() != "abandoned"  # the topic holds it
+    complete = ["--dsn", case.dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(case.batch_id), "--reason", "stage and records gone"]
+    assert cli(complete) == 0
+    assert case.status() == "committed"
+    with Ledger(case.dsn) as ledger:
+        assert ledger.positions(case.name) == {
+            (r.topic, r.partition): r.until_offset
+            for r in ledger.get_batch(case.batch_id).ranges}
+        assert "stage and records gone" in (ledger.get_batch(case.batch_id).error or "")
+    assert cli(complete) == 0  # again: already committed, nothing changes
+    v = case.verdict()
+    assert v.in_log == RECORDS  # nothing produced a second time
+
+
+def test_complete_refuses_a_batch_the_topic_does_not_hold(case: Case) -> None:
+    """`complete` never writes: a batch its sink does not hold is refused and stays open."""
+    assert cli(["--dsn", case.dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(case.batch_id), "--reason", "x"]) == 2
+    assert case.status() == "planned"
+    assert read_topic(case.bootstrap, case.out, "read_uncommitted") == []
+
+
+def _delete_source_records(case: Case) -> None:
+    from confluent_kafka import TopicPartition as KTP
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": case.bootstrap})
+    with Ledger(case.dsn) as ledger:
+        ranges = ledger.get_batch(case.batch_id).ranges
+    for f in admin.delete_records([KTP(r.topic, r.partition, r.until_offset)
+                                   for r in ranges]).values():
+        f.result(30)
