@@ -115,7 +115,14 @@ def child_result(proc: subprocess.Popen[bytes], result: Path, timeout: float = 3
             f"Spark could not fetch {', '.join(missing) or 'its jars'} (spark.jars.packages "
             f"from Maven Central, cached in Ivy's cache)")
     if proc.returncode != 0:
-        raise RuntimeError(f"the Iceberg Spark child failed ({proc.returncode}):\n{text[-3000:]}")
+        log = result.with_suffix(".log")
+        log.write_text(text)
+        # the JVM's stack traces bury the cause: show the exception lines, the full output
+        # is kept beside the result
+        causes = [ln for ln in text.splitlines() if not ln.startswith(("\t", " "))
+                  and ("Exception" in ln or "Error" in ln)]
+        raise RuntimeError(f"the Iceberg Spark child failed ({proc.returncode}; output in "
+                           f"{log}):\n" + "\n".join(causes[-8:])[-3000:])
     return doc
 
 
