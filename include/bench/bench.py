@@ -48,7 +48,9 @@ log = logging.getLogger("bench")
 ENGINES = ("source-floor", "sink-floor", "baseline", "spark-builtin", "offsetflow-local",
            "offsetflow-connect", "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
-           "spark-builtin-kafka", "offsetflow-kafka")
+           "spark-builtin-kafka", "offsetflow-kafka",
+           # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
+           "spark-builtin-iceberg")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # timings that run inside another stage's wall time, so not stacked in the chart: the
 # commit's tail insert is part of commit_s, its part moves run during read_stage_s
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "spark-builtin-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka": [job(main_ds, args.runs)],
         "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
+        "spark-builtin-iceberg": [job(main_ds, args.runs)],
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
@@ -399,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for e in raw.values() for r in e["results"]]
     summary = report.summarise(results)
     fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]
-                             for e in raw if e not in ("baseline", "offsetflow-submit")}
+                             for e in raw if e not in ("baseline", "offsetflow-submit")
+                             and "skipped" not in raw[e]}
+    fixed.update({f"{e} SKIPPED": raw[e]["skipped"] for e in raw if "skipped" in raw[e]})
     if connect_start_s is not None:
         fixed["Spark Connect server start (once)"] = connect_start_s
     if plan:
@@ -440,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       plan["replan_s"]["median"]))
                              if plan else None)
     goal_rows += report.speed_goals(summary, main_label, small_label, many_label)
+    goal_rows += report.iceberg_ratios(summary, main_label)
     doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
            "duration_s": round(time.time() - started, 1),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
@@ -460,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
            | {f"offsetflow-kafka/spark-builtin-kafka@{main_label}": report.ratio(
                summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)}
+           | {f"offsetflow-iceberg/spark-builtin-iceberg@{main_label}": report.ratio(
+               summary, "offsetflow-iceberg", "spark-builtin-iceberg", main_label)}
            | {f"{w}/floor@{main_label}": (round(summary[w][main_label]["wall_s"]["median"]
                                                 / low[1], 3))
               for w in report.WARM_OFFSETFLOW

@@ -139,6 +139,21 @@ def speed_goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_lab
     return out
 
 
+def iceberg_ratios(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], label: str
+                   ) -> list[dict[str, Any]]:
+    """Issue 17: the Iceberg sink (exactly-once, one snapshot per batch) against Spark's own
+    Kafka source writing the same Iceberg table (at-least-once; pyspark 4.1, see
+    engines_iceberg_spark.py) and against OffsetFlow's PostgreSQL sink, warm local both."""
+    out: list[dict[str, Any]] = []
+    for other, what in (("spark-builtin-iceberg", "Spark's Kafka source -> Iceberg runtime"),
+                        ("offsetflow-local", "OffsetFlow, PostgreSQL sink")):
+        r = ratio(summary, "offsetflow-iceberg", other, label)
+        if r is not None:
+            out.append({"goal": f"offsetflow-iceberg / {other} ({what}), records/s at {label}",
+                        "target": "reported", "measured": r, "met": None})
+    return out
+
+
 def _kv(d: Mapping[str, float]) -> str:
     return ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in d.items())
 

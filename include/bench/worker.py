@@ -34,6 +34,12 @@ def main(spec_path: str) -> int:
     ctx: dict[str, Any] = spec["ctx"]
     jobs = [(j["label"], dataset_from_dict(j["dataset"]), int(j["runs"])) for j in spec["jobs"]]
     warmup = dataset_from_dict(spec["warmup"])
+    if engine == "spark-builtin-iceberg":  # a Spark of its own: engines_iceberg_spark.py
+        from engines_iceberg_spark import builtin_iceberg_engine
+
+        Path(spec["result_file"]).write_text(json.dumps(
+            builtin_iceberg_engine(jobs, warmup, ctx), indent=1))
+        return 0
     os.environ["OFFSETFLOW_TASK_METRICS_DIR"] = ctx["metrics_dir"]
     roots = [os.getpid(), *spec.get("extra_pids", [])]
     spark_start_s = 0.0

@@ -101,3 +101,16 @@ def test_speed_goals_without_floors_or_runs_are_left_out() -> None:
     s = report.summarise([run("offsetflow-local", "1M", 200.0, 5.0)])
     assert report.speed_goals(s, "1M", "1k", None) == []
     assert report.floor(s, "1M") is None
+
+
+def test_iceberg_ratios_set_the_sink_beside_spark_into_iceberg_and_the_postgres_sink() -> None:
+    s = report.summarise([run("offsetflow-iceberg", "1M", 30.0, 1.0),
+                          run("spark-builtin-iceberg", "1M", 20.0, 1.0),
+                          run("offsetflow-local", "1M", 60.0, 1.0)])
+    rows = report.iceberg_ratios(s, "1M")
+    assert [(r["goal"].split(" (")[0], r["measured"], r["met"]) for r in rows] == [
+        ("offsetflow-iceberg / spark-builtin-iceberg", 1.5, None),
+        ("offsetflow-iceberg / offsetflow-local", 0.5, None)]
+    # an engine that was skipped (no Iceberg Spark runtime fetched) leaves its row out
+    del s["spark-builtin-iceberg"]
+    assert [r["measured"] for r in report.iceberg_ratios(s, "1M")] == [0.5]
