@@ -6,6 +6,7 @@ target with its unique index: `floors.py`).
                                   [--scaling 100000,1000000,5000000] [--scaling-runs 3]
                                   [--partition-scaling 100,1000] [--partition-records 100000]
                                   [--many-partitions 1000] [--many-partition-records 10]
+                                  [--memory-records 10000000] [--memory-runs 1]
                                   [--out bench-results]
 
 Needs the local stack (`make up`); starts the Spark Connect server and the Spark standalone
@@ -34,6 +35,7 @@ from typing import Any
 import psycopg2
 import report
 from cluster import cluster_was_up, start_cluster
+from dag_path import DAG_SUFFIX
 from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
 from psycopg2 import sql
@@ -296,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="many small partitions, end to end warm local (0 to skip)")
     ap.add_argument("--many-partition-records", type=int, default=10,
                     help="records per partition of the --many-partitions run")
+    ap.add_argument("--memory-records", type=int, default=10_000_000,
+                    help="the memory-flat run: warm local OffsetFlow on this many records, its "
+                         "Python worker's peak (memory per task) against the main data set's "
+                         "(0 to skip)")
+    ap.add_argument("--memory-runs", type=int, default=1)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--max-offsets-per-task", type=int, default=DEFAULT_MAX_OFFSETS_PER_TASK,
                     help="OffsetFlow's split of ranges into Spark tasks (the built-in source "
@@ -360,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         by_partitions.append((many_label, many, args.many_partitions))
     partition_jobs = [job(ensure_dataset(bootstrap, n, p), args.scaling_runs, label)
                       for label, n, p in by_partitions]
+    memory_label = label_of(args.memory_records) if args.memory_records else None
+    memory_jobs = [job(ensure_dataset(bootstrap, args.memory_records, args.partitions),
+                       args.memory_runs)] \
+        if args.memory_records and args.memory_records != args.records \
+        and all(d.records != args.memory_records for d in scaling) else []
 
     jobs = {
         "source-floor": [job(main_ds, args.runs)],
@@ -367,8 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": [job(main_ds, args.runs)] + [job(d, args.scaling_runs) for d in scaling],
         "spark-builtin": [job(main_ds, args.runs)],
         "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
-        + [job(d, args.scaling_runs) for d in scaling] + partition_jobs,
-        "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs)],
+        + [job(d, args.scaling_runs) for d in scaling] + partition_jobs + memory_jobs,
+        # the warm session, then (last: each ends the process's session) the plan, run and
+        # publish tasks of a scheduled DAG run, the run task on a session of its own
+        "offsetflow-connect": [job(small_ds, args.small_runs), job(main_ds, args.runs),
+                               job(small_ds, args.small_runs, f"{small_label}{DAG_SUFFIX}")],
         "offsetflow-submit": [job(small_ds, args.cold_runs), job(main_ds, args.cold_runs)],
         "offsetflow-cluster": [job(main_ds, args.runs)],
         "spark-builtin-kafka": [job(main_ds, args.runs)],
@@ -446,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                              if plan else None)
     goal_rows += report.speed_goals(summary, main_label, small_label, many_label)
     goal_rows += report.iceberg_ratios(summary, main_label)
+    goal_rows += report.memory_goal(summary, main_label, memory_label)
     doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
            "duration_s": round(time.time() - started, 1),
            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -17,6 +17,7 @@ from typing import Any
 
 import engines
 import engines_kafka
+from dag_path import DAG_SUFFIX, dag_path_run
 from engines import dataset_from_dict, timed_runs
 
 from offsetflow.config import parse_pipeline
@@ -64,6 +65,8 @@ def main(spec_path: str) -> int:
                 import engines_iceberg
 
                 return engines_iceberg.offsetflow_iceberg_run(spark, ds, name, ctx)
+            if engine == "offsetflow-connect" and f"{DAG_SUFFIX}_" in name:
+                return dag_path_run(ds, name, ctx)  # as a scheduled DAG run's tasks
             return engines.offsetflow_warm_run(spark, ds, name, ctx)
     elif engine == "spark-builtin-kafka":
         spark = engines.builtin_session(f"bench-{engine}")

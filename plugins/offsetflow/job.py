@@ -211,7 +211,7 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
     `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
     shared by the small sub-ranges it reads (a large one, or None: a consumer of its
     own for this sub-range)."""
-    from offsetflow.deserialize import BadRecord, arrow_schema, deserialize_json
+    from offsetflow.deserialize import arrow_schema
     from offsetflow.reader import SHARED_MAX_SPAN, read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
@@ -233,30 +233,71 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
             if own is not None:
                 own.close()
             return
-        clock.count("records", len(chunk))
-        typed: pa.Table | None = None
-        good: list[int] | None = None
-        bad: list[BadRecord] = []
-        if typed_schema is not None:
-            with clock.stage("deserialize"):
-                typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
-        if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
-            good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
-        if bad:
-            sink.add([
-                {"topic": r.topic, "partition": r.partition, "offset": chunk.offsets[x.index],
-                 "timestamp": chunk.timestamps[x.index], "key": chunk.keys[x.index],
-                 "value": chunk.values[x.index], "error": x.reason} for x in bad])
-        with clock.stage("to_arrow"):
-            raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
-            if typed is None or typed_schema is None:
-                yield raw
-                continue
-            cols = list(raw.columns) + list(typed.combine_chunks().columns)
-            out = pa.RecordBatch.from_arrays(
-                [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
-                names=raw.schema.names + typed_schema.names)
-        yield out
+        yield chunk_rows(rc, typed_schema, chunk, r, sink, clock)
+
+
+def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: OffsetRange,
+               sink: BadBuffer | SubrangeBad, clock: TaskClock) -> pa.RecordBatch:
+    """A chunk of raw records (of range `r`, or of several: `chunk.topics`) as the stage's
+    rows: raw columns + typed fields; its bad records go to `sink`."""
+    from offsetflow.deserialize import BadRecord, deserialize_json
+
+    clock.count("records", len(chunk))
+    typed: pa.Table | None = None
+    good: list[int] | None = None
+    bad: list[BadRecord] = []
+    if typed_schema is not None:
+        with clock.stage("deserialize"):
+            typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
+    if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
+        good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
+    if bad:
+        sink.add([
+            {"topic": r.topic if chunk.topics is None else chunk.topics[x.index],
+             "partition": r.partition if chunk.partitions is None
+             else chunk.partitions[x.index],
+             "offset": chunk.offsets[x.index], "timestamp": chunk.timestamps[x.index],
+             "key": chunk.keys[x.index], "value": chunk.values[x.index], "error": x.reason}
+            for x in bad])
+    with clock.stage("to_arrow"):
+        raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+        if typed is None or typed_schema is None:
+            return raw  # type: ignore[no-any-return]
+        cols = list(raw.columns) + list(typed.combine_chunks().columns)
+        return pa.RecordBatch.from_arrays(
+            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
+            names=raw.schema.names + typed_schema.names)
+
+
+def read_packed(rc: ReadContext, idxs: list[int], clock: TaskClock, bad_sink: BadBuffer,
+                consumer: Any) -> Iterator[pa.RecordBatch]:
+    """A packed task's sub-ranges: the small ones (up to `SHARED_MAX_SPAN` offsets, one per
+    topic-partition) all at once on the task's consumer (`reader_packed`), in chunks that
+    span ranges; the others one by one (`read_subrange`)."""
+    from offsetflow.deserialize import arrow_schema
+    from offsetflow.reader import SHARED_MAX_SPAN
+    from offsetflow.reader_packed import read_ranges
+
+    small: dict[tuple[str, int], OffsetRange] = {}
+    rest: list[int] = []
+    for idx in idxs:
+        r = OffsetRange.from_dict(rc.specs[idx])
+        if r.span <= SHARED_MAX_SPAN and r.topic_partition not in small:
+            small[r.topic_partition] = r
+        else:
+            rest.append(idx)
+    if small:
+        typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+        first = next(iter(small.values()))
+        chunks = iter(read_ranges(consumer, list(small.values())))
+        while True:
+            with clock.stage("read"):
+                chunk = next(chunks, None)
+            if chunk is None:
+                break
+            yield chunk_rows(rc, typed_schema, chunk, first, bad_sink, clock)
+    for idx in rest:
+        yield from read_subrange(rc, idx, clock, bad_sink, consumer)
 
 
 def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
@@ -354,8 +395,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
 
         def rows() -> Iterator[pa.RecordBatch]:
             shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
-            for idx in _subranges(groups, batches):
-                yield from read_subrange(rc, idx, clock, bad_in, shared)
+            yield from read_packed(rc, list(_subranges(groups, batches)), clock, bad_in,
+                                   shared)
         with consumer:
             stats = stage_rows(dsn, batch_id, part, _coalesced(rows()), clock,
                                binary_encoder(pg_types),

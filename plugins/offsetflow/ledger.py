@@ -265,16 +265,26 @@ class Ledger:
     def init_positions(self, cur: psycopg2.extensions.cursor, pipeline: str,
                        starts: dict[TopicPartition, int], topic_ids: dict[str, str],
                        reason: str) -> None:
-        for (topic, partition), offset in sorted(starts.items()):
-            cur.execute("""INSERT INTO offsetflow.positions
-                             (pipeline, topic, partition, next_offset, topic_id)
-                           VALUES (%s, %s, %s, %s, %s) ON CONFLICT DO NOTHING""",
-                        (pipeline, topic, partition, offset, topic_ids.get(topic)))
-            if cur.rowcount:
-                cur.execute("""INSERT INTO offsetflow.position_history
-                                 (pipeline, topic, partition, old_offset, new_offset, reason)
-                               VALUES (%s, %s, %s, NULL, %s, %s)""",
-                            (pipeline, topic, partition, offset, reason))
+        """One statement for all new partitions (1,000 of them: one round trip); history
+        for the rows it inserted (a concurrent planner's rows are left as they are)."""
+        items = sorted(starts.items())
+        if not items:
+            return
+        cur.execute("""WITH new AS (
+                         INSERT INTO offsetflow.positions
+                           (pipeline, topic, partition, next_offset, topic_id)
+                         SELECT %s, s.topic, s.partition, s.next_offset, s.topic_id
+                           FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::text[])
+                                AS s(topic, partition, next_offset, topic_id)
+                          ORDER BY s.topic, s.partition
+                         ON CONFLICT DO NOTHING
+                         RETURNING topic, partition, next_offset)
+                       INSERT INTO offsetflow.position_history
+                         (pipeline, topic, partition, old_offset, new_offset, reason)
+                       SELECT %s, topic, partition, NULL, next_offset, %s FROM new""",
+                    (pipeline, [t for (t, _), _ in items], [p for (_, p), _ in items],
+                     [o for _, o in items], [topic_ids.get(t) for (t, _), _ in items],
+                     pipeline, reason))
 
     def lag_history(self, pipeline: str, limit: int = 100) -> list[dict[str, Any]]:
         """Lag (offsets) seen at each planning, oldest first: the lag-over-time chart."""

@@ -87,6 +87,9 @@ class RawChunk:
     headers: list[list[dict[str, Any]] | None] = field(default_factory=list)
     nbytes: int = 0  # keys + values + headers
     refused: dict[int, str] = field(default_factory=dict)  # index -> why it cannot be written
+    # a chunk of several ranges (`reader_packed`): each row's topic and partition
+    topics: list[str] | None = None
+    partitions: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -97,8 +100,9 @@ class RawChunk:
             return xs if indices is None else [xs[i] for i in indices]
         n = len(self.offsets) if indices is None else len(indices)
         return pa.RecordBatch.from_arrays([
-            pa.array([topic] * n, pa.string()),
-            pa.array([partition] * n, pa.int32()),
+            pa.array([topic] * n if self.topics is None else pick(self.topics), pa.string()),
+            pa.array([partition] * n if self.partitions is None else pick(self.partitions),
+                     pa.int32()),
             pa.array(pick(self.offsets), pa.int64()),
             pa.array(pick(self.timestamps), pa.int64()).cast(pa.timestamp("us", tz="UTC")),
             pa.array(pick(self.timestamp_types), pa.int32()),
@@ -225,15 +229,7 @@ def _read(consumer: Consumer, r: OffsetRange, max_rows: int, poll_timeout_s: flo
                             r.until_offset - reached, seen_records, seen_bytes)
         msgs = consumer.consume(num_messages=want, timeout=poll_timeout_s)
         if not msgs:
-            stalled = time.monotonic() - last_progress
-            if stalled > 30 and int(stalled) % 30 == 0:
-                log.warning("%s: no record for %.0fs at offset %d (broker restarting or "
-                            "leader moving?); still waiting", r, stalled, reached)
-            if stalled > stall_timeout_s:
-                lo, hi = _watermarks(consumer, r)
-                raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
-                                     reached, f"no progress for {stall_timeout_s:.0f}s "
-                                              f"(partition offsets now [{lo}, {hi}))")
+            check_stall(consumer, r, reached, last_progress, stall_timeout_s)
             continue
         if _other_partition(msgs, r):
             msgs = [m for m in msgs if not _foreign(m, r)]
@@ -254,35 +250,7 @@ def _read(consumer: Consumer, r: OffsetRange, max_rows: int, poll_timeout_s: flo
                 break
             if off < reached:  # never yield an offset twice
                 continue
-            ts_type, ts = m.timestamp()
-            if ts_type and ts > MAX_TIMESTAMP_MS:
-                chunk.refused[len(chunk.offsets)] = (
-                    f"Kafka timestamp {ts} ms is beyond the largest timestamp "
-                    f"PostgreSQL and Arrow hold (year ~294,000)")
-                ts_type = 0
-            chunk.offsets.append(off)
-            chunk.timestamps.append(ts * 1000 if ts_type else None)
-            chunk.timestamp_types.append(ts_type)
-            key, value = m.key(), m.value()
-            chunk.keys.append(key)
-            chunk.values.append(value)
-            nb = 0
-            if value is not None:
-                nb = len(value)
-            if key is not None:
-                nb += len(key)
-            hdrs = _headers(m)
-            if hdrs is _UNREADABLE:
-                chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
-                hdrs = None
-            if hdrs:
-                chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
-                # names as characters (ASCII in practice), values as bytes
-                nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0)
-                          for h in hdrs)
-            else:
-                chunk.headers.append(None)
-            chunk.nbytes += nb
+            nb = append_record(chunk, m, off)
             seen_bytes += nb
             seen_records += 1
             reached = off + 1
@@ -294,6 +262,56 @@ def _read(consumer: Consumer, r: OffsetRange, max_rows: int, poll_timeout_s: flo
             backoff.reset()
     if len(chunk):
         yield chunk
+
+
+def check_stall(consumer: Consumer, r: OffsetRange, reached: int, last_progress: float,
+                stall_timeout_s: float) -> None:
+    """After a consume() that returned nothing: warn every 30 s, and give up on `r` (at
+    `reached`) once nothing came for `stall_timeout_s`."""
+    stalled = time.monotonic() - last_progress
+    if stalled > 30 and int(stalled) % 30 == 0:
+        log.warning("%s: no record for %.0fs at offset %d (broker restarting or "
+                    "leader moving?); still waiting", r, stalled, reached)
+    if stalled > stall_timeout_s:
+        lo, hi = _watermarks(consumer, r)
+        raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
+                             reached, f"no progress for {stall_timeout_s:.0f}s "
+                                      f"(partition offsets now [{lo}, {hi}))")
+
+
+def append_record(chunk: RawChunk, m: Any, off: int) -> int:
+    """Add record `m` (at offset `off`) to `chunk`; returns its size in bytes (keys, values,
+    header names and values). A timestamp or headers that cannot be written are noted in
+    `refused`, the record is kept."""
+    ts_type, ts = m.timestamp()
+    if ts_type and ts > MAX_TIMESTAMP_MS:
+        chunk.refused[len(chunk.offsets)] = (
+            f"Kafka timestamp {ts} ms is beyond the largest timestamp "
+            f"PostgreSQL and Arrow hold (year ~294,000)")
+        ts_type = 0
+    chunk.offsets.append(off)
+    chunk.timestamps.append(ts * 1000 if ts_type else None)
+    chunk.timestamp_types.append(ts_type)
+    key, value = m.key(), m.value()
+    chunk.keys.append(key)
+    chunk.values.append(value)
+    nb = 0
+    if value is not None:
+        nb = len(value)
+    if key is not None:
+        nb += len(key)
+    hdrs = _headers(m)
+    if hdrs is _UNREADABLE:
+        chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
+        hdrs = None
+    if hdrs:
+        chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
+        # names as characters (ASCII in practice), values as bytes
+        nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0) for h in hdrs)
+    else:
+        chunk.headers.append(None)
+    chunk.nbytes += nb
+    return nb
 
 
 _UNREADABLE: list[tuple[str, bytes | None]] = []

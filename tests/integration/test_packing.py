@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 import offsetflow.job as job
-from offsetflow import reader
+from offsetflow import reader, reader_packed
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import make_read_and_stage, run_batch, stage_columns
 from offsetflow.ledger import Ledger
@@ -19,9 +19,9 @@ from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
 from offsetflow.stage_reset import claim_pack_tasks, packing_of, stage_generation
 from offsetflow.tables import create_stage_tables
-from tests.integration.helpers import pipeline_for, produce_plain, query
+from tests.integration.helpers import end_offsets, pipeline_for, produce_plain, query
 
-READ_RANGE = reader.read_range
+READ_RANGES = reader_packed.read_ranges
 
 
 class Killed(Exception):
@@ -85,27 +85,27 @@ def _planned(spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, uni
 
 
 def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, part: int,
-             kill_before_range: int | None = None) -> None:
-    """One attempt of packed part `part`, its process killed as it starts reading its
-    range number `kill_before_range` (its earlier ranges read and COPYed by then)."""
-    seen = [0]
+             kill_after_chunk: int | None = None) -> None:
+    """One attempt of packed part `part`, its process killed once it has read
+    `kill_after_chunk` chunks of 4 records (the ranges are read all at once, in chunks that
+    span them: part of its ranges read by then, and handed on to the COPY)."""
+    from offsetflow import reader_packed
 
-    def read(conf: Any, r: Any, **kw: Any) -> Iterator[reader.RawChunk]:
-        if kill_before_range is not None and seen[0] == kill_before_range:
-            raise Killed
-        seen[0] += 1
-        yield from READ_RANGE(conf, r, **kw)
-    monkeypatch.setattr(reader, "read_range", read)
+    def read(consumer: Any, ranges: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+        for n, chunk in enumerate(READ_RANGES(consumer, ranges, max_rows=4), 1):
+            yield chunk
+            if n == kill_after_chunk:
+                raise Killed
+    monkeypatch.setattr(reader_packed, "read_ranges", read)
     monkeypatch.setattr(job, "_task_part", lambda: part)
     try:
         for _ in task(iter([pa.RecordBatch.from_pydict({"id": [part]})])):
             pass
     except Killed:
-        assert kill_before_range is not None
+        assert kill_after_chunk is not None
     else:
-        assert kill_before_range is None
+        assert kill_after_chunk is None
     finally:
-        monkeypatch.setattr(reader, "read_range", READ_RANGE)
         monkeypatch.undo()
 
 
@@ -115,7 +115,7 @@ def test_a_packed_task_killed_half_way_and_retried_stages_nothing_twice(
     cfg, bid, specs, groups, generation = _planned(spark, pg_dsn, kafka_bootstrap,
                                                    make_topic, unique, "pkr")
     task = make_read_and_stage(cfg, bid, pg_dsn, specs, generation, groups)
-    _attempt(monkeypatch, task, 0, kill_before_range=7)  # 7 of its 15 ranges COPYed
+    _attempt(monkeypatch, task, 0, kill_after_chunk=7)  # 28 of its 60 records read
     assert query(pg_dsn, f"SELECT count(*) FROM offsetflow_stage.b{bid}_p0")[0][0] == 0
     _attempt(monkeypatch, task, 0)  # the retry
     _attempt(monkeypatch, task, 0)  # a speculative duplicate: skipped
@@ -172,3 +172,49 @@ def test_a_shared_consumer_switches_ranges_without_waiting_out_a_fetch(
         took = time.monotonic() - t
     assert sum(got) == 200
     assert took < 4.0, f"20 ranges on one consumer took {took:.1f}s"
+
+
+def _offsets(chunks: list[Any]) -> dict[tuple[str, int], list[int]]:
+    got: dict[tuple[str, int], list[int]] = {}
+    for c in chunks:
+        for t, p, off in zip(c.topics, c.partitions, c.offsets, strict=True):
+            got.setdefault((t, p), []).append(off)
+    return got
+
+
+def test_a_packed_task_reads_its_small_ranges_all_at_once_exactly(
+        kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """All ranges assigned at once (one fetch answers many partitions): per range exactly
+    its offsets, in order, none at or past until_offset (a range ending mid-partition),
+    across committed and aborted transactions' gaps; chunks span ranges and keep the row
+    bound; after it, the same consumer reads a partition it paused."""
+    from offsetflow.ranges import OffsetRange
+    from offsetflow.reader_packed import read_ranges
+    from tests.integration.helpers import produce_transactional
+
+    topic = make_topic("pkm", 6)
+    produce_plain(kafka_bootstrap, topic, 60, f"pkm{unique}", 6)
+    tx = make_topic("pkt", 2)
+    # per partition: 3 committed, 2 aborted, 3 committed records, each txn + its marker
+    produce_transactional(kafka_bootstrap, tx, [(6, True), (4, False), (6, True)],
+                          f"pkt{unique}", 2)
+    conf = pipeline_for(topic, "postgresql://unused", kafka_bootstrap,
+                        f"pkm_{unique}").consumer_settings()
+    ends = end_offsets(kafka_bootstrap, tx, 2)
+    ranges = [OffsetRange(topic, p, 2, 7) if p == 0 else OffsetRange(topic, p, 0, 10)
+              for p in range(6)] + [OffsetRange(tx, p, 0, ends[(tx, p)]) for p in range(2)]
+    with reader.range_consumer(conf, shared=True) as consumer:
+        chunks = list(read_ranges(consumer, ranges, max_rows=7))
+        got = _offsets(chunks)
+        assert got[(topic, 0)] == [2, 3, 4, 5, 6]
+        for p in range(1, 6):
+            assert got[(topic, p)] == list(range(10))
+        for p in range(2):  # the committed records only, each once, in order
+            offs = got[(tx, p)]
+            assert len(offs) == 6 and offs == sorted(set(offs)), offs
+            assert max(offs) < ends[(tx, p)]
+        assert [len(c) for c in chunks[:-1]] == [7] * (len(chunks) - 1)  # cut by rows only
+        assert any(len(set(c.partitions)) > 1 for c in chunks)
+        again = [c.offsets for c in reader.read_range(conf, OffsetRange(topic, 0, 7, 10),
+                                                      consumer=consumer)]
+        assert again == [[7, 8, 9]]
