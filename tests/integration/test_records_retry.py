@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 
-from offsetflow import reader
+from offsetflow import reader, reader_packed
 from offsetflow.config import parse_pipeline
 from offsetflow.job import make_read_and_stage, make_reader, stage_columns
 from offsetflow.ledger import Ledger
@@ -26,6 +26,7 @@ from tests.integration.helpers import query
 BAD_AT = (3, 25, 47)
 N = 60
 READ_RANGE = reader.read_range
+READ_RANGES = reader_packed.read_ranges
 
 
 class Killed(Exception):
@@ -70,16 +71,23 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, rows: int,
              kill_after: int | None) -> None:
     """One attempt of the task reading sub-range 0 in chunks of `rows` records, killed
     before its chunk number `kill_after` (or after its last chunk) when given."""
-    orig = READ_RANGE
-
-    def chunked(conf: Any, r: Any, **kw: Any) -> Iterator[reader.RawChunk]:
-        for i, c in enumerate(orig(conf, r, **{**kw, "max_rows": rows})):
+    def killing(chunks: Iterator[reader.RawChunk]) -> Iterator[reader.RawChunk]:
+        for i, c in enumerate(chunks):
             if kill_after is not None and i == kill_after:
                 raise Killed
             yield c
         if kill_after is not None:  # fewer chunks than that: killed after the last one
             raise Killed
-    monkeypatch.setattr(reader, "read_range", chunked)
+
+    def one(conf: Any, r: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+        return killing(READ_RANGE(conf, r, **{**kw, "max_rows": rows}))
+
+    def packed(consumer: Any, ranges: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+        return killing(READ_RANGES(consumer, ranges, **{**kw, "max_rows": rows}))
+    # a small sub-range of a packed task is read by reader_packed (the fused path), a
+    # transform's by reader.read_range: whichever the task takes is chunked and killed
+    monkeypatch.setattr(reader, "read_range", one)
+    monkeypatch.setattr(reader_packed, "read_ranges", packed)
     try:
         for _ in task(iter([pa.RecordBatch.from_pydict({"id": [0]})])):
             pass
