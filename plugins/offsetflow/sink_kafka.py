@@ -34,21 +34,20 @@ from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger_identity import LedgerIdentity, ledger_identity
 from offsetflow.sink_kafka_form import (
     METADATA_MAX_BYTES,
+    CommitMark,
     NotProduced,
     check_columns,
     committed_state,
     not_produced_in,
-    offset_metadata,
     output_topic,
     record_headers,
     record_size,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
-    sink_group,
-    transactional_id,
 )
 from offsetflow.sink_kafka_limits import (
     broker_txn_timeout_ms,
@@ -73,6 +72,9 @@ CURSOR_ROWS = 5_000
 # of 1 GB would let large records pile up in the driver)
 FETCH_BYTES = 32 * 2**20
 QUEUE_KBYTES = 65_536
+UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
+                   "before the error); the next run finds the batch committed in Kafka and "
+                   "completes the ledger, or writes it again if it is not")
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
 
@@ -98,40 +100,79 @@ class KafkaTopicSink:
         self._open_txn = False  # begun, neither committed nor aborted by this run
         self._txn_began = 0.0  # time.monotonic() at begin_transaction
         self._txn_timeout_ms = 0
+        self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
 
     # --- ExternalSink ---------------------------------------------------------------
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
         topic = output_topic(self.sink, batch, self.cfg.source_file)
+        ident = ledger_identity(cur)
+        self._mark = CommitMark(self.cfg.name, ident.installation_id, topic)
         self._open(batch)
-        assert self._consumer is not None
-        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
         try:
-            found = self._consumer.committed(tps, timeout=self.timeout_s)
-            state = {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
-            if not committed_state(batch, self.cfg.name, state):
-                return None  # the producer stays open (and its fence up) for `write`
-            skipped = not_produced_in(batch, self.cfg.name, state)
-        except KafkaException as e:
-            self.close()
-            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
-                                 f"of group {sink_group(self.cfg.name, batch)}: {e}") from e
+            return self._find(cur, batch, topic, ident)
         except BaseException:
             self.close()
             raise
+
+    def _find(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+              ident: LedgerIdentity) -> Moved | None:
+        mark, state = self._mark, self._committed(batch, self._mark)
+        found = committed_state(batch, mark, state)
+        if not found and ident.predates(batch.batch_id):
+            # planned before the ledger identity: an earlier attempt may have committed it
+            # under the older names and metadata; fence that transactional.id, then look
+            mark = CommitMark.legacy(self.cfg.name)
+            state = self._committed(batch, mark)
+            found = committed_state(batch, mark, state)
+            if found:
+                log.warning("batch %d: committed in Kafka under the names before the ledger "
+                            "identity (group %s); completing the ledger", batch.batch_id,
+                            mark.group(batch))
+        if not found:
+            return None  # the producer stays open (and its fence up) for `write`
+        skipped = not_produced_in(batch, mark, state)
         self.close()
         log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
                  "offsets); nothing is produced again", batch.batch_id, topic,
-                 sink_group(self.cfg.name, batch))
+                 mark.group(batch))
         # the records that transaction left out go to the dead-letter table as it did
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None)
         moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
+    def _committed(self, batch: Batch, mark: CommitMark
+                   ) -> dict[tuple[str, int], tuple[int, str | None]]:
+        """The committed offsets of `mark`'s group for the batch's partitions, read after
+        `init_transactions` of its transactional.id (`_open` made it for this run's own
+        mark; another's, the older names, is fenced here). A partition the broker answers
+        with an error is no answer: refused, never taken for "not committed" (which would
+        produce the batch again)."""
+        group = mark.group(batch)
+        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
+        consumer = self._consumer
+        try:
+            if mark != self._mark:
+                _fence(self.cfg, mark.transactional_id(batch), self.timeout_s)
+                consumer = Consumer({**self.cfg.admin_settings(), "group.id": group,
+                                     "enable.auto.commit": False,
+                                     "isolation.level": "read_committed"})
+            assert consumer is not None
+            try:
+                found = consumer.committed(tps, timeout=self.timeout_s)
+            finally:
+                if consumer is not self._consumer:
+                    consumer.close()
+            return committed_offsets(batch, group, found)
+        except KafkaException as e:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
+                                 f"of group {group}: {e}") from e
+
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
         topic = output_topic(self.sink, batch, self.cfg.source_file)
         if self._producer is None:
+            self._mark = CommitMark(self.cfg.name, ledger_identity(cur).installation_id, topic)
             self._open(batch)
         try:
             return self._write(cur, batch, staged, topic)
@@ -147,7 +188,7 @@ class KafkaTopicSink:
     def _open(self, batch: Batch) -> None:
         """Producer and group consumer; `init_transactions` fences every older attempt."""
         base = self.cfg.admin_settings()
-        self._txn_id = transactional_id(self.cfg.name, batch)
+        self._txn_id = self._mark.transactional_id(batch)
         if not self._txn_timeout_ms:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
                                     if "transaction.timeout.ms" in self.sink.producer
@@ -159,7 +200,7 @@ class KafkaTopicSink:
             "on_delivery": self._on_delivery, **self.sink.producer,
             "transaction.timeout.ms": self._txn_timeout_ms}
         self._producer = Producer(conf)
-        self._consumer = Consumer({**base, "group.id": sink_group(self.cfg.name, batch),
+        self._consumer = Consumer({**base, "group.id": self._mark.group(batch),
                                    "enable.auto.commit": False,
                                    "isolation.level": "read_committed"})
         try:
@@ -309,7 +350,7 @@ class KafkaTopicSink:
             if r.until_offset <= r.from_offset:
                 continue
             left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
-            meta = offset_metadata(self.cfg.name, batch.batch_id, left_out)
+            meta = self._mark.metadata(batch.batch_id, left_out)
             if len(meta.encode()) > METADATA_MAX_BYTES:
                 raise KafkaSinkError(
                     f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
@@ -351,7 +392,10 @@ class KafkaTopicSink:
                     continue
                 if err.txn_requires_abort():
                     self._abort(batch)
-                    aborted = "the transaction was aborted, nothing of it is visible"
+                    # librdkafka also reports an EndTxn(commit) that failed after the
+                    # transaction had failed as abortable, yet the commit may have landed
+                    aborted = (UNKNOWN_OUTCOME if what == "commit_transaction" else
+                               "the transaction was aborted, nothing of it is visible")
                     raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
                                          f"({err.str()}); {self._timed_out() or aborted}"
                                          ) from e
@@ -361,8 +405,7 @@ class KafkaTopicSink:
                 why = timed_out or (f"this run was fenced: a newer run of the batch took over "
                        f"transactional.id {self._txn_id} (its producer epoch is higher), so "
                        f"nothing this run produced becomes visible" if fenced else
-                       "the outcome is left to the broker; the next run finds the batch "
-                       "committed in Kafka or writes it again")
+                       UNKNOWN_OUTCOME)
                 raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed ({err.str()}); "
                                      f"{why}") from e
 
@@ -382,6 +425,31 @@ class KafkaTopicSink:
         # no flush: the transaction is committed or aborted by now, and a fenced producer's
         # flush would raise over the error that says what happened
         self._producer = None
+
+
+def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]
+                      ) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """`Consumer.committed()`'s answer as offsets and metadata; a partition returned with
+    an error (its offset then reads as none) is refused."""
+    for tp in found:
+        if tp.error is not None:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offset of "
+                                 f"{tp.topic}[{tp.partition}] in group {group}: "
+                                 f"{tp.error.str()}; nothing is produced until it can be read")
+    return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
+
+
+def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
+    """`init_transactions` of `txn_id` and nothing else: an older producer of that id can
+    neither commit nor add records any more, and its open transaction is completed or
+    aborted, so the group's offsets read next are final."""
+    p = Producer({**cfg.admin_settings(), "transactional.id": txn_id,
+                  "enable.idempotence": True})
+    try:
+        p.init_transactions(timeout_s)
+    except KafkaException as e:
+        raise KafkaSinkError(f"init_transactions of transactional.id {txn_id} failed: {e}"
+                             ) from e
 
 
 def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:

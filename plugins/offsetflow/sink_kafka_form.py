@@ -1,14 +1,15 @@
 """Pure rules of the Kafka topic sink (`offsetflow.sink_kafka` does the I/O).
 
-- Names: the `transactional.id` and the consumer group a batch's transaction commits its
-  source positions to. Live batches share the pipeline's (stable across attempts, so
-  `init_transactions` of a newer attempt fences a zombie of an older one); a replay or
-  backfill batch has its own, so it neither fences the live run nor overwrites the live
-  batch's record of its commit. The groups are `offsetflow-sink-...`, never the lag
-  publisher's `offsetflow-<pipeline>`.
-- The record of a commit: each committed offset carries `offset_metadata` (pipeline and
-  batch id), so `find` tells this batch's commit from any other (an earlier batch that ended
-  at the same offset after a position reset, a replay of the same range).
+- Names (`CommitMark`): the `transactional.id` and the consumer group a batch's transaction
+  commits its source positions to, per pipeline and ledger. Live batches share the
+  pipeline's (stable across attempts, so `init_transactions` of a newer attempt fences a
+  zombie of an older one); a replay or backfill batch has its own, so it neither fences the
+  live run nor overwrites the live batch's record of its commit. The groups are
+  `offsetflow-sink-...`, never the lag publisher's `offsetflow-<pipeline>`.
+- The record of a commit: each committed offset carries `CommitMark.metadata` (pipeline,
+  batch id, ledger, output topic), so `find` tells this batch's commit from any other (an
+  earlier batch that ended at the same offset after a position reset, a replay of the same
+  range, another ledger's batch of the same number).
 - What a staged row becomes: one SELECT (`select_sql`) lets PostgreSQL build key and value
   bytes per chunk, in offset order, so the driver's per-row work is one `produce` call.
 """
@@ -16,6 +17,7 @@
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,26 +88,68 @@ def is_live(batch: Batch) -> bool:
     return batch.moves_positions and batch.kind == "scheduled"
 
 
-def transactional_id(pipeline: str, batch: Batch) -> str:
-    base = f"offsetflow-sink-{pipeline}"
-    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+@dataclass(frozen=True)
+class CommitMark:
+    """Whose commit a committed offset records: the pipeline, the ledger
+    (`offsetflow.ledger_identity`) and the output topic. Two ledgers running a pipeline of
+    the same name on one cluster have their own transactional.id and group and never match
+    each other's offsets. `ledger` None: the format before the ledger identity (pipeline and
+    batch only), looked up for batches planned before it (`legacy`)."""
+
+    pipeline: str
+    ledger: str | None
+    topic: str | None
+
+    @staticmethod
+    def legacy(pipeline: str) -> CommitMark:
+        return CommitMark(pipeline, None, None)
+
+    def _base(self, batch: Batch) -> str:
+        base = f"offsetflow-sink-{self.pipeline}"
+        if self.ledger is not None:
+            base = f"{base}.{self.ledger}"
+        return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+
+    def transactional_id(self, batch: Batch) -> str:
+        """Stable across a live batch's attempts (`init_transactions` of a newer attempt
+        fences a zombie of an older one); a replay's own."""
+        return self._base(batch)
+
+    def group(self, batch: Batch) -> str:
+        """The group the batch's transaction commits its until positions to (KIP-98)."""
+        return self._base(batch)
+
+    def metadata(self, batch_id: int, skipped: Sequence[NotProduced] = ()) -> str:
+        """The batch's mark on each committed offset; with the records of that partition
+        the topic could not take (so a run that finds the commit routes the same ones)."""
+        base = f"offsetflow pipeline={self.pipeline} batch={batch_id}"
+        if self.ledger is not None:
+            base = f"{base} ledger={self.ledger} topic={self.topic}"
+        if not skipped:
+            return base
+        return f"{base} {_NOT_PRODUCED}" + ",".join(
+            f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
 
 
-def sink_group(pipeline: str, batch: Batch) -> str:
-    """The group the batch's transaction commits its until positions to (KIP-98)."""
-    base = f"offsetflow-sink-{pipeline}"
-    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+# pipeline names have no blanks, Kafka topic names neither (legal: [a-zA-Z0-9._-])
+_METADATA_RE = re.compile(r"offsetflow pipeline=(\S+) batch=(\d+)"
+                          r"(?: ledger=(\S+) topic=(\S+))?(?: " + _NOT_PRODUCED + r"(\S*))?")
 
 
-def offset_metadata(pipeline: str, batch_id: int,
-                    skipped: Sequence[NotProduced] = ()) -> str:
-    """The batch's mark on each committed offset; with the records of that partition the
-    topic could not take (so a run that finds the commit routes the same ones)."""
-    base = f"offsetflow pipeline={pipeline} batch={batch_id}"
-    if not skipped:
-        return base
-    return f"{base} {_NOT_PRODUCED}" + ",".join(
-        f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
+@dataclass(frozen=True)
+class _Meta:
+    pipeline: str
+    batch_id: int
+    ledger: str | None
+    topic: str | None
+    not_produced: str | None
+
+
+def _parse(meta: str | None) -> _Meta | None:
+    m = _METADATA_RE.fullmatch(meta or "")
+    if m is None:
+        return None
+    return _Meta(m[1], int(m[2]), m[3], m[4], m[5])
 
 
 def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
@@ -123,16 +167,35 @@ def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
     return sink.replay_topic
 
 
-def committed_state(batch: Batch, pipeline: str,
+def replay_target(sink: KafkaSinkConfig | None, table: str) -> str:
+    """What a replay or backfill batch records as its target (assets and lineage name it):
+    the side topic it writes to, not the live one (`table`, `kafka:<topic>`)."""
+    if sink is None or sink.replay_topic is None:
+        return table
+    return f"kafka:{sink.replay_topic}"
+
+
+def committed_state(batch: Batch, mark: CommitMark,
                     found: Mapping[tuple[str, int], tuple[int, str | None]]) -> bool:
     """Whether the group's committed offsets are this batch's commit: every non-empty range
-    at its `until_offset` with this batch's metadata (True), none of them (False). Anything
-    in between is not a state one Kafka transaction leaves: refused, naming the group."""
-    meta = offset_metadata(pipeline, batch.batch_id)
+    at its `until_offset` with this batch's metadata of this ledger (True), none of them
+    (False). Anything in between is not a state one Kafka transaction leaves: refused,
+    naming the group. This ledger's commit of the batch to another topic than `mark`'s
+    (sink.topic changed between attempts) is refused too: producing it again would put the
+    batch in two topics, completing the ledger would name the wrong one."""
 
     def hit(got: tuple[int, str | None] | None, until: int) -> bool:
-        return got is not None and got[0] == until and got[1] is not None and (
-            got[1] == meta or got[1].startswith(f"{meta} {_NOT_PRODUCED}"))
+        meta = _parse(got[1]) if got is not None and got[0] == until else None
+        if meta is None or (meta.pipeline, meta.batch_id, meta.ledger) != (
+                mark.pipeline, batch.batch_id, mark.ledger):
+            return False
+        if meta.topic != mark.topic:
+            raise KafkaSinkError(
+                f"batch {batch.batch_id} is committed in Kafka to topic {meta.topic}, but the "
+                f"config now writes it to {mark.topic}; restore sink.topic (or "
+                f"sink.replay_topic) to {meta.topic} to complete the batch in the ledger: "
+                f"producing it again would put its records in both topics")
+        return True
 
     ranges = [r for r in batch.ranges if r.until_offset > r.from_offset]
     hits = [hit(found.get(r.topic_partition), r.until_offset) for r in ranges]
@@ -142,23 +205,25 @@ def committed_state(batch: Batch, pipeline: str,
         return False
     missing = [f"{r.topic}[{r.partition}]" for r, h in zip(ranges, hits, strict=True) if not h]
     raise KafkaSinkError(
-        f"batch {batch.batch_id}: the sink's consumer group holds this batch's committed "
-        f"offsets for some partitions but not for {missing}; one Kafka transaction commits "
-        f"all or none, so the group was changed by hand (or its offsets expired). Check the "
-        f"output topic for the batch's records (header {BATCH_HEADER}={batch.batch_id}) "
-        f"before abandoning or re-running it")
+        f"batch {batch.batch_id}: the sink's consumer group {mark.group(batch)} holds this "
+        f"batch's committed offsets for some partitions but not for {missing}; one Kafka "
+        f"transaction commits all or none, so the group was changed by hand (or its offsets "
+        f"expired). Check the output topic for the batch's records (header "
+        f"{BATCH_HEADER}={batch.batch_id}) before abandoning or re-running it")
 
 
-def not_produced_in(batch: Batch, pipeline: str,
+def not_produced_in(batch: Batch, mark: CommitMark,
                     found: Mapping[tuple[str, int], tuple[int, str | None]]
                     ) -> list[NotProduced]:
     """The records a committed batch's transaction left out (`committed_state` is True)."""
-    prefix = f"{offset_metadata(pipeline, batch.batch_id)} {_NOT_PRODUCED}"
     out: list[NotProduced] = []
-    for (topic, partition), (_, meta) in sorted(found.items()):
-        if not meta or not meta.startswith(prefix):
+    for (topic, partition), (_, raw) in sorted(found.items()):
+        meta = _parse(raw)
+        if meta is None or not meta.not_produced or (
+                meta.pipeline, meta.batch_id, meta.ledger) != (
+                mark.pipeline, batch.batch_id, mark.ledger):
             continue
-        for item in meta[len(prefix):].split(","):
+        for item in meta.not_produced.split(","):
             off, size = item.split(":")
             out.append(NotProduced(topic, partition, int(off),
                                    None if size == "nullkey" else int(size)))

@@ -16,11 +16,11 @@ from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
     SOURCE_HEADER,
+    CommitMark,
     NotProduced,
     check_columns,
     committed_state,
     not_produced_in,
-    offset_metadata,
     output_topic,
     record_headers,
     record_limit,
@@ -28,9 +28,9 @@ from offsetflow.sink_kafka_form import (
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
-    sink_group,
-    transactional_id,
 )
+
+MARK = CommitMark("orders", "a1b2", "out")
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
 COLUMNS = {"topic": "text", "partition": "integer", "offset": "bigint",
@@ -115,26 +115,55 @@ def test_redacted_hides_producer_secrets() -> None:
 
 def test_names_live_batches_share_replays_get_their_own() -> None:
     live, replay = batch(7), batch(8, "replay", moves=False)
-    assert transactional_id("orders", live) == transactional_id("orders", batch(9))
-    assert transactional_id("orders", live) == "offsetflow-sink-orders"
-    assert transactional_id("orders", replay) == "offsetflow-sink-orders-replay-8"
-    assert sink_group("orders", live) == "offsetflow-sink-orders"  # not the lag group
-    assert sink_group("orders", replay) != sink_group("orders", live)
+    assert MARK.transactional_id(live) == MARK.transactional_id(batch(9))
+    assert MARK.transactional_id(live) == "offsetflow-sink-orders.a1b2"
+    assert MARK.transactional_id(replay) == "offsetflow-sink-orders.a1b2-replay-8"
+    assert MARK.group(live) == "offsetflow-sink-orders.a1b2"  # not the lag group
+    assert MARK.group(replay) != MARK.group(live)
+    # another ledger's pipeline of the same name: other names (review M2)
+    other = CommitMark("orders", "c3d4", "out")
+    assert other.transactional_id(live) != MARK.transactional_id(live)
+    assert other.group(live) != MARK.group(live)
+    # the names before the ledger identity, looked up for batches planned before it
+    legacy = CommitMark.legacy("orders")
+    assert legacy.transactional_id(live) == legacy.group(live) == "offsetflow-sink-orders"
+    assert legacy.group(replay) == "offsetflow-sink-orders-replay-8"
 
 
 def test_committed_state_needs_this_batch_at_every_until_offset() -> None:
     b = batch(7)
-    meta = offset_metadata("orders", 7)
+    meta = MARK.metadata(7)
+    assert meta == "offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out"
     # the empty range [5, 5) of partition 1 says nothing either way
-    assert committed_state(b, "orders", {("in", 0): (20, meta)})
-    assert not committed_state(b, "orders", {})
-    assert not committed_state(b, "orders", {("in", 0): (10, offset_metadata("orders", 6))})
+    assert committed_state(b, MARK, {("in", 0): (20, meta)})
+    assert not committed_state(b, MARK, {})
+    assert not committed_state(b, MARK, {("in", 0): (10, MARK.metadata(6))})
     # the same offset from another batch (a position reset re-planned the same range)
-    assert not committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 3))})
+    assert not committed_state(b, MARK, {("in", 0): (20, MARK.metadata(3))})
     two = Batch(7, "orders", "scheduled", "running",
                 (OffsetRange("in", 0, 10, 20), OffsetRange("in", 1, 0, 5)), "kafka:out")
     with pytest.raises(KafkaSinkError, match=r"not for \['in\[1\]'\]"):
-        committed_state(two, "orders", {("in", 0): (20, meta), ("in", 1): (3, meta)})
+        committed_state(two, MARK, {("in", 0): (20, meta), ("in", 1): (3, meta)})
+
+
+def test_another_ledgers_or_the_older_format_commit_is_not_this_ledgers() -> None:
+    """Review M2: the same pipeline and batch number in another ledger is not this batch;
+    the format without a ledger matches only the legacy mark (batches planned before the
+    ledger identity)."""
+    b = batch(7)
+    other = CommitMark("orders", "c3d4", "out").metadata(7)
+    legacy = CommitMark.legacy("orders")
+    assert legacy.metadata(7) == "offsetflow pipeline=orders batch=7"
+    assert not committed_state(b, MARK, {("in", 0): (20, other)})
+    assert not committed_state(b, MARK, {("in", 0): (20, legacy.metadata(7))})
+    assert committed_state(b, legacy, {("in", 0): (20, legacy.metadata(7))})
+    assert not committed_state(b, legacy, {("in", 0): (20, MARK.metadata(7))})
+    # this ledger's commit of the batch to another topic: refused, naming both topics
+    moved = CommitMark("orders", "a1b2", "out.v2")
+    with pytest.raises(KafkaSinkError, match=r"to topic out, .* now writes it to out\.v2"):
+        committed_state(b, moved, {("in", 0): (20, MARK.metadata(7))})
+    # what is not an offsetflow mark at all is nobody's commit
+    assert not committed_state(b, MARK, {("in", 0): (20, "some other tool")})
 
 
 def test_replay_goes_to_the_side_topic_or_is_refused() -> None:
@@ -234,16 +263,20 @@ def test_left_out_records_round_trip_through_the_offset_metadata() -> None:
     commit reads the same ones back, and the commit still counts as this batch's."""
     b = batch()
     left = [NotProduced("in", 0, 12, 1_020_345), NotProduced("in", 0, 15, None)]
-    meta = offset_metadata("orders", 7, left)
-    assert meta == "offsetflow pipeline=orders batch=7 not_produced=12:1020345,15:nullkey"
+    meta = MARK.metadata(7, left)
+    assert meta == ("offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out "
+                    "not_produced=12:1020345,15:nullkey")
     found = {("in", 0): (20, meta), ("in", 1): (5, None)}
-    assert committed_state(b, "orders", found) is True
-    assert not_produced_in(b, "orders", found) == left
-    plain = {("in", 0): (20, offset_metadata("orders", 7))}
-    assert committed_state(b, "orders", plain) and not_produced_in(b, "orders", plain) == []
+    assert committed_state(b, MARK, found) is True
+    assert not_produced_in(b, MARK, found) == left
+    plain = {("in", 0): (20, MARK.metadata(7))}
+    assert committed_state(b, MARK, plain) and not_produced_in(b, MARK, plain) == []
     # another batch's mark with a list is still another batch's
-    assert committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 70, left))}
-                           ) is False
+    assert committed_state(b, MARK, {("in", 0): (20, MARK.metadata(70, left))}) is False
+    # the older format's list reads back too
+    legacy = CommitMark.legacy("orders")
+    old = {("in", 0): (20, legacy.metadata(7, left))}
+    assert committed_state(b, legacy, old) and not_produced_in(b, legacy, old) == left
     assert "1020345 bytes" in left[0].error("out", 1_000_000)
     assert "compact" in left[1].error("out", None)
 
