@@ -18,6 +18,7 @@ Which names, which topic and how a row becomes a record: `offsetflow.sink_kafka_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,7 +37,9 @@ from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.ledger_identity import LedgerIdentity, ledger_identity
 from offsetflow.sink_kafka_form import (
+    BATCH_HEADER,
     METADATA_MAX_BYTES,
+    SOURCE_HEADER,
     CommitMark,
     NotProduced,
     check_columns,
@@ -54,6 +57,7 @@ from offsetflow.sink_kafka_limits import (
     route_not_produced,
     topic_limits,
 )
+from offsetflow.sink_kafka_stage import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +71,11 @@ RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
 CURSOR_ROWS = 5_000
-# driver memory for one fetch of staged rows (large records: fewer rows per fetch) and,
-# unless sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default
-# of 1 GB would let large records pile up in the driver)
-FETCH_BYTES = 32 * 2**20
+# driver memory for one fetch of staged rows (large records: fewer rows per fetch; up to
+# four fetches at once: one produced, two read ahead, one being read) and, unless
+# sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default of 1 GB
+# would let large records pile up in the driver)
+FETCH_BYTES = 16 * 2**20
 QUEUE_KBYTES = 65_536
 UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
                    "before the error); the next run finds the batch committed in Kafka and "
@@ -244,36 +249,60 @@ class KafkaTopicSink:
         self._open_txn = True
         self._txn_began = time.monotonic()
         produced = 0
-        with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
-            stage = stage_table(batch.batch_id)
-            cur.execute(row_bytes_sql(self.columns, stage))
-            largest = int(cur.fetchone()[0])  # type: ignore[index]
-            rows.itersize = rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS)
-            cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
-            rows.execute(select_sql(self.sink, self.columns, stage))
-            for s_topic, s_part, s_off, key, value, hdrs, ts in rows:
-                kw: dict[str, Any] = {}
-                if by_source:
-                    if s_part >= partitions:
-                        self._abort(batch)
+        stage = stage_table(batch.batch_id)
+        cur.execute(row_bytes_sql(self.columns, stage))
+        largest = int(cur.fetchone()[0])  # type: ignore[index]
+        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
+        # encodes it as UTF-8): up to 4 bytes a character until counted exactly
+        text_value = self.sink.value_format == "json"
+        vmul = 4 if text_value else 1
+        batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
+                                                        str(batch.batch_id).encode())
+        produce = p.produce
+        with contextlib.closing(prefetched(
+                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
+                select_sql(self.sink, self.columns, stage),
+                rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as chunks:
+            for chunk in chunks:
+                for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+                    if by_source and s_part >= partitions:
                         raise KafkaSinkError(
                             f"batch {batch.batch_id}: sink.partitioning: source puts "
                             f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
                             f"has {partitions} partitions; add partitions to {topic} or use "
                             f"partitioning: key")
-                    kw["partition"] = s_part
-                if ts is not None:
-                    kw["timestamp"] = ts
-                headers = record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs)
-                size = (0 if key is None else len(key)) + (0 if value is None else len(value))
-                if (key is None and compacted) or (
-                        size > near and record_size(key, value, headers) > limit) or \
-                        not self._produce(p, topic, key, value, headers, kw):
-                    skipped.append(self._not_produced(batch, topic, limit, NotProduced(
-                        s_topic, s_part, s_off, None if key is None and compacted
-                        else record_size(key, value, headers))))
-                    continue
-                produced += 1
+                    if key is not None:
+                        key = bytes(key)
+                    if value is not None and not text_value:
+                        value = bytes(value)
+                    headers: list[tuple[str, bytes | str | None]] = (
+                        [batch_header, (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
+                               if hdrs is None else
+                               record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
+                    size = (0 if key is None else len(key)) + (
+                        0 if value is None else vmul * len(value))
+                    try:
+                        if (key is None and compacted) or (
+                                size > near and record_size(key, value, headers) > limit):
+                            raise _NotProducible
+                        produce(topic, value, key, s_part if by_source else -1,
+                                timestamp=ts or 0, headers=headers)
+                    except BufferError:  # the local queue is full: let deliveries drain it
+                        if not self._produce(p, topic, key, value, headers,
+                                             s_part if by_source else -1, ts or 0):
+                            skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                                s_topic, s_part, s_off, record_size(key, value, headers))))
+                            continue
+                    except (_NotProducible, KafkaException) as e:
+                        if isinstance(e, KafkaException) and \
+                                e.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                            raise
+                        skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                            s_topic, s_part, s_off, None if key is None and compacted
+                            else record_size(key, value, headers))))
+                        continue
+                    produced += 1
         if produced + len(skipped) != staged:
             self._abort(batch)
             raise StagedRowsLostError(batch.batch_id, None,
@@ -296,17 +325,18 @@ class KafkaTopicSink:
         return moved
 
     @staticmethod
-    def _produce(p: Producer, topic: str, key: Any, value: Any, headers: Any,
-                 kw: dict[str, Any]) -> bool:
-        """False: librdkafka refused the record as too large (a size check it makes that
-        `record_size` did not foresee); any other error is raised."""
+    def _produce(p: Producer, topic: str, key: bytes | None, value: Any,
+                 headers: Any, partition: int, timestamp: int) -> bool:
+        """Produce once the local queue has room. False: librdkafka refused the record as
+        too large (a size check it makes that `record_size` did not foresee); any other
+        error is raised."""
         while True:
+            p.poll(0.005)
             try:
-                p.produce(topic, None if value is None else bytes(value),
-                          None if key is None else bytes(key), headers=headers, **kw)
+                p.produce(topic, value, key, partition, timestamp=timestamp, headers=headers)
                 return True
-            except BufferError:  # the local queue is full: let deliveries drain it
-                p.poll(0.05)
+            except BufferError:
+                continue
             except KafkaException as e:
                 if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     return False
@@ -425,6 +455,10 @@ class KafkaTopicSink:
         # no flush: the transaction is committed or aborted by now, and a fenced producer's
         # flush would raise over the error that says what happened
         self._producer = None
+
+
+class _NotProducible(Exception):
+    """A record the output topic can never take (checked before `produce`)."""
 
 
 def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]

@@ -30,8 +30,6 @@ from offsetflow.ledger import Batch
 
 BATCH_HEADER = "offsetflow.batch"
 SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record
-# json_build_object takes at most 100 arguments: 50 name/value pairs
-_JSON_PAIRS_PER_CALL = 50
 _NOT_PRODUCED = "not_produced="
 # sizes as the producer and broker count them (librdkafka's worst-case v2 record overhead;
 # per header two varints; a record batch's header, which the topic's limit includes)
@@ -76,12 +74,16 @@ def record_limit(producer: Mapping[str, Any], topic_max: int | None) -> int:
     return limit
 
 
-def record_size(key: Any, value: Any, headers: Sequence[tuple[str, bytes | None]]) -> int:
-    """An upper bound of a record's size as librdkafka checks it against message.max.bytes."""
-    return (RECORD_OVERHEAD + (0 if key is None else len(key))
-            + (0 if value is None else len(value))
-            + sum(HEADER_OVERHEAD + len(k.encode()) + (0 if v is None else len(v))
-                  for k, v in headers))
+def record_size(key: bytes | None, value: bytes | str | None,
+                headers: Sequence[tuple[str, bytes | str | None]]) -> int:
+    """An upper bound of a record's size as librdkafka checks it against message.max.bytes
+    (a str as its UTF-8 bytes)."""
+    return (RECORD_OVERHEAD + _len(key) + _len(value)
+            + sum(HEADER_OVERHEAD + len(k.encode()) + _len(v) for k, v in headers))
+
+
+def _len(v: bytes | str | None) -> int:
+    return 0 if v is None else len(v.encode()) if isinstance(v, str) else len(v)
 
 
 def is_live(batch: Batch) -> bool:
@@ -282,30 +284,30 @@ def _as_bytes(col: str, pg_type: str) -> sql.Composable:
     return sql.SQL("convert_to(to_json({}) #>> '{{}}', 'UTF8')").format(ident)
 
 
-def _json_value(cols: Sequence[str]) -> sql.Composable:
-    calls = []
-    for i in range(0, len(cols), _JSON_PAIRS_PER_CALL):
-        pairs = sql.SQL(", ").join(
-            sql.SQL("{}, s.{}").format(sql.Literal(c), sql.Identifier(c))
-            for c in cols[i:i + _JSON_PAIRS_PER_CALL])
-        calls.append(sql.SQL("jsonb_build_object({})" if len(cols) > _JSON_PAIRS_PER_CALL
-                             else "json_build_object({})").format(pairs))
-    return sql.SQL("convert_to(({})::text, 'UTF8')").format(sql.SQL(" || ").join(calls))
+def _json_row(cols: Sequence[str]) -> sql.Composable:
+    """The value's columns as one row whose JSON is the value: `row_to_json` of a LATERAL
+    row (about twice as fast as json_build_object, which looks up every argument's type on
+    every row, and with no 100-argument limit); compact JSON, names as the columns'."""
+    return sql.SQL(", LATERAL (SELECT {}) offsetflow_v").format(sql.SQL(", ").join(
+        sql.SQL("s.{c} AS {c}").format(c=sql.Identifier(c)) for c in cols))
 
 
 def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
                stage: sql.Composable) -> sql.Composed:
-    """topic, partition, offset, key bytes, value bytes, headers (jsonb or NULL), timestamp
-    (epoch ms or NULL) of every staged row, in source order. A tombstone (the source `value`
-    is NULL) stays one: a NULL value, whatever the value format."""
+    """topic, partition, offset, key bytes, value (bytes; a JSON value: text), headers (jsonb
+    or NULL), timestamp (epoch ms or NULL) of every staged row, in source order. A tombstone
+    (the source `value` is NULL) stays one: a NULL value, whatever the value format."""
     key_col, _ = key_source(sink, columns)
     # a transform's `key` may be any type: encoded like key_column (never bytes(int))
     key = (_as_bytes(key_col, columns[key_col]) if key_col is not None
            else sql.SQL("NULL::bytea"))
+    row: sql.Composable = sql.SQL("")
     if sink.value_format == "raw":
         value = _as_bytes(sink.value_column, columns[sink.value_column])
     else:
-        value = _json_value(list(sink.value_columns) or payload_columns(list(columns)))
+        # text: psycopg2 reads it as str (no hex bytea on the wire), librdkafka writes UTF-8
+        value = sql.SQL("row_to_json(offsetflow_v.*)::text")
+        row = _json_row(list(sink.value_columns) or payload_columns(list(columns)))
         if "value" in columns:
             value = sql.SQL("CASE WHEN s.value IS NULL THEN NULL ELSE {} END").format(value)
     headers = (sql.SQL("s.headers") if sink.headers == "carry" and "headers" in columns
@@ -313,8 +315,8 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     ts = (sql.SQL("(extract(epoch FROM s.\"timestamp\") * 1000)::bigint")
           if columns.get("timestamp", "").startswith("timestamp") else sql.SQL("NULL::bigint"))
     return sql.SQL("SELECT s.topic, s.partition, s.\"offset\", {key}, {value}, {headers}, {ts} "
-                   "FROM {stage} s ORDER BY s.topic, s.partition, s.\"offset\"").format(
-                       key=key, value=value, headers=headers, ts=ts, stage=stage)
+                   "FROM {stage} s{row} ORDER BY s.topic, s.partition, s.\"offset\"").format(
+                       key=key, value=value, headers=headers, ts=ts, stage=stage, row=row)
 
 
 _SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
@@ -342,10 +344,11 @@ def rows_per_fetch(max_row_bytes: int, budget_bytes: int, max_rows: int) -> int:
 
 
 def record_headers(batch_id: int, topic: str, partition: int, offset: int,
-                   carried: list[dict[str, Any]] | None) -> list[tuple[str, bytes | None]]:
+                   carried: list[dict[str, Any]] | None
+                   ) -> list[tuple[str, bytes | str | None]]:
     """The source record's headers (staged as JSON, binary values base64) and the two
     offsetflow headers that name the batch and the source record."""
-    out: list[tuple[str, bytes | None]] = []
+    out: list[tuple[str, bytes | str | None]] = []
     for h in carried or ():
         v = h.get("value")
         out.append((str(h.get("key")), None if v is None else base64.b64decode(v)))
