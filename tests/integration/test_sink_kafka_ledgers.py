@@ -9,16 +9,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import psycopg2
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
-from psycopg2 import sql
 
 from offsetflow.job import run_batch
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.ledger_identity import ledger_identity
 from offsetflow.runner import plan_only
+from tests.integration.helpers import ledger_database
 from tests.integration.test_sink_kafka import kafka_sink_pipeline
 from tests.tooling.chaos import Workload
 from tests.tooling.topic_checker import check_topic, read_topic
@@ -27,19 +26,8 @@ from tests.tooling.topic_checker import check_topic, read_topic
 @pytest.fixture
 def other_ledger(admin_dsn: str, unique: str) -> Iterator[str]:
     """A second ledger: a database of its own, migrated."""
-    name = f"offsetflow_test_{os.getpid()}_other_{unique}"
-    conn = psycopg2.connect(admin_dsn, connect_timeout=10)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
-    with Ledger(dsn) as ledger:
-        ledger.upgrade()
-    yield dsn
-    with conn.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
-    conn.close()
+    with ledger_database(admin_dsn, f"offsetflow_test_{os.getpid()}_other_{unique}") as dsn:
+        yield dsn
 
 
 def test_two_ledgers_with_the_same_pipeline_name_each_write_their_own_batches(
