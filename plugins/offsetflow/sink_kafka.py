@@ -43,11 +43,13 @@ from offsetflow.sink_kafka_form import (
     CommitMark,
     NotProduced,
     check_columns,
+    commit_batch_ids,
     committed_state,
     not_produced_in,
     output_topic,
     record_headers,
     record_size,
+    refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
@@ -124,6 +126,8 @@ class KafkaTopicSink:
               ident: LedgerIdentity) -> Moved | None:
         mark, state = self._mark, self._committed(batch, self._mark)
         found = committed_state(batch, mark, state)
+        if not found:
+            refuse_group_ahead(batch, mark, state, _known_commits(cur, batch, state))
         if not found and ident.predates(batch.batch_id):
             # planned before the ledger identity: an earlier attempt may have committed it
             # under the older names and metadata; fence that transactional.id, then look
@@ -484,6 +488,21 @@ def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
     except KafkaException as e:
         raise KafkaSinkError(f"init_transactions of transactional.id {txn_id} failed: {e}"
                              ) from e
+
+
+def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,
+                   found: dict[tuple[str, int], tuple[int, str | None]]
+                   ) -> set[tuple[int, str, int, int]]:
+    """This ledger's committed ranges (batch id, topic, partition, until_offset) of the
+    batches the group's offsets name: what `refuse_group_ahead` accepts above a from_offset."""
+    ids = [i for i in commit_batch_ids(found) if i != batch.batch_id]
+    if not ids:
+        return set()
+    cur.execute("""SELECT r.batch_id, r.topic, r.partition, r.until_offset
+                     FROM offsetflow.batch_ranges r JOIN offsetflow.batches b USING (batch_id)
+                    WHERE b.status = 'committed' AND b.pipeline = %s
+                      AND r.batch_id = ANY(%s)""", (batch.pipeline, ids))
+    return {(int(b), str(t), int(p), int(u)) for b, t, p, u in cur.fetchall()}
 
 
 def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:

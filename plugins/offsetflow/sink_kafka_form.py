@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,6 +212,48 @@ def committed_state(batch: Batch, mark: CommitMark,
         f"transaction commits all or none, so the group was changed by hand (or its offsets "
         f"expired). Check the output topic for the batch's records (header "
         f"{BATCH_HEADER}={batch.batch_id}) before abandoning or re-running it")
+
+
+def commit_batch_ids(found: Mapping[tuple[str, int], tuple[int, str | None]]) -> list[int]:
+    """The batch ids the group's committed offsets name (whose commits the ledger may know)."""
+    return sorted({m.batch_id for _, raw in found.values() if (m := _parse(raw)) is not None})
+
+
+def refuse_group_ahead(batch: Batch, mark: CommitMark,
+                       found: Mapping[tuple[str, int], tuple[int, str | None]],
+                       known: Set[tuple[int, str, int, int]]) -> None:
+    """Refuse a batch not committed in Kafka (`committed_state` False) whose group holds,
+    above one of its from_offsets, a commit of this ledger the ledger has no record of: a
+    batch id that is not one of this ledger's committed ranges there (`known`: batch id,
+    topic, partition, until_offset), this batch's own id included. The output topic then
+    holds records the ledger does not know: the ledger was restored from a backup or copied
+    from another (batch ids and positions rewound under the same identity), and producing
+    the batch would put them there twice (review H1). A known batch above from_offset is a
+    position moved back on purpose (reset-position after a recreated topic, or allowing
+    duplicates); at or below it any id is fine: the previous batch, a skip, a forward reset
+    (a restored ledger moved to the group's offsets numbers its batches again)."""
+    for r in batch.ranges:  # committed_state was False: no range is at until with this id
+        got = found.get(r.topic_partition)
+        meta = _parse(got[1]) if got is not None else None
+        if got is None or meta is None or r.until_offset <= r.from_offset or (
+                meta.pipeline, meta.ledger) != (mark.pipeline, mark.ledger):
+            continue
+        if got[0] <= r.from_offset or (meta.batch_id, r.topic, r.partition, got[0]) in known:
+            continue
+        if meta.batch_id != batch.batch_id and not is_live(batch):
+            continue  # a replay's group is its own: only its own id is a stale commit there
+        raise KafkaSinkError(
+            f"pipeline {mark.pipeline} batch {batch.batch_id}: the sink's consumer group "
+            f"{mark.group(batch)} holds offset {got[0]} for {r.topic}[{r.partition}], "
+            f"committed by batch {meta.batch_id} of this ledger to {meta.topic}, but this "
+            f"batch reads from offset {r.from_offset} and the ledger has no record of that "
+            f"commit: the ledger was restored from a backup (or copied from another ledger) "
+            f"and is behind its output topic, and producing the batch would put records "
+            f"there twice. Abandon it (offsetflow abandon --batch-id {batch.batch_id}) and "
+            f"move each position to the sink group's offset (offsetflow reset-position "
+            f"{mark.pipeline} --topic {r.topic} --partition {r.partition} --offset "
+            f"{got[0]}, and so for every partition); if this ledger is a copy, give it its "
+            f"own identity instead (see README, 'Two ledgers')")
 
 
 def not_produced_in(batch: Batch, mark: CommitMark,

@@ -5,14 +5,19 @@ batch whose record was written in the format before the ledger identity is still
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg2
+import psycopg2.extensions
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
+from psycopg2 import sql
 
+from offsetflow.errors import KafkaSinkError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.ledger_identity import ledger_identity
@@ -128,3 +133,90 @@ def test_open_batches_of_the_format_before_the_ledger_identity(
     assert len(visible) == 3 + 30  # the first batch's 3 (legacy) and the second's 30
     assert sorted(r.batch_id for r in visible) == [first.batch_id] * 3 + [
         planned.batch.batch_id] * 30
+
+
+@contextlib.contextmanager
+def ledger_copy(admin_dsn: str, dsn: str, name: str) -> Iterator[str]:
+    """A copy of the ledger at `dsn` as it is now (CREATE DATABASE ... TEMPLATE: its rows,
+    its batch-id sequence and its identity row), dropped afterwards: a backup to restore, or
+    a clone made from a dump."""
+    source = psycopg2.extensions.parse_dsn(dsn)["dbname"]
+    conn = psycopg2.connect(admin_dsn, connect_timeout=10)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(source)))
+        yield psycopg2.extensions.make_dsn(dsn, dbname=name)
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+        conn.close()
+
+
+def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_again(
+        spark: Any, admin_dsn: str, other_ledger: str, kafka_bootstrap: str,
+        make_topic: Any, unique: str) -> None:
+    """Review H1: a backup taken after batch 1, restored after batches 2 and 3 committed,
+    rewinds positions and the batch-id counter under the same ledger identity. Its next
+    batch (id 2 again, the ranges batch 2 had) finds the sink group ahead of its from_offset
+    under another batch of this ledger: refused, nothing produced twice. The way out the
+    error names (positions moved to the sink group's offsets) then works."""
+    from offsetflow.positions import reset_positions
+    from offsetflow.runner import kafka_for
+
+    src, out = make_topic("kr-src", 2), make_topic("kr-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kr{unique}")
+    name = f"kr_{unique}"
+    cfg = kafka_sink_pipeline(name, src, other_ledger, kafka_bootstrap, topic=out)
+
+    def commit(dsn: str) -> Batch:
+        planned = plan_only(cfg if dsn == other_ledger else restored_cfg, dsn)
+        assert planned.batch is not None
+        rep = run_batch(spark, cfg if dsn == other_ledger else restored_cfg,
+                        planned.batch.batch_id, dsn)
+        assert rep.result.status == "committed", rep.result
+        return planned.batch
+
+    w.plain(40)
+    commit(other_ledger)
+    with ledger_copy(admin_dsn, other_ledger, f"offsetflow_test_{os.getpid()}_bk_{unique}"
+                     ) as backup:
+        restored_cfg = kafka_sink_pipeline(name, src, backup, kafka_bootstrap, topic=out)
+        w.plain(30)
+        second = commit(other_ledger)
+        w.plain(20)
+        commit(other_ledger)
+        with Ledger(other_ledger) as ledger:
+            live_positions = ledger.positions(name)
+        before = len(read_topic(kafka_bootstrap, out, "read_uncommitted"))
+
+        planned = plan_only(restored_cfg, backup)
+        assert planned.batch is not None
+        assert planned.batch.batch_id == second.batch_id  # the counter was rewound
+        with pytest.raises(KafkaSinkError) as e:
+            run_batch(spark, restored_cfg, planned.batch.batch_id, backup)
+        msg = str(e.value)
+        for part in (name, f"batch {planned.batch.batch_id}", f"{src}[0]", "reset-position",
+                     "restored"):
+            assert part in msg, (part, msg)
+        assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) == before
+        verdict = check_topic(kafka_bootstrap, out, w.produced.values(), live_positions)
+        assert verdict.committed.ok, verdict.committed.explain()
+        assert verdict.committed.found == 90
+
+        # the way out: abandon the refused batch, move the positions to the sink's offsets
+        with Ledger(backup) as ledger:
+            ledger.abandon(planned.batch.batch_id, "restored ledger behind its sink")
+            topic_id = kafka_for(restored_cfg).topic_ids([src]).get(src)
+            for (topic, partition), offset in live_positions.items():
+                reset_positions(ledger, name, topic, [partition], offset, "restore",
+                                topic_id=topic_id, live_topic=out)
+        w.plain(10)
+        commit(backup)
+        with Ledger(backup) as ledger:
+            positions = ledger.positions(name)
+        verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
+        assert verdict.committed.ok, verdict.committed.explain()
+        assert verdict.committed.found == 100

@@ -19,12 +19,14 @@ from offsetflow.sink_kafka_form import (
     CommitMark,
     NotProduced,
     check_columns,
+    commit_batch_ids,
     committed_state,
     not_produced_in,
     output_topic,
     record_headers,
     record_limit,
     record_size,
+    refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
@@ -308,3 +310,38 @@ def test_rows_per_fetch_is_bounded_by_bytes() -> None:
     q = _render(row_bytes_sql(COLUMNS, sql.SQL("stage")))
     assert 'octet_length(s."value")' in q and 'pg_column_size(s."headers")' in q
     assert "partition" not in q  # fixed-width columns: an allowance, no per-row call
+
+
+def test_a_group_ahead_of_the_batch_with_a_commit_the_ledger_does_not_know_is_refused() -> None:
+    """Review H1: a restored (or copied) ledger reuses batch ids and positions under the same
+    identity; the group then holds, above the batch's from_offset, a commit this ledger has
+    no record of. Refused, naming the way out; known commits and offsets at or below
+    from_offset are fine."""
+    b = batch(7)  # in[0] [10, 20)
+    ahead = {("in", 0): (25, MARK.metadata(9))}
+    assert commit_batch_ids({**ahead, ("in", 1): (5, MARK.metadata(4)),
+                             ("in", 2): (1, "foreign")}) == [4, 9]
+    with pytest.raises(KafkaSinkError, match=r"pipeline orders batch 7: .* offset 25 for "
+                                             r"in\[0\], committed by batch 9 .* from offset "
+                                             r"10 .*restored.*reset-position orders --topic in "
+                                             r"--partition 0 --offset 25"):
+        refuse_group_ahead(b, MARK, ahead, set())
+    # this batch's own id at another offset above from_offset: the rewound counter's twin
+    with pytest.raises(KafkaSinkError, match="committed by batch 7"):
+        refuse_group_ahead(b, MARK, {("in", 0): (15, MARK.metadata(7))}, set())
+    # a commit this ledger knows (a position moved back on purpose): fine
+    refuse_group_ahead(b, MARK, ahead, {(9, "in", 0, 25)})
+    # at or below from_offset: the previous batch, a skip, a forward reset; any id
+    for off in (10, 3):
+        refuse_group_ahead(b, MARK, {("in", 0): (off, MARK.metadata(7))}, set())
+        refuse_group_ahead(b, MARK, {("in", 0): (off, MARK.metadata(12))}, set())
+    # another ledger's, a legacy or a foreign mark, an empty range: not this ledger's record
+    refuse_group_ahead(b, MARK, {("in", 0): (25, CommitMark("orders", "c3d4", "out")
+                                             .metadata(9))}, set())
+    refuse_group_ahead(b, MARK, {("in", 0): (25, "x"), ("in", 1): (9, MARK.metadata(9))},
+                       set())
+    # a replay's group is its own: another id there is not refused, its own id is
+    replay = batch(8, "replay", moves=False)
+    refuse_group_ahead(replay, MARK, ahead, set())
+    with pytest.raises(KafkaSinkError, match="committed by batch 8"):
+        refuse_group_ahead(replay, MARK, {("in", 0): (25, MARK.metadata(8))}, set())

@@ -2,7 +2,9 @@
 -- of a batch's commit (the Kafka topic sink's offset metadata and group) names the ledger
 -- with it, so two ledgers (staging and prod, or a ledger recreated from scratch) running a
 -- pipeline of the same name against one cluster never take each other's records. Not a
--- secret: a random id. A restored dump keeps it (the same ledger, the same batches).
+-- secret: a random id. A restored dump keeps it (the same ledger) but rewinds positions and
+-- batch ids: the Kafka sink refuses a batch whose group holds a commit of this ledger above
+-- its from_offset that the ledger does not know (sink_kafka_form.refuse_group_ahead).
 CREATE TABLE offsetflow.ledger_identity (
     singleton       boolean PRIMARY KEY DEFAULT true CHECK (singleton),
     installation_id text        NOT NULL,
