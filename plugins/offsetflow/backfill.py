@@ -31,6 +31,7 @@ from offsetflow.requests import (
     resolve_window,
     window_ranges,
 )
+from offsetflow.sink_kafka_form import replay_target
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -163,7 +164,8 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
         for ranges in wp.batches:
             ids.append(ledger.insert_batch(
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,
-                target_table=wp.target_table or cfg.sink.table,
+                target_table=wp.target_table or replay_target(cfg.sink.kafka,
+                                                              cfg.sink.table),
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
                 moves_positions=False, params=params, topic_ids=wp.topic_ids,
                 split_offsets=cfg.spark.max_offsets_per_task))

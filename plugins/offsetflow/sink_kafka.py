@@ -18,6 +18,7 @@ Which names, which topic and how a row becomes a record: `offsetflow.sink_kafka_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -34,27 +35,31 @@ from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger_identity import LedgerIdentity, ledger_identity
 from offsetflow.sink_kafka_form import (
+    BATCH_HEADER,
     METADATA_MAX_BYTES,
+    SOURCE_HEADER,
+    CommitMark,
     NotProduced,
     check_columns,
+    commit_batch_ids,
     committed_state,
     not_produced_in,
-    offset_metadata,
     output_topic,
     record_headers,
     record_size,
+    refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
-    sink_group,
-    transactional_id,
 )
 from offsetflow.sink_kafka_limits import (
     broker_txn_timeout_ms,
     route_not_produced,
     topic_limits,
 )
+from offsetflow.sink_kafka_stage import prefetched
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +73,15 @@ RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 KAFKA_TIMEOUT_S = 60.0
 CURSOR_ROWS = 5_000
-# driver memory for one fetch of staged rows (large records: fewer rows per fetch) and,
-# unless sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default
-# of 1 GB would let large records pile up in the driver)
-FETCH_BYTES = 32 * 2**20
+# driver memory for one fetch of staged rows (large records: fewer rows per fetch; up to
+# four fetches at once: one produced, two read ahead, one being read) and, unless
+# sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default of 1 GB
+# would let large records pile up in the driver)
+FETCH_BYTES = 16 * 2**20
 QUEUE_KBYTES = 65_536
+UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
+                   "before the error); the next run finds the batch committed in Kafka and "
+                   "completes the ledger, or writes it again if it is not")
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
 
@@ -98,40 +107,81 @@ class KafkaTopicSink:
         self._open_txn = False  # begun, neither committed nor aborted by this run
         self._txn_began = 0.0  # time.monotonic() at begin_transaction
         self._txn_timeout_ms = 0
+        self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
 
     # --- ExternalSink ---------------------------------------------------------------
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
         topic = output_topic(self.sink, batch, self.cfg.source_file)
+        ident = ledger_identity(cur)
+        self._mark = CommitMark(self.cfg.name, ident.installation_id, topic)
         self._open(batch)
-        assert self._consumer is not None
-        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
         try:
-            found = self._consumer.committed(tps, timeout=self.timeout_s)
-            state = {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
-            if not committed_state(batch, self.cfg.name, state):
-                return None  # the producer stays open (and its fence up) for `write`
-            skipped = not_produced_in(batch, self.cfg.name, state)
-        except KafkaException as e:
-            self.close()
-            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
-                                 f"of group {sink_group(self.cfg.name, batch)}: {e}") from e
+            return self._find(cur, batch, topic, ident)
         except BaseException:
             self.close()
             raise
+
+    def _find(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+              ident: LedgerIdentity) -> Moved | None:
+        mark, state = self._mark, self._committed(batch, self._mark)
+        found = committed_state(batch, mark, state)
+        if not found:
+            refuse_group_ahead(batch, mark, state, _known_commits(cur, batch, state))
+        if not found and ident.predates(batch.batch_id):
+            # planned before the ledger identity: an earlier attempt may have committed it
+            # under the older names and metadata; fence that transactional.id, then look
+            mark = CommitMark.legacy(self.cfg.name)
+            state = self._committed(batch, mark)
+            found = committed_state(batch, mark, state)
+            if found:
+                log.warning("batch %d: committed in Kafka under the names before the ledger "
+                            "identity (group %s); completing the ledger", batch.batch_id,
+                            mark.group(batch))
+        if not found:
+            return None  # the producer stays open (and its fence up) for `write`
+        skipped = not_produced_in(batch, mark, state)
         self.close()
         log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
                  "offsets); nothing is produced again", batch.batch_id, topic,
-                 sink_group(self.cfg.name, batch))
+                 mark.group(batch))
         # the records that transaction left out go to the dead-letter table as it did
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None)
         moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
+    def _committed(self, batch: Batch, mark: CommitMark
+                   ) -> dict[tuple[str, int], tuple[int, str | None]]:
+        """The committed offsets of `mark`'s group for the batch's partitions, read after
+        `init_transactions` of its transactional.id (`_open` made it for this run's own
+        mark; another's, the older names, is fenced here). A partition the broker answers
+        with an error is no answer: refused, never taken for "not committed" (which would
+        produce the batch again)."""
+        group = mark.group(batch)
+        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
+        consumer = self._consumer
+        try:
+            if mark != self._mark:
+                _fence(self.cfg, mark.transactional_id(batch), self.timeout_s)
+                consumer = Consumer({**self.cfg.admin_settings(), "group.id": group,
+                                     "enable.auto.commit": False,
+                                     "isolation.level": "read_committed"})
+            assert consumer is not None
+            try:
+                found = consumer.committed(tps, timeout=self.timeout_s)
+            finally:
+                if consumer is not self._consumer:
+                    consumer.close()
+            return committed_offsets(batch, group, found)
+        except KafkaException as e:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
+                                 f"of group {group}: {e}") from e
+
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
         topic = output_topic(self.sink, batch, self.cfg.source_file)
         if self._producer is None:
+            self._mark = CommitMark(self.cfg.name, ledger_identity(cur).installation_id, topic)
             self._open(batch)
         try:
             return self._write(cur, batch, staged, topic)
@@ -147,7 +197,7 @@ class KafkaTopicSink:
     def _open(self, batch: Batch) -> None:
         """Producer and group consumer; `init_transactions` fences every older attempt."""
         base = self.cfg.admin_settings()
-        self._txn_id = transactional_id(self.cfg.name, batch)
+        self._txn_id = self._mark.transactional_id(batch)
         if not self._txn_timeout_ms:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
                                     if "transaction.timeout.ms" in self.sink.producer
@@ -159,7 +209,7 @@ class KafkaTopicSink:
             "on_delivery": self._on_delivery, **self.sink.producer,
             "transaction.timeout.ms": self._txn_timeout_ms}
         self._producer = Producer(conf)
-        self._consumer = Consumer({**base, "group.id": sink_group(self.cfg.name, batch),
+        self._consumer = Consumer({**base, "group.id": self._mark.group(batch),
                                    "enable.auto.commit": False,
                                    "isolation.level": "read_committed"})
         try:
@@ -203,36 +253,60 @@ class KafkaTopicSink:
         self._open_txn = True
         self._txn_began = time.monotonic()
         produced = 0
-        with cur.connection.cursor(name=f"offsetflow_sink_kafka_{batch.batch_id}") as rows:
-            stage = stage_table(batch.batch_id)
-            cur.execute(row_bytes_sql(self.columns, stage))
-            largest = int(cur.fetchone()[0])  # type: ignore[index]
-            rows.itersize = rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS)
-            cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
-            rows.execute(select_sql(self.sink, self.columns, stage))
-            for s_topic, s_part, s_off, key, value, hdrs, ts in rows:
-                kw: dict[str, Any] = {}
-                if by_source:
-                    if s_part >= partitions:
-                        self._abort(batch)
+        stage = stage_table(batch.batch_id)
+        cur.execute(row_bytes_sql(self.columns, stage))
+        largest = int(cur.fetchone()[0])  # type: ignore[index]
+        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
+        # encodes it as UTF-8): up to 4 bytes a character until counted exactly
+        text_value = self.sink.value_format == "json"
+        vmul = 4 if text_value else 1
+        batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
+                                                        str(batch.batch_id).encode())
+        produce = p.produce
+        with contextlib.closing(prefetched(
+                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
+                select_sql(self.sink, self.columns, stage),
+                rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as chunks:
+            for chunk in chunks:
+                for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+                    if by_source and s_part >= partitions:
                         raise KafkaSinkError(
                             f"batch {batch.batch_id}: sink.partitioning: source puts "
                             f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
                             f"has {partitions} partitions; add partitions to {topic} or use "
                             f"partitioning: key")
-                    kw["partition"] = s_part
-                if ts is not None:
-                    kw["timestamp"] = ts
-                headers = record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs)
-                size = (0 if key is None else len(key)) + (0 if value is None else len(value))
-                if (key is None and compacted) or (
-                        size > near and record_size(key, value, headers) > limit) or \
-                        not self._produce(p, topic, key, value, headers, kw):
-                    skipped.append(self._not_produced(batch, topic, limit, NotProduced(
-                        s_topic, s_part, s_off, None if key is None and compacted
-                        else record_size(key, value, headers))))
-                    continue
-                produced += 1
+                    if key is not None:
+                        key = bytes(key)
+                    if value is not None and not text_value:
+                        value = bytes(value)
+                    headers: list[tuple[str, bytes | str | None]] = (
+                        [batch_header, (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
+                               if hdrs is None else
+                               record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
+                    size = (0 if key is None else len(key)) + (
+                        0 if value is None else vmul * len(value))
+                    try:
+                        if (key is None and compacted) or (
+                                size > near and record_size(key, value, headers) > limit):
+                            raise _NotProducible
+                        produce(topic, value, key, s_part if by_source else -1,
+                                timestamp=ts or 0, headers=headers)
+                    except BufferError:  # the local queue is full: let deliveries drain it
+                        if not self._produce(p, topic, key, value, headers,
+                                             s_part if by_source else -1, ts or 0):
+                            skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                                s_topic, s_part, s_off, record_size(key, value, headers))))
+                            continue
+                    except (_NotProducible, KafkaException) as e:
+                        if isinstance(e, KafkaException) and \
+                                e.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                            raise
+                        skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                            s_topic, s_part, s_off, None if key is None and compacted
+                            else record_size(key, value, headers))))
+                        continue
+                    produced += 1
         if produced + len(skipped) != staged:
             self._abort(batch)
             raise StagedRowsLostError(batch.batch_id, None,
@@ -255,17 +329,18 @@ class KafkaTopicSink:
         return moved
 
     @staticmethod
-    def _produce(p: Producer, topic: str, key: Any, value: Any, headers: Any,
-                 kw: dict[str, Any]) -> bool:
-        """False: librdkafka refused the record as too large (a size check it makes that
-        `record_size` did not foresee); any other error is raised."""
+    def _produce(p: Producer, topic: str, key: bytes | None, value: Any,
+                 headers: Any, partition: int, timestamp: int) -> bool:
+        """Produce once the local queue has room. False: librdkafka refused the record as
+        too large (a size check it makes that `record_size` did not foresee); any other
+        error is raised."""
         while True:
+            p.poll(0.005)
             try:
-                p.produce(topic, None if value is None else bytes(value),
-                          None if key is None else bytes(key), headers=headers, **kw)
+                p.produce(topic, value, key, partition, timestamp=timestamp, headers=headers)
                 return True
-            except BufferError:  # the local queue is full: let deliveries drain it
-                p.poll(0.05)
+            except BufferError:
+                continue
             except KafkaException as e:
                 if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     return False
@@ -309,7 +384,7 @@ class KafkaTopicSink:
             if r.until_offset <= r.from_offset:
                 continue
             left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
-            meta = offset_metadata(self.cfg.name, batch.batch_id, left_out)
+            meta = self._mark.metadata(batch.batch_id, left_out)
             if len(meta.encode()) > METADATA_MAX_BYTES:
                 raise KafkaSinkError(
                     f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
@@ -351,7 +426,10 @@ class KafkaTopicSink:
                     continue
                 if err.txn_requires_abort():
                     self._abort(batch)
-                    aborted = "the transaction was aborted, nothing of it is visible"
+                    # librdkafka also reports an EndTxn(commit) that failed after the
+                    # transaction had failed as abortable, yet the commit may have landed
+                    aborted = (UNKNOWN_OUTCOME if what == "commit_transaction" else
+                               "the transaction was aborted, nothing of it is visible")
                     raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
                                          f"({err.str()}); {self._timed_out() or aborted}"
                                          ) from e
@@ -361,8 +439,7 @@ class KafkaTopicSink:
                 why = timed_out or (f"this run was fenced: a newer run of the batch took over "
                        f"transactional.id {self._txn_id} (its producer epoch is higher), so "
                        f"nothing this run produced becomes visible" if fenced else
-                       "the outcome is left to the broker; the next run finds the batch "
-                       "committed in Kafka or writes it again")
+                       UNKNOWN_OUTCOME)
                 raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed ({err.str()}); "
                                      f"{why}") from e
 
@@ -382,6 +459,50 @@ class KafkaTopicSink:
         # no flush: the transaction is committed or aborted by now, and a fenced producer's
         # flush would raise over the error that says what happened
         self._producer = None
+
+
+class _NotProducible(Exception):
+    """A record the output topic can never take (checked before `produce`)."""
+
+
+def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]
+                      ) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """`Consumer.committed()`'s answer as offsets and metadata; a partition returned with
+    an error (its offset then reads as none) is refused."""
+    for tp in found:
+        if tp.error is not None:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offset of "
+                                 f"{tp.topic}[{tp.partition}] in group {group}: "
+                                 f"{tp.error.str()}; nothing is produced until it can be read")
+    return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
+
+
+def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
+    """`init_transactions` of `txn_id` and nothing else: an older producer of that id can
+    neither commit nor add records any more, and its open transaction is completed or
+    aborted, so the group's offsets read next are final."""
+    p = Producer({**cfg.admin_settings(), "transactional.id": txn_id,
+                  "enable.idempotence": True})
+    try:
+        p.init_transactions(timeout_s)
+    except KafkaException as e:
+        raise KafkaSinkError(f"init_transactions of transactional.id {txn_id} failed: {e}"
+                             ) from e
+
+
+def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,
+                   found: dict[tuple[str, int], tuple[int, str | None]]
+                   ) -> set[tuple[int, str, int, int]]:
+    """This ledger's committed ranges (batch id, topic, partition, until_offset) of the
+    batches the group's offsets name: what `refuse_group_ahead` accepts above a from_offset."""
+    ids = [i for i in commit_batch_ids(found) if i != batch.batch_id]
+    if not ids:
+        return set()
+    cur.execute("""SELECT r.batch_id, r.topic, r.partition, r.until_offset
+                     FROM offsetflow.batch_ranges r JOIN offsetflow.batches b USING (batch_id)
+                    WHERE b.status = 'committed' AND b.pipeline = %s
+                      AND r.batch_id = ANY(%s)""", (batch.pipeline, ids))
+    return {(int(b), str(t), int(p), int(u)) for b, t, p, u in cur.fetchall()}
 
 
 def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:

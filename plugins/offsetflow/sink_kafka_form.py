@@ -1,14 +1,15 @@
 """Pure rules of the Kafka topic sink (`offsetflow.sink_kafka` does the I/O).
 
-- Names: the `transactional.id` and the consumer group a batch's transaction commits its
-  source positions to. Live batches share the pipeline's (stable across attempts, so
-  `init_transactions` of a newer attempt fences a zombie of an older one); a replay or
-  backfill batch has its own, so it neither fences the live run nor overwrites the live
-  batch's record of its commit. The groups are `offsetflow-sink-...`, never the lag
-  publisher's `offsetflow-<pipeline>`.
-- The record of a commit: each committed offset carries `offset_metadata` (pipeline and
-  batch id), so `find` tells this batch's commit from any other (an earlier batch that ended
-  at the same offset after a position reset, a replay of the same range).
+- Names (`CommitMark`): the `transactional.id` and the consumer group a batch's transaction
+  commits its source positions to, per pipeline and ledger. Live batches share the
+  pipeline's (stable across attempts, so `init_transactions` of a newer attempt fences a
+  zombie of an older one); a replay or backfill batch has its own, so it neither fences the
+  live run nor overwrites the live batch's record of its commit. The groups are
+  `offsetflow-sink-...`, never the lag publisher's `offsetflow-<pipeline>`.
+- The record of a commit: each committed offset carries `CommitMark.metadata` (pipeline,
+  batch id, ledger, output topic), so `find` tells this batch's commit from any other (an
+  earlier batch that ended at the same offset after a position reset, a replay of the same
+  range, another ledger's batch of the same number).
 - What a staged row becomes: one SELECT (`select_sql`) lets PostgreSQL build key and value
   bytes per chunk, in offset order, so the driver's per-row work is one `produce` call.
 """
@@ -16,7 +17,8 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,8 +30,6 @@ from offsetflow.ledger import Batch
 
 BATCH_HEADER = "offsetflow.batch"
 SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record
-# json_build_object takes at most 100 arguments: 50 name/value pairs
-_JSON_PAIRS_PER_CALL = 50
 _NOT_PRODUCED = "not_produced="
 # sizes as the producer and broker count them (librdkafka's worst-case v2 record overhead;
 # per header two varints; a record batch's header, which the topic's limit includes)
@@ -74,38 +74,84 @@ def record_limit(producer: Mapping[str, Any], topic_max: int | None) -> int:
     return limit
 
 
-def record_size(key: Any, value: Any, headers: Sequence[tuple[str, bytes | None]]) -> int:
-    """An upper bound of a record's size as librdkafka checks it against message.max.bytes."""
-    return (RECORD_OVERHEAD + (0 if key is None else len(key))
-            + (0 if value is None else len(value))
-            + sum(HEADER_OVERHEAD + len(k.encode()) + (0 if v is None else len(v))
-                  for k, v in headers))
+def record_size(key: bytes | None, value: bytes | str | None,
+                headers: Sequence[tuple[str, bytes | str | None]]) -> int:
+    """An upper bound of a record's size as librdkafka checks it against message.max.bytes
+    (a str as its UTF-8 bytes)."""
+    return (RECORD_OVERHEAD + _len(key) + _len(value)
+            + sum(HEADER_OVERHEAD + len(k.encode()) + _len(v) for k, v in headers))
+
+
+def _len(v: bytes | str | None) -> int:
+    return 0 if v is None else len(v.encode()) if isinstance(v, str) else len(v)
 
 
 def is_live(batch: Batch) -> bool:
     return batch.moves_positions and batch.kind == "scheduled"
 
 
-def transactional_id(pipeline: str, batch: Batch) -> str:
-    base = f"offsetflow-sink-{pipeline}"
-    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+@dataclass(frozen=True)
+class CommitMark:
+    """Whose commit a committed offset records: the pipeline, the ledger
+    (`offsetflow.ledger_identity`) and the output topic. Two ledgers running a pipeline of
+    the same name on one cluster have their own transactional.id and group and never match
+    each other's offsets. `ledger` None: the format before the ledger identity (pipeline and
+    batch only), looked up for batches planned before it (`legacy`)."""
+
+    pipeline: str
+    ledger: str | None
+    topic: str | None
+
+    @staticmethod
+    def legacy(pipeline: str) -> CommitMark:
+        return CommitMark(pipeline, None, None)
+
+    def _base(self, batch: Batch) -> str:
+        base = f"offsetflow-sink-{self.pipeline}"
+        if self.ledger is not None:
+            base = f"{base}.{self.ledger}"
+        return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+
+    def transactional_id(self, batch: Batch) -> str:
+        """Stable across a live batch's attempts (`init_transactions` of a newer attempt
+        fences a zombie of an older one); a replay's own."""
+        return self._base(batch)
+
+    def group(self, batch: Batch) -> str:
+        """The group the batch's transaction commits its until positions to (KIP-98)."""
+        return self._base(batch)
+
+    def metadata(self, batch_id: int, skipped: Sequence[NotProduced] = ()) -> str:
+        """The batch's mark on each committed offset; with the records of that partition
+        the topic could not take (so a run that finds the commit routes the same ones)."""
+        base = f"offsetflow pipeline={self.pipeline} batch={batch_id}"
+        if self.ledger is not None:
+            base = f"{base} ledger={self.ledger} topic={self.topic}"
+        if not skipped:
+            return base
+        return f"{base} {_NOT_PRODUCED}" + ",".join(
+            f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
 
 
-def sink_group(pipeline: str, batch: Batch) -> str:
-    """The group the batch's transaction commits its until positions to (KIP-98)."""
-    base = f"offsetflow-sink-{pipeline}"
-    return base if is_live(batch) else f"{base}-{batch.kind}-{batch.batch_id}"
+# pipeline names have no blanks, Kafka topic names neither (legal: [a-zA-Z0-9._-])
+_METADATA_RE = re.compile(r"offsetflow pipeline=(\S+) batch=(\d+)"
+                          r"(?: ledger=(\S+) topic=(\S+))?(?: " + _NOT_PRODUCED + r"(\S*))?")
 
 
-def offset_metadata(pipeline: str, batch_id: int,
-                    skipped: Sequence[NotProduced] = ()) -> str:
-    """The batch's mark on each committed offset; with the records of that partition the
-    topic could not take (so a run that finds the commit routes the same ones)."""
-    base = f"offsetflow pipeline={pipeline} batch={batch_id}"
-    if not skipped:
-        return base
-    return f"{base} {_NOT_PRODUCED}" + ",".join(
-        f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
+@dataclass(frozen=True)
+class _Meta:
+    pipeline: str
+    batch_id: int
+    ledger: str | None
+    topic: str | None
+    not_produced: str | None
+
+
+def _parse(meta: str | None) -> _Meta | None:
+    m = _METADATA_RE.fullmatch(meta or "")
+    if m is None:
+        return None
+    return _Meta(m[1], int(m[2]), m[3], m[4], m[5])
 
 
 def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
@@ -123,16 +169,35 @@ def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
     return sink.replay_topic
 
 
-def committed_state(batch: Batch, pipeline: str,
+def replay_target(sink: KafkaSinkConfig | None, table: str) -> str:
+    """What a replay or backfill batch records as its target (assets and lineage name it):
+    the side topic it writes to, not the live one (`table`, `kafka:<topic>`)."""
+    if sink is None or sink.replay_topic is None:
+        return table
+    return f"kafka:{sink.replay_topic}"
+
+
+def committed_state(batch: Batch, mark: CommitMark,
                     found: Mapping[tuple[str, int], tuple[int, str | None]]) -> bool:
     """Whether the group's committed offsets are this batch's commit: every non-empty range
-    at its `until_offset` with this batch's metadata (True), none of them (False). Anything
-    in between is not a state one Kafka transaction leaves: refused, naming the group."""
-    meta = offset_metadata(pipeline, batch.batch_id)
+    at its `until_offset` with this batch's metadata of this ledger (True), none of them
+    (False). Anything in between is not a state one Kafka transaction leaves: refused,
+    naming the group. This ledger's commit of the batch to another topic than `mark`'s
+    (sink.topic changed between attempts) is refused too: producing it again would put the
+    batch in two topics, completing the ledger would name the wrong one."""
 
     def hit(got: tuple[int, str | None] | None, until: int) -> bool:
-        return got is not None and got[0] == until and got[1] is not None and (
-            got[1] == meta or got[1].startswith(f"{meta} {_NOT_PRODUCED}"))
+        meta = _parse(got[1]) if got is not None and got[0] == until else None
+        if meta is None or (meta.pipeline, meta.batch_id, meta.ledger) != (
+                mark.pipeline, batch.batch_id, mark.ledger):
+            return False
+        if meta.topic != mark.topic:
+            raise KafkaSinkError(
+                f"batch {batch.batch_id} is committed in Kafka to topic {meta.topic}, but the "
+                f"config now writes it to {mark.topic}; restore sink.topic (or "
+                f"sink.replay_topic) to {meta.topic} to complete the batch in the ledger: "
+                f"producing it again would put its records in both topics")
+        return True
 
     ranges = [r for r in batch.ranges if r.until_offset > r.from_offset]
     hits = [hit(found.get(r.topic_partition), r.until_offset) for r in ranges]
@@ -142,23 +207,67 @@ def committed_state(batch: Batch, pipeline: str,
         return False
     missing = [f"{r.topic}[{r.partition}]" for r, h in zip(ranges, hits, strict=True) if not h]
     raise KafkaSinkError(
-        f"batch {batch.batch_id}: the sink's consumer group holds this batch's committed "
-        f"offsets for some partitions but not for {missing}; one Kafka transaction commits "
-        f"all or none, so the group was changed by hand (or its offsets expired). Check the "
-        f"output topic for the batch's records (header {BATCH_HEADER}={batch.batch_id}) "
-        f"before abandoning or re-running it")
+        f"batch {batch.batch_id}: the sink's consumer group {mark.group(batch)} holds this "
+        f"batch's committed offsets for some partitions but not for {missing}; one Kafka "
+        f"transaction commits all or none, so the group was changed by hand (or its offsets "
+        f"expired). Check the output topic for the batch's records (header "
+        f"{BATCH_HEADER}={batch.batch_id}) before abandoning or re-running it")
 
 
-def not_produced_in(batch: Batch, pipeline: str,
+def commit_batch_ids(found: Mapping[tuple[str, int], tuple[int, str | None]]) -> list[int]:
+    """The batch ids the group's committed offsets name (whose commits the ledger may know)."""
+    return sorted({m.batch_id for _, raw in found.values() if (m := _parse(raw)) is not None})
+
+
+def refuse_group_ahead(batch: Batch, mark: CommitMark,
+                       found: Mapping[tuple[str, int], tuple[int, str | None]],
+                       known: Set[tuple[int, str, int, int]]) -> None:
+    """Refuse a batch not committed in Kafka (`committed_state` False) whose group holds,
+    above one of its from_offsets, a commit of this ledger the ledger has no record of: a
+    batch id that is not one of this ledger's committed ranges there (`known`: batch id,
+    topic, partition, until_offset), this batch's own id included. The output topic then
+    holds records the ledger does not know: the ledger was restored from a backup or copied
+    from another (batch ids and positions rewound under the same identity), and producing
+    the batch would put them there twice (review H1). A known batch above from_offset is a
+    position moved back on purpose (reset-position after a recreated topic, or allowing
+    duplicates); at or below it any id is fine: the previous batch, a skip, a forward reset
+    (a restored ledger moved to the group's offsets numbers its batches again)."""
+    for r in batch.ranges:  # committed_state was False: no range is at until with this id
+        got = found.get(r.topic_partition)
+        meta = _parse(got[1]) if got is not None else None
+        if got is None or meta is None or r.until_offset <= r.from_offset or (
+                meta.pipeline, meta.ledger) != (mark.pipeline, mark.ledger):
+            continue
+        if got[0] <= r.from_offset or (meta.batch_id, r.topic, r.partition, got[0]) in known:
+            continue
+        if meta.batch_id != batch.batch_id and not is_live(batch):
+            continue  # a replay's group is its own: only its own id is a stale commit there
+        raise KafkaSinkError(
+            f"pipeline {mark.pipeline} batch {batch.batch_id}: the sink's consumer group "
+            f"{mark.group(batch)} holds offset {got[0]} for {r.topic}[{r.partition}], "
+            f"committed by batch {meta.batch_id} of this ledger to {meta.topic}, but this "
+            f"batch reads from offset {r.from_offset} and the ledger has no record of that "
+            f"commit: the ledger was restored from a backup (or copied from another ledger) "
+            f"and is behind its output topic, and producing the batch would put records "
+            f"there twice. Abandon it (offsetflow abandon --batch-id {batch.batch_id}) and "
+            f"move each position to the sink group's offset (offsetflow reset-position "
+            f"{mark.pipeline} --topic {r.topic} --partition {r.partition} --offset "
+            f"{got[0]}, and so for every partition); if this ledger is a copy, give it its "
+            f"own identity instead (see README, 'Two ledgers')")
+
+
+def not_produced_in(batch: Batch, mark: CommitMark,
                     found: Mapping[tuple[str, int], tuple[int, str | None]]
                     ) -> list[NotProduced]:
     """The records a committed batch's transaction left out (`committed_state` is True)."""
-    prefix = f"{offset_metadata(pipeline, batch.batch_id)} {_NOT_PRODUCED}"
     out: list[NotProduced] = []
-    for (topic, partition), (_, meta) in sorted(found.items()):
-        if not meta or not meta.startswith(prefix):
+    for (topic, partition), (_, raw) in sorted(found.items()):
+        meta = _parse(raw)
+        if meta is None or not meta.not_produced or (
+                meta.pipeline, meta.batch_id, meta.ledger) != (
+                mark.pipeline, batch.batch_id, mark.ledger):
             continue
-        for item in meta[len(prefix):].split(","):
+        for item in meta.not_produced.split(","):
             off, size = item.split(":")
             out.append(NotProduced(topic, partition, int(off),
                                    None if size == "nullkey" else int(size)))
@@ -217,30 +326,30 @@ def _as_bytes(col: str, pg_type: str) -> sql.Composable:
     return sql.SQL("convert_to(to_json({}) #>> '{{}}', 'UTF8')").format(ident)
 
 
-def _json_value(cols: Sequence[str]) -> sql.Composable:
-    calls = []
-    for i in range(0, len(cols), _JSON_PAIRS_PER_CALL):
-        pairs = sql.SQL(", ").join(
-            sql.SQL("{}, s.{}").format(sql.Literal(c), sql.Identifier(c))
-            for c in cols[i:i + _JSON_PAIRS_PER_CALL])
-        calls.append(sql.SQL("jsonb_build_object({})" if len(cols) > _JSON_PAIRS_PER_CALL
-                             else "json_build_object({})").format(pairs))
-    return sql.SQL("convert_to(({})::text, 'UTF8')").format(sql.SQL(" || ").join(calls))
+def _json_row(cols: Sequence[str]) -> sql.Composable:
+    """The value's columns as one row whose JSON is the value: `row_to_json` of a LATERAL
+    row (about twice as fast as json_build_object, which looks up every argument's type on
+    every row, and with no 100-argument limit); compact JSON, names as the columns'."""
+    return sql.SQL(", LATERAL (SELECT {}) offsetflow_v").format(sql.SQL(", ").join(
+        sql.SQL("s.{c} AS {c}").format(c=sql.Identifier(c)) for c in cols))
 
 
 def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
                stage: sql.Composable) -> sql.Composed:
-    """topic, partition, offset, key bytes, value bytes, headers (jsonb or NULL), timestamp
-    (epoch ms or NULL) of every staged row, in source order. A tombstone (the source `value`
-    is NULL) stays one: a NULL value, whatever the value format."""
+    """topic, partition, offset, key bytes, value (bytes; a JSON value: text), headers (jsonb
+    or NULL), timestamp (epoch ms or NULL) of every staged row, in source order. A tombstone
+    (the source `value` is NULL) stays one: a NULL value, whatever the value format."""
     key_col, _ = key_source(sink, columns)
     # a transform's `key` may be any type: encoded like key_column (never bytes(int))
     key = (_as_bytes(key_col, columns[key_col]) if key_col is not None
            else sql.SQL("NULL::bytea"))
+    row: sql.Composable = sql.SQL("")
     if sink.value_format == "raw":
         value = _as_bytes(sink.value_column, columns[sink.value_column])
     else:
-        value = _json_value(list(sink.value_columns) or payload_columns(list(columns)))
+        # text: psycopg2 reads it as str (no hex bytea on the wire), librdkafka writes UTF-8
+        value = sql.SQL("row_to_json(offsetflow_v.*)::text")
+        row = _json_row(list(sink.value_columns) or payload_columns(list(columns)))
         if "value" in columns:
             value = sql.SQL("CASE WHEN s.value IS NULL THEN NULL ELSE {} END").format(value)
     headers = (sql.SQL("s.headers") if sink.headers == "carry" and "headers" in columns
@@ -248,8 +357,8 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     ts = (sql.SQL("(extract(epoch FROM s.\"timestamp\") * 1000)::bigint")
           if columns.get("timestamp", "").startswith("timestamp") else sql.SQL("NULL::bigint"))
     return sql.SQL("SELECT s.topic, s.partition, s.\"offset\", {key}, {value}, {headers}, {ts} "
-                   "FROM {stage} s ORDER BY s.topic, s.partition, s.\"offset\"").format(
-                       key=key, value=value, headers=headers, ts=ts, stage=stage)
+                   "FROM {stage} s{row} ORDER BY s.topic, s.partition, s.\"offset\"").format(
+                       key=key, value=value, headers=headers, ts=ts, stage=stage, row=row)
 
 
 _SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
@@ -277,10 +386,11 @@ def rows_per_fetch(max_row_bytes: int, budget_bytes: int, max_rows: int) -> int:
 
 
 def record_headers(batch_id: int, topic: str, partition: int, offset: int,
-                   carried: list[dict[str, Any]] | None) -> list[tuple[str, bytes | None]]:
+                   carried: list[dict[str, Any]] | None
+                   ) -> list[tuple[str, bytes | str | None]]:
     """The source record's headers (staged as JSON, binary values base64) and the two
     offsetflow headers that name the batch and the source record."""
-    out: list[tuple[str, bytes | None]] = []
+    out: list[tuple[str, bytes | str | None]] = []
     for h in carried or ():
         v = h.get("value")
         out.append((str(h.get("key")), None if v is None else base64.b64decode(v)))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg2
 from confluent_kafka import Producer
+from psycopg2 import sql
 
 from offsetflow.config import PipelineConfig, parse_pipeline
+from offsetflow.ledger import Ledger
 
 SCHEMA = {"event_id": "string", "seq": "long", "amount": "double", "checksum": "string"}
 
@@ -110,3 +114,26 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[tuple[str, 
     km = KafkaMetadata({"bootstrap.servers": bootstrap})
     offs = km.partition_offsets([(topic, p) for p in range(partitions)])
     return {tp: o.latest for tp, o in offs.items()}
+
+
+@contextlib.contextmanager
+def ledger_database(admin_dsn: str, name: str, *settings: str) -> Iterator[str]:
+    """A database of its own with the ledger migrated (`settings`: ALTER DATABASE ... SET
+    clauses applied first), dropped afterwards: another ledger, or one on an odd server."""
+    conn = psycopg2.connect(admin_dsn, connect_timeout=10)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        for s in settings:
+            cur.execute(sql.SQL("ALTER DATABASE {} SET ").format(sql.Identifier(name))
+                        + sql.SQL(s))
+    dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
+    with Ledger(dsn) as ledger:
+        ledger.upgrade()
+    try:
+        yield dsn
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+        conn.close()

@@ -18,7 +18,7 @@ from offsetflow.job import run_batch, stage_columns
 from offsetflow.ledger import Ledger, connect
 from offsetflow.runner import plan_only, run_cycle
 from offsetflow.tables import ensure_target
-from tests.integration.helpers import pipeline_for, produce_plain, query
+from tests.integration.helpers import ledger_database, pipeline_for, produce_plain, query
 from tests.integration.test_quality import gx_root, produce_with_negative_amounts  # noqa: F401
 from tests.tooling import chaos
 
@@ -126,21 +126,9 @@ def test_lock_timeout_names_only_the_session_that_blocks(
 @pytest.fixture
 def repeatable_read_dsn(admin_dsn: str, unique: str) -> Iterator[str]:
     """A database whose default isolation is REPEATABLE READ, with the ledger."""
-    name = f"offsetflow_rr_{unique}"
-    conn = psycopg2.connect(admin_dsn)
-    conn.autocommit = True
-    with conn.cursor() as cur:
-        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-        cur.execute(sql.SQL("ALTER DATABASE {} SET default_transaction_isolation = "
-                            "'repeatable read'").format(sql.Identifier(name)))
-    dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=name)
-    with Ledger(dsn) as ledger:
-        ledger.upgrade()
-    yield dsn
-    with conn.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
-    conn.close()
+    with ledger_database(admin_dsn, f"offsetflow_rr_{unique}",
+                         "default_transaction_isolation = 'repeatable read'") as dsn:
+        yield dsn
 
 
 def test_commit_on_a_repeatable_read_server(spark: Any, repeatable_read_dsn: str,

@@ -18,6 +18,7 @@ from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.errors import ConfigError, RequestError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
+from offsetflow.ledger_identity import ledger_identity
 from offsetflow.requests import parse_request
 from offsetflow.runner import kafka_for, plan_only
 from tests.tooling.chaos import SCHEMA, Workload, dead_letters, payload
@@ -109,8 +110,11 @@ def test_kafka_sink_commits_each_batch_once_with_its_offsets_and_replays_only_to
     # the batch's positions went into the same transaction, to the sink's own group, with
     # the batch id; the lag publisher's group is another one
     tps = sorted(positions)
-    assert group_offsets(kafka_bootstrap, f"offsetflow-sink-{name}", tps) == {
-        tp: (positions[tp], f"offsetflow pipeline={name} batch={bid}") for tp in tps}
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        lid = ledger_identity(cur).installation_id
+    assert group_offsets(kafka_bootstrap, f"offsetflow-sink-{name}.{lid}", tps) == {
+        tp: (positions[tp], f"offsetflow pipeline={name} batch={bid} ledger={lid} topic={out}")
+        for tp in tps}
 
     # the same batch again: committed in the ledger, nothing produced
     assert run_batch(spark, cfg, bid, pg_dsn).result.status == "already_committed"
@@ -126,6 +130,8 @@ def test_kafka_sink_commits_each_batch_once_with_its_offsets_and_replays_only_to
     with Ledger(pg_dsn) as ledger:
         ids = submit_window(with_side, ledger,
                             plan_window(with_side, ledger, kafka_for(with_side), req), "test")
+        # assets and lineage name the topic the replay writes, not the live one
+        assert ledger.get_batch(ids[0]).target_table == f"kafka:{side}"
     # ... and, run with a config that lost its side topic, before anything is read
     with pytest.raises(ConfigError, match=r"sink\.replay_topic.*duplicate"):
         run_batch(spark, cfg, ids[0], pg_dsn)

@@ -16,21 +16,23 @@ from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
     SOURCE_HEADER,
+    CommitMark,
     NotProduced,
     check_columns,
+    commit_batch_ids,
     committed_state,
     not_produced_in,
-    offset_metadata,
     output_topic,
     record_headers,
     record_limit,
     record_size,
+    refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
     select_sql,
-    sink_group,
-    transactional_id,
 )
+
+MARK = CommitMark("orders", "a1b2", "out")
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
 COLUMNS = {"topic": "text", "partition": "integer", "offset": "bigint",
@@ -115,26 +117,55 @@ def test_redacted_hides_producer_secrets() -> None:
 
 def test_names_live_batches_share_replays_get_their_own() -> None:
     live, replay = batch(7), batch(8, "replay", moves=False)
-    assert transactional_id("orders", live) == transactional_id("orders", batch(9))
-    assert transactional_id("orders", live) == "offsetflow-sink-orders"
-    assert transactional_id("orders", replay) == "offsetflow-sink-orders-replay-8"
-    assert sink_group("orders", live) == "offsetflow-sink-orders"  # not the lag group
-    assert sink_group("orders", replay) != sink_group("orders", live)
+    assert MARK.transactional_id(live) == MARK.transactional_id(batch(9))
+    assert MARK.transactional_id(live) == "offsetflow-sink-orders.a1b2"
+    assert MARK.transactional_id(replay) == "offsetflow-sink-orders.a1b2-replay-8"
+    assert MARK.group(live) == "offsetflow-sink-orders.a1b2"  # not the lag group
+    assert MARK.group(replay) != MARK.group(live)
+    # another ledger's pipeline of the same name: other names (review M2)
+    other = CommitMark("orders", "c3d4", "out")
+    assert other.transactional_id(live) != MARK.transactional_id(live)
+    assert other.group(live) != MARK.group(live)
+    # the names before the ledger identity, looked up for batches planned before it
+    legacy = CommitMark.legacy("orders")
+    assert legacy.transactional_id(live) == legacy.group(live) == "offsetflow-sink-orders"
+    assert legacy.group(replay) == "offsetflow-sink-orders-replay-8"
 
 
 def test_committed_state_needs_this_batch_at_every_until_offset() -> None:
     b = batch(7)
-    meta = offset_metadata("orders", 7)
+    meta = MARK.metadata(7)
+    assert meta == "offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out"
     # the empty range [5, 5) of partition 1 says nothing either way
-    assert committed_state(b, "orders", {("in", 0): (20, meta)})
-    assert not committed_state(b, "orders", {})
-    assert not committed_state(b, "orders", {("in", 0): (10, offset_metadata("orders", 6))})
+    assert committed_state(b, MARK, {("in", 0): (20, meta)})
+    assert not committed_state(b, MARK, {})
+    assert not committed_state(b, MARK, {("in", 0): (10, MARK.metadata(6))})
     # the same offset from another batch (a position reset re-planned the same range)
-    assert not committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 3))})
+    assert not committed_state(b, MARK, {("in", 0): (20, MARK.metadata(3))})
     two = Batch(7, "orders", "scheduled", "running",
                 (OffsetRange("in", 0, 10, 20), OffsetRange("in", 1, 0, 5)), "kafka:out")
     with pytest.raises(KafkaSinkError, match=r"not for \['in\[1\]'\]"):
-        committed_state(two, "orders", {("in", 0): (20, meta), ("in", 1): (3, meta)})
+        committed_state(two, MARK, {("in", 0): (20, meta), ("in", 1): (3, meta)})
+
+
+def test_another_ledgers_or_the_older_format_commit_is_not_this_ledgers() -> None:
+    """Review M2: the same pipeline and batch number in another ledger is not this batch;
+    the format without a ledger matches only the legacy mark (batches planned before the
+    ledger identity)."""
+    b = batch(7)
+    other = CommitMark("orders", "c3d4", "out").metadata(7)
+    legacy = CommitMark.legacy("orders")
+    assert legacy.metadata(7) == "offsetflow pipeline=orders batch=7"
+    assert not committed_state(b, MARK, {("in", 0): (20, other)})
+    assert not committed_state(b, MARK, {("in", 0): (20, legacy.metadata(7))})
+    assert committed_state(b, legacy, {("in", 0): (20, legacy.metadata(7))})
+    assert not committed_state(b, legacy, {("in", 0): (20, MARK.metadata(7))})
+    # this ledger's commit of the batch to another topic: refused, naming both topics
+    moved = CommitMark("orders", "a1b2", "out.v2")
+    with pytest.raises(KafkaSinkError, match=r"to topic out, .* now writes it to out\.v2"):
+        committed_state(b, moved, {("in", 0): (20, MARK.metadata(7))})
+    # what is not an offsetflow mark at all is nobody's commit
+    assert not committed_state(b, MARK, {("in", 0): (20, "some other tool")})
 
 
 def test_replay_goes_to_the_side_topic_or_is_refused() -> None:
@@ -182,16 +213,18 @@ def _text(cfg_sink: dict[str, Any], columns: dict[str, str] | None = None) -> st
 def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
     q = _text({"topic": "o", "key_column": "id"})
     assert 'convert_to(s."id", \'UTF8\')' in q
-    assert "json_build_object('id', s.\"id\", 'amount', s.\"amount\")" in q
+    assert "row_to_json(offsetflow_v.*)::text" in q
+    assert 'LATERAL (SELECT s."id" AS "id", s."amount" AS "amount") offsetflow_v' in q
     assert "CASE WHEN s.value IS NULL THEN NULL" in q  # a tombstone stays one
     assert q.endswith('ORDER BY s.topic, s.partition, s."offset"')
+    assert "LATERAL" not in _text({"topic": "o", "value_format": "raw"})
     raw_q = _text({"topic": "o", "value_format": "raw", "headers": "none"})
     assert 's."key"' in raw_q and 's."value"' in raw_q and "NULL::jsonb" in raw_q
-    # a non-text key column is its JSON scalar text; many columns: jsonb pieces joined
+    # a non-text key column is its JSON scalar text; many columns: one row all the same
     wide = {**COLUMNS, **{f"c{i}": "integer" for i in range(60)}}
     q = _text({"topic": "o", "key_column": "amount"}, wide)
     assert "to_json(s.\"amount\") #>> '{}'" in q
-    assert q.count("jsonb_build_object(") == 2 and "json_build_object(" not in q
+    assert 's."c59" AS "c59"' in q and q.count("row_to_json") == 1
 
 
 def test_lineage_and_assets_name_the_output_topic() -> None:
@@ -234,16 +267,20 @@ def test_left_out_records_round_trip_through_the_offset_metadata() -> None:
     commit reads the same ones back, and the commit still counts as this batch's."""
     b = batch()
     left = [NotProduced("in", 0, 12, 1_020_345), NotProduced("in", 0, 15, None)]
-    meta = offset_metadata("orders", 7, left)
-    assert meta == "offsetflow pipeline=orders batch=7 not_produced=12:1020345,15:nullkey"
+    meta = MARK.metadata(7, left)
+    assert meta == ("offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out "
+                    "not_produced=12:1020345,15:nullkey")
     found = {("in", 0): (20, meta), ("in", 1): (5, None)}
-    assert committed_state(b, "orders", found) is True
-    assert not_produced_in(b, "orders", found) == left
-    plain = {("in", 0): (20, offset_metadata("orders", 7))}
-    assert committed_state(b, "orders", plain) and not_produced_in(b, "orders", plain) == []
+    assert committed_state(b, MARK, found) is True
+    assert not_produced_in(b, MARK, found) == left
+    plain = {("in", 0): (20, MARK.metadata(7))}
+    assert committed_state(b, MARK, plain) and not_produced_in(b, MARK, plain) == []
     # another batch's mark with a list is still another batch's
-    assert committed_state(b, "orders", {("in", 0): (20, offset_metadata("orders", 70, left))}
-                           ) is False
+    assert committed_state(b, MARK, {("in", 0): (20, MARK.metadata(70, left))}) is False
+    # the older format's list reads back too
+    legacy = CommitMark.legacy("orders")
+    old = {("in", 0): (20, legacy.metadata(7, left))}
+    assert committed_state(b, legacy, old) and not_produced_in(b, legacy, old) == left
     assert "1020345 bytes" in left[0].error("out", 1_000_000)
     assert "compact" in left[1].error("out", None)
 
@@ -273,3 +310,38 @@ def test_rows_per_fetch_is_bounded_by_bytes() -> None:
     q = _render(row_bytes_sql(COLUMNS, sql.SQL("stage")))
     assert 'octet_length(s."value")' in q and 'pg_column_size(s."headers")' in q
     assert "partition" not in q  # fixed-width columns: an allowance, no per-row call
+
+
+def test_a_group_ahead_of_the_batch_with_a_commit_the_ledger_does_not_know_is_refused() -> None:
+    """Review H1: a restored (or copied) ledger reuses batch ids and positions under the same
+    identity; the group then holds, above the batch's from_offset, a commit this ledger has
+    no record of. Refused, naming the way out; known commits and offsets at or below
+    from_offset are fine."""
+    b = batch(7)  # in[0] [10, 20)
+    ahead = {("in", 0): (25, MARK.metadata(9))}
+    assert commit_batch_ids({**ahead, ("in", 1): (5, MARK.metadata(4)),
+                             ("in", 2): (1, "foreign")}) == [4, 9]
+    with pytest.raises(KafkaSinkError, match=r"pipeline orders batch 7: .* offset 25 for "
+                                             r"in\[0\], committed by batch 9 .* from offset "
+                                             r"10 .*restored.*reset-position orders --topic in "
+                                             r"--partition 0 --offset 25"):
+        refuse_group_ahead(b, MARK, ahead, set())
+    # this batch's own id at another offset above from_offset: the rewound counter's twin
+    with pytest.raises(KafkaSinkError, match="committed by batch 7"):
+        refuse_group_ahead(b, MARK, {("in", 0): (15, MARK.metadata(7))}, set())
+    # a commit this ledger knows (a position moved back on purpose): fine
+    refuse_group_ahead(b, MARK, ahead, {(9, "in", 0, 25)})
+    # at or below from_offset: the previous batch, a skip, a forward reset; any id
+    for off in (10, 3):
+        refuse_group_ahead(b, MARK, {("in", 0): (off, MARK.metadata(7))}, set())
+        refuse_group_ahead(b, MARK, {("in", 0): (off, MARK.metadata(12))}, set())
+    # another ledger's, a legacy or a foreign mark, an empty range: not this ledger's record
+    refuse_group_ahead(b, MARK, {("in", 0): (25, CommitMark("orders", "c3d4", "out")
+                                             .metadata(9))}, set())
+    refuse_group_ahead(b, MARK, {("in", 0): (25, "x"), ("in", 1): (9, MARK.metadata(9))},
+                       set())
+    # a replay's group is its own: another id there is not refused, its own id is
+    replay = batch(8, "replay", moves=False)
+    refuse_group_ahead(replay, MARK, ahead, set())
+    with pytest.raises(KafkaSinkError, match="committed by batch 8"):
+        refuse_group_ahead(replay, MARK, {("in", 0): (25, MARK.metadata(8))}, set())
