@@ -2,8 +2,8 @@
 the default scheduled path"), without Airflow's scheduling latency.
 
 A shipped pipeline runs `spark.launch: connect`: the plan task (`tasks.plan_task`), then the
-run task (`tasks.connect_run_task`: a Spark Connect session to the warm server, `run_batch`,
-the session stopped), then the publish task (`tasks.publish_task`: the batch's figures,
+run task (`tasks.connect_run_task`: the pipeline's Spark Connect session on the warm server,
+`run_batch`, the client dropped), then the publish task (`tasks.publish_task`: the batch's figures,
 consumer-group offsets, lineage and stats). Each is timed as a stage; the run's wall clock
 is their sum. The Connect engine of `bench.py` runs these next to its warm-session runs.
 """
@@ -20,17 +20,23 @@ from engines import offsetflow_config, read_task_metrics, verify_and_drop
 from report import DAG_SUFFIX
 
 from offsetflow.config import parse_pipeline
+from offsetflow.connect_session import session_id, with_session_id
 from offsetflow.ledger import Ledger
 
 __all__ = ["DAG_SUFFIX", "dag_path_run"]
+
+SESSION_OF = "bench_dag_pipeline"  # the one pipeline whose scheduled runs these stand for
 
 
 def dag_path_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     """One batch of `ds` through the plan, run and publish tasks of a scheduled DAG run."""
     from offsetflow.orchestration.tasks import connect_run_task, plan_task, publish_task
 
-    raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "connect",
-                            ctx["connect_url"], ctx["max_offsets_per_task"])
+    # every run here is a new pipeline (fresh table and ledger), but a scheduled pipeline's
+    # runs share its Spark Connect session (offsetflow.connect_session): so do these
+    url = with_session_id(ctx["connect_url"], session_id(SESSION_OF, ctx["connect_url"]))
+    raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "connect", url,
+                            ctx["max_offsets_per_task"])
     cfg = parse_pipeline(raw, f"<bench {name}>", os.environ)
     _no_session()  # the run task opens its own, as in a fresh Airflow task process
     t0 = time.perf_counter()
@@ -58,12 +64,14 @@ def dag_path_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def _no_session() -> None:
-    """Stop this process's Spark Connect session, if any: `connect_run_task`'s
-    `getOrCreate()` would reuse it, and its `stop()` ends it (so these runs go last)."""
+    """Drop this process's Spark Connect client, if any, as a fresh Airflow task process has
+    none (the server keeps its session; these runs go last all the same)."""
     from pyspark.sql.connect.session import SparkSession
+
+    from offsetflow.job import drop_session
 
     for _ in range(3):  # the active one, then the default one if it is another
         s = SparkSession.getActiveSession() or SparkSession._get_default_session()
         if s is None:
             return
-        s.stop()
+        drop_session(s)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from offsetflow import connect_session
 from offsetflow.commit import (
     CommitResult,
     CommitSpec,
@@ -100,7 +101,7 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
     if cfg.spark.launch == "connect":
-        return _connect_session(cfg, builder)
+        return _connect_session(cfg)
     # under spark-submit (which starts the Python driver with a gateway) the master comes
     # from spark-submit / the Airflow Spark connection, never from the pipeline config
     if "PYSPARK_GATEWAY_PORT" not in os.environ:
@@ -127,7 +128,7 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     return spark
 
 
-def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
+def _connect_session(cfg: PipelineConfig) -> SparkSession:
     """A session on the warm Spark Connect server. Reachability is checked first: the
     client itself retries an absent server for minutes before it says anything."""
     url = cfg.spark.connect_url
@@ -139,9 +140,9 @@ def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
             f"no Spark Connect server at sc://{host}:{port} (spark.connect_url of "
             f"{cfg.source_file}, spark.launch: connect): {e}. Start one (locally: "
             f"include/stack/stack.sh connect-start) or use spark.launch: submit") from e
-    spark = builder.remote(url).getOrCreate()
-    for k, v in {"spark.sql.session.timeZone": "UTC", **_arrow_conf(),
-                 **cfg.spark.conf}.items():
+    spark = _pipeline_session(cfg, url)
+    # set by every run: the session outlives it, and the pipeline's config may have changed
+    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
         try:
             spark.conf.set(k, v)
         except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
@@ -150,6 +151,47 @@ def _connect_session(cfg: PipelineConfig, builder: Any) -> SparkSession:
                               f"cannot be set on a running Spark Connect server ({first}); "
                               f"set it when the server is started") from e
     return spark  # type: ignore[no-any-return]
+
+
+def _pipeline_session(cfg: PipelineConfig, url: str) -> Any:
+    """The pipeline's own session on the server (connect_session): reopened by every run,
+    so its Python workers stay warm and the server starts no new ones per run. Its first
+    call sets the time zone, which also tells whether the server closed that id before.
+    Built without the builder, whose create() makes calls (and registers the session as
+    the process's default) before a closed id can be told and dropped."""
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as the builder does: no local Spark
+    if connect_session.names_session(url):
+        candidates = [url]
+    else:
+        candidates = [connect_session.with_session_id(url, connect_session.session_id(
+            cfg.name, url, g)) for g in range(connect_session.MAX_GENERATIONS)]
+        candidates.append(url)  # every id closed: a session of this run's own
+    for i, candidate in enumerate(candidates):
+        spark = RemoteSession(connection=candidate)
+        try:
+            spark.conf.set("spark.sql.session.timeZone", "UTC")
+        except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
+            drop_session(spark)
+            if i + 1 < len(candidates) and connect_session.is_closed_session(e):
+                continue
+            raise
+        if candidate is candidates[-1] and len(candidates) > 1:
+            log.warning("pipeline %s: the server closed its %d session ids; this run uses a "
+                        "session of its own", cfg.name, connect_session.MAX_GENERATIONS)
+        log.info("pipeline %s: Spark Connect session %s", cfg.name, spark.session_id)
+        RemoteSession._set_default_and_active_session(spark)  # unless the process has one
+        return spark
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def drop_session(spark: Any) -> None:
+    """End this process's use of a Spark session. A Spark Connect session stays on the
+    server for the pipeline's next run (only the client is closed); a local one stops."""
+    if hasattr(spark, "release_session_on_close"):  # pyspark.sql.connect.session
+        spark.release_session_on_close = False
+    spark.stop()
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ def plan_task(pipeline: str | PipelineConfig, started_by: str) -> int | None:
 def connect_run_task(pipeline: str | PipelineConfig, batch_ids: list[int] | int) -> list[str]:
     """`spark.launch: connect`: run the batches from this task on the warm Spark Connect
     server (no spark-submit, no JVM start). Same code and commit as the spark-submit job."""
-    from offsetflow.job import build_spark, run_batch
+    from offsetflow.job import build_spark, drop_session, run_batch
 
     cfg = _config(pipeline)
     ids = [batch_ids] if isinstance(batch_ids, int) else [int(b) for b in batch_ids]
@@ -62,7 +62,7 @@ def connect_run_task(pipeline: str | PipelineConfig, batch_ids: list[int] | int)
             log.info("%s; timings %s", rep.result.message, json.dumps(rep.timings))
             messages.append(rep.result.message)
     finally:
-        spark.stop()  # releases the server-side session, not the server
+        drop_session(spark)  # the server keeps the pipeline's session for its next run
     return messages
 
 
