@@ -1,0 +1,210 @@
+"""`mode: upsert` into an Iceberg table (issue 17) on the real services: the PostgreSQL
+upsert's rule (offset wins within a partition, one order across partitions, tombstones
+delete and are remembered), one snapshot per batch, the sink's find/conflict protocol."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from offsetflow.config import PipelineConfig, load_pipeline
+from offsetflow.job import run_batch
+from offsetflow.ledger import Ledger
+from offsetflow.ranges import OffsetRange
+from offsetflow.runner import plan_only, run_until_caught_up
+from offsetflow.sink_iceberg_upsert import memory_name
+from tests.integration.helpers import SCHEMA, query
+from tests.integration.test_commit_upsert import ev, produce
+from tests.integration.test_sink_iceberg import IcebergCase
+from tests.tooling import chaos
+from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
+
+COLUMNS = ("event_id", "amount", "topic", "partition", "offset")
+
+
+def _raw(topic: str, dsn: str, bootstrap: str, name: str, **sink: Any) -> dict[str, Any]:
+    return {"name": name, "kafka": {"bootstrap_servers": bootstrap},
+            "source": {"topics": [topic], "starting": "earliest",
+                       "max_records_per_partition": 4},
+            "format": {"type": "json", "schema": dict(SCHEMA)},
+            "sink": {"connection": dsn, "table": name, "mode": "upsert",
+                     "key": ["event_id"], **sink},
+            "spark": {"master": "local[2]"}, "dead_letter_table": f"{name}_dead"}
+
+
+def _iceberg_cfg(tmp: Path, topic: str, dsn: str, bootstrap: str, table: str,
+                 **sink: Any) -> PipelineConfig:
+    warehouse = tmp / f"wh_{table}"
+    warehouse.mkdir(exist_ok=True)
+    raw = _raw(topic, dsn, bootstrap, table, type="iceberg", table=f"lake.{table}",
+               catalog={"warehouse": f"file://{warehouse}"}, **sink)
+    path = tmp / f"{table}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_pipeline(path)
+
+
+def _pg_cfg(tmp: Path, topic: str, dsn: str, bootstrap: str, table: str) -> PipelineConfig:
+    path = tmp / f"{table}.yaml"
+    path.write_text(yaml.safe_dump(_raw(topic, dsn, bootstrap, table)))
+    return load_pipeline(path)
+
+
+def ice_rows(cfg: PipelineConfig, dsn: str) -> list[tuple[Any, ...]]:
+    data = iceberg_table(cfg, dsn).scan(selected_fields=COLUMNS).to_arrow()
+    return sorted(tuple(r[c] for c in COLUMNS) for r in data.to_pylist())
+
+
+def pg_rows(dsn: str, table: str) -> list[tuple[Any, ...]]:
+    cols = ", ".join(f'"{c}"' for c in COLUMNS)
+    return sorted(query(dsn, f"SELECT {cols} FROM {table}"))
+
+
+def _key(event_id: str) -> str:
+    return json.dumps({"event_id": event_id})
+
+
+def _changelog(bootstrap: str, topic: str, seed: int, n: int = 60) -> None:
+    """Updates and deletes of a few keys over three partitions: a key in several
+    partitions, timestamps out of order, repeated within and across batches."""
+    rng = random.Random(seed)
+    now = int(time.time() * 1000)
+    for p in range(3):
+        recs: list[tuple[Any, Any, int | None]] = []
+        for i in range(n // 3):
+            k = f"k{rng.randint(0, 7)}"
+            if rng.random() < 0.2:
+                recs.append((_key(k), None, now + rng.randint(-60_000, 60_000)))
+            else:
+                recs.append((_key(k), ev(k, float(p * 1000 + i)),
+                             now + rng.randint(-60_000, 60_000)))
+        produce(bootstrap, topic, recs, partition=p)
+
+
+def test_upsert_into_iceberg_gives_the_rows_of_a_postgresql_upsert(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
+    topic = make_topic("iup", 3)
+    _changelog(kafka_bootstrap, topic, seed=1)
+    pg = _pg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iup_pg_{unique}")
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iup_ice_{unique}")
+    for cfg in (pg, ice):  # several batches of 4 records per partition
+        results = run_until_caught_up(cfg, pg_dsn, spark)
+        assert len([r for r in results if r.report is not None]) >= 4
+    _changelog(kafka_bootstrap, topic, seed=2)  # the same keys again, later
+    for cfg in (pg, ice):
+        run_until_caught_up(cfg, pg_dsn, spark)
+    want = pg_rows(pg_dsn, pg.sink.table)
+    assert 0 < len(want) < 8  # tombstones deleted some keys
+    assert ice_rows(ice, pg_dsn) == want
+    assert len({r[0] for r in want}) == len(want)  # one row per key
+    # every batch one snapshot; its deletions remembered as PostgreSQL's are
+    with Ledger(pg_dsn) as ledger:
+        done = [b.batch_id for b in ledger.recent_batches(ice.name, 1000)
+                if b.status == "committed"]
+    assert snapshot_batches(ice, pg_dsn) == sorted(done)
+    assert ice.sink.iceberg is not None
+    memory = memory_name(ice.sink.iceberg, ice.sink.iceberg.identifier)
+    assert _memory(pg_dsn, memory) == _memory(pg_dsn, f"public.{pg.sink.table}")
+
+
+def _memory(dsn: str, target: str) -> list[tuple[Any, ...]]:
+    return sorted(query(dsn, "SELECT key::text, topic, partition, \"offset\" FROM "
+                             "offsetflow.deleted_keys WHERE target_table = %s", (target,)))
+
+
+def _replay(cfg: PipelineConfig, dsn: str, spark: Any, topic: str, partition: int,
+            lo: int, hi: int) -> int:
+    with Ledger(dsn) as ledger, ledger.transaction() as cur:
+        bid = ledger.insert_batch(cur, pipeline=cfg.name, kind="replay",
+                                  ranges=[OffsetRange(topic, partition, lo, hi)],
+                                  target_table=cfg.sink.table,
+                                  config_fingerprint=cfg.fingerprint(),
+                                  split_offsets=cfg.spark.max_offsets_per_task,
+                                  started_by="test", moves_positions=False)
+    assert run_batch(spark, cfg, bid, dsn).result.status == "committed"
+    return bid
+
+
+def test_replay_of_an_older_window_neither_moves_a_key_back_nor_revives_a_deleted_one(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
+    topic = make_topic("iur", 1)
+    produce(kafka_bootstrap, topic, [
+        (_key("a"), ev("a", 1.0), None), (_key("b"), ev("b", 2.0), None),  # [0, 2)
+        (_key("c"), ev("c", 3.0), None), (_key("d"), ev("d", 4.0), None),
+        (_key("a"), ev("a", 5.0), None), (_key("b"), None, None),  # a updated, b deleted
+        (_key("e"), ev("e", 7.0), None), (_key("c"), ev("c", 8.0), None)])
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iur_{unique}")
+    run_until_caught_up(ice, pg_dsn, spark)
+    before = ice_rows(ice, pg_dsn)
+    assert [(r[0], r[1]) for r in before] == [("a", 5.0), ("c", 8.0), ("d", 4.0),
+                                              ("e", 7.0)]
+    _replay(ice, pg_dsn, spark, topic, 0, 0, 4)  # a@0, b@1, c@2, d@3: all older
+    assert ice_rows(ice, pg_dsn) == before  # a not back to 1.0, b not revived, c kept
+    rid = _replay(ice, pg_dsn, spark, topic, 0, 2, 4)  # d@3 is d's row: replaced by itself
+    assert ice_rows(ice, pg_dsn) == before
+    lineage = iceberg_table(ice, pg_dsn).scan(selected_fields=("event_id",
+                                                               "_offsetflow_batch_id"))
+    assert {r["event_id"]: r["_offsetflow_batch_id"]
+            for r in lineage.to_arrow().to_pylist()}["d"] == rid
+    produce(kafka_bootstrap, topic, [(_key("b"), ev("b", 9.0), None)])  # b again, later
+    run_until_caught_up(ice, pg_dsn, spark)
+    assert ("b", 9.0) in [(r[0], r[1]) for r in ice_rows(ice, pg_dsn)]
+
+
+@pytest.mark.slow
+def test_killed_between_iceberg_and_ledger_commit_retry_finds_it_and_keeps_the_memory(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
+    topic = make_topic("iuk", 1)
+    produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 1.0), None),
+                                     (_key("b"), ev("b", 2.0), None)])
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuk_{unique}",
+                       )
+    run_until_caught_up(ice, pg_dsn, spark)
+    produce(kafka_bootstrap, topic, [(_key("a"), None, None), (_key("c"), ev("c", 3.0), None),
+                                     (_key("b"), ev("b", 4.0), None)])
+    planned = plan_only(ice, pg_dsn).batch
+    assert planned is not None
+    bid = planned.batch_id
+    log = tmp_path / "job.log"
+    proc = chaos.run_batch_process(Path(ice.source_file), bid, log,
+                                   env={"OFFSETFLOW_ICEBERG_FAULT": "after-commit"})
+    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
+    assert "after-commit: killing this driver" in log.read_text()
+    assert snapshot_batches(ice, pg_dsn)[-1] == bid  # Iceberg committed, the ledger did not
+    assert ice.sink.iceberg is not None
+    memory = memory_name(ice.sink.iceberg, ice.sink.iceberg.identifier)
+    assert _memory(pg_dsn, memory) == []  # rolled back with the ledger
+    rows = ice_rows(ice, pg_dsn)
+    rep = run_batch(spark, ice, bid, pg_dsn)
+    assert rep.result.status == "committed"
+    assert snapshot_batches(ice, pg_dsn).count(bid) == 1  # found: nothing committed again
+    assert ice_rows(ice, pg_dsn) == rows
+    assert [(r[0], r[1]) for r in rows] == [("b", 4.0), ("c", 3.0)]
+    assert _memory(pg_dsn, memory) == [('["a"]', topic, 0, 2)]  # as one clean run leaves it
+    _replay(ice, pg_dsn, spark, topic, 0, 0, 2)  # so a replay cannot bring a back
+    assert ice_rows(ice, pg_dsn) == rows
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_upsert_batch_at_once_commit_it_once(
+        tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
+    topic = make_topic("iut", 2)
+    case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
+    case.raw["sink"].update(mode="upsert", key=["event_id"])
+    case.write_config()
+    bid = case.planned_batch(2000, seed=61)
+    procs = [case.job_with(bid) for _ in range(2)]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert 0 in codes, case.job_output()[-4000:]
+    assert case.batch(bid).status == "committed"
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    case.assert_exactly_once()  # keys unique: 0 lost, 0 duplicated
