@@ -208,3 +208,44 @@ def test_two_runs_of_one_upsert_batch_at_once_commit_it_once(
     assert case.batch(bid).status == "committed"
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
     case.assert_exactly_once()  # keys unique: 0 lost, 0 duplicated
+
+
+def test_a_write_landing_between_the_decision_and_the_commit_is_decided_again(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit asserts the snapshot the decision read: another writer's commit in
+    between makes it conflict, and the batch is decided again against the new table (not
+    written with the old decision, which would leave two rows of a key)."""
+    import pyarrow as pa
+    from pyiceberg.expressions import EqualTo
+
+    from offsetflow import sink_iceberg_upsert
+
+    topic = make_topic("iuc", 1)
+    produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 1.0), None),
+                                     (_key("b"), ev("b", 2.0), None)])
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuc_{unique}")
+    run_until_caught_up(ice, pg_dsn, spark)
+    produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 3.0), None)])  # a@2
+    decide = sink_iceberg_upsert._Plan.stage_into
+    calls: list[int] = []
+
+    def racing(plan: Any, table: Any) -> Any:
+        txn = decide(plan, table)
+        if not calls:  # another writer: key a at a later offset of the same partition
+            other = iceberg_table(ice, pg_dsn)
+            row = other.scan(row_filter=EqualTo("event_id", "a")).to_arrow()
+            for col, value in (("offset", 10**9), ("amount", 99.0)):
+                i = row.schema.get_field_index(col)
+                row = row.set_column(i, row.schema.field(i),
+                                     pa.array([value], row.schema.field(i).type))
+            other.overwrite(row, overwrite_filter=EqualTo("event_id", "a"))  # a replaced
+        calls.append(1)
+        return txn
+
+    monkeypatch.setattr(sink_iceberg_upsert._Plan, "stage_into", racing)
+    results = [r for r in run_until_caught_up(ice, pg_dsn, spark) if r.report is not None]
+    assert len(calls) == 2  # conflicted once, decided again
+    assert [(r[0], r[1], r[4]) for r in ice_rows(ice, pg_dsn)] == [("a", 99.0, 10**9),
+                                                                  ("b", 2.0, 1)]
+    assert results[0].report is not None and results[0].report.result.rows_written == 0
