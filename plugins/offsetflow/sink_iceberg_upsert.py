@@ -345,6 +345,11 @@ def _without(rows: pa.Table, positions: np.ndarray) -> pa.Table:
     return rows.filter(pa.array(keep))
 
 
+# key types whose Python values pyiceberg takes as literals of the column's type
+_FILTERABLE = (pa.types.is_string, pa.types.is_large_string, pa.types.is_integer,
+               pa.types.is_binary, pa.types.is_large_binary)
+
+
 def key_filter(key: Sequence[str], keys: pa.Table) -> Any:
     """A pyiceberg row filter that holds for every row whose key is in `keys` (per column:
     in its values and between their least and greatest, so file statistics can rule files
@@ -355,10 +360,14 @@ def key_filter(key: Sequence[str], keys: pa.Table) -> Any:
     terms = []
     for k in key:
         col = keys.column(k)
+        if not any(f(col.type) for f in _FILTERABLE):  # e.g. timestamps: no pruning by it
+            continue
         values = set(col.to_pylist())
         lo, hi = pc.min_max(col).values()
         terms += [ex.In(k, values), ex.GreaterThanOrEqual(k, lo.as_py()),
                   ex.LessThanOrEqual(k, hi.as_py())]
+    if not terms:
+        return ex.AlwaysTrue()
     out = terms[0]
     for t in terms[1:]:
         out = ex.And(out, t)

@@ -62,3 +62,12 @@ def test_window_mask_selects_the_ranges_coordinates_only() -> None:
                      "partition": pa.array([0, 0, 1, 0, 1], pa.int32()),
                      "offset": [10, 20, 4, 15, 5]})
     assert np.array_equal(window_mask(rows, batch), [True, False, True, False, False])
+
+
+def test_key_filter_leaves_out_columns_it_cannot_compare_and_then_holds_for_all() -> None:
+    from pyiceberg.expressions import AlwaysTrue
+
+    stamps = pa.table({"ts": pa.array([dt.datetime(2026, 1, 1)], pa.timestamp("us"))})
+    assert key_filter(["ts"], stamps) == AlwaysTrue()
+    both = pa.table({"ts": stamps.column("ts"), "id": [7]})
+    assert "ts" not in repr(key_filter(["ts", "id"], both))
