@@ -44,7 +44,6 @@ from offsetflow.commit import Moved
 from offsetflow.errors import SchemaMismatchError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sink_iceberg_config import IcebergConfig, snapshot_summary
-from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
 from offsetflow.staging import binary_encoder
 from offsetflow.tables import TOPIC_ID_COLUMN
 from offsetflow.upsert import (
@@ -148,8 +147,7 @@ class _Plan:
         summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
                                    [(r.topic, r.partition, r.from_offset, r.until_offset)
                                     for r in batch.ranges], self.written, self.dead)
-        name_files_for(table, batch_file_prefix(batch))
-        txn = table.transaction()
+        txn = table.transaction()  # its files named by the batch (`commit_snapshot`)
         commit_uuid, counter = uuid.uuid4(), itertools.count(0)
         self.rewritten = 0
         with txn.update_snapshot(snapshot_properties=summary).overwrite(commit_uuid) as snap:

@@ -111,6 +111,9 @@ def test_upsert_into_iceberg_gives_the_rows_of_a_postgresql_upsert(
     assert ice.sink.iceberg is not None
     memory = memory_name(ice.sink.iceberg, ice.sink.iceberg.identifier)
     assert _memory(pg_dsn, memory) == _memory(pg_dsn, f"public.{pg.sink.table}")
+    # rewritten and new files alike carry the batch's prefix (the orphan sweep's)
+    files = list(tmp_path.glob(f"wh_{ice.name}/**/*.parquet"))
+    assert files and all(f.name.startswith("ofb-") for f in files)
 
 
 def _memory(dsn: str, target: str) -> list[tuple[Any, ...]]:
