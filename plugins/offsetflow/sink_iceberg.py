@@ -24,7 +24,7 @@ carry the batch's name prefix, and the sweep after the retried batch deletes exa
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
 in the same catalog commit. What this first version does not do: the Spark tasks stage into
 PostgreSQL as for every sink, and the driver reads the stage to write Parquet (task-side
-data files are not built yet); mode upsert.
+data files are not built yet). Mode upsert: `sink_iceberg_upsert` (from `write`/`find`).
 """
 
 from __future__ import annotations
