@@ -86,6 +86,7 @@ def _changelog(bootstrap: str, topic: str, seed: int, n: int = 60) -> None:
         produce(bootstrap, topic, recs, partition=p)
 
 
+@pytest.mark.slow
 def test_upsert_into_iceberg_gives_the_rows_of_a_postgresql_upsert(
         tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
         unique: str) -> None:
@@ -168,8 +169,7 @@ def test_killed_between_iceberg_and_ledger_commit_retry_finds_it_and_keeps_the_m
     topic = make_topic("iuk", 1)
     produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 1.0), None),
                                      (_key("b"), ev("b", 2.0), None)])
-    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuk_{unique}",
-                       )
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuk_{unique}")
     run_until_caught_up(ice, pg_dsn, spark)
     produce(kafka_bootstrap, topic, [(_key("a"), None, None), (_key("c"), ev("c", 3.0), None),
                                      (_key("b"), ev("b", 4.0), None)])
@@ -213,6 +213,7 @@ def test_two_runs_of_one_upsert_batch_at_once_commit_it_once(
     case.assert_exactly_once()  # keys unique: 0 lost, 0 duplicated
 
 
+@pytest.mark.slow
 def test_a_write_landing_between_the_decision_and_the_commit_is_decided_again(
         tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
         unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
