@@ -188,10 +188,11 @@ class _Plan:
                 mask = key_mask(rows, self.key, keys)
                 self._to_scratch(task.file.file_path, rows, mask)
             # exactly the winners' keys (the filter and the mask allow every combination of
-            # the chunk's key values): each row once, as each key is in one chunk
+            # the chunk's key values); a row of several key columns can pass two chunks'
+            # masks (its values in one chunk's keys, its key in another): kept once
             cur.execute(sql.SQL("INSERT INTO {c} SELECT s.* FROM {s} s WHERE EXISTS (SELECT 1 "
-                                "FROM {w} w WHERE {m})").format(c=CURRENT, s=SCRATCH,
-                                                                w=WINNERS, m=match))
+                                "FROM {w} w WHERE {m}) ON CONFLICT (file, pos) DO NOTHING")
+                        .format(c=CURRENT, s=SCRATCH, w=WINNERS, m=match))
             cur.execute(sql.SQL("TRUNCATE {}").format(SCRATCH))
         if self.batch.kind in ("replay", "backfill"):
             from offsetflow.sink_iceberg import window_filter

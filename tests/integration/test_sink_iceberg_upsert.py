@@ -253,3 +253,32 @@ def test_a_write_landing_between_the_decision_and_the_commit_is_decided_again(
     assert [(r[0], r[1], r[4]) for r in ice_rows(ice, pg_dsn)] == [("a", 99.0, 10**9),
                                                                   ("b", 2.0, 1)]
     assert results[0].report is not None and results[0].report.result.rows_written == 0
+
+
+def _rec(event_id: str, seq: int, amount: float) -> dict[str, Any]:
+    return {"event_id": event_id, "seq": seq, "amount": amount, "checksum": "x"}
+
+
+def test_a_composite_key_row_matching_two_key_chunks_is_read_once(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Key (event_id, seq), chunks of 3 keys: the first chunk's values (t1, t2) x (1, 2)
+    select every row, (t2, 2) included, whose key is the second chunk's; it must enter the
+    table's rows once (a second insert was a unique violation on every attempt)."""
+    from offsetflow import sink_iceberg_upsert
+
+    monkeypatch.setattr(sink_iceberg_upsert, "KEY_CHUNK", 3)
+    topic = make_topic("iu2", 1)
+    keys = [("t1", 1), ("t1", 2), ("t2", 1), ("t2", 2)]
+    produce(kafka_bootstrap, topic, [(None, _rec(t, s, 1.0), None) for t, s in keys])
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iu2_{unique}",
+                       key=["event_id", "seq"])
+    run_until_caught_up(ice, pg_dsn, spark)
+    produce(kafka_bootstrap, topic, [(None, _rec(t, s, 2.0), None) for t, s in keys])
+    run_until_caught_up(ice, pg_dsn, spark)
+    with Ledger(pg_dsn) as ledger:
+        assert [b.status for b in ledger.recent_batches(ice.name, 10)] == ["committed"] * 2
+    data = iceberg_table(ice, pg_dsn).scan(selected_fields=("event_id", "seq", "amount"))
+    assert sorted((r["event_id"], r["seq"], r["amount"])
+                  for r in data.to_arrow().to_pylist()) == [(t, s, 2.0) for t, s in keys]
+
