@@ -375,11 +375,14 @@ def key_filter(key: Sequence[str], keys: pa.Table) -> Any:
 
 def key_mask(rows: pa.Table, key: Sequence[str], keys: pa.Table) -> np.ndarray:
     """Rows whose every key column is among `keys`' values (a superset for several columns;
-    the exact match is made in SQL)."""
+    the exact match is made in SQL). Float zeros compare as PostgreSQL does (-0.0 = 0.0);
+    NaN matches NaN, as in PostgreSQL."""
     mask = np.ones(rows.num_rows, dtype=bool)
     for k in key:
         col = rows.column(k)
         values = keys.column(k).cast(col.type)
+        if pa.types.is_floating(col.type):  # PostgreSQL's -0.0 = 0.0: x + 0.0 is +0.0
+            col, values = pc.add(col, 0.0), pc.add(values, 0.0)
         mask &= pc.is_in(col, value_set=values).fill_null(False).to_numpy(
             zero_copy_only=False)
     return mask

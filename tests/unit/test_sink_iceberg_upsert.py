@@ -71,3 +71,14 @@ def test_key_filter_leaves_out_columns_it_cannot_compare_and_then_holds_for_all(
     assert key_filter(["ts"], stamps) == AlwaysTrue()
     both = pa.table({"ts": stamps.column("ts"), "id": [7]})
     assert "ts" not in repr(key_filter(["ts", "id"], both))
+
+
+def test_key_mask_takes_float_zeros_as_one_key_and_nan_as_nan_as_postgresql_does() -> None:
+    rows = pa.table({"x": pa.array([-0.0, 0.0, float("nan"), 1.0])})
+    for zero in (0.0, -0.0):
+        assert key_mask(rows, ["x"], pa.table({"x": [zero]})).tolist() == [True, True,
+                                                                          False, False]
+    assert key_mask(rows, ["x"], pa.table({"x": [float("nan")]})).tolist() == [
+        False, False, True, False]
+    f32 = pa.table({"x": pa.array([-0.0], pa.float32())})
+    assert key_mask(f32, ["x"], pa.table({"x": [0.0]})).tolist() == [True]
