@@ -41,7 +41,7 @@ import pyarrow.compute as pc
 from psycopg2 import sql
 
 from offsetflow.commit import Moved
-from offsetflow.errors import SchemaMismatchError
+from offsetflow.errors import IcebergBatchOpenError, SchemaMismatchError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sink_iceberg_config import IcebergConfig, snapshot_summary
 from offsetflow.staging import binary_encoder
@@ -87,12 +87,21 @@ def prepare(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batch) ->
     Returns the dead letters it routed."""
     spec = sink.spec
     assert spec.dead_letter_table is not None  # config: upsert always has one
+    lock_table(cur, memory_name(sink.iceberg, sink.identifier(batch)))
     dead = stage_winners(cur, batch, stage_table(batch.batch_id), spec.columns, spec.key,
                          spec.tombstones, spec.dead_letter_table)
     if _deletes(spec.columns, spec.tombstones):
         remember_deletions(cur, batch, memory_name(sink.iceberg, sink.identifier(batch)),
                            spec.key, "timestamp" in spec.columns)
     return dead
+
+
+def lock_table(cur: psycopg2.extensions.cursor, memory: str) -> None:
+    """Serialise the upserts into one table until the ledger transaction ends: an upsert
+    decides with the table and the deletions memory as committed, and a batch's deletions
+    are remembered only when its ledger transaction commits, after its Iceberg commit (in
+    PostgreSQL, row locks and READ COMMITTED do this)."""
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (memory,))
 
 
 def write_upsert(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
@@ -141,6 +150,8 @@ class _Plan:
         """Decide against `table` as loaded now and add one overwrite to a new transaction
         of it (the caller, `sink_iceberg.commit_snapshot`, commits it)."""
         batch = self.batch
+        if batch.kind in ("replay", "backfill"):
+            self._refuse_unremembered(table)
         tasks = self._load_current(table)
         drop = self._decide()
         self.written = self._count_inserts()
@@ -162,6 +173,36 @@ class _Plan:
                 for f in self._files(table, chunk, commit_uuid, counter):
                     snap.append_data_file(f)
         return txn
+
+    def _refuse_unremembered(self, table: Table) -> None:
+        """A replay/backfill decides only when no other batch the table holds is open in the
+        ledger: such a batch committed to Iceberg and died before the ledger commit, so its
+        deletions are not remembered, and the window's older rows of a key it deleted would
+        be written back (the lock of `lock_table` covers a batch committing now)."""
+        from pyiceberg.table.snapshots import ancestors_of
+
+        from offsetflow.sink_iceberg_config import summary_batch
+
+        self.cur.execute("SELECT pipeline, batch_id FROM offsetflow.batches WHERE status IN "
+                         "('planned', 'running', 'failed') AND batch_id <> %s",
+                         (self.batch.batch_id,))
+        open_batches = self.cur.fetchall()
+        if not open_batches:
+            return
+        for snap in ancestors_of(table.current_snapshot(), table.metadata):
+            summary = snap.summary.additional_properties if snap.summary else {}
+            for pipeline, bid in open_batches:
+                if summary_batch(summary, pipeline, bid) is not None:
+                    b = self.batch
+                    raise IcebergBatchOpenError(
+                        f"batch {b.batch_id} ({b.kind} of pipeline {b.pipeline}): the "
+                        f"Iceberg table {'.'.join(table.name())} holds batch {bid} of "
+                        f"pipeline {pipeline} (snapshot {snap.snapshot_id}), which the "
+                        f"ledger has not committed (killed between its two commits), so "
+                        f"its deletions are not remembered yet and this {b.kind} could "
+                        f"bring a deleted key back; complete batch {bid} first (`offsetflow "
+                        f"run-batch --pipeline {pipeline} --batch-id {bid}`), then run batch "
+                        f"{b.batch_id} again")
 
     # -- step 2: the table's rows for the batch's keys (and the window) ------------------
     def _load_current(self, table: Table) -> dict[str, FileScanTask]:

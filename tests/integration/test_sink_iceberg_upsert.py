@@ -296,3 +296,40 @@ def test_float_keys_minus_zero_and_zero_are_one_key_as_in_postgresql(
     data = iceberg_table(ice, pg_dsn).scan(selected_fields=("event_id", "amount"))
     assert sorted(r["event_id"] for r in data.to_arrow().to_pylist()) == ["b"]
 
+
+@pytest.mark.slow
+def test_a_replay_never_revives_a_key_deleted_by_a_batch_iceberg_holds_but_the_ledger_not(
+        tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+        unique: str) -> None:
+    """Batch 2 deletes a, its Iceberg commit lands, its driver dies before the ledger
+    commit (the deletion not remembered yet): a replay of a's older window is refused,
+    naming batch 2, until batch 2 is completed; then it leaves a deleted."""
+    from offsetflow.errors import BatchStateError
+
+    topic = make_topic("iuh", 1)
+    produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 1.0), None),
+                                     (_key("b"), ev("b", 2.0), None)])
+    ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuh_{unique}")
+    run_until_caught_up(ice, pg_dsn, spark)
+    produce(kafka_bootstrap, topic, [(_key("a"), None, None), (_key("c"), ev("c", 3.0), None)])
+    planned = plan_only(ice, pg_dsn).batch
+    assert planned is not None
+    bid = planned.batch_id
+    log = tmp_path / "job.log"
+    proc = chaos.run_batch_process(Path(ice.source_file), bid, log,
+                                   env={"OFFSETFLOW_ICEBERG_FAULT": "after-commit"})
+    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
+    assert snapshot_batches(ice, pg_dsn)[-1] == bid  # Iceberg committed, the ledger did not
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        rid = ledger.insert_batch(cur, pipeline=ice.name, kind="replay",
+                                  ranges=[OffsetRange(topic, 0, 0, 2)],
+                                  target_table=ice.sink.table,
+                                  config_fingerprint=ice.fingerprint(),
+                                  split_offsets=ice.spark.max_offsets_per_task,
+                                  started_by="test", moves_positions=False)
+    with pytest.raises(BatchStateError, match=rf"batch {bid}\b.*(run|complete)"):
+        run_batch(spark, ice, rid, pg_dsn)
+    assert [(r[0], r[1]) for r in ice_rows(ice, pg_dsn)] == [("b", 2.0), ("c", 3.0)]
+    assert run_batch(spark, ice, bid, pg_dsn).result.status == "committed"
+    assert run_batch(spark, ice, rid, pg_dsn).result.status == "committed"
+    assert [(r[0], r[1]) for r in ice_rows(ice, pg_dsn)] == [("b", 2.0), ("c", 3.0)]
