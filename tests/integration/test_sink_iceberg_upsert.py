@@ -122,16 +122,35 @@ def _memory(dsn: str, target: str) -> list[tuple[Any, ...]]:
                              "offsetflow.deleted_keys WHERE target_table = %s", (target,)))
 
 
+def _plan_replay(cfg: PipelineConfig, dsn: str, topic: str, partition: int, lo: int,
+                 hi: int) -> int:
+    with Ledger(dsn) as ledger, ledger.transaction() as cur:
+        return ledger.insert_batch(cur, pipeline=cfg.name, kind="replay",
+                                   ranges=[OffsetRange(topic, partition, lo, hi)],
+                                   target_table=cfg.sink.table,
+                                   config_fingerprint=cfg.fingerprint(),
+                                   split_offsets=cfg.spark.max_offsets_per_task,
+                                   started_by="test", moves_positions=False)
+
+
 def _replay(cfg: PipelineConfig, dsn: str, spark: Any, topic: str, partition: int,
             lo: int, hi: int) -> int:
-    with Ledger(dsn) as ledger, ledger.transaction() as cur:
-        bid = ledger.insert_batch(cur, pipeline=cfg.name, kind="replay",
-                                  ranges=[OffsetRange(topic, partition, lo, hi)],
-                                  target_table=cfg.sink.table,
-                                  config_fingerprint=cfg.fingerprint(),
-                                  split_offsets=cfg.spark.max_offsets_per_task,
-                                  started_by="test", moves_positions=False)
+    bid = _plan_replay(cfg, dsn, topic, partition, lo, hi)
     assert run_batch(spark, cfg, bid, dsn).result.status == "committed"
+    return bid
+
+
+def _killed_after_iceberg_commit(cfg: PipelineConfig, dsn: str, tmp: Path) -> int:
+    """The next batch, its driver killed after the Iceberg commit, before the ledger's."""
+    planned = plan_only(cfg, dsn).batch
+    assert planned is not None
+    bid = planned.batch_id
+    log = tmp / "job.log"
+    proc = chaos.run_batch_process(Path(cfg.source_file), bid, log,
+                                   env={"OFFSETFLOW_ICEBERG_FAULT": "after-commit"})
+    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
+    assert "after-commit: killing this driver" in log.read_text()
+    assert snapshot_batches(cfg, dsn)[-1] == bid  # Iceberg committed, the ledger did not
     return bid
 
 
@@ -173,15 +192,7 @@ def test_killed_between_iceberg_and_ledger_commit_retry_finds_it_and_keeps_the_m
     run_until_caught_up(ice, pg_dsn, spark)
     produce(kafka_bootstrap, topic, [(_key("a"), None, None), (_key("c"), ev("c", 3.0), None),
                                      (_key("b"), ev("b", 4.0), None)])
-    planned = plan_only(ice, pg_dsn).batch
-    assert planned is not None
-    bid = planned.batch_id
-    log = tmp_path / "job.log"
-    proc = chaos.run_batch_process(Path(ice.source_file), bid, log,
-                                   env={"OFFSETFLOW_ICEBERG_FAULT": "after-commit"})
-    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
-    assert "after-commit: killing this driver" in log.read_text()
-    assert snapshot_batches(ice, pg_dsn)[-1] == bid  # Iceberg committed, the ledger did not
+    bid = _killed_after_iceberg_commit(ice, pg_dsn, tmp_path)
     assert ice.sink.iceberg is not None
     memory = memory_name(ice.sink.iceberg, ice.sink.iceberg.identifier)
     assert _memory(pg_dsn, memory) == []  # rolled back with the ledger
@@ -312,21 +323,8 @@ def test_a_replay_never_revives_a_key_deleted_by_a_batch_iceberg_holds_but_the_l
     ice = _iceberg_cfg(tmp_path, topic, pg_dsn, kafka_bootstrap, f"iuh_{unique}")
     run_until_caught_up(ice, pg_dsn, spark)
     produce(kafka_bootstrap, topic, [(_key("a"), None, None), (_key("c"), ev("c", 3.0), None)])
-    planned = plan_only(ice, pg_dsn).batch
-    assert planned is not None
-    bid = planned.batch_id
-    log = tmp_path / "job.log"
-    proc = chaos.run_batch_process(Path(ice.source_file), bid, log,
-                                   env={"OFFSETFLOW_ICEBERG_FAULT": "after-commit"})
-    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
-    assert snapshot_batches(ice, pg_dsn)[-1] == bid  # Iceberg committed, the ledger did not
-    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
-        rid = ledger.insert_batch(cur, pipeline=ice.name, kind="replay",
-                                  ranges=[OffsetRange(topic, 0, 0, 2)],
-                                  target_table=ice.sink.table,
-                                  config_fingerprint=ice.fingerprint(),
-                                  split_offsets=ice.spark.max_offsets_per_task,
-                                  started_by="test", moves_positions=False)
+    bid = _killed_after_iceberg_commit(ice, pg_dsn, tmp_path)
+    rid = _plan_replay(ice, pg_dsn, topic, 0, 0, 2)
     with pytest.raises(BatchStateError, match=rf"batch {bid}\b.*(run|complete)"):
         run_batch(spark, ice, rid, pg_dsn)
     assert [(r[0], r[1]) for r in ice_rows(ice, pg_dsn)] == [("b", 2.0), ("c", 3.0)]
