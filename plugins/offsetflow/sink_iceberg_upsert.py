@@ -249,11 +249,13 @@ class _Plan:
         return tasks
 
     def _key_chunks(self) -> Iterator[pa.Table]:
-        """The winners' keys, KEY_CHUNK at a time (a server-side cursor)."""
+        """The winners' keys, KEY_CHUNK at a time (a server-side cursor), in key order: a
+        chunk's least and greatest values (`key_filter`) then rule out files whose key
+        range lies elsewhere, where a long `In` list cannot."""
         names = sql.SQL(", ").join(sql.Identifier(k) for k in self.key)
         with self.cur.connection.cursor(name="offsetflow_iceberg_keys") as kc:
             kc.itersize = KEY_CHUNK
-            kc.execute(sql.SQL("SELECT {} FROM {}").format(names, WINNERS))
+            kc.execute(sql.SQL("SELECT {n} FROM {w} ORDER BY {n}").format(n=names, w=WINNERS))
             while rows := kc.fetchmany(KEY_CHUNK):
                 yield pa.table({k: [bytes(r[i]) if isinstance(r[i], memoryview) else r[i]
                                     for r in rows] for i, k in enumerate(self.key)})

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from psycopg2 import sql
 
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.job import run_batch
@@ -331,3 +332,29 @@ def test_a_replay_never_revives_a_key_deleted_by_a_batch_iceberg_holds_but_the_l
     assert run_batch(spark, ice, bid, pg_dsn).result.status == "committed"
     assert run_batch(spark, ice, rid, pg_dsn).result.status == "committed"
     assert [(r[0], r[1]) for r in ice_rows(ice, pg_dsn)] == [("b", 2.0), ("c", 3.0)]
+
+
+def test_key_chunks_come_in_key_order_whatever_the_winners_order(
+        pg_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's min/max prunes files only if the chunks are key ranges: the winners read
+    in key order, not in their table's order (here the reverse)."""
+    from types import SimpleNamespace
+
+    import psycopg2
+
+    from offsetflow import sink_iceberg_upsert
+    from offsetflow.upsert import WINNERS
+
+    monkeypatch.setattr(sink_iceberg_upsert, "KEY_CHUNK", 3)
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT "
+                                "lpad(g::text, 2, '0') AS k FROM generate_series(9, 1, -1) g")
+                        .format(WINNERS))
+            plan = SimpleNamespace(cur=cur, key=["k"])
+            chunks = [c.column("k").to_pylist()
+                      for c in sink_iceberg_upsert._Plan._key_chunks(plan)]  # type: ignore[arg-type]
+    finally:
+        conn.close()
+    assert chunks == [["01", "02", "03"], ["04", "05", "06"], ["07", "08", "09"]]
