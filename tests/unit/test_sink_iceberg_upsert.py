@@ -10,13 +10,8 @@ import pyarrow as pa
 from offsetflow.ledger import Batch
 from offsetflow.ranges import OffsetRange
 from offsetflow.sink_iceberg_config import IcebergConfig
-from offsetflow.sink_iceberg_upsert import (
-    key_filter,
-    key_mask,
-    memory_name,
-    row_columns,
-    window_mask,
-)
+from offsetflow.sink_iceberg_keys import key_filter, key_mask, window_mask
+from offsetflow.sink_iceberg_upsert import memory_name, row_columns
 
 
 def test_row_columns_are_the_key_the_coordinates_the_timestamp_and_the_topic_id() -> None:
