@@ -203,6 +203,13 @@ class StaleStageError(BatchStateError):
             f"writes nothing. Re-run the batch if it is not running elsewhere")
 
 
+class IcebergBatchOpenError(BatchStateError):
+    """An Iceberg upsert replay/backfill found another batch that the table holds (its
+    snapshot committed) but the ledger does not (its driver died between the two commits):
+    that batch's deletions are not remembered yet, so deciding now could bring a deleted key
+    back. Run that batch (it finds its snapshot and completes), then this one again."""
+
+
 class CommitLockTimeoutError(OffsetFlowError):
     """The commit waited too long for a lock another session holds (often a driver that died
     without closing its connection). Names the batch and the holder."""

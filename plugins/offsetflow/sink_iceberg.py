@@ -24,7 +24,7 @@ carry the batch's name prefix, and the sweep after the retried batch deletes exa
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
 in the same catalog commit. What this first version does not do: the Spark tasks stage into
 PostgreSQL as for every sink, and the driver reads the stage to write Parquet (task-side
-data files are not built yet); mode upsert.
+data files are not built yet). Mode upsert: `sink_iceberg_upsert` (from `write`/`find`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,11 +60,11 @@ from offsetflow.sink_iceberg_config import (
 from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
 from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
 from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_drift
-from offsetflow.tables import LINEAGE_COLUMN
+from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
-    from pyiceberg.table import Table
+    from pyiceberg.table import Table, Transaction
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,18 @@ class IcebergSink:
         if found is None:
             return None
         moved = self._dead_letters(cur, batch)  # they commit with the ledger, so again
+        if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
+            from offsetflow.sink_iceberg_upsert import prepare
+
+            moved.dead += prepare(self, cur, batch)
         moved.rows = found[0]
         return moved
 
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        if self.spec.mode == "upsert":  # merge on the key: its own module
+            from offsetflow.sink_iceberg_upsert import write_upsert
+
+            return write_upsert(self, cur, batch)
         moved = self._dead_letters(cur, batch)
         t = time.monotonic()
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
@@ -218,7 +226,10 @@ class IcebergSink:
                 warn_layout_drift(loaded, self.iceberg)
             return loaded
         cat.create_namespace_if_not_exists(ident.rpartition(".")[0])
-        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(self.columns))
+        columns = self.columns
+        if self.spec is not None and self.spec.mode == "upsert":  # the rule reads it
+            columns = [*columns, (TOPIC_ID_COLUMN, "text")]
+        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(columns))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
             table = cat.create_table(ident, schema=schema, partition_spec=spec,
                                      sort_order=order, properties={
@@ -263,11 +274,13 @@ def _fault(point: str) -> None:
             time.sleep(0.2)
 
 
-def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[str, str]
-                    ) -> int | None:
+def commit_snapshot(table: Table, batch: Batch, data: pa.Table | None,
+                    summary: dict[str, str],
+                    build: Callable[[Table], Transaction] | None = None) -> int | None:
     """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
-    append `data`. Returns None when this call committed, else the rows of the snapshot an
-    earlier or concurrent attempt committed for the batch."""
+    append `data`; or, with `build`, the transaction it makes of the table as loaded now
+    (upsert: decided again after a conflict). Returns None when this call committed, else
+    the rows of the snapshot an earlier or concurrent attempt committed for the batch."""
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
@@ -278,23 +291,11 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
             return found[0]
         _no_rebase(table)
         name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
-        txn = table.transaction()
-        if batch.kind in ("replay", "backfill"):
-            with warnings.catch_warnings():  # a window with nothing before is no news
-                warnings.filterwarnings("ignore", "Delete operation did not match")
-                txn.delete(window_filter(batch), snapshot_properties=summary)
-        if data.num_rows:
-            try:
-                txn.append(data, snapshot_properties=summary)
-            except ValueError as e:  # pyiceberg's word for rows that do not fit the table
-                raise SchemaMismatchError(
-                    f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
-                    f"{'.'.join(table.name())} ({e}); the table's schema is fixed when "
-                    f"OffsetFlow creates it: evolve it (e.g. Spark ALTER TABLE) or write "
-                    f"to a new sink.table") from e
-        else:  # an empty snapshot still records the batch, so the retry finds it
-            with txn.update_snapshot(snapshot_properties=summary).fast_append():
-                pass
+        if build is not None:
+            txn = build(table)
+        else:
+            assert data is not None
+            txn = _append_transaction(table, batch, data, summary)
         _fault("after-files")
         try:
             txn.commit_transaction()
@@ -309,6 +310,31 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
     raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
                              f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
                              f"with other writers; nothing was committed, re-run the batch")
+
+
+def _append_transaction(table: Table, batch: Batch, data: pa.Table, summary: dict[str, str]
+                        ) -> Transaction:
+    txn = table.transaction()
+    if batch.kind in ("replay", "backfill"):
+        with warnings.catch_warnings():  # a window with nothing before is no news
+            warnings.filterwarnings("ignore", "Delete operation did not match")
+            txn.delete(window_filter(batch), snapshot_properties=summary)
+    if data.num_rows:
+        try:
+            txn.append(data, snapshot_properties=summary)
+        except ValueError as e:  # pyiceberg's word for rows that do not fit the table
+            raise schema_mismatch(batch, table, e) from e
+    else:  # an empty snapshot still records the batch, so the retry finds it
+        with txn.update_snapshot(snapshot_properties=summary).fast_append():
+            pass
+    return txn
+
+
+def schema_mismatch(batch: Batch, table: Table, e: Exception) -> SchemaMismatchError:
+    return SchemaMismatchError(
+        f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
+        f"{'.'.join(table.name())} ({e}); the table's schema is fixed when OffsetFlow "
+        f"creates it: evolve it (e.g. Spark ALTER TABLE) or write to a new sink.table")
 
 
 def _no_rebase(table: Table) -> None:
@@ -337,17 +363,19 @@ def window_filter(batch: Batch) -> Any:
 
 
 def read_stage(cur: psycopg2.extensions.cursor, batch_id: int,
-               columns: Sequence[tuple[str, str]], skip_tombstones: bool) -> pa.Table:
-    """The batch's staged rows as Arrow (dead letters routed out already), with the lineage
-    column, in the table's schema. One COPY to CSV with every column in a form Arrow's
-    C++ CSV reader parses itself (bytea as hex, timestamps as epoch microseconds, dates as
-    day numbers), so no Python runs per row."""
+               columns: Sequence[tuple[str, str]], skip_tombstones: bool,
+               source: sql.Composable | None = None) -> pa.Table:
+    """The batch's staged rows (or those of `source`, a relation with `columns`) as Arrow
+    (dead letters routed out already), with the lineage column, in the table's schema. One
+    COPY to CSV with every column in a form Arrow's C++ CSV reader parses itself (bytea as
+    hex, timestamps as epoch microseconds, dates as day numbers), so no Python runs per row."""
     schema = arrow_schema(columns)
     where = sql.SQL(" WHERE value IS NOT NULL") if skip_tombstones else sql.SQL("")
     exprs = [_csv_expr(n, t) for n, t in columns]
     buf = io.BytesIO()
     cur.copy_expert(sql.SQL("COPY (SELECT {} FROM {}{}) TO STDOUT WITH (FORMAT csv)").format(
-        sql.SQL(", ").join(exprs), stage_table(batch_id), where).as_string(cur), buf)
+        sql.SQL(", ").join(exprs), source or stage_table(batch_id), where).as_string(cur),
+        buf)
     names = [f"c{i}" for i in range(len(columns))]
     raw = pa_csv.read_csv(
         io.BytesIO(buf.getvalue()),

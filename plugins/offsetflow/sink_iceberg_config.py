@@ -161,12 +161,12 @@ def parse_sort_field(text: Any, source: str, fld: str) -> SortField:
 def parse_iceberg(raw: Mapping[str, Any], source: str, table: str, mode: str,
                   columns: Sequence[str] | None) -> IcebergConfig:
     """The `sink` section's Iceberg fields (`catalog`, `partition_by`, `sort_by`,
-    `target_file_mb`); `table` is `namespace.table` or `table`. `columns`: the columns the
+    `target_file_mb`); `table` is `namespace.table` or `table`; `mode` append or upsert
+    (`sink.key` is checked with the other sinks'). `columns`: the columns the
     table will have (None: a transform decides them, checked when the table is made)."""
-    if mode != "append":
-        raise ConfigError(source, "sink.mode", "sink.type iceberg supports mode: append only "
-                                               "(upsert into Iceberg is not built yet); use a "
-                                               "postgres sink for upsert")
+    if mode not in ("append", "upsert"):
+        raise ConfigError(source, "sink.mode", f"{mode!r}: sink.type iceberg takes mode "
+                                               f"append or upsert")
     cat = raw.get("catalog") or {}
     if not isinstance(cat, Mapping):
         raise ConfigError(source, "sink.catalog", "must be a mapping (type, name, uri, "

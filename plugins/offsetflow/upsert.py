@@ -73,16 +73,54 @@ def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Compo
     """Returns (rows inserted or updated, rows deleted by tombstones, dead letters)."""
     keys = [sql.Identifier(k) for k in key]
     key_list = sql.SQL(", ").join(keys)
-    null_key = sql.SQL(" OR ").join(sql.SQL("s.{} IS NULL").format(k) for k in keys)
     has_value = "value" in columns
     has_ts = "timestamp" in columns
+    dead = stage_winners(cur, batch, stage, columns, key, tombstones, dead_letter_table)
+    cols = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
+    target = qualified(batch.target_table)
+    deleted = 0
+    live: sql.Composable = sql.SQL("true")
+    if has_value and tombstones == "delete":
+        match = sql.SQL(" AND ").join(sql.SQL("t.{k} = w.{k}").format(k=k) for k in keys)
+        cur.execute(sql.SQL("DELETE FROM {t} t USING {w} w WHERE w.value IS NULL AND {m} "
+                            "AND {rule}").format(t=target, w=WINNERS, m=match,
+                                                 rule=newer_or_same("w", "t", has_ts)))
+        deleted = int(cur.rowcount)
+        memory = canonical_table(batch.target_table)
+        remember_deletions(cur, batch, memory, key, has_ts)
+        live = not_deleted("w", memory, key, has_ts)
+    updates = sql.SQL(", ").join(
+        sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
+        for c in [*columns, LINEAGE_COLUMN, TOPIC_ID_COLUMN] if c not in key)
+    cur.execute(sql.SQL(
+        "INSERT INTO {t} AS t ({cols}, {lin}, {tid}) SELECT {wcols}, %s, w.{tid} FROM {w} w "
+        "WHERE {live} ON CONFLICT ({k}) DO UPDATE SET {updates} WHERE {rule}").format(
+            t=target, cols=cols, lin=sql.Identifier(LINEAGE_COLUMN),
+            tid=sql.Identifier(TOPIC_ID_COLUMN), w=WINNERS, live=live,
+            wcols=sql.SQL(", ").join(sql.SQL("w.{}").format(sql.Identifier(c))
+                                     for c in columns),
+            k=key_list, updates=updates, rule=newer_or_same("excluded", "t", has_ts)),
+        (batch.batch_id,))
+    return int(cur.rowcount), deleted, dead
+
+
+def stage_winners(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Composable,
+                  columns: Sequence[str], key: Sequence[str], tombstones: str,
+                  dead_letter_table: str) -> int:
+    """The batch's winners by the rule, one per key, into the temp table WINNERS (the
+    stage's columns and the topic id of the range each came from); rows without a key,
+    and tombstones under `dead_letter`, go to the dead-letter table instead. Returns the
+    dead letters written. Any sink applies WINNERS to its target by `newer_or_same`."""
+    keys = [sql.Identifier(k) for k in key]
+    key_list = sql.SQL(", ").join(keys)
+    null_key = sql.SQL(" OR ").join(sql.SQL("s.{} IS NULL").format(k) for k in keys)
     src = sql.SQL("{} s").format(stage)
     dead = dead_letters_from(
         cur, batch, dead_letter_table, src, columns, null_key,
         sql.Literal(f"upsert key column(s) {', '.join(key)} NULL: no key to upsert on"),
         "upsert_key")
     keep = sql.SQL("NOT ({})").format(null_key)
-    if has_value and tombstones == "dead_letter":
+    if "value" in columns and tombstones == "dead_letter":
         tomb = sql.SQL("({}) AND s.value IS NULL").format(keep)
         dead += dead_letters_from(
             cur, batch, dead_letter_table, src, columns, tomb,
@@ -101,37 +139,21 @@ def apply_upsert(cur: psycopg2.extensions.cursor, batch: Batch, stage: sql.Compo
         "ORDER BY {k}, {across}) last LEFT JOIN offsetflow.batch_ranges br "
         "ON br.batch_id = %s AND br.topic = last.topic AND br.partition = last.partition"
         ).format(w=WINNERS, k=key_list, cols=cols, src=src, keep=keep,
-                 across=order_across(has_ts), tid=sql.Identifier(TOPIC_ID_COLUMN)),
+                 across=order_across("timestamp" in columns),
+                 tid=sql.Identifier(TOPIC_ID_COLUMN)),
         (batch.batch_id,))
-    target = qualified(batch.target_table)
-    deleted = 0
-    live: sql.Composable = sql.SQL("true")
-    if has_value and tombstones == "delete":
-        match = sql.SQL(" AND ").join(sql.SQL("t.{k} = w.{k}").format(k=k) for k in keys)
-        cur.execute(sql.SQL("DELETE FROM {t} t USING {w} w WHERE w.value IS NULL AND {m} "
-                            "AND {rule}").format(t=target, w=WINNERS, m=match,
-                                                 rule=newer_or_same("w", "t", has_ts)))
-        deleted = int(cur.rowcount)
-        _remember_deletions(cur, batch, keys, has_ts)
-        live = sql.SQL("w.value IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
-                       "offsetflow.deleted_keys d WHERE d.target_table = {tt} AND d.key = "
-                       "{jk} AND NOT {rule})").format(
-                           tt=sql.Literal(canonical_table(batch.target_table)),
-                           jk=_json_key("w", keys),
-                           rule=newer_or_same("w", "d", has_ts))
-    updates = sql.SQL(", ").join(
-        sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c))
-        for c in [*columns, LINEAGE_COLUMN, TOPIC_ID_COLUMN] if c not in key)
-    cur.execute(sql.SQL(
-        "INSERT INTO {t} AS t ({cols}, {lin}, {tid}) SELECT {wcols}, %s, w.{tid} FROM {w} w "
-        "WHERE {live} ON CONFLICT ({k}) DO UPDATE SET {updates} WHERE {rule}").format(
-            t=target, cols=cols, lin=sql.Identifier(LINEAGE_COLUMN),
-            tid=sql.Identifier(TOPIC_ID_COLUMN), w=WINNERS, live=live,
-            wcols=sql.SQL(", ").join(sql.SQL("w.{}").format(sql.Identifier(c))
-                                     for c in columns),
-            k=key_list, updates=updates, rule=newer_or_same("excluded", "t", has_ts)),
-        (batch.batch_id,))
-    return int(cur.rowcount), deleted, dead
+    return dead
+
+
+def not_deleted(alias: str, memory: str, key: Sequence[str], has_ts: bool) -> sql.Composable:
+    """SQL: winner `alias` is no tombstone and not older than a deletion of its key that
+    `offsetflow.deleted_keys` remembers for the target `memory` (its name there)."""
+    keys = [sql.Identifier(k) for k in key]
+    return sql.SQL("{a}.value IS NOT NULL AND NOT EXISTS (SELECT 1 FROM "
+                   "offsetflow.deleted_keys d WHERE d.target_table = {tt} AND d.key = "
+                   "{jk} AND NOT {rule})").format(
+                       a=sql.Identifier(alias), tt=sql.Literal(memory),
+                       jk=_json_key(alias, keys), rule=newer_or_same(alias, "d", has_ts))
 
 
 def _json_key(alias: str, keys: Sequence[sql.Identifier]) -> sql.Composable:
@@ -139,9 +161,11 @@ def _json_key(alias: str, keys: Sequence[sql.Identifier]) -> sql.Composable:
         sql.SQL("{}.{}").format(sql.Identifier(alias), k) for k in keys))
 
 
-def _remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch,
-                        keys: Sequence[sql.Identifier], has_ts: bool) -> None:
-    """Each tombstone winner's coordinates, kept per key unless a later one is there."""
+def remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch, memory: str,
+                       key: Sequence[str], has_ts: bool) -> None:
+    """Each tombstone winner's coordinates, kept per key unless a later one is there, for
+    the target `memory` names in `offsetflow.deleted_keys`."""
+    keys = [sql.Identifier(k) for k in key]
     ts = sql.SQL("w.\"timestamp\"") if has_ts else sql.SQL("NULL::timestamptz")
     cur.execute(sql.SQL(
         "INSERT INTO offsetflow.deleted_keys AS d (target_table, key, topic, partition, "
@@ -153,4 +177,4 @@ def _remember_deletions(cur: psycopg2.extensions.cursor, batch: Batch,
         "batch_id = EXCLUDED.batch_id WHERE {rule}").format(
             jk=_json_key("w", keys), ts=ts, w=WINNERS, tid=sql.Identifier(TOPIC_ID_COLUMN),
             rule=newer_or_same("excluded", "d", has_ts)),
-        (canonical_table(batch.target_table), batch.batch_id))
+        (memory, batch.batch_id))

@@ -64,7 +64,8 @@ def test_postgres_pipelines_have_no_iceberg_section_and_keep_their_fingerprint()
 
 
 @pytest.mark.parametrize(("sink", "field", "msg"), [
-    ({"mode": "upsert", "key": ["event_id"]}, "sink.mode", "append only"),
+    ({"mode": "upsert"}, "sink.key", "upsert mode needs a key"),
+    ({"mode": "upsert", "key": ["nope"]}, "sink.key[0]", "'nope' is not a column"),
     ({"catalog": {}}, "sink.catalog.warehouse", "needs a warehouse"),
     ({"catalog": {"type": "rest"}}, "sink.catalog.uri", "needs its uri"),
     ({"catalog": {"type": "nessie", "warehouse": "w"}}, "sink.catalog.type", "not one of"),
@@ -84,6 +85,19 @@ def test_bad_iceberg_config_names_the_field(sink: dict[str, Any], field: str, ms
     with pytest.raises(ConfigError, match=msg) as e:
         parse_pipeline(raw(**sink), "f.yaml", {})
     assert e.value.field == field and e.value.source == "f.yaml"
+
+
+def test_upsert_into_iceberg_takes_the_postgresql_upserts_key_and_tombstone_policy(
+        ) -> None:
+    r = raw(mode="upsert", key=["event_id"])
+    r["tombstones"] = "dead_letter"
+    cfg = parse_pipeline(r, "f.yaml", {})
+    assert cfg.sink.mode == "upsert" and cfg.sink.key == ("event_id",)
+    assert cfg.tombstone_policy == "dead_letter" and cfg.sink.iceberg is not None
+    r["tombstones"] = "null_row"  # an append policy
+    with pytest.raises(ConfigError, match="not a tombstone policy of sink.mode upsert") as e:
+        parse_pipeline(r, "f.yaml", {})
+    assert e.value.field == "tombstones"
 
 
 def test_iceberg_fields_are_unknown_to_a_postgres_sink() -> None:
