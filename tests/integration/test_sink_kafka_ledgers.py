@@ -163,8 +163,10 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
     batch (id 2 again, the ranges batch 2 had) finds the sink group ahead of its from_offset
     under another batch of this ledger: refused, nothing produced twice. The way out the
     error names (positions moved to the sink group's offsets) then works."""
+    from offsetflow.commit import sink_holds
     from offsetflow.positions import reset_positions
     from offsetflow.runner import kafka_for
+    from offsetflow.sinks import external_sink
 
     src, out = make_topic("kr-src", 2), make_topic("kr-out", 2)
     w = Workload(kafka_bootstrap, src, 2, f"kr{unique}")
@@ -209,7 +211,9 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
         assert verdict.committed.ok, verdict.committed.explain()
         assert verdict.committed.found == 90
 
-        # the way out: abandon the refused batch, move the positions to the sink's offsets
+        # the way out: abandon the refused batch (as `offsetflow abandon` does: the sink
+        # does not hold it), move the positions to the sink's offsets
+        assert not sink_holds(backup, planned.batch, external_sink(restored_cfg, backup))
         with Ledger(backup) as ledger:
             ledger.abandon(planned.batch.batch_id, "restored ledger behind its sink")
             topic_id = kafka_for(restored_cfg).topic_ids([src]).get(src)
