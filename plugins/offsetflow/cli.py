@@ -41,6 +41,19 @@ def _dsn(args: argparse.Namespace, cfg: PipelineConfig | None = None) -> str:
     return dsn
 
 
+def cmd_db_identity(args: argparse.Namespace) -> int:
+    """`db new-identity` (a copy of a ledger) or `db adopt-identity` (the same ledger
+    restored or moved): see `offsetflow.ledger_identity`."""
+    from offsetflow.ledger_identity import adopt_identity, new_identity
+
+    with Ledger(_dsn(args)) as ledger, ledger.transaction() as cur:
+        if args.db_cmd == "new-identity":
+            print(f"ledger identity is now {new_identity(cur)} (a ledger of its own)")
+        else:
+            print(f"ledger identity {adopt_identity(cur)} kept in this database")
+    return 0
+
+
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     with Ledger(_dsn(args)) as ledger:
         applied = ledger.upgrade()
@@ -349,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     db = sub.add_parser("db", help="ledger schema").add_subparsers(dest="db_cmd", required=True)
     db.add_parser("upgrade", help="apply ledger migrations").set_defaults(fn=cmd_db_upgrade)
+    db.add_parser("new-identity", help="a copied ledger: give it an identity of its own"
+                  ).set_defaults(fn=cmd_db_identity)
+    db.add_parser("adopt-identity", help="a restored or moved ledger: keep its identity here"
+                  ).set_defaults(fn=cmd_db_identity)
 
     sp = with_pipeline(sub.add_parser("plan", help="plan the next batch (or show the open one)"))
     sp.add_argument("--started-by", default="cli")

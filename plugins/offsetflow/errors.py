@@ -250,3 +250,10 @@ class KafkaSinkError(OffsetFlowError):
     """The Kafka topic sink could not commit a batch's transaction (fenced by a newer run,
     a producer error, an unknown outcome); names the batch, topic and transactional.id.
     Nothing of the batch is visible to read_committed consumers unless it says so."""
+
+
+class LedgerIdentityError(BatchStateError):
+    """The ledger's identity (`offsetflow.ledger_identity`) was made in another database:
+    a copy of a ledger (staging from a prod dump) must get its own (`offsetflow db
+    new-identity`), the same ledger restored or moved keeps it (`offsetflow db
+    adopt-identity`). Names both databases."""

@@ -108,6 +108,8 @@ class KafkaTopicSink:
         self._txn_began = 0.0  # time.monotonic() at begin_transaction
         self._txn_timeout_ms = 0
         self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
+        # the group's offsets `find` read when the batch was not there (`write` checks them)
+        self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
 
     # --- ExternalSink ---------------------------------------------------------------
 
@@ -126,8 +128,7 @@ class KafkaTopicSink:
               ident: LedgerIdentity) -> Moved | None:
         mark, state = self._mark, self._committed(batch, self._mark)
         found = committed_state(batch, mark, state)
-        if not found:
-            refuse_group_ahead(batch, mark, state, _known_commits(cur, batch, state))
+        self._unfound = None if found else state
         if not found and ident.predates(batch.batch_id):
             # planned before the ledger identity: an earlier attempt may have committed it
             # under the older names and metadata; fence that transactional.id, then look
@@ -184,6 +185,10 @@ class KafkaTopicSink:
             self._mark = CommitMark(self.cfg.name, ledger_identity(cur).installation_id, topic)
             self._open(batch)
         try:
+            # not in `find`: abandoning a batch the sink does not hold stays possible
+            state = (self._unfound if self._unfound is not None
+                     else self._committed(batch, self._mark))
+            refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
             return self._write(cur, batch, staged, topic)
         except BaseException:
             if self._open_txn:  # not left open: it would hold back read_committed readers

@@ -17,10 +17,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 from psycopg2 import sql
 
-from offsetflow.errors import KafkaSinkError
+from offsetflow.errors import BatchStateError, KafkaSinkError, LedgerIdentityError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Batch, Ledger
-from offsetflow.ledger_identity import ledger_identity
+from offsetflow.ledger_identity import adopt_identity, ledger_identity
 from offsetflow.runner import plan_only
 from tests.integration.helpers import ledger_database
 from tests.integration.test_sink_kafka import kafka_sink_pipeline
@@ -163,8 +163,10 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
     batch (id 2 again, the ranges batch 2 had) finds the sink group ahead of its from_offset
     under another batch of this ledger: refused, nothing produced twice. The way out the
     error names (positions moved to the sink group's offsets) then works."""
+    from offsetflow.commit import sink_holds
     from offsetflow.positions import reset_positions
     from offsetflow.runner import kafka_for
+    from offsetflow.sinks import external_sink
 
     src, out = make_topic("kr-src", 2), make_topic("kr-out", 2)
     w = Workload(kafka_bootstrap, src, 2, f"kr{unique}")
@@ -191,6 +193,9 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
         with Ledger(other_ledger) as ledger:
             live_positions = ledger.positions(name)
         before = len(read_topic(kafka_bootstrap, out, "read_uncommitted"))
+        # restored under another database name: the operator says it is the same ledger
+        with Ledger(backup) as ledger, ledger.transaction() as cur:
+            adopt_identity(cur)
 
         planned = plan_only(restored_cfg, backup)
         assert planned.batch is not None
@@ -206,7 +211,9 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
         assert verdict.committed.ok, verdict.committed.explain()
         assert verdict.committed.found == 90
 
-        # the way out: abandon the refused batch, move the positions to the sink's offsets
+        # the way out: abandon the refused batch (as `offsetflow abandon` does: the sink
+        # does not hold it), move the positions to the sink's offsets
+        assert not sink_holds(backup, planned.batch, external_sink(restored_cfg, backup))
         with Ledger(backup) as ledger:
             ledger.abandon(planned.batch.batch_id, "restored ledger behind its sink")
             topic_id = kafka_for(restored_cfg).topic_ids([src]).get(src)
@@ -220,3 +227,77 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
         verdict = check_topic(kafka_bootstrap, out, w.produced.values(), positions)
         assert verdict.committed.ok, verdict.committed.explain()
         assert verdict.committed.found == 100
+
+
+def test_a_ledger_copied_from_another_is_refused_until_it_has_its_own_identity(
+        spark: Any, admin_dsn: str, other_ledger: str, kafka_bootstrap: str,
+        make_topic: Any, unique: str) -> None:
+    """Review M1: staging made from prod's ledger (CREATE DATABASE ... TEMPLATE, like a
+    restored dump) shares its identity, so its transactional.id and group: its runs would
+    fence prod's and overwrite prod's record of its commits. The copy is refused before it
+    opens a producer, naming the command that gives it an identity of its own; after that
+    it writes its own topic and prod goes on untouched."""
+    from offsetflow.cli import main as cli
+
+    src = make_topic("kc-src", 2)
+    prod_out, staging_out = make_topic("kc-prod", 2), make_topic("kc-staging", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kc{unique}")
+    name = f"kc_{unique}"
+    prod = kafka_sink_pipeline(name, src, other_ledger, kafka_bootstrap, topic=prod_out)
+
+    def commit(cfg: Any, dsn: str) -> None:
+        planned = plan_only(cfg, dsn)
+        assert planned.batch is not None
+        rep = run_batch(spark, cfg, planned.batch.batch_id, dsn)
+        assert rep.result.status == "committed", rep.result
+
+    w.plain(40)
+    commit(prod, other_ledger)
+    with ledger_copy(admin_dsn, other_ledger, f"offsetflow_test_{os.getpid()}_cp_{unique}"
+                     ) as copy:
+        staging = kafka_sink_pipeline(name, src, copy, kafka_bootstrap, topic=staging_out)
+        w.plain(30)
+        planned = plan_only(staging, copy)
+        assert planned.batch is not None
+        with pytest.raises(LedgerIdentityError) as e:
+            run_batch(spark, staging, planned.batch.batch_id, copy)
+        msg = str(e.value)
+        for part in ("new-identity", "adopt-identity", "copy"):
+            assert part in msg, (part, msg)
+        assert read_topic(kafka_bootstrap, staging_out, "read_uncommitted") == []
+
+        assert cli(["--dsn", copy, "db", "new-identity"]) == 0
+        rep = run_batch(spark, staging, planned.batch.batch_id, copy)
+        assert rep.result.status == "committed", rep.result
+        commit(prod, other_ledger)  # prod is untouched: its own group, its own batches
+        with Ledger(other_ledger) as ledger:
+            positions = ledger.positions(name)
+        verdict = check_topic(kafka_bootstrap, prod_out, w.produced.values(), positions)
+        assert verdict.committed.ok, verdict.committed.explain()
+        assert verdict.committed.found == 70 and verdict.in_log == 70
+        # staging's topic: what the copy read after it was made, once (the first 40 records
+        # are prod's, in prod's topic, before the copy)
+        staged = read_topic(kafka_bootstrap, staging_out, "read_uncommitted")
+        assert sorted(r.batch_id for r in staged) == [planned.batch.batch_id] * 30
+        ids = set()
+        for dsn in (other_ledger, copy):
+            with Ledger(dsn) as ledger, ledger.transaction() as cur:
+                ids.add(ledger_identity(cur).installation_id)
+        assert len(ids) == 2
+
+
+def test_a_fresh_ledgers_first_batch_does_not_predate_its_identity(other_ledger: str) -> None:
+    """Review LOW: migration 0008's first_batch_id is the id the sequence hands out next;
+    on a fresh ledger (is_called false) that is 1, not 2, so batch 1 never takes the look-up
+    (and fence) of the names before the identity. A ledger without migration 0008 is told
+    to run the upgrade."""
+    with Ledger(other_ledger) as ledger, ledger.transaction() as cur:
+        ident = ledger_identity(cur)
+        cur.execute("SELECT nextval('offsetflow.batches_batch_id_seq')")
+        first = cur.fetchone()[0]
+        assert ident.first_batch_id == first == 1
+        assert not ident.predates(first)
+    with Ledger(other_ledger) as ledger, ledger.transaction() as cur:
+        cur.execute("DROP TABLE offsetflow.ledger_identity")
+        with pytest.raises(BatchStateError, match="offsetflow db upgrade"):
+            ledger_identity(cur)
