@@ -6,13 +6,17 @@ Order inside the still-open ledger transaction (batch row locked):
   1. `find`: the table's snapshots (ancestors of main) are searched for this batch; found ->
      an earlier attempt committed to Iceberg and died before the ledger COMMIT: the ledger is
      completed, nothing is appended again;
-  2. `write`: the stage is read as Arrow on the driver, data files are written, and one
-     catalog commit adds them. The commit asserts that main is still the snapshot `find`
-     checked (pyiceberg's AssertRefSnapshotId): a concurrent writer (a zombie whose ledger
-     lock is gone) makes it fail with CommitFailedException; then the table is refreshed,
-     `find` runs again, and only then is the append retried. Any other failure of the
-     catalog commit has an unknown outcome: it is raised, the ledger rolls back, and the
-     next attempt's `find` decides;
+  2. `write`: in an append without a transform or quality suite (`sinks.task_data_files`)
+     the Spark tasks wrote the batch's data files and listed them in their markers
+     (`sink_iceberg_tasks`, `sink_iceberg_staged`), and no row is read here; otherwise
+     the tasks staged into PostgreSQL, and the stage is read as Arrow on the driver and
+     written as data files here. Either way ONE catalog commit adds them. The commit
+     asserts that main is still the snapshot `find` checked (pyiceberg's
+     AssertRefSnapshotId): a concurrent writer (a zombie whose ledger lock is gone) makes
+     it fail with CommitFailedException; then the table is refreshed, `find` runs again,
+     and only then is the append retried. Any other failure of the catalog commit has an
+     unknown outcome: it is raised, the ledger rolls back, and the next attempt's `find`
+     decides;
   3. the ledger transaction commits (positions, batch committed).
 Dead letters (bad records, tombstones by policy, quality failures) stay in PostgreSQL and
 are written by this same transaction, on both paths.
@@ -22,9 +26,8 @@ carry the batch's name prefix, and the sweep after the retried batch deletes exa
 (`sink_iceberg_files`).
 
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
-in the same catalog commit. What this first version does not do: the Spark tasks stage into
-PostgreSQL as for every sink, and the driver reads the stage to write Parquet (task-side
-data files are not built yet); mode upsert.
+in the same catalog commit. Not done here: mode upsert; the stage path (transform, quality
+suite) still holds a batch in the driver's memory.
 """
 
 from __future__ import annotations
@@ -60,10 +63,13 @@ from offsetflow.sink_iceberg_config import (
 from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
 from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
 from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_drift
+from offsetflow.sink_iceberg_staged import check_files_exist, data_files, staged_files
+from offsetflow.sink_iceberg_tasks import TaskFiles
 from offsetflow.tables import LINEAGE_COLUMN
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
+    from pyiceberg.manifest import DataFile
     from pyiceberg.table import Table
 
 log = logging.getLogger(__name__)
@@ -148,6 +154,8 @@ class IcebergSink:
         return moved
 
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        if self.spec.task_files:
+            return self._write_task_files(cur, batch, staged)
         moved = self._dead_letters(cur, batch)
         t = time.monotonic()
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
@@ -172,7 +180,48 @@ class IcebergSink:
         moved.rows = data.num_rows if rows is None else rows
         return moved
 
+    def task_files(self, batch: Batch) -> TaskFiles:
+        """What the batch's tasks need to write its data files; the table is created
+        first if need be, and the rows must fit its schema."""
+        from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible
+
+        table = self.table(self.identifier(batch))
+        try:
+            _check_pyarrow_schema_compatible(table.schema(), arrow_schema(self.columns))
+        except ValueError as e:
+            raise _does_not_fit(batch, table, e) from e
+        target = int(table.properties.get("write.target-file-size-bytes",
+                                          self.iceberg.target_file_mb << 20))
+        return TaskFiles.of(table, batch.batch_id, batch_file_prefix(batch), target,
+                            self.spec.routes_tombstones)
+
     # -- helpers -----------------------------------------------------------------------
+    def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                          staged: int) -> Moved:
+        """Commit the data files the batch's markers list (the tasks wrote them)."""
+        moved = self._dead_letters(cur, batch)  # tombstones the tasks staged go here too
+        files = staged_files(cur, batch.batch_id)
+        tombstones = moved.dead - self._task_dead
+        if files.records + tombstones != staged:
+            raise StagedRowsLostError(batch.batch_id, None,
+                                      f"its data files hold {files.records} rows and the "
+                                      f"stage {tombstones} tombstones, but its markers count "
+                                      f"{staged}")
+        table = self.table(self.identifier(batch))
+        check_files_exist(table, files, batch.batch_id)
+        summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
+                                   [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                    for r in batch.ranges], files.records, moved.dead)
+        t = time.monotonic()
+        rows = commit_snapshot(table, batch, data_files(table, files), summary)
+        log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
+                 batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
+        if rows is not None:
+            log.info("batch %d: found in Iceberg after a conflict; nothing appended",
+                     batch.batch_id)
+        moved.rows = files.records if rows is None else rows
+        return moved
+
     def _dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
         """Everything that goes to the PostgreSQL dead-letter table, in this transaction."""
         moved = Moved()
@@ -263,11 +312,13 @@ def _fault(point: str) -> None:
             time.sleep(0.2)
 
 
-def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[str, str]
-                    ) -> int | None:
+def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
+                    summary: dict[str, str]) -> int | None:
     """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
-    append `data`. Returns None when this call committed, else the rows of the snapshot an
-    earlier or concurrent attempt committed for the batch."""
+    append `data`: rows, or data files written already (the tasks'; a retry after a
+    conflict re-commits the same files, it writes none). Returns None when this call
+    committed, else the rows of the snapshot an earlier or concurrent attempt committed
+    for the batch."""
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
@@ -283,15 +334,15 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
             with warnings.catch_warnings():  # a window with nothing before is no news
                 warnings.filterwarnings("ignore", "Delete operation did not match")
                 txn.delete(window_filter(batch), snapshot_properties=summary)
-        if data.num_rows:
+        if not isinstance(data, pa.Table):  # an empty list still records the batch
+            with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+                for f in data:
+                    append.append_data_file(f)
+        elif data.num_rows:
             try:
                 txn.append(data, snapshot_properties=summary)
             except ValueError as e:  # pyiceberg's word for rows that do not fit the table
-                raise SchemaMismatchError(
-                    f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
-                    f"{'.'.join(table.name())} ({e}); the table's schema is fixed when "
-                    f"OffsetFlow creates it: evolve it (e.g. Spark ALTER TABLE) or write "
-                    f"to a new sink.table") from e
+                raise _does_not_fit(batch, table, e) from e
         else:  # an empty snapshot still records the batch, so the retry finds it
             with txn.update_snapshot(snapshot_properties=summary).fast_append():
                 pass
@@ -309,6 +360,13 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table, summary: dict[st
     raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
                              f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
                              f"with other writers; nothing was committed, re-run the batch")
+
+
+def _does_not_fit(batch: Batch, table: Table, e: Exception) -> SchemaMismatchError:
+    return SchemaMismatchError(
+        f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
+        f"{'.'.join(table.name())} ({e}); the table's schema is fixed when OffsetFlow "
+        f"creates it: evolve it (e.g. Spark ALTER TABLE) or write to a new sink.table")
 
 
 def _no_rebase(table: Table) -> None:

@@ -157,3 +157,44 @@ def remove_orphan_files(table: Table, older_than_s: float, prefix: str | None = 
     if removed:
         log.info("removed %d orphan data files of %s", len(removed), ".".join(table.name()))
     return removed
+
+
+def remove_batch_orphans(table: Table, batch: Batch) -> list[str]:
+    """After `batch` committed: delete the data files named with its prefix that its own
+    snapshots did not add (files of task attempts that died or whose marker lost, of
+    driver attempts that died before the catalog commit). Only the manifests its snapshots
+    added are read, so this costs the same however long the table's history is. Raises
+    OrphanSweepRefusedError when main holds no snapshot of the batch, or its files are not
+    found in the listing (a spelling this code does not understand)."""
+    from offsetflow.sink_iceberg_config import summary_batch
+
+    snaps = {s.snapshot_id: s for s in table.snapshots()
+             if summary_batch(s.summary.additional_properties if s.summary else {},
+                              batch.pipeline, batch.batch_id) is not None}
+    name = ".".join(table.name())
+    if not snaps:
+        raise OrphanSweepRefusedError(f"orphan sweep of batch {batch.batch_id} in {name}: no "
+                                      f"snapshot of the batch; nothing deleted")
+    io = table.io
+    added: set[str] = set()
+    for snap in snaps.values():
+        for manifest in snap.manifests(io):
+            if manifest.added_snapshot_id in snaps:
+                for entry in manifest.fetch_manifest_entry(io, discard_deleted=False):
+                    added.add(canonical_path(entry.data_file.file_path))
+    prefix = batch_file_prefix(batch)
+    filesystem, infos = _list_data_files(table)
+    mine = {posixpath.normpath(i.path): i for i in infos
+            if posixpath.basename(i.path).startswith(prefix)}
+    if added and mine and not added & mine.keys():
+        raise OrphanSweepRefusedError(
+            f"orphan sweep of batch {batch.batch_id} in {name}: none of the {len(added)} "
+            f"files its snapshots added (e.g. {next(iter(added))}) is among the {len(mine)} "
+            f"files listed with its prefix; nothing deleted")
+    removed = [info.path for path, info in mine.items() if path not in added]
+    for path in removed:
+        filesystem.delete_file(path)
+    if removed:
+        log.info("batch %d: removed %d data files of attempts that did not commit from %s",
+                 batch.batch_id, len(removed), name)
+    return removed
