@@ -120,7 +120,7 @@ class PartFiles:
         for r in self.open.values():
             self._finish(r)
         self.open.clear()
-        _fault(self.part)
+        _fault(self.part, [f["path"] for f in self.files])
         return self.files
 
     # -- helpers -----------------------------------------------------------------------
@@ -187,19 +187,24 @@ class _Rolling:
     written: int = 0  # bytes handed to the writer (Arrow, uncompressed: pyiceberg's proxy)
 
 
-def _fault(part: int) -> None:
+def _fault(part: int, paths: list[str]) -> None:
+    """Test-only (TASK_FAULT_ENV); <flag> gets this attempt's pid and file paths."""
     want = os.environ.get(TASK_FAULT_ENV, "")
     point, _, flag = want.partition(":")
+    note = "\n".join([str(os.getpid()), *paths])
     if point == "kill-after-files" and flag:
         try:
-            os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return  # an earlier attempt died here: this one lives
+        os.write(fd, note.encode())
+        os.close(fd)
         log.warning("%s: killing this task attempt (test fault)", want)
         os.kill(os.getpid(), signal.SIGKILL)
     if point == "pause-after-files" and flag and part == 0 and not os.path.exists(flag + ".done"):
-        open(flag, "w").close()
-        open(flag + ".done", "w").close()
+        with open(flag + ".done", "w"), open(flag + ".tmp", "w") as f:
+            f.write(note)
+        os.rename(flag + ".tmp", flag)  # the test reads it once it exists
         deadline = time.monotonic() + 600
         while os.path.exists(flag) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -1,0 +1,144 @@
+"""Task-side Iceberg data files (issue 17): the Spark tasks write the table's Parquet data
+files and list them in their markers; the driver commits them in one catalog commit
+without reading a row. Faults hit a task attempt after its files are written and before
+its marker commits; the checker reads the table back with a pyiceberg scan."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from offsetflow import sink_iceberg
+from offsetflow.job import run_batch
+from offsetflow.ledger import connect, stage_table
+from offsetflow.runner import run_until_caught_up
+from offsetflow.sink_iceberg_files import canonical_path, referenced_files
+from offsetflow.sink_iceberg_tasks import TASK_FAULT_ENV
+from tests.integration.test_sink_iceberg import IcebergCase
+from tests.tooling import chaos
+from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
+
+
+@pytest.fixture
+def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
+         unique: str) -> IcebergCase:
+    topic = make_topic("icet", 2)
+    return IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
+
+
+def _unreferenced(case: IcebergCase) -> set[str]:
+    referenced = referenced_files(iceberg_table(case.cfg, case.dsn))
+    return {str(p) for p in case.data_files()} - referenced
+
+
+def test_the_driver_commits_the_tasks_files_without_reading_the_stage(
+        case: IcebergCase, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows are in the tasks' data files when the driver commits: the stage holds no
+    row with a value (tombstones only, routed to dead letters in PostgreSQL), and the
+    driver's stage reader is never called."""
+    bid = case.planned_batch(3000, seed=40)
+    seen: dict[str, int] = {}
+    write = sink_iceberg.IcebergSink.write
+
+    def spy(self: Any, cur: Any, batch: Any, staged: int) -> Any:
+        cur.execute(f"SELECT count(*) FILTER (WHERE value IS NOT NULL), count(*) FROM "
+                    f"{stage_table(batch.batch_id).as_string(cur)}")
+        seen["rows"], seen["all"] = cur.fetchone()
+        seen["staged"] = staged
+        return write(self, cur, batch, staged)
+
+    def no_stage_read(*_: Any, **__: Any) -> Any:
+        raise AssertionError("the driver read the stage")
+
+    monkeypatch.setattr(sink_iceberg.IcebergSink, "write", spy)
+    monkeypatch.setattr(sink_iceberg, "read_stage", no_stage_read)
+    rep = run_batch(spark, case.cfg, bid, case.dsn)
+    assert rep.result.status == "committed"
+    assert seen["rows"] == 0 and seen["staged"] > seen["all"], seen
+    with connect(case.dsn) as conn, conn.cursor() as cur:
+        cur.execute("""SELECT count(*), sum(jsonb_array_length(data_files))
+                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows'
+                          AND data_files IS NOT NULL""", (bid,))
+        parts, files = cur.fetchone()
+    assert parts >= 2 and files >= parts  # every part listed the files it wrote
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    assert _unreferenced(case) == set()
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+
+
+@pytest.mark.slow
+def test_a_task_attempt_killed_after_its_files_leaves_orphans_that_are_swept(
+        case: IcebergCase, tmp_path: Path) -> None:
+    """kill -9 of a Spark Python worker after its task wrote its data files and before its
+    marker committed: Spark retries the task (local[2,2]), the retried attempt's files are
+    committed once, the dead attempt's are referenced by no snapshot and deleted after the
+    commit, in the same run (the batch's first)."""
+    case.raw["spark"]["master"] = "local[2,2]"
+    case.write_config()
+    bid = case.planned_batch(3000, seed=41)
+    flag = tmp_path / "killed"
+    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"kill-after-files:{flag}"})
+    assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
+    assert flag.exists(), "the fault never fired"
+    dead = _written(flag)
+    assert dead, "the killed attempt wrote no files"
+    assert case.batch(bid).status == "committed" and case.batch(bid).attempts == 1
+    assert not dead & referenced_files(iceberg_table(case.cfg, case.dsn))
+    assert not any(Path(p).exists() for p in dead), "the dead attempt's files stay"
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    assert _unreferenced(case) == set()
+    case.assert_exactly_once()
+
+
+def _written(flag: Path) -> set[str]:
+    """The files a faulted attempt wrote (the fault hook notes its pid, then them)."""
+    return {canonical_path(p) for p in flag.read_text().splitlines()[1:]}
+
+
+@pytest.mark.slow
+def test_two_attempts_of_one_part_both_write_files_only_the_winning_markers_commit(
+        case: IcebergCase, spark: Any, tmp_path: Path, pg_dsn: str) -> None:
+    """A zombie: run A's task of part 0 writes its files and stalls before its marker
+    commits; its PostgreSQL session is killed (as a network cut or an idle timeout
+    would), run B writes part 0's files again and commits the batch; then A wakes up. A's
+    files are never committed, and B's commit swept them."""
+    bid = case.planned_batch(3000, seed=42)
+    flag = tmp_path / "paused"
+    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
+    chaos.wait_for(flag.exists, 300, "run A's part 0 to write its files")
+    a_files = _written(flag)
+    assert a_files and all(Path(p).exists() for p in a_files), a_files
+    worker = int(flag.read_text().splitlines()[0])
+    _terminate_sessions_of(worker, pg_dsn)
+    rep = run_batch(spark, case.cfg, bid, case.dsn)  # run B
+    assert rep.result.status == "committed"
+    flag.unlink()  # A wakes up: its marker's session is gone
+    proc.wait(timeout=300)
+    table = iceberg_table(case.cfg, case.dsn)
+    referenced = referenced_files(table)
+    assert not a_files & referenced, "a file of the losing attempt was committed"
+    assert any("p0-" in Path(p).name for p in referenced)  # B's part 0
+    assert not any(Path(p).exists() for p in a_files), "the losing attempt's files stay"
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    assert _unreferenced(case) == set()
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+
+
+def _terminate_sessions_of(pid: int, dsn: str) -> None:
+    """Kill the PostgreSQL sessions of process `pid` (by its sockets' ports)."""
+    ports = {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp")
+             if c.raddr}
+    assert ports, f"process {pid} has no open connection"
+    with connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("""SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                        WHERE client_port = ANY(%s)""", (list(ports),))
+        assert cur.rowcount >= 1, "no session of the paused task found"
+    time.sleep(0.5)
+
+
