@@ -185,6 +185,7 @@ class IcebergSink:
         first if need be, and the rows must fit its schema."""
         from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible
 
+        self._layout_checked = True  # the commit's sink reports a layout drift, once
         table = self.table(self.identifier(batch))
         try:
             _check_pyarrow_schema_compatible(table.schema(), arrow_schema(self.columns))
