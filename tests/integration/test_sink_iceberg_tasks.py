@@ -15,9 +15,14 @@ import pytest
 from offsetflow import sink_iceberg
 from offsetflow.job import run_batch
 from offsetflow.ledger import connect, stage_table
-from offsetflow.runner import run_until_caught_up
+from offsetflow.runner import run_cycle, run_until_caught_up
+from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_files import canonical_path, referenced_files
 from offsetflow.sink_iceberg_tasks import TASK_FAULT_ENV
+from offsetflow.sinks import task_data_files
+from tests.integration.helpers import pipeline_for, query
+from tests.integration.test_quality import gx_root as gx_root  # a fixture
+from tests.integration.test_quality import produce_with_negative_amounts
 from tests.integration.test_sink_iceberg import IcebergCase
 from tests.tooling import chaos
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
@@ -142,3 +147,30 @@ def _terminate_sessions_of(pid: int, dsn: str) -> None:
     time.sleep(0.5)
 
 
+
+
+def test_a_quality_suite_keeps_the_stage_path_and_routes_the_failing_rows(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        gx_root: Path, tmp_path: Path) -> None:
+    """The suite reads the batch's rows from the PostgreSQL stage, so such a pipeline stages
+    there and the driver writes the files (`sinks.task_data_files` chooses)."""
+    topic = make_topic("gxi", 1)
+    bad = produce_with_negative_amounts(kafka_bootstrap, topic)
+    table = f"gxi_{unique}"
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table,
+                       quality={"suite": "amounts", "on_failure": "dead_letter"},
+                       dead_letter_table=f"gxidead_{unique}",
+                       sink={"type": "iceberg", "connection": pg_dsn, "table": f"lake.{table}",
+                             "catalog": {"warehouse": f"file://{tmp_path}/wh"}})
+    assert not task_data_files(cfg)
+    res = run_cycle(cfg, pg_dsn, spark)
+    assert res.report is not None and res.report.result.status == "committed"
+    assert res.report.result.rows_written == 100 - len(bad)
+    dead = query(pg_dsn, f"SELECT \"offset\", stage FROM gxidead_{unique} ORDER BY 1")
+    assert dead == [(o, "quality") for o in bad]
+    assert cfg.sink.iceberg is not None
+    rows = load_catalog(cfg.sink.iceberg, pg_dsn).load_table(
+        cfg.sink.iceberg.identifier).scan(selected_fields=("offset",)).to_arrow()
+    assert sorted(rows["offset"].to_pylist()) == sorted(set(range(100)) - set(bad))
+    files = list((tmp_path / "wh").rglob("*.parquet"))
+    assert files and not any("-p0-" in p.name for p in files)  # the driver wrote them
