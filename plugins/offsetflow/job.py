@@ -658,7 +658,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused,
-                      task_files=fused and task_data_files(cfg))
+                      task_files=task_data_files(cfg))
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None
