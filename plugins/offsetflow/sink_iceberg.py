@@ -37,7 +37,7 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,12 @@ from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_dri
 from offsetflow.sink_iceberg_stage import _unhex as _unhex
 from offsetflow.sink_iceberg_stage import arrow_schema, read_stage
 from offsetflow.sink_iceberg_stage import arrow_type as arrow_type
-from offsetflow.sink_iceberg_staged import check_files_exist, data_files, staged_files
+from offsetflow.sink_iceberg_staged import (
+    check_files_exist,
+    check_files_spec,
+    data_files,
+    staged_files,
+)
 from offsetflow.sink_iceberg_tasks import TaskFiles
 
 if TYPE_CHECKING:
@@ -178,7 +183,9 @@ class IcebergSink:
         check_files_exist(table, files, batch.batch_id)
         summary = _summary(batch, files.records, moved.dead)
         t = time.monotonic()
-        rows = commit_snapshot(table, batch, data_files(table, files), summary)
+        check_files_spec(table, files, batch.batch_id)
+        rows = commit_snapshot(table, batch, data_files(table, files), summary,
+                               check=lambda t: check_files_spec(t, files, batch.batch_id))
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
         if rows is not None:
@@ -278,12 +285,14 @@ def _fault(point: str) -> None:
 
 
 def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
-                    summary: dict[str, str]) -> int | None:
+                    summary: dict[str, str],
+                    check: Callable[[Table], None] | None = None) -> int | None:
     """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
     append `data`: rows, or data files written already (the tasks'; a retry after a
     conflict re-commits the same files, it writes none). Returns None when this call
     committed, else the rows of the snapshot an earlier or concurrent attempt committed
-    for the batch."""
+    for the batch. `check` vets the table each round (a conflict refreshes it: the
+    tasks' files must still fit its partition spec)."""
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
@@ -292,6 +301,8 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
         found = find_batch(table, batch)
         if found is not None:
             return found[0]
+        if check is not None:
+            check(table)
         _no_rebase(table)
         name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
         txn = table.transaction()

@@ -68,6 +68,25 @@ def check_files_exist(table: Table, staged: StagedFiles, batch_id: int) -> None:
                                   f"{next(iter(lost.values()))})")
 
 
+def check_files_spec(table: Table, staged: StagedFiles, batch_id: int) -> None:
+    """Every listed file was written under the table's current partition spec: a fast
+    append writes its files into one manifest of the current spec, so a file of another
+    spec would be committed with wrong partition values, or not at all (pyiceberg's
+    IndexError on a spec with more fields). Its parts are dropped and written again."""
+    current = table.spec().spec_id
+    stale: dict[int, int] = {}
+    for part, files in staged.by_part.items():
+        for f in files:
+            if int(f["spec_id"]) != current:
+                stale.setdefault(part, int(f["spec_id"]))
+    if stale:
+        raise StagedRowsLostError(batch_id, sorted(stale),
+                                  f"data files were written under partition spec "
+                                  f"{sorted(set(stale.values()))} of "
+                                  f"{'.'.join(table.name())}, the table's is now spec "
+                                  f"{current}")
+
+
 def data_files(table: Table, staged: StagedFiles) -> list[DataFile]:
     """The `DataFile`s of a fast append, typed by the spec each file was written with."""
     specs = table.specs()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pyarrow.compute as pc
 import pytest
 
 from offsetflow import sink_iceberg
@@ -174,3 +175,44 @@ def test_a_quality_suite_keeps_the_stage_path_and_routes_the_failing_rows(
     assert sorted(rows["offset"].to_pylist()) == sorted(set(range(100)) - set(bad))
     files = list((tmp_path / "wh").rglob("*.parquet"))
     assert files and not any("-p0-" in p.name for p in files)  # the driver wrote them
+
+
+@pytest.mark.slow
+def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_them(
+        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
+    """The tasks write their files under the table's spec (identity(partition)); before
+    the driver commits, the spec gains a field (as warn_layout_drift tells a user to do).
+    The commit refuses the files written under the old spec (StagedRowsLostError naming
+    the spec change, never a bare IndexError from the manifest writer nor wrong partition
+    values), the re-run writes them under the new spec, and a scan filtered on the new
+    partition field returns every row."""
+    from pyiceberg.expressions import EqualTo
+
+    bid = case.planned_batch(2000, seed=43)
+    flag = tmp_path / "paused"
+    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
+    chaos.wait_for(flag.exists, 300, "part 0 to write its files")
+    table = iceberg_table(case.cfg, case.dsn)
+    old_spec = table.spec().spec_id
+    with table.update_spec() as update:
+        update.add_identity("timestamp_type")
+    flag.unlink()
+    proc.wait(timeout=300)
+    out = case.job_output()
+    assert "IndexError" not in out, out[-3000:]
+    assert "partition spec" in out and str(old_spec) in out, out[-3000:]
+    assert case.batch(bid).status != "committed"
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    assert case.batch(bid).status == "committed"
+    case.assert_exactly_once()
+    table = iceberg_table(case.cfg, case.dsn)
+    new_spec = table.spec().spec_id
+    assert new_spec != old_spec
+    every = table.scan(selected_fields=("timestamp_type",)).to_arrow()
+    values = set(every.column("timestamp_type").to_pylist())
+    assert every.num_rows == 2000 and values, values
+    for v in values:  # a file with wrong partition values is pruned away here
+        want = every.filter(pc.equal(every.column("timestamp_type"), v)).num_rows
+        assert table.scan(row_filter=EqualTo("timestamp_type", v)).to_arrow().num_rows == want
+    assert _unreferenced(case) == set()
+
