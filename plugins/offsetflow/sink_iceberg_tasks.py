@@ -1,7 +1,9 @@
 """Task-side Iceberg data files (`sink.type: iceberg`, `mode: append`, fused path): each
 Spark task writes its part's rows as Parquet data files into the table's location, with the
 table's schema (field ids) and partition spec, through one rolling writer per partition
-value bounded by the table's target file size; no catalog commit in tasks.
+value bounded by the table's target file size, at most `MAX_OPEN_WRITERS` open at once (the
+least recently used one is closed: its partition value gets another file if it comes back);
+no catalog commit in tasks.
 
 The files are named `<batch prefix>p<part>-<attempt>-<n>.parquet` (the prefix is the one
 the orphan sweep knows, `sink_iceberg_files.batch_file_prefix`; the attempt id is unique),
@@ -40,10 +42,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# open Parquet writers per task attempt (each holds a ~1 MB output buffer and an fd): a part
+# whose rows span more partition values closes the least recently used one
+MAX_OPEN_WRITERS = 32
+
 # test-only fault hook in the task: `kill-after-files:<flag>` SIGKILLs the first attempt
 # (the one that creates <flag>) after its files are written, before its marker commits;
 # `pause-after-files:<flag>` makes part 0's attempt create <flag> there and wait until the
-# test removes it
+# test removes it; `note-open:<dir>` writes the attempt's peak of open writers to
+# <dir>/p<part>-<attempt>
 TASK_FAULT_ENV = "OFFSETFLOW_ICEBERG_TASK_FAULT"
 
 
@@ -94,6 +101,8 @@ class PartFiles:
         self.files: list[dict[str, Any]] = []
         self.rows = 0
         self._seq = 0
+        self.peak_open = 0  # most writers open at once (MAX_OPEN_WRITERS bounds it)
+        self.closed_early = 0  # files closed to make room for another partition value
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         """Write a raw chunk (reader columns + typed fields) to the part's files. Returns
@@ -120,6 +129,10 @@ class PartFiles:
         for r in self.open.values():
             self._finish(r)
         self.open.clear()
+        if self.closed_early:
+            log.info("part %d: %d data files closed early (more than %d partition values "
+                     "open at once)", self.part, self.closed_early, MAX_OPEN_WRITERS)
+        _note_open(self.part, self.attempt, self.peak_open)
         _fault(self.part, [f["path"] for f in self.files])
         return self.files
 
@@ -142,12 +155,17 @@ class PartFiles:
         return pa.Table.from_arrays(cols, schema=self.arrow)
 
     def _write(self, key: Any, table: pa.Table) -> None:
-        """Append to the open file of `key`'s partition value (opened on first use), and
-        close it once it reaches the target size: the next rows start a new one."""
+        """Append to the open file of `key`'s partition value (opened on first use, after
+        closing the least recently used one if `MAX_OPEN_WRITERS` are open), and close it
+        once it reaches the target size: the next rows start a new one."""
         path_key = "" if key is None else key.to_path()
-        r = self.open.get(path_key)
+        r = self.open.pop(path_key, None)  # put back last: `open` is in LRU order
         if r is None:
             from pyiceberg.io.pyarrow import ParquetFormatWriter
+
+            if len(self.open) >= MAX_OPEN_WRITERS:
+                self._finish(self.open.pop(next(iter(self.open))))
+                self.closed_early += 1
 
             self._seq += 1
             name = f"{self.tf.prefix}p{self.part}-{self.attempt}-{self._seq:05d}.parquet"
@@ -155,7 +173,8 @@ class PartFiles:
             out = self.io.new_output(path)
             r = _Rolling(path, key, out,
                          ParquetFormatWriter(out, self.file_schema, self.meta.properties))
-            self.open[path_key] = r
+        self.open[path_key] = r
+        self.peak_open = max(self.peak_open, len(self.open))
         r.writer.write(table)
         r.written += table.nbytes
         fos = getattr(r.writer, "_fos", None)  # the file's true size when it can tell
@@ -185,6 +204,14 @@ class _Rolling:
     out: Any
     writer: Any
     written: int = 0  # bytes handed to the writer (Arrow, uncompressed: pyiceberg's proxy)
+
+
+def _note_open(part: int, attempt: str, peak: int) -> None:
+    """Test-only (TASK_FAULT_ENV `note-open:<dir>`): the attempt's peak of open writers."""
+    point, _, folder = os.environ.get(TASK_FAULT_ENV, "").partition(":")
+    if point == "note-open" and folder:
+        with open(os.path.join(folder, f"p{part}-{attempt}"), "w") as f:
+            f.write(str(peak))
 
 
 def _fault(part: int, paths: list[str]) -> None:

@@ -5,7 +5,9 @@ its marker commits; the checker reads the table back with a pyiceberg scan."""
 
 from __future__ import annotations
 
+import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from offsetflow.ledger import connect, stage_table
 from offsetflow.runner import run_cycle, run_until_caught_up
 from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_files import canonical_path, referenced_files
-from offsetflow.sink_iceberg_tasks import TASK_FAULT_ENV
+from offsetflow.sink_iceberg_tasks import MAX_OPEN_WRITERS, TASK_FAULT_ENV
 from offsetflow.sinks import task_data_files
 from tests.integration.helpers import pipeline_for, query
 from tests.integration.test_quality import gx_root as gx_root  # a fixture
@@ -215,4 +217,31 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
         want = every.filter(pc.equal(every.column("timestamp_type"), v)).num_rows
         assert table.scan(row_filter=EqualTo("timestamp_type", v)).to_arrow().num_rows == want
     assert _unreferenced(case) == set()
+
+
+@pytest.mark.slow
+def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
+        case: IcebergCase, tmp_path: Path) -> None:
+    """identity(offset): every row of a part is its own partition value (600 per part).
+    A task attempt keeps at most MAX_OPEN_WRITERS files open (the least recently used is
+    closed and stays a valid data file), not one per value (about 1 MB and an fd each,
+    which runs a part with thousands of values out of memory or fds on every attempt);
+    every row is committed once."""
+    case.raw["sink"]["partition_by"] = ["offset"]
+    case.write_config()
+    bid = case.planned_batch(2400, seed=44)
+    notes = tmp_path / "open"
+    notes.mkdir()
+    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"note-open:{notes}"})
+    assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
+    peaks = {p.name: int(p.read_text()) for p in notes.iterdir()}
+    assert peaks, "no task attempt noted its open writers"
+    assert max(peaks.values()) <= MAX_OPEN_WRITERS, peaks
+    referenced = referenced_files(iceberg_table(case.cfg, case.dsn))
+    per_part = Counter(re.sub(r".*-(p\d+)-[0-9a-f]{12}-\d{5}\.parquet$", r"\1", p)
+                       for p in referenced)
+    assert max(per_part.values()) >= 500, per_part  # the part spanned that many values
+    assert case.batch(bid).status == "committed"
+    assert _unreferenced(case) == set()
+    case.assert_exactly_once()
 
