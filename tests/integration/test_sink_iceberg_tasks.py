@@ -245,3 +245,25 @@ def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
     assert _unreferenced(case) == set()
     case.assert_exactly_once()
 
+
+def test_a_first_run_sweeps_only_the_folders_its_files_went_to(
+        case: IcebergCase, tmp_path: Path) -> None:
+    """The orphan sweep after a batch's first run lists the folders of the files the batch
+    added, not the table's whole data tree (whose listing grows with the table): a file
+    with the batch's prefix in a partition folder the batch never wrote to is not seen
+    (the maintenance command's age-based sweep takes such files), while the folders the
+    batch wrote to are still swept (test_a_task_attempt_killed_after_its_files_...)."""
+    bid = case.planned_batch(1000, seed=45)
+    flag = tmp_path / "paused"
+    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
+    chaos.wait_for(flag.exists, 300, "part 0 to write its files")
+    prefix = Path(next(iter(_written(flag)))).name.split("p0-")[0]
+    elsewhere = next(case.warehouse.rglob("data")) / "partition=99" / f"{prefix}p9-0.parquet"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"not listed by the batch's sweep")
+    flag.unlink()
+    assert proc.wait(timeout=300) == 0, case.job_output()[-3000:]
+    assert case.batch(bid).status == "committed" and case.batch(bid).attempts == 1
+    assert elsewhere.exists(), "the sweep listed a folder the batch never wrote to"
+    assert _unreferenced(case) == {str(elsewhere)}
+    case.assert_exactly_once()
