@@ -135,6 +135,10 @@ class CommitSpec:
     stage_generation: int | None = None
     subrange_parts: bool = False
     external: ExternalSink | None = None  # step 4 outside PostgreSQL (Iceberg, Kafka)
+    # the tasks wrote the rows to the sink's files, listed in their markers (the stage holds
+    # only tombstones routed by policy): the sink reconciles the markers, the stage is not
+    # counted against them (`sinks.task_data_files`)
+    task_files: bool = False
 
     @property
     def routes_tombstones(self) -> bool:
@@ -163,7 +167,8 @@ def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: Co
             check_config(batch, spec)
             lock_stage(cur, batch_id)  # 2: no late writer lands between checks and moves
             check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)
-            staged, per_range = check_staged(cur, batch, expected_parts, scan=True)
+            staged, per_range = check_staged(cur, batch, expected_parts,
+                                             scan=not spec.task_files)
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
             moved = (commit_external(cur, batch, spec.external, staged)  # 4

@@ -49,7 +49,7 @@ from offsetflow.metrics import TaskClock
 from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.sinks import external_sink
+from offsetflow.sinks import external_sink, task_data_files
 from offsetflow.stage_reset import claim_pack_tasks, stage_generation
 from offsetflow.staging import (
     BadBuffer,
@@ -63,6 +63,8 @@ from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_ta
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+    from offsetflow.sink_iceberg_tasks import TaskFiles
 
 log = logging.getLogger(__name__)
 
@@ -416,13 +418,16 @@ def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = 
 
 def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                         specs: list[dict[str, Any]], generation: int | None = None,
-                        groups: list[tuple[int, ...]] | None = None
+                        groups: list[tuple[int, ...]] | None = None,
+                        files: TaskFiles | None = None
                         ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Fused path (no transform): each task reads its sub-ranges (`groups[part]`, packed by
     `offsetflow.packing`; without `groups`, the sub-range its id names) with one consumer
     and COPYs them into its stage part itself, so records never cross into the JVM and
     back. Spark schedules, retries and spreads the tasks; the stage marker, which names the
-    sub-ranges, still makes a retried task stage nothing twice."""
+    sub-ranges, still makes a retried task stage nothing twice. With `files` (an Iceberg
+    append, `sinks.task_data_files`) the task writes its rows as the table's data files
+    and lists them in that marker instead (`offsetflow.sink_iceberg_tasks`)."""
     rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
     pg_types = [t for _, t in stage_columns(cfg)]
 
@@ -445,7 +450,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                                table=stage_part_table(batch_id, part),
                                bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
                                generation=generation,
-                               subranges=None if groups is None else groups[part])
+                               subranges=None if groups is None else groups[part],
+                               files=None if files is None else files.writer(part))
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
@@ -562,6 +568,22 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
             raise
     timings["total_s"] = round(time.monotonic() - t0, 3)
     return report
+
+
+def _task_files(cfg: PipelineConfig, dsn: str, batch: Batch,
+                columns: list[tuple[str, str]]) -> TaskFiles:
+    """What the tasks need to write the batch's Iceberg data files (the table's metadata
+    as loaded, or created, now; the rows must fit its schema)."""
+    from offsetflow.sink_iceberg import IcebergSink
+
+    sink = external_sink(cfg, dsn, columns, CommitSpec(
+        columns=tuple(c for c, _ in columns), tombstones=cfg.tombstone_policy,
+        dead_letter_table=cfg.dead_letter_table))
+    assert isinstance(sink, IcebergSink)
+    try:
+        return sink.task_files(batch)
+    finally:
+        sink.close()
 
 
 def _cores(spark: SparkSession) -> int:
@@ -691,8 +713,11 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
             STATS_DDL)
     else:
         columns = stage_columns(cfg)
+        # an Iceberg append: the tasks write the table's data files (the table is loaded,
+        # or created, here: they need its schema and partition spec)
+        files = _task_files(cfg, dsn, batch, columns) if task_data_files(cfg) else None
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
-                                                     generation, groups), STATS_DDL)
+                                                     generation, groups, files), STATS_DDL)
     if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
         from offsetflow.sink_kafka_form import output_topic
 
@@ -715,7 +740,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       dead_letter_table=cfg.dead_letter_table,
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
-                      stage_generation=generation, subrange_parts=fused)
+                      stage_generation=generation, subrange_parts=fused,
+                      task_files=task_data_files(cfg))
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None
@@ -753,7 +779,11 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         timings["commit_s"] = round(time.monotonic() - t, 3)
     if result.status == "committed":
         _record_commit_time(ledger, batch.batch_id, timings["commit_s"])
-        if cfg.sink.iceberg is not None and batch.attempts > 1:  # dead attempts' files
+        if spec.task_files:  # task attempts that died or lost their marker left files
+            from offsetflow.sink_iceberg_maint import sweep_batch_orphans
+
+            sweep_batch_orphans(cfg, dsn, batch.batch_id)
+        elif cfg.sink.iceberg is not None and batch.attempts > 1:  # dead attempts' files
             from offsetflow.sink_iceberg_maint import sweep_after_retry
 
             sweep_after_retry(cfg, dsn, batch.batch_id)

@@ -6,13 +6,17 @@ Order inside the still-open ledger transaction (batch row locked):
   1. `find`: the table's snapshots (ancestors of main) are searched for this batch; found ->
      an earlier attempt committed to Iceberg and died before the ledger COMMIT: the ledger is
      completed, nothing is appended again;
-  2. `write`: the stage is read as Arrow on the driver, data files are written, and one
-     catalog commit adds them. The commit asserts that main is still the snapshot `find`
-     checked (pyiceberg's AssertRefSnapshotId): a concurrent writer (a zombie whose ledger
-     lock is gone) makes it fail with CommitFailedException; then the table is refreshed,
-     `find` runs again, and only then is the append retried. Any other failure of the
-     catalog commit has an unknown outcome: it is raised, the ledger rolls back, and the
-     next attempt's `find` decides;
+  2. `write`: in an append without a transform or quality suite (`sinks.task_data_files`)
+     the Spark tasks wrote the batch's data files and listed them in their markers
+     (`sink_iceberg_tasks`, `sink_iceberg_staged`), and no row is read here; otherwise
+     the tasks staged into PostgreSQL, and the stage is read as Arrow on the driver and
+     written as data files here. Either way ONE catalog commit adds them. The commit
+     asserts that main is still the snapshot `find` checked (pyiceberg's
+     AssertRefSnapshotId): a concurrent writer (a zombie whose ledger lock is gone) makes
+     it fail with CommitFailedException; then the table is refreshed, `find` runs again,
+     and only then is the append retried. Any other failure of the catalog commit has an
+     unknown outcome: it is raised, the ledger rolls back, and the next attempt's `find`
+     decides;
   3. the ledger transaction commits (positions, batch committed).
 Dead letters (bad records, tombstones by policy, quality failures) stay in PostgreSQL and
 are written by this same transaction, on both paths.
@@ -22,14 +26,12 @@ carry the batch's name prefix, and the sweep after the retried batch deletes exa
 (`sink_iceberg_files`).
 
 Replay/backfill: the window's old rows are deleted by coordinates and the new ones appended
-in the same catalog commit. What this first version does not do: the Spark tasks stage into
-PostgreSQL as for every sink, and the driver reads the stage to write Parquet (task-side
-data files are not built yet). Mode upsert: `sink_iceberg_upsert` (from `write`/`find`).
+in the same catalog commit. Mode upsert: `sink_iceberg_upsert` (from `write`/`find`). The
+stage path (transform, quality suite, upsert) still holds a batch in the driver's memory.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import signal
@@ -39,10 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import psycopg2.extensions
 import pyarrow as pa
-import pyarrow.csv as pa_csv
 from psycopg2 import sql
 
 from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
@@ -60,10 +60,21 @@ from offsetflow.sink_iceberg_config import (
 from offsetflow.sink_iceberg_files import batch_file_prefix, name_files_for
 from offsetflow.sink_iceberg_files import remove_orphan_files as remove_orphan_files
 from offsetflow.sink_iceberg_layout import layout_for_new_table, warn_layout_drift
-from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN
+from offsetflow.sink_iceberg_stage import _unhex as _unhex
+from offsetflow.sink_iceberg_stage import arrow_schema, read_stage
+from offsetflow.sink_iceberg_stage import arrow_type as arrow_type
+from offsetflow.sink_iceberg_staged import (
+    check_files_exist,
+    check_files_spec,
+    data_files,
+    staged_files,
+)
+from offsetflow.sink_iceberg_tasks import TaskFiles
+from offsetflow.tables import TOPIC_ID_COLUMN
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
+    from pyiceberg.manifest import DataFile
     from pyiceberg.table import Table, Transaction
 
 log = logging.getLogger(__name__)
@@ -74,30 +85,8 @@ NO_REBASE = ("commit.retry.num-retries", "0")
 # catalog commit) or after the catalog commit (before the ledger commits)
 FAULT_ENV = "OFFSETFLOW_ICEBERG_FAULT"
 
-_ARROW: dict[str, pa.DataType] = {
-    "text": pa.string(), "bigint": pa.int64(), "integer": pa.int32(), "smallint": pa.int32(),
-    "double precision": pa.float64(), "real": pa.float32(), "boolean": pa.bool_(),
-    "timestamptz": pa.timestamp("us", tz="UTC"), "timestamp": pa.timestamp("us"),
-    "date": pa.date32(), "bytea": pa.binary(), "jsonb": pa.string(),
-}
-
-
 class IcebergCommitError(OffsetFlowError):
     """The Iceberg commit kept conflicting with other writers; nothing was committed."""
-
-
-def arrow_type(pg_type: str) -> pa.DataType:
-    """The Iceberg (Arrow) type of a stage column; nested Spark types (jsonb in the stage)
-    are kept as their JSON text."""
-    if pg_type.startswith("numeric("):
-        p, s = pg_type[len("numeric("):-1].split(",")
-        return pa.decimal128(int(p), int(s))
-    return _ARROW[pg_type]
-
-
-def arrow_schema(columns: Sequence[tuple[str, str]]) -> pa.Schema:
-    return pa.schema([pa.field(n, arrow_type(t)) for n, t in columns]
-                     + [pa.field(LINEAGE_COLUMN, pa.int64())])
 
 
 def load_catalog(cfg: IcebergConfig, sink_dsn: str) -> Catalog:
@@ -156,20 +145,15 @@ class IcebergSink:
             from offsetflow.sink_iceberg_upsert import write_upsert
 
             return write_upsert(self, cur, batch)
+        if self.spec.task_files:
+            return self._write_task_files(cur, batch, staged)
         moved = self._dead_letters(cur, batch)
         t = time.monotonic()
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
         read_s = time.monotonic() - t
-        quality_and_tombstones = moved.dead - self._task_dead
-        if data.num_rows + quality_and_tombstones != staged:
-            raise StagedRowsLostError(batch.batch_id, None,
-                                      f"the stage holds {data.num_rows} rows for Iceberg and "
-                                      f"{quality_and_tombstones} dead letters but its markers "
-                                      f"count {staged}")
+        _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
         table = self.table(self.identifier(batch))
-        summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
-                                   [(r.topic, r.partition, r.from_offset, r.until_offset)
-                                    for r in batch.ranges], data.num_rows, moved.dead)
+        summary = _summary(batch, data.num_rows, moved.dead)
         t = time.monotonic()
         rows = commit_snapshot(table, batch, data, summary)
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
@@ -180,7 +164,45 @@ class IcebergSink:
         moved.rows = data.num_rows if rows is None else rows
         return moved
 
+    def task_files(self, batch: Batch) -> TaskFiles:
+        """What the batch's tasks need to write its data files; the table is created
+        first if need be, and the rows must fit its schema."""
+        from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible
+
+        self._layout_checked = True  # the commit's sink reports a layout drift, once
+        table = self.table(self.identifier(batch))
+        try:
+            _check_pyarrow_schema_compatible(table.schema(), arrow_schema(self.columns))
+        except ValueError as e:
+            raise schema_mismatch(batch, table, e) from e
+        target = int(table.properties.get("write.target-file-size-bytes",
+                                          self.iceberg.target_file_mb << 20))
+        return TaskFiles.of(table, batch.batch_id, batch_file_prefix(batch), target,
+                            self.spec.routes_tombstones)
+
     # -- helpers -----------------------------------------------------------------------
+    def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                          staged: int) -> Moved:
+        """Commit the data files the batch's markers list (the tasks wrote them)."""
+        moved = self._dead_letters(cur, batch)  # tombstones the tasks staged go here too
+        files = staged_files(cur, batch.batch_id)
+        _check_counts(batch, files.records, "its data files", moved.dead - self._task_dead,
+                      staged)
+        table = self.table(self.identifier(batch))
+        check_files_exist(table, files, batch.batch_id)
+        summary = _summary(batch, files.records, moved.dead)
+        t = time.monotonic()
+        check_files_spec(table, files, batch.batch_id)
+        rows = commit_snapshot(table, batch, data_files(table, files), summary,
+                               check=lambda t: check_files_spec(t, files, batch.batch_id))
+        log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
+                 batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
+        if rows is not None:
+            log.info("batch %d: found in Iceberg after a conflict; nothing appended",
+                     batch.batch_id)
+        moved.rows = files.records if rows is None else rows
+        return moved
+
     def _dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
         """Everything that goes to the PostgreSQL dead-letter table, in this transaction."""
         moved = Moved()
@@ -274,13 +296,17 @@ def _fault(point: str) -> None:
             time.sleep(0.2)
 
 
-def commit_snapshot(table: Table, batch: Batch, data: pa.Table | None,
+def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile] | None,
                     summary: dict[str, str],
+                    check: Callable[[Table], None] | None = None,
                     build: Callable[[Table], Transaction] | None = None) -> int | None:
     """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
-    append `data`; or, with `build`, the transaction it makes of the table as loaded now
-    (upsert: decided again after a conflict). Returns None when this call committed, else
-    the rows of the snapshot an earlier or concurrent attempt committed for the batch."""
+    append `data`: rows, or data files written already (the tasks'; a retry after a
+    conflict re-commits the same files, it writes none); or, with `build`, the transaction
+    it makes of the table as loaded now (upsert: decided again after a conflict). Returns
+    None when this call committed, else the rows of the snapshot an earlier or concurrent
+    attempt committed for the batch. `check` vets the table each round (a conflict
+    refreshes it: the tasks' files must still fit its partition spec)."""
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
@@ -289,6 +315,8 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | None,
         found = find_batch(table, batch)
         if found is not None:
             return found[0]
+        if check is not None:
+            check(table)
         _no_rebase(table)
         name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
         if build is not None:
@@ -312,14 +340,18 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | None,
                              f"with other writers; nothing was committed, re-run the batch")
 
 
-def _append_transaction(table: Table, batch: Batch, data: pa.Table, summary: dict[str, str]
-                        ) -> Transaction:
+def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
+                        summary: dict[str, str]) -> Transaction:
     txn = table.transaction()
     if batch.kind in ("replay", "backfill"):
         with warnings.catch_warnings():  # a window with nothing before is no news
             warnings.filterwarnings("ignore", "Delete operation did not match")
             txn.delete(window_filter(batch), snapshot_properties=summary)
-    if data.num_rows:
+    if not isinstance(data, pa.Table):  # an empty list still records the batch
+        with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+            for f in data:
+                append.append_data_file(f)
+    elif data.num_rows:
         try:
             txn.append(data, snapshot_properties=summary)
         except ValueError as e:  # pyiceberg's word for rows that do not fit the table
@@ -328,6 +360,21 @@ def _append_transaction(table: Table, batch: Batch, data: pa.Table, summary: dic
         with txn.update_snapshot(snapshot_properties=summary).fast_append():
             pass
     return txn
+
+
+def _check_counts(batch: Batch, rows: int, where: str, routed: int, staged: int) -> None:
+    """The rows for Iceberg plus the dead letters the commit routed out of the stage
+    (quality failures, tombstones) are what the markers count."""
+    if rows + routed != staged:
+        raise StagedRowsLostError(batch.batch_id, None,
+                                  f"{where} hold {rows} rows for Iceberg and the stage "
+                                  f"{routed} dead letters, but its markers count {staged}")
+
+
+def _summary(batch: Batch, rows: int, dead: int) -> dict[str, str]:
+    return snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
+                            [(r.topic, r.partition, r.from_offset, r.until_offset)
+                             for r in batch.ranges], rows, dead)
 
 
 def schema_mismatch(batch: Batch, table: Table, e: Exception) -> SchemaMismatchError:
@@ -360,79 +407,3 @@ def window_filter(batch: Batch) -> Any:
                       ex.LessThan("offset", r.until_offset))
         out = term if out is None else ex.Or(out, term)
     return out
-
-
-def read_stage(cur: psycopg2.extensions.cursor, batch_id: int,
-               columns: Sequence[tuple[str, str]], skip_tombstones: bool,
-               source: sql.Composable | None = None) -> pa.Table:
-    """The batch's staged rows (or those of `source`, a relation with `columns`) as Arrow
-    (dead letters routed out already), with the lineage column, in the table's schema. One
-    COPY to CSV with every column in a form Arrow's C++ CSV reader parses itself (bytea as
-    hex, timestamps as epoch microseconds, dates as day numbers), so no Python runs per row."""
-    schema = arrow_schema(columns)
-    where = sql.SQL(" WHERE value IS NOT NULL") if skip_tombstones else sql.SQL("")
-    exprs = [_csv_expr(n, t) for n, t in columns]
-    buf = io.BytesIO()
-    cur.copy_expert(sql.SQL("COPY (SELECT {} FROM {}{}) TO STDOUT WITH (FORMAT csv)").format(
-        sql.SQL(", ").join(exprs), source or stage_table(batch_id), where).as_string(cur),
-        buf)
-    names = [f"c{i}" for i in range(len(columns))]
-    raw = pa_csv.read_csv(
-        io.BytesIO(buf.getvalue()),
-        read_options=pa_csv.ReadOptions(column_names=names, block_size=16 << 20),
-        parse_options=pa_csv.ParseOptions(newlines_in_values=True),
-        convert_options=pa_csv.ConvertOptions(
-            column_types={c: _CSV_TYPES.get(t, pa.string()) for c, (_, t) in
-                          zip(names, columns, strict=True)},
-            null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=False))
-    arrays = [_from_csv(raw.column(i), t, schema.field(i).type)
-              for i, (_, t) in enumerate(columns)]
-    arrays.append(pa.chunked_array([pa.array(np.full(raw.num_rows, batch_id, np.int64))]))
-    return pa.Table.from_arrays(arrays, schema=schema)
-
-
-# how a stage column travels through CSV when Arrow cannot parse PostgreSQL's text form
-_CSV_TYPES: dict[str, pa.DataType] = {
-    "bigint": pa.int64(), "integer": pa.int32(), "smallint": pa.int32(),
-    "double precision": pa.float64(), "real": pa.float32(), "boolean": pa.int8(),
-    "timestamptz": pa.int64(), "timestamp": pa.int64(), "date": pa.int32(),
-}
-
-
-def _csv_expr(name: str, pg_type: str) -> sql.Composable:
-    col = sql.Identifier(name)
-    if pg_type == "bytea":
-        return sql.SQL("encode({}, 'hex')").format(col)
-    if pg_type in ("timestamptz", "timestamp"):
-        return sql.SQL("(extract(epoch FROM {}) * 1000000)::bigint").format(col)
-    if pg_type == "date":
-        return sql.SQL("({} - date '1970-01-01')").format(col)
-    if pg_type == "boolean":
-        return sql.SQL("{}::int").format(col)
-    if pg_type == "jsonb" or pg_type.startswith("numeric("):
-        return sql.SQL("{}::text").format(col)
-    return col
-
-
-def _from_csv(col: pa.ChunkedArray, pg_type: str, want: pa.DataType) -> pa.ChunkedArray:
-    if pg_type == "bytea":
-        return pa.chunked_array([_unhex(c) for c in col.chunks], pa.binary())
-    return col.cast(want)
-
-
-def _unhex(hexes: pa.Array) -> pa.Array:
-    """Hex text to binary for a whole chunk at once: the string array's value buffer is
-    every value's hex back to back, so one `bytes.fromhex` decodes them all."""
-    n = len(hexes)
-    if n == 0:
-        return pa.array([], pa.binary())
-    offsets = np.frombuffer(hexes.buffers()[1], np.int32, n + 1, hexes.offset * 4)
-    data = hexes.buffers()[2]
-    lo, hi = int(offsets[0]), int(offsets[-1])
-    decoded = bytes.fromhex(data.to_pybytes()[lo:hi].decode("ascii")) if data else b""
-    new_offsets = ((offsets - lo) // 2).astype(np.int32)
-    validity = None
-    if hexes.null_count:
-        validity = hexes.is_valid().buffers()[1]
-    return pa.Array.from_buffers(pa.binary(), n, [validity, pa.py_buffer(new_offsets),
-                                                  pa.py_buffer(decoded)], hexes.null_count)

@@ -30,7 +30,11 @@ from offsetflow.errors import ConfigError, PositionResetError
 from offsetflow.ledger import Batch, Ledger
 from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_config import resolve_identifier
-from offsetflow.sink_iceberg_files import batch_file_prefix, remove_orphan_files
+from offsetflow.sink_iceberg_files import (
+    batch_file_prefix,
+    remove_batch_orphans,
+    remove_orphan_files,
+)
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
@@ -63,6 +67,20 @@ def sweep_after_retry(cfg: PipelineConfig, dsn: str, batch_id: int) -> None:
         removed = remove_orphan_files(table, 0, prefix=batch_file_prefix(batch))
         if removed:
             log.info("batch %d: removed %d data files of dead attempts", batch_id, len(removed))
+    except Exception as e:  # noqa: BLE001
+        log.warning("batch %d: could not sweep orphan data files (the maintenance command "
+                    "does it later): %s", batch_id, e)
+
+
+def sweep_batch_orphans(cfg: PipelineConfig, dsn: str, batch_id: int) -> None:
+    """Best effort after a batch whose tasks wrote its data files committed: its task
+    attempts that died or lost their marker (a Spark retry, a speculative or zombie
+    attempt) left files no snapshot adds; they go now (`remove_batch_orphans`). A zombie
+    that writes on after this leaves orphans to the maintenance command."""
+    try:
+        with Ledger(dsn) as ledger:
+            batch: Batch = ledger.get_batch(batch_id)
+        remove_batch_orphans(sink_table(cfg, dsn, _identifier(cfg, batch)), batch)
     except Exception as e:  # noqa: BLE001
         log.warning("batch %d: could not sweep orphan data files (the maintenance command "
                     "does it later): %s", batch_id, e)

@@ -26,3 +26,12 @@ def external_sink(cfg: PipelineConfig, dsn: str,
         return IcebergSink(cfg.sink.iceberg, cfg.sink.connection or dsn, spec,
                            tuple(columns or ()), cfg.sink.table)
     return None
+
+
+def task_data_files(cfg: PipelineConfig) -> bool:
+    """Whether the Spark tasks write the batch's rows as the sink's data files themselves
+    (`offsetflow.sink_iceberg_tasks`), so the driver commits files it never reads: an
+    Iceberg append without a transform or a quality suite. Those two (and `mode: upsert`)
+    read the batch's rows from the PostgreSQL stage, so they stage there as before."""
+    return (cfg.sink.iceberg is not None and cfg.sink.mode == "append"
+            and not cfg.transform and not cfg.quality_suite)

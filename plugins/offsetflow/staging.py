@@ -128,7 +128,7 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
                table: sql.Composed | None = None, bad: BadRows | None = None,
                bad_in: BadBuffer | None = None, generation: int | None = None,
-               subranges: Sequence[int] | None = None) -> dict[str, Any]:
+               subranges: Sequence[int] | None = None, files: Any = None) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
@@ -140,6 +140,8 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
     `generation`: the stage generation the run stages under (`stage_reset.stage_generation`;
     the job always passes it, None takes the batch's current one). `subranges`: the
     sub-ranges of the batch's split the part reads (fused path), recorded in its marker.
+    `files`: the rows go to Iceberg data files instead (`sink_iceberg_tasks.PartFiles`;
+    what it leaves, tombstones routed by policy, is staged), listed in the marker.
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
@@ -168,6 +170,15 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                     break
                 if b.num_rows == 0:
                     continue
+                if files is not None:
+                    with clock.stage("files"):
+                        written, rest = files.write(b)
+                    if written.num_rows:
+                        rows += written.num_rows
+                        _count_coordinates(written, per_tp)
+                    if rest is None or not rest.num_rows:
+                        continue
+                    b = rest
                 if bad is None:
                     with clock.stage("encode"):
                         fmt, data = encode(b)
@@ -180,10 +191,11 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                     rows += s.num_rows
                     _count_coordinates(s, per_tp)
             clock.count("rows", rows)
+            data_files = None if files is None else json.dumps(files.close())
             cur.execute("""UPDATE offsetflow.staged_parts
-                              SET rows_staged = %s, per_partition = %s
+                              SET rows_staged = %s, per_partition = %s, data_files = %s
                             WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
-                        (rows, json.dumps(per_tp), batch_id, part))
+                        (rows, json.dumps(per_tp), data_files, batch_id, part))
             if refused:
                 assert bad is not None
                 if bad.write_rows:

@@ -31,6 +31,7 @@ from offsetflow.sink_iceberg_config import (
     snapshot_summary,
     sqlalchemy_url,
 )
+from offsetflow.sink_iceberg_files import referenced_files
 from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
 from offsetflow.tables import LINEAGE_COLUMN
 from tests.integration.test_faults import Case
@@ -104,11 +105,12 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
 
 
 @pytest.mark.slow
-def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_removed(
+def test_killed_after_data_files_written_rerun_commits_those_files_once(
         case: IcebergCase, spark: Any) -> None:
-    """The sweep after a retried batch removes the files of that batch's dead attempts
-    (named with its prefix, whatever their age) and nothing else: a concurrent writer's
-    uncommitted files (a compaction in flight), however old, are spared."""
+    """The Spark tasks wrote the batch's data files and listed them in their markers; the
+    driver dies before the catalog commit. The rerun commits those very files (its tasks
+    find the markers and write nothing again), and the sweep after it spares a concurrent
+    writer's uncommitted files (a compaction in flight), however old."""
     import pyarrow.parquet as pq
     from pyiceberg.io.pyarrow import _dataframe_to_data_files
 
@@ -133,8 +135,9 @@ def test_killed_after_data_files_written_rerun_commits_once_and_orphans_are_remo
     assert rep.result.status == "committed"
     assert snapshot_batches(case.cfg, case.dsn) == [bid]
     assert all(p.exists() for p in foreign_paths), "another writer's files were swept"
-    assert not any(p.exists() for p in orphans)  # the dead attempt's files: all swept
     table = iceberg_table(case.cfg, case.dsn)
+    # the files the first run's tasks wrote are the batch's: committed, not written again
+    assert {str(p) for p in orphans} == referenced_files(table)
     assert remove_orphan_files(table, older_than_s=3600) == []
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
