@@ -45,9 +45,10 @@ def read_stage(cur: psycopg2.extensions.cursor, batch_id: int,
                columns: Sequence[tuple[str, str]], skip_tombstones: bool,
                source: sql.Composable | None = None) -> pa.Table:
     """The batch's staged rows (or those of `source`, a relation with `columns`) as Arrow
-    (dead letters routed out already), with the lineage column, in the table's schema. One COPY to CSV with every column in a form Arrow's
-    C++ CSV reader parses itself (bytea as hex, timestamps as epoch microseconds, dates as
-    day numbers), so no Python runs per row."""
+    (dead letters routed out already), with the lineage column, in the table's schema. One
+    COPY to CSV with every column in a form Arrow's C++ CSV reader parses itself (bytea as
+    hex, timestamps as epoch microseconds, dates as day numbers), so no Python runs per
+    row."""
     schema = arrow_schema(columns)
     where = sql.SQL(" WHERE value IS NOT NULL") if skip_tombstones else sql.SQL("")
     exprs = [_csv_expr(n, t) for n, t in columns]
