@@ -26,7 +26,9 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -61,7 +63,8 @@ class TaskFiles:
     batch_id: int
     table_name: str
     metadata_json: str  # the table's metadata as the driver loaded it
-    io_properties: dict[str, str]
+    # FileIO settings (object-store credentials the tasks need to write): never in a repr
+    io_properties: dict[str, str] = dc_field(repr=False)
     prefix: str  # sink_iceberg_files.batch_file_prefix(batch)
     target_bytes: int
     tombstones_to_stage: bool  # tombstones go to the stage (the commit routes them)
@@ -70,10 +73,23 @@ class TaskFiles:
     def of(cls, table: Table, batch_id: int, prefix: str, target_bytes: int,
            tombstones_to_stage: bool) -> TaskFiles:
         return cls(batch_id, ".".join(table.name()), table.metadata.model_dump_json(),
-                   dict(table.io.properties), prefix, target_bytes, tombstones_to_stage)
+                   task_io_properties(table.io.properties), prefix, target_bytes,
+                   tombstones_to_stage)
 
     def writer(self, part: int) -> PartFiles:
         return PartFiles(self, part)
+
+
+# catalog settings a FileIO never reads: the SQL catalog's database URI (with its password)
+# and catalog credentials stay on the driver
+_DRIVER_ONLY = ("uri", "credential", "token", "password")
+
+
+def task_io_properties(props: Mapping[str, str]) -> dict[str, str]:
+    """The FileIO properties shipped to the tasks: the table's, minus the catalog's own
+    connection settings (`_DRIVER_ONLY`), which the tasks do not need."""
+    return {k: v for k, v in props.items()
+            if k not in _DRIVER_ONLY and not k.startswith(("jdbc.", "rest.", "oauth2"))}
 
 
 class PartFiles:
