@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         ap.error(f"unknown engine(s) {sorted(unknown)}; choose from {', '.join(ENGINES)}")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # engines hand it to other processes (a Spark warehouse URI)
     out.mkdir(parents=True, exist_ok=True)
     metrics_dir = out / "task-metrics"
     shutil.rmtree(metrics_dir, ignore_errors=True)  # batch ids restart with the database
