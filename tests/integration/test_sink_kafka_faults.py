@@ -307,3 +307,20 @@ def _delete_source_records(case: Case) -> None:
     for f in admin.delete_records([KTP(r.topic, r.partition, r.until_offset)
                                    for r in ranges]).values():
         f.result(30)
+
+
+@pytest.mark.slow
+def test_complete_refuses_while_kafka_still_holds_the_batchs_records(
+        spark: Any, case: Case) -> None:
+    """Review s24-complete M1: completing from the sink while a re-run could still read the
+    batch would drop the dead letters that re-run routes: refused, and the re-run completes it."""
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    chaos.crash_postgres()  # the stage is gone, the records are still in Kafka
+    assert cli(["--dsn", case.dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(case.batch_id), "--reason", "x"]) == 2
+    assert case.status() != "committed"
+    rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)
+    assert rep.result.status == "committed" and rep.result.rows_written == RECORDS
+    assert case.verdict().in_log == RECORDS
