@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
               if (low := report.floor(summary, main_label)) and main_label in summary.get(w, {})},
            "runs": results}
     (out / "results.json").write_text(json.dumps(doc, indent=1))
-    md = report.markdown(summary, goal_rows, fixed)
+    md = report.markdown(summary, goal_rows, fixed, cores=os.cpu_count() or 1)
     (out / "results.md").write_text(md)
     chart(summary, main_label, out / "results.png", range_mem, reuse_series)
     print(md)

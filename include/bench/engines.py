@@ -31,6 +31,7 @@ import numpy as np
 import psycopg2
 import pyarrow as pa
 import yaml
+from cpu import CpuUse
 from dataset import SCHEMA, DataSet, record
 from psycopg2 import sql
 from rss import PeakRss
@@ -182,7 +183,7 @@ def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[s
            "--batch-id", str(batch_id)]
     t1 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    with PeakRss([proc.pid]) as rss:
+    with PeakRss([proc.pid]) as rss, CpuUse([proc.pid]) as cpu:
         output, _ = proc.communicate(timeout=3600)
     submit_s = time.perf_counter() - t1
     wall = time.perf_counter() - t0
@@ -197,7 +198,8 @@ def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[s
     # everything spark-submit spent outside run_batch: JVM, session, Python start and exit
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": round(submit_s - inner, 3),
               **{k: v for k, v in timings.items() if k != "spark_start_s"}}
-    return {"wall_s": wall, "stages": stages, **rss.as_dict(), "batch_id": batch_id,
+    return {"wall_s": wall, "stages": stages, **rss.as_dict(), "cpu_s": cpu.as_dict(),
+            "batch_id": batch_id,
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
             **verify_and_drop(ctx["dsn"], name, ds)}
 
@@ -366,9 +368,11 @@ def timed_runs(engine: str, datasets: Sequence[tuple[str, DataSet, int]],
     for label, ds, n in datasets:
         for i in range(n):
             name = run_name(engine, label, i)
-            with PeakRss(roots or [os.getpid()]) as rss:
+            with PeakRss(roots or [os.getpid()]) as rss, \
+                    CpuUse(roots or [os.getpid()]) as cpu:
                 res = run(ds, name)
-            res = {**rss.as_dict(), **res}  # a cold run measures its own process tree
+            # a cold run measures its own process tree
+            res = {**rss.as_dict(), "cpu_s": cpu.as_dict(), **res}
             res.update({"engine": engine, "label": label, "run": i, "records": ds.records,
                         "partitions": ds.partitions,
                         "records_per_s": round(ds.records / res["wall_s"], 1),

@@ -13,6 +13,9 @@ FLOORS = ("source-floor", "sink-floor")
 # label suffix marks the runs made as the DAG's tasks make them (include/bench/dag_path.py)
 DEFAULT_PATH = "offsetflow-connect"
 DAG_SUFFIX = "_dag"
+# include/bench/cpu.py's process classes, in the order the report prints them
+CPU_CLASSES = ("postgres", "kafka", "spark_jvm", "python_workers", "driver", "spark_connect",
+               "other")
 
 
 def _median(xs: Iterable[float]) -> float:
@@ -30,6 +33,7 @@ def summarise(results: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[
         rps = [float(r["records_per_s"]) for r in runs]
         stage_keys = sorted({k for r in runs for k in r.get("stages", {})})
         task_keys = sorted({k for r in runs for k in r.get("task_seconds", {})})
+        cpu_keys = sorted({k for r in runs for k in r.get("cpu_s", {})})
         out[engine][label] = {
             "runs": len(runs),
             "records": runs[0]["records"],
@@ -40,6 +44,8 @@ def summarise(results: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, dict[
             "stages_s": {k: _median(r["stages"].get(k, 0.0) for r in runs) for k in stage_keys},
             "task_seconds": {k: _median(r["task_seconds"].get(k, 0.0) for r in runs)
                              for k in task_keys},
+            "cpu_s": {k: _median(r.get("cpu_s", {}).get(k, 0.0) for r in runs)
+                      for k in cpu_keys},
             "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in runs),
             "peak_py_worker_rss_mb": max(r.get("peak_py_worker_rss_mb", 0.0) for r in runs),
         }
@@ -181,7 +187,8 @@ def _kv(d: Mapping[str, float]) -> str:
 
 
 def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
-             goal_rows: Iterable[Mapping[str, Any]], extra: Mapping[str, Any]) -> str:
+             goal_rows: Iterable[Mapping[str, Any]], extra: Mapping[str, Any],
+             cores: int = 2) -> str:
     lines = ["| engine | data set | runs | records/s median (min-max) | wall s median | "
              "peak RSS MB (tree / Python worker) |", "|---|---|---|---|---|---|"]
     for engine, labels in summary.items():
@@ -201,6 +208,7 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
         for label, s in labels.items():
             lines.append(f"| {engine} | {label} | {_kv(s['stages_s'])} | "
                          f"{_kv(s['task_seconds']) or '-'} |")
+    lines += cpu_table(summary, cores)
     lines += ["", "| goal | target | measured | met |", "|---|---|---|---|"]
     for g in goal_rows:
         met = {True: "yes", False: "NO", None: "-"}[g["met"]]
@@ -208,6 +216,31 @@ def markdown(summary: Mapping[str, Mapping[str, Mapping[str, Any]]],
     lines += ["", "| fixed cost (s) and memory (MB) | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], cores: int
+              ) -> list[str]:
+    """Core-seconds by process class (median run; include/bench/cpu.py), their sum, and the
+    sum over wall time x cores: how busy the machine was. A run whose sum is near
+    wall x cores is CPU-bound: it gets faster only by needing less CPU somewhere."""
+    rows = [(engine, label, s) for engine, labels in summary.items()
+            for label, s in labels.items() if s.get("cpu_s")]
+    if not rows:
+        return []
+    keys = [k for k in CPU_CLASSES if any(k in s["cpu_s"] for _, _, s in rows)]
+    lines = ["", f"CPU core-seconds by process during the run (median run; {cores} cores; "
+             "`other`: processes outside the run and its stack):", "",
+             "| engine | data set | " + " | ".join(keys) + " | sum (engine + stack) | "
+             "busy: sum / (wall x cores) |",
+             "|---|---|" + "---|" * (len(keys) + 2)]
+    for engine, label, s in rows:
+        cpu = s["cpu_s"]
+        used = sum(v for k, v in cpu.items() if k != "other")
+        busy = used / (s["wall_s"]["median"] * cores) if s["wall_s"]["median"] else 0.0
+        lines.append(f"| {engine} | {label} | "
+                     + " | ".join(f"{cpu.get(k, 0.0):.2f}" for k in keys)
+                     + f" | {used:.2f} | {busy:.0%} |")
+    return lines
 
 
 def worker_rss_by_task(task_docs: Iterable[Mapping[str, Any]]) -> dict[str, Any] | None:
