@@ -10,15 +10,17 @@ process needs divided by the cores. This sampler adds up user + system time (fro
   postmaster and its backends), the Kafka broker and the Spark Connect server (with its
   Python workers) when it runs.
 
-Processes are sampled every `interval` s; a process that exits between two samples loses
-at most its last interval. Other processes on the machine are left out (and reported as
-`other`, so a busy neighbour shows up in the figures).
+Processes are sampled every `interval` s (the sampler's own time counts as `driver`); a
+process that exits between two samples loses at most its last interval. A run returns the
+`window` it timed, so set-up and verification outside it are not counted. Other processes
+on the machine are reported apart as `other`, so a busy neighbour shows in the figures.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -48,18 +50,18 @@ def _tree(pid: int | None) -> list[psutil.Process]:
 class CpuUse:
     """Context manager: core-seconds per class (`CLASSES`) while it is open."""
 
-    def __init__(self, roots: Iterable[int], interval: float = 0.1,
+    def __init__(self, roots: Iterable[int], interval: float = 0.25,
                  stack: Path = STACK) -> None:
         self.roots = list(roots)
         self.interval = interval
         self.stack = stack
-        self._start: dict[int, float] = {}
-        self._last: dict[int, tuple[str, float]] = {}
+        # (time.perf_counter(), {pid: (class, cpu seconds so far)}) per sample
+        self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="cpu-use")
 
     def __enter__(self) -> CpuUse:
-        self._sample(first=True)
+        self._sample()
         self._thread.start()
         return self
 
@@ -99,25 +101,34 @@ class CpuUse:
                     out[p.pid] = "driver"
         return out
 
-    def _sample(self, first: bool = False) -> None:
+    def _sample(self) -> None:
         known = self._classes()
-        for p in psutil.process_iter(["pid"]):
+        now: dict[int, tuple[str, float]] = {}
+        for p in psutil.process_iter():
             try:
                 t = p.cpu_times()
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            used = t.user + t.system
-            cls = known.get(p.pid, "other")
-            if first:
-                self._start[p.pid] = used
-            elif p.pid not in self._start and p.pid not in self._last:
-                # started during the run: it counts from zero
-                self._start[p.pid] = 0.0
-            self._last[p.pid] = (cls, used)
+            now[p.pid] = (known.get(p.pid, "other"), t.user + t.system)
+        self._samples.append((time.perf_counter(), now))
 
-    def as_dict(self) -> dict[str, float]:
-        """Core-seconds per class, rounded; classes with nothing are left out."""
+    def as_dict(self, window: Sequence[float] | None = None) -> dict[str, float]:
+        """Core-seconds per class between the samples nearest the window's start and end
+        (`time.perf_counter()` values; the whole time open without one). A process that
+        started in between counts from zero; one that ended counts up to its last sample."""
+        samples = self._samples
+        if window is not None:
+            t0, t1 = window
+            inside = [s for s in samples if t0 - self.interval <= s[0] <= t1 + self.interval]
+            samples = inside if len(inside) >= 2 else samples
         total: dict[str, float] = dict.fromkeys(CLASSES, 0.0)
-        for pid, (cls, used) in self._last.items():
-            total[cls] += max(used - self._start.get(pid, 0.0), 0.0)
+        if len(samples) < 2:
+            return {}
+        first = samples[0][1]
+        last: dict[int, tuple[str, float]] = {}
+        for _, procs in samples:
+            last.update(procs)
+        for pid, (cls, used) in last.items():
+            start = first[pid][1] if pid in first else 0.0
+            total[cls] += max(used - start, 0.0)
         return {k: round(v, 2) for k, v in total.items() if v >= 0.005}

@@ -152,7 +152,7 @@ def timed_batch(spark: Any, cfg: Any, ds: DataSet, ctx: dict[str, Any]) -> dict[
     assert report.result.status == "committed", report.result
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": 0.0,
               **{k: v for k, v in report.timings.items() if k != "total_s"}}
-    return {"wall_s": wall, "stages": stages, "batch_id": batch_id,
+    return {"wall_s": wall, "window": (t0, t0 + wall), "stages": stages, "batch_id": batch_id,
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id)}
 
 
@@ -198,8 +198,8 @@ def offsetflow_submit_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[s
     # everything spark-submit spent outside run_batch: JVM, session, Python start and exit
     stages = {"plan_s": round(plan_s, 3), "spark_start_s": round(submit_s - inner, 3),
               **{k: v for k, v in timings.items() if k != "spark_start_s"}}
-    return {"wall_s": wall, "stages": stages, **rss.as_dict(), "cpu_s": cpu.as_dict(),
-            "batch_id": batch_id,
+    return {"wall_s": wall, "stages": stages, **rss.as_dict(),
+            "cpu_s": cpu.as_dict((t0, t0 + wall)), "batch_id": batch_id,
             "task_seconds": read_task_metrics(Path(ctx["metrics_dir"]), batch_id),
             **verify_and_drop(ctx["dsn"], name, ds)}
 
@@ -261,7 +261,7 @@ def builtin_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
            properties={"user": ctx["pg_user"], "password": ctx["pg_password"],
                        "driver": "org.postgresql.Driver"}))
     wall = time.perf_counter() - t0
-    return {"wall_s": wall,
+    return {"wall_s": wall, "window": (t0, t0 + wall),
             "stages": {"plan_s": 0.0, "spark_start_s": 0.0, "read_parse_write_s": round(wall, 3)},
             **verify_and_drop(ctx["dsn"], name, ds)}
 
@@ -356,7 +356,8 @@ def baseline_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
         conn.close()
         consumer.close()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "stages": {k: round(v, 3) for k, v in st.items()},
+    return {"wall_s": wall, "window": (t0, t0 + wall),
+            "stages": {k: round(v, 3) for k, v in st.items()},
             **verify_and_drop(ctx["dsn"], name, ds)}
 
 
@@ -372,7 +373,7 @@ def timed_runs(engine: str, datasets: Sequence[tuple[str, DataSet, int]],
                     CpuUse(roots or [os.getpid()]) as cpu:
                 res = run(ds, name)
             # a cold run measures its own process tree
-            res = {**rss.as_dict(), "cpu_s": cpu.as_dict(), **res}
+            res = {**rss.as_dict(), "cpu_s": cpu.as_dict(res.pop("window", None)), **res}
             res.update({"engine": engine, "label": label, "run": i, "records": ds.records,
                         "partitions": ds.partitions,
                         "records_per_s": round(ds.records / res["wall_s"], 1),

@@ -102,6 +102,6 @@ def builtin_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str
      .option("kafka.linger.ms", "20")
      .option("topic", out).save())
     wall = time.perf_counter() - t0
-    return {"wall_s": wall,
+    return {"wall_s": wall, "window": (t0, t0 + wall),
             "stages": {"plan_s": 0.0, "spark_start_s": 0.0, "read_parse_write_s": round(wall, 3)},
             **verify_and_delete(ctx["bootstrap"], out, ds)}

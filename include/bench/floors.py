@@ -74,7 +74,8 @@ def source_floor_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, A
     wall = time.perf_counter() - t0
     if records != ds.records:
         raise AssertionError(f"source floor read {records} records, not {ds.records}")
-    return {"wall_s": wall, "stages": {"read_s": round(wall, 3)}, "verified_rows": records,
+    return {"wall_s": wall, "window": (t0, t0 + wall), "stages": {"read_s": round(wall, 3)},
+            "verified_rows": records,
             "value_mb": round(nbytes / 1e6, 1)}
 
 
@@ -147,6 +148,7 @@ def sink_floor_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any
         wall = time.perf_counter() - t0
     finally:
         conn.close()
-    return {"wall_s": wall, "stages": {"copy_s": round(wall - commit_s, 3),
+    return {"wall_s": wall, "window": (t0, t0 + wall),
+            "stages": {"copy_s": round(wall - commit_s, 3),
                                        "commit_s": round(commit_s, 3)},
             **verify_and_drop(ctx["dsn"], name, ds)}
