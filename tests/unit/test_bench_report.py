@@ -128,3 +128,21 @@ def test_memory_goal_compares_the_python_worker_peak_at_10m_with_the_main_set() 
     s = report.summarise([mem("1M", 300.0), mem("10M", 310.0)])
     assert report.memory_goal(s, "1M", "10M")[0]["met"] is True
     assert report.memory_goal(s, "1M", None) == [] == report.memory_goal(s, "1M", "5M")
+
+
+def test_cpu_table_sums_the_engine_and_stack_and_leaves_other_out_of_busy() -> None:
+    runs = []
+    for pg, other in ((3.0, 0.5), (5.0, 9.0), (4.0, 1.0)):
+        r = run("offsetflow-local", "1M", 1000.0, 4.0)
+        r["cpu_s"] = {"postgres": pg, "python_workers": 2.0, "other": other}
+        runs.append(r)
+    s = report.summarise(runs)
+    assert s["offsetflow-local"]["1M"]["cpu_s"] == {"other": 1.0, "postgres": 4.0,
+                                                   "python_workers": 2.0}
+    lines = report.cpu_table(s, cores=2)
+    header = next(line for line in lines if line.startswith("| engine"))
+    assert header.split(" | ")[2:5] == ["postgres", "python_workers", "other"]
+    row = next(line for line in lines if line.startswith("| offsetflow-local"))
+    # engine + stack = 4 + 2 (other left out); busy = 6 / (4 s x 2 cores)
+    assert "| 6.00 | 75% |" in row
+    assert report.cpu_table(report.summarise([run("x", "1M", 1.0, 1.0)]), cores=2) == []
