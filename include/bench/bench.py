@@ -6,7 +6,7 @@ target with its unique index: `floors.py`).
                                   [--scaling 100000,1000000,5000000] [--scaling-runs 3]
                                   [--partition-scaling 100,1000] [--partition-records 100000]
                                   [--many-partitions 1000] [--many-partition-records 10]
-                                  [--memory-records 10000000] [--memory-runs 1]
+                                  [--memory-records 10000000] [--memory-runs 1] [--warmup-runs 2]
                                   [--out bench-results]
 
 Needs the local stack (`make up`); starts the Spark Connect server and the Spark standalone
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=6)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per engine (>= 3)")
     ap.add_argument("--cold-runs", type=int, default=3)
+    ap.add_argument("--warmup-runs", type=int, default=2,
+                    help="untimed runs of the main data set's size before a warm engine's "
+                         "timed runs (every engine the same)")
     ap.add_argument("--small-records", type=int, default=1000)
     ap.add_argument("--small-runs", type=int, default=5)
     ap.add_argument("--scaling", default="100000,1000000,5000000",
@@ -337,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
            "jdbc_url": (f"jdbc:postgresql://{params.get('host', '127.0.0.1')}:"
                         f"{params.get('port', 5432)}/{params['dbname']}"
                         "?stringtype=unspecified&reWriteBatchedInserts=true"),
-           "pg_user": params.get("user", ""), "pg_password": params.get("password", "")}
+           "pg_user": params.get("user", ""), "pg_password": params.get("password", ""),
+           "warmup_runs": max(args.warmup_runs, 0)}
 
     main_label = label_of(args.records)
     small_label = label_of(args.small_records)

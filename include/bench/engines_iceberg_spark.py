@@ -65,8 +65,8 @@ def builtin_iceberg_engine(jobs: list[tuple[str, DataSet, int]], warmup: DataSet
         python = ensure_env()
     except IcebergSparkUnavailable as e:
         return {"engine": ENGINE, "skipped": str(e), "results": []}
-    plan = [("warmup", warmup, 0)] + [(label, ds, i) for label, ds, n in jobs
-                                      for i in range(n)]
+    plan = [("warmup", warmup, i) for i in range(int(ctx.get("warmup_runs", 1)))] \
+        + [(label, ds, i) for label, ds, n in jobs for i in range(n)]
     cfgs, runs = [], []
     for label, ds, i in plan:
         cfg, run = _run_spec(ds, run_name(ENGINE, label, i), ctx)
