@@ -486,13 +486,21 @@ def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
     """`init_transactions` of `txn_id` and nothing else: an older producer of that id can
     neither commit nor add records any more, and its open transaction is completed or
     aborted, so the group's offsets read next are final."""
-    p = Producer({**cfg.admin_settings(), "transactional.id": txn_id,
-                  "enable.idempotence": True})
+    p = Producer(fence_settings(cfg, txn_id))
     try:
         p.init_transactions(timeout_s)
     except KafkaException as e:
         raise KafkaSinkError(f"init_transactions of transactional.id {txn_id} failed: {e}"
                              ) from e
+
+
+def fence_settings(cfg: PipelineConfig, txn_id: str) -> dict[str, Any]:
+    """The fencing producer's settings: the batch's own producer's (`sink.producer`, with
+    the credentials a cluster with ACLs gives the sink's principal), without its queue and
+    delivery callback, for another transactional.id."""
+    producer = cfg.sink.kafka.producer if cfg.sink.kafka is not None else {}
+    return {**cfg.admin_settings(), **producer, "transactional.id": txn_id,
+            "enable.idempotence": True}
 
 
 def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,

@@ -63,3 +63,19 @@ def test_an_abortable_error_of_commit_transaction_is_an_unknown_outcome() -> Non
     sink._producer = AbortFails()  # type: ignore[assignment]
     with pytest.raises(KafkaSinkError, match="was aborted, nothing of it is visible"):
         sink._retry(batch(), "send_offsets_to_transaction", failing(abortable))
+
+
+def test_the_fencing_producer_uses_the_sinks_producer_credentials() -> None:
+    """A batch planned before the ledger identity is fenced under its old transactional.id
+    by a producer of its own; on a cluster with ACLs only the sink's principal
+    (`sink.producer`) may use transactional ids: the source's would be refused."""
+    from offsetflow.sink_kafka import fence_settings
+
+    cfg = parse_pipeline(raw(topic="orders.clean", producer={
+        "sasl.username": "sink-writer", "sasl.password": "s3cret",
+        "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN"}), "orders.yaml", ENV)
+    conf = fence_settings(cfg, "offsetflow-sink-orders")
+    assert conf["sasl.username"] == "sink-writer" and conf["sasl.password"] == "s3cret"
+    assert conf["transactional.id"] == "offsetflow-sink-orders"
+    assert conf["enable.idempotence"] is True
+    assert conf["bootstrap.servers"] == "127.0.0.1:19092"
