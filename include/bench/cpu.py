@@ -18,14 +18,13 @@ on the machine are reported apart as `other`, so a busy neighbour shows in the f
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
 from report import CPU_CLASSES as CLASSES
-from rss import PY_WORKER_MARKERS
+from rss import PY_WORKER_MARKERS, Sampler
 
 STACK = Path(__file__).resolve().parents[2] / ".stack"
 
@@ -47,32 +46,17 @@ def _tree(pid: int | None) -> list[psutil.Process]:
         return []
 
 
-class CpuUse:
+class CpuUse(Sampler):
     """Context manager: core-seconds per class (`CLASSES`) while it is open."""
 
     def __init__(self, roots: Iterable[int], interval: float = 0.25,
                  stack: Path = STACK) -> None:
+        super().__init__()
         self.roots = list(roots)
         self.interval = interval
         self.stack = stack
         # (time.perf_counter(), {pid: (class, cpu seconds so far)}) per sample
         self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="cpu-use")
-
-    def __enter__(self) -> CpuUse:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
 
     def _classes(self) -> dict[int, str]:
         """pid -> class for the processes of interest now (the stack's first: a Spark

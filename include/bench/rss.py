@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import Self
 
 import psutil
 
 PY_WORKER_MARKERS = ("pyspark.daemon", "pyspark.worker", "pyspark/daemon", "pyspark/worker")
 
 
-class PeakRss:
-    """Samples every `interval` s: the sum over the trees of `roots` (this process by
-    default) and the largest single Spark Python worker. The per-worker peak is what would
-    grow if a range were collected in memory; the tree total includes the JVM heap."""
+class Sampler:
+    """Calls `_sample` on entry, every `interval` s in a background thread, and on exit."""
 
-    def __init__(self, roots: Iterable[int] = (), interval: float = 0.1) -> None:
-        self.roots = list(roots) or [psutil.Process().pid]
-        self.interval = interval
-        self.peak_total = 0
-        self.peak_worker = 0
+    interval = 0.1
+
+    def __init__(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="peak-rss")
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name=type(self).__name__)
 
-    def __enter__(self) -> PeakRss:
+    def __enter__(self) -> Self:
         self._sample()
         self._thread.start()
         return self
@@ -36,6 +34,22 @@ class PeakRss:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             self._sample()
+
+    def _sample(self) -> None:
+        raise NotImplementedError
+
+
+class PeakRss(Sampler):
+    """Samples every `interval` s: the sum over the trees of `roots` (this process by
+    default) and the largest single Spark Python worker. The per-worker peak is what would
+    grow if a range were collected in memory; the tree total includes the JVM heap."""
+
+    def __init__(self, roots: Iterable[int] = (), interval: float = 0.1) -> None:
+        super().__init__()
+        self.roots = list(roots) or [psutil.Process().pid]
+        self.interval = interval
+        self.peak_total = 0
+        self.peak_worker = 0
 
     def _sample(self) -> None:
         total = 0
