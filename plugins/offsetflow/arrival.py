@@ -14,6 +14,9 @@ from collections.abc import Mapping
 from offsetflow.planner import PartitionOffsets
 from offsetflow.ranges import TopicPartition
 
+# a failed batch's retry by an event-driven run waits at most this long
+RETRY_CAP_S = 3600.0
+
 
 def pending_offsets(committed: Mapping[TopicPartition, int],
                     offsets: Mapping[TopicPartition, PartitionOffsets],
@@ -36,3 +39,15 @@ def pending_offsets(committed: Mapping[TopicPartition, int],
 def describe(pending: Mapping[TopicPartition, int]) -> dict[str, int]:
     """JSON-able form for trigger events and XCom: {"topic/partition": offsets}."""
     return {f"{t}/{p}": n for (t, p), n in sorted(pending.items())}
+
+
+def retry_wait(attempts: int, since_failed_s: float, base_s: float,
+               cap_s: float = RETRY_CAP_S) -> float:
+    """Seconds until an event-driven run should retry an open batch that failed `attempts`
+    times, its last failure `since_failed_s` ago: `base_s` doubled per failure after the
+    first, at most `cap_s`. A batch failing for good (its records deleted, a broken config)
+    then starts a failing run once an hour, not every poll interval."""
+    if attempts <= 0:
+        return 0.0
+    delay = min(base_s * 2.0 ** min(attempts - 1, 30), cap_s)
+    return max(0.0, delay - max(since_failed_s, 0.0))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.arrival import pending_offsets
+from offsetflow.arrival import pending_offsets, retry_wait
 from offsetflow.config import PipelineConfig
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
@@ -53,6 +53,22 @@ def pending_for(cfg: PipelineConfig, dsn: str | None = None) -> dict[TopicPartit
     kafka = kafka_for(cfg)
     tps = kafka.partitions(kafka.topics(cfg.topics, cfg.topic_pattern))
     return pending_offsets(committed, kafka.partition_offsets(tps), cfg.starting.kind)
+
+
+def failed_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None
+                      ) -> tuple[int, int, float] | None:
+    """For an open scheduled batch that failed: (batch id, attempts, seconds until an
+    event-driven run should retry it, `arrival.retry_wait`); None for any other state. The
+    time since the failure is the ledger database's, not this machine's clock."""
+    with Ledger(dsn or cfg.sink.connection) as ledger, ledger.transaction() as cur:
+        batch = ledger.open_batch(cur, cfg.name)
+        if batch is None or batch.status != "failed":
+            return None
+        cur.execute("""SELECT COALESCE(extract(epoch FROM now() - finished_at), 0)
+                         FROM offsetflow.batches WHERE batch_id = %s""", (batch.batch_id,))
+        row = cur.fetchone()
+    since = float(row[0]) if row else 0.0
+    return batch.batch_id, batch.attempts, retry_wait(batch.attempts, since, base_s)
 
 
 def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:

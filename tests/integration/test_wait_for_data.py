@@ -206,3 +206,41 @@ def test_event_trigger_restarted_at_once_does_not_fire_again_at_once(
     fired, flood = asyncio.run(scenario())
     assert fired, "the watcher never fired for waiting data"
     assert not flood, "a restarted watcher fired again at once (or never again)"
+
+
+def test_event_trigger_waits_longer_after_each_failure_of_the_open_batch(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, pg_dsn: str,
+        unique: str) -> None:
+    """An open batch that failed counts as waiting data. A batch failing for good (records
+    deleted, a broken config) made a watcher start a failing run every poll interval until
+    someone abandoned it; now the retry waits the poll interval doubled per failure."""
+    import psycopg2
+
+    from offsetflow.config import find_pipeline
+    from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
+
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"fl-{unique}", 2)
+    batch = plan_only(find_pipeline(waiting_pipeline["name"]), pg_dsn).batch
+    assert batch is not None
+
+    def set_failed(ago_s: float) -> None:
+        with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
+            cur.execute("""UPDATE offsetflow.batches SET status = 'failed', attempts = 3,
+                                  error = 'test: failed for good',
+                                  finished_at = now() - make_interval(secs => %s)
+                            WHERE batch_id = %s""", (ago_s, batch.batch_id))
+        conn.close()
+
+    set_failed(0)  # three failures: the next retry 4 s x 2^2 = 16 s after the last
+
+    async def scenario() -> tuple[bool, bool]:
+        watcher = asyncio.ensure_future(_first_event(
+            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=4)))
+        early = await _until(watcher, 11)
+        set_failed(3600)  # the delay has passed
+        later = await _until(watcher, 15)
+        return early, later
+
+    early, later = asyncio.run(scenario())
+    assert not early, "the watcher retried a batch that failed 3 times after one interval"
+    assert later, "the watcher never retried the failed batch once its delay had passed"

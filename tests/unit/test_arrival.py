@@ -34,3 +34,15 @@ def test_position_behind_retention_counts_only_what_is_still_there() -> None:
 
 def test_describe_is_json_keys() -> None:
     assert describe({("a.b", 3): 4}) == {"a.b/3": 4}
+
+
+def test_a_failed_batchs_retry_waits_double_per_failure_up_to_an_hour() -> None:
+    from offsetflow.arrival import RETRY_CAP_S, retry_wait
+
+    assert retry_wait(0, 0.0, 30.0) == 0.0  # never failed
+    assert retry_wait(1, 0.0, 30.0) == 30.0  # the first failure: one poll interval
+    assert retry_wait(1, 10.0, 30.0) == 20.0
+    assert retry_wait(3, 0.0, 30.0) == 120.0
+    assert retry_wait(3, 500.0, 30.0) == 0.0  # due
+    assert retry_wait(40, 0.0, 30.0) == RETRY_CAP_S == 3600.0
+    assert retry_wait(2, -5.0, 30.0) == 60.0  # a clock behind the failure: the full wait

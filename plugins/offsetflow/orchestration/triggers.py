@@ -59,6 +59,34 @@ async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
         await asyncio.sleep(poll_interval)
 
 
+def failed_wait(pipeline: str, base_s: float) -> tuple[int, int, float] | None:
+    """`runner.failed_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
+    from offsetflow.config import find_pipeline
+    from offsetflow.orchestration.connections import resolve
+    from offsetflow.runner import failed_batch_wait
+
+    return failed_batch_wait(resolve(find_pipeline(pipeline)), base_s)
+
+
+async def retry_due(pipeline: str, poll_interval: float) -> bool:
+    """Whether the pipeline's waiting data may start a run now: not while its open batch
+    failed less than its retry delay ago (`arrival.retry_wait`); said in the log."""
+    try:
+        failed = await asyncio.to_thread(failed_wait, pipeline, poll_interval)
+    except TRANSIENT as e:
+        log.warning("pipeline %s: could not read its open batch (%s); checking again in "
+                    "%.0f s", pipeline, e, poll_interval)
+        return False
+    if failed is None or failed[2] <= 0:
+        return True
+    batch_id, attempts, wait = failed
+    log.warning("pipeline %s: open batch %d failed %d time(s); the next event-driven run "
+                "retries it in %.0f s (the wait doubles per failure, at most 1 h). A manual "
+                "DAG run or `offsetflow run-batch` retries it now; `offsetflow abandon` "
+                "drops it", pipeline, batch_id, attempts, wait)
+    return False
+
+
 class NewOffsetsTrigger(BaseTrigger):
     """Fires once when `pipeline` has at least `min_offsets` committed offsets to read."""
 
@@ -83,7 +111,10 @@ class NewOffsetsTrigger(BaseTrigger):
 class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
     """The same check for event-driven scheduling: an `AssetWatcher` on an Asset that a
     pipeline DAG is scheduled on starts a run "when data arrives". Error payloads are not
-    emitted as events (they would start runs); they are logged and polled again."""
+    emitted as events (they would start runs); they are logged and polled again. An open
+    batch that failed counts as waiting data, but starts a run only after its retry delay
+    (`retry_due`): a batch failing for good would otherwise start a failing run every poll
+    interval until someone abandons it."""
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # The triggerer restarts a watcher's trigger as soon as it fires. Checking at once
@@ -95,8 +126,11 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
             payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
             if payload["status"] == "data":
-                yield TriggerEvent(payload)
-                return
+                if await retry_due(self.pipeline, self.poll_interval):
+                    yield TriggerEvent(payload)
+                    return
+                await asyncio.sleep(self.poll_interval)
+                continue
             log.error("pipeline %s: %s; checking again in %.0f s", self.pipeline,
                       payload["message"], self.poll_interval)
             await asyncio.sleep(self.poll_interval)
