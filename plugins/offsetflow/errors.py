@@ -257,3 +257,8 @@ class LedgerIdentityError(BatchStateError):
     a copy of a ledger (staging from a prod dump) must get its own (`offsetflow db
     new-identity`), the same ledger restored or moved keeps it (`offsetflow db
     adopt-identity`). Names both databases."""
+
+
+class LedgerVersionError(OffsetFlowError):
+    """The ledger was migrated by a newer OffsetFlow than the one running (a rollback after
+    `offsetflow db upgrade`): run that version or a newer one."""

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from importlib import resources
 from typing import Any
 
 import psycopg2
@@ -20,7 +19,12 @@ import psycopg2.extensions
 import psycopg2.extras
 from psycopg2 import sql
 
-from offsetflow.errors import BatchNotFoundError, BatchStateError, LockTimeoutError
+from offsetflow.errors import (
+    BatchNotFoundError,
+    BatchStateError,
+    LockTimeoutError,
+)
+from offsetflow.ledger_migrations import refuse_newer_ledger, upgrade
 from offsetflow.planner import DataLossGap
 from offsetflow.ranges import OffsetRange, TopicPartition
 
@@ -161,29 +165,12 @@ class Ledger:
 
     # -- migrations -------------------------------------------------------------------
     def upgrade(self) -> list[str]:
-        """Apply pending migrations in order, once each, under an advisory lock."""
-        applied_now: list[str] = []
+        """Apply pending migrations in order, once each (`ledger_migrations.upgrade`)."""
         with self.transaction() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:migrations'))")
-            cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow")
-            cur.execute("""CREATE TABLE IF NOT EXISTS offsetflow.schema_migrations (
-                               version text PRIMARY KEY,
-                               applied_at timestamptz NOT NULL DEFAULT now())""")
-            cur.execute("SELECT version FROM offsetflow.schema_migrations")
-            done = {row[0] for row in cur.fetchall()}
-            files = sorted((f for f in resources.files("offsetflow.migrations").iterdir()
-                            if f.name.endswith(".sql")), key=lambda f: f.name)
-            for f in files:
-                version = f.name.removesuffix(".sql")
-                if version in done:
-                    continue
-                cur.execute(f.read_text())
-                cur.execute("INSERT INTO offsetflow.schema_migrations (version) VALUES (%s)",
-                            (version,))
-                applied_now.append(version)
-        for v in applied_now:
+            applied = upgrade(cur)
+        for v in applied:
             log.info("applied ledger migration %s", v)
-        return applied_now
+        return applied
 
     # -- locking ----------------------------------------------------------------------
     @staticmethod
@@ -385,6 +372,7 @@ class Ledger:
     def mark_running(self, batch_id: int) -> Batch:
         """Move an open batch to running; a committed one is returned as is (no-op)."""
         with self.transaction() as cur:
+            refuse_newer_ledger(cur)
             b = self.get_batch(batch_id, cur, for_update=True)
             if b.status == "committed":
                 return b
