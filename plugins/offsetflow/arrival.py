@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from offsetflow.planner import PartitionOffsets
 from offsetflow.ranges import TopicPartition
 
-# a failed batch's retry by an event-driven run waits at most this long
-RETRY_CAP_S = 3600.0
+# a failed batch's retry by an event-driven run waits at most this long: a batch failing
+# for good runs 4 times an hour, and a pipeline back from an outage waits at most this
+RETRY_CAP_S = 900.0
 
 
 def pending_offsets(committed: Mapping[TopicPartition, int],
@@ -43,10 +44,11 @@ def describe(pending: Mapping[TopicPartition, int]) -> dict[str, int]:
 
 def retry_wait(attempts: int, since_failed_s: float, base_s: float,
                cap_s: float = RETRY_CAP_S) -> float:
-    """Seconds until an event-driven run should retry an open batch that failed `attempts`
-    times, its last failure `since_failed_s` ago: `base_s` doubled per failure after the
-    first, at most `cap_s`. A batch failing for good (its records deleted, a broken config)
-    then starts a failing run once an hour, not every poll interval."""
+    """Seconds until an event-driven run should retry an open batch that failed after
+    `attempts` attempts (every try counts, Airflow task retries too), its last failure
+    `since_failed_s` ago: `base_s` doubled per attempt after the first, at most `cap_s`. A
+    batch failing for good (its records deleted, a broken config) then starts a failing run
+    every 15 minutes, not every poll interval."""
     if attempts <= 0:
         return 0.0
     delay = min(base_s * 2.0 ** min(attempts - 1, 30), cap_s)

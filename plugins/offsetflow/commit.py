@@ -71,6 +71,7 @@ from offsetflow.ledger import (
     qualified,
     stage_table,
 )
+from offsetflow.ledger_migrations import refuse_newer_ledger
 from offsetflow.ranges import OffsetRange
 from offsetflow.stage_reset import check_layout, forget_parts, lock_stage
 from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
@@ -202,6 +203,7 @@ def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -
     """Step 1. Every lock the commit takes from here waits at most `lock_timeout_s`."""
     cur.execute("SELECT set_config('lock_timeout', %s, true)",
                 (f"{int(lock_timeout_s() * 1000)}ms",))
+    refuse_newer_ledger(cur)  # before any lock a `db upgrade` could wait for
     batch = ledger.get_batch(batch_id, cur, for_update=True)
     if batch.status == "abandoned":
         raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")

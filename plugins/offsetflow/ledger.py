@@ -176,8 +176,10 @@ class Ledger:
     @staticmethod
     def lock_pipeline(cur: psycopg2.extensions.cursor, pipeline: str,
                       timeout_s: float = 60.0) -> None:
-        """Per-pipeline planning lock, held until the surrounding transaction ends."""
+        """Per-pipeline planning lock, held until the surrounding transaction ends (after
+        the ledger version check: the first lock a planning transaction takes)."""
         cur.execute("SET LOCAL lock_timeout = %s", (f"{int(timeout_s * 1000)}ms",))
+        refuse_newer_ledger(cur)
         try:
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
                         (f"offsetflow:plan:{pipeline}",))
@@ -423,6 +425,7 @@ class Ledger:
             with self.transaction() as c:
                 self.abandon(batch_id, reason, c)
             return
+        refuse_newer_ledger(cur)
         b = self.get_batch(batch_id, cur, for_update=True)
         if not b.is_open:
             raise BatchStateError(f"batch {batch_id} is {b.status}; only open batches "

@@ -16,12 +16,14 @@ import psycopg2.extensions
 
 from offsetflow.errors import LedgerVersionError
 
+LOCK = "offsetflow:migrations"
+
 
 def upgrade(cur: psycopg2.extensions.cursor) -> list[str]:
     """Apply the pending migrations in order, once each, under an advisory lock; returns
     the versions applied now."""
     applied_now: list[str] = []
-    cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:migrations'))")
+    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (LOCK,))
     cur.execute("CREATE SCHEMA IF NOT EXISTS offsetflow")
     cur.execute("""CREATE TABLE IF NOT EXISTS offsetflow.schema_migrations (
                        version text PRIMARY KEY,
@@ -48,6 +50,10 @@ def _migration_files() -> list[Any]:
 def refuse_unknown(applied: Iterable[str]) -> None:
     """Refuse a ledger with migrations this version does not know (module docstring)."""
     known = {f.name.removesuffix(".sql") for f in _migration_files()}
+    if not known:
+        raise LedgerVersionError("this installation of OffsetFlow has no ledger migrations "
+                                 "(offsetflow/migrations/*.sql is missing from the package): "
+                                 "reinstall it")
     unknown = sorted(set(applied) - known)
     if unknown:
         raise LedgerVersionError(
@@ -57,7 +63,11 @@ def refuse_unknown(applied: Iterable[str]) -> None:
 
 
 def refuse_newer_ledger(cur: psycopg2.extensions.cursor) -> None:
-    """`refuse_unknown` on the ledger behind `cur` (one small query per run and plan)."""
+    """`refuse_unknown` on the ledger behind `cur`, for every step that writes it (plans,
+    window requests, position resets, a run's claim, the commit, abandon). Holds the
+    migrations lock shared until `cur`'s transaction ends: a `db upgrade` waits for the
+    steps under way and the steps after it see its migrations."""
+    cur.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s))", (LOCK,))
     cur.execute("SELECT to_regclass('offsetflow.schema_migrations') IS NOT NULL")
     row = cur.fetchone()
     if not (row and row[0]):

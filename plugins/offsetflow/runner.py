@@ -64,10 +64,13 @@ def failed_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None
         batch = ledger.open_batch(cur, cfg.name)
         if batch is None or batch.status != "failed":
             return None
-        cur.execute("""SELECT COALESCE(extract(epoch FROM now() - finished_at), 0)
+        # no failure time recorded: due now (never a wait that cannot end)
+        cur.execute("""SELECT extract(epoch FROM now() - finished_at)
                          FROM offsetflow.batches WHERE batch_id = %s""", (batch.batch_id,))
         row = cur.fetchone()
-    since = float(row[0]) if row else 0.0
+    if not row or row[0] is None:
+        return batch.batch_id, batch.attempts, 0.0
+    since = float(row[0])
     return batch.batch_id, batch.attempts, retry_wait(batch.attempts, since, base_s)
 
 

@@ -494,12 +494,20 @@ def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
                              ) from e
 
 
+# `sink.producer` settings that say how to connect and who the producer is; the fencing
+# producer takes only these (it produces nothing: delivery, batching and timeout settings
+# could only clash with its own transaction timeout, e.g. delivery.timeout.ms > 60 s)
+CONNECTION_PREFIXES = ("security.", "ssl", "sasl.", "enable.ssl.", "client.", "oauthbearer",
+                       "broker.address.")
+
+
 def fence_settings(cfg: PipelineConfig, txn_id: str) -> dict[str, Any]:
-    """The fencing producer's settings: the batch's own producer's (`sink.producer`, with
-    the credentials a cluster with ACLs gives the sink's principal), without its queue and
-    delivery callback, for another transactional.id."""
+    """The fencing producer's settings: the client's, then the connection and identity
+    settings of the batch's own producer (`sink.producer`: the credentials a cluster with
+    ACLs gives the sink's principal), for another transactional.id."""
     producer = cfg.sink.kafka.producer if cfg.sink.kafka is not None else {}
-    return {**cfg.admin_settings(), **producer, "transactional.id": txn_id,
+    own = {k: v for k, v in producer.items() if k.startswith(CONNECTION_PREFIXES)}
+    return {**cfg.admin_settings(), **own, "transactional.id": txn_id,
             "enable.idempotence": True}
 
 

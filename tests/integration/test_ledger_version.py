@@ -32,6 +32,8 @@ def test_a_ledger_migrated_by_a_newer_version_is_refused(admin_dsn: str, kafka_b
                 ledger.mark_running(planned.batch_id)
             with pytest.raises(LedgerVersionError, match="newer OffsetFlow"):
                 ledger.upgrade()
+            with pytest.raises(LedgerVersionError, match="9999_from_a_newer_version"):
+                ledger.abandon(planned.batch_id, "test")
             assert ledger.get_batch(planned.batch_id).status == "planned"  # untouched
         with pytest.raises(LedgerVersionError, match="9999_from_a_newer_version"):
             plan_only(cfg, dsn)

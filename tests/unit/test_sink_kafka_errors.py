@@ -79,3 +79,21 @@ def test_the_fencing_producer_uses_the_sinks_producer_credentials() -> None:
     assert conf["transactional.id"] == "offsetflow-sink-orders"
     assert conf["enable.idempotence"] is True
     assert conf["bootstrap.servers"] == "127.0.0.1:19092"
+
+
+def test_the_fencing_producer_leaves_out_delivery_and_timeout_settings() -> None:
+    """A sink.producer delivery.timeout.ms above 60 s (the Java client's default is 120 s)
+    made librdkafka refuse to create the fencing producer (its transaction.timeout.ms is
+    the 60 s default): every old-format batch failed, abandon and complete too."""
+    from confluent_kafka import Producer
+
+    from offsetflow.sink_kafka import fence_settings
+
+    cfg = parse_pipeline(raw(topic="orders.clean", producer={
+        "delivery.timeout.ms": 120000, "linger.ms": 50, "compression.type": "lz4",
+        "sasl.username": "sink-writer"}), "orders.yaml", ENV)
+    conf = fence_settings(cfg, "offsetflow-sink-orders")
+    assert "delivery.timeout.ms" not in conf and "linger.ms" not in conf
+    assert conf["sasl.username"] == "sink-writer"
+    conf.pop("sasl.username")  # no SASL on a plaintext test client
+    Producer(conf)  # librdkafka accepts the settings (it refused them with the timeout)

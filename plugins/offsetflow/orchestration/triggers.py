@@ -68,22 +68,32 @@ def failed_wait(pipeline: str, base_s: float) -> tuple[int, int, float] | None:
     return failed_batch_wait(resolve(find_pipeline(pipeline)), base_s)
 
 
-async def retry_due(pipeline: str, poll_interval: float) -> bool:
+async def retry_due(pipeline: str, poll_interval: float,
+                    told: set[tuple[int, int]] | None = None) -> bool:
     """Whether the pipeline's waiting data may start a run now: not while its open batch
-    failed less than its retry delay ago (`arrival.retry_wait`); said in the log."""
+    failed less than its retry delay ago (`arrival.retry_wait`); said in the log once per
+    batch and attempt count (`told` remembers). A check that fails for another reason than
+    an outage lets the run start: the run then says what is wrong."""
     try:
         failed = await asyncio.to_thread(failed_wait, pipeline, poll_interval)
     except TRANSIENT as e:
         log.warning("pipeline %s: could not read its open batch (%s); checking again in "
                     "%.0f s", pipeline, e, poll_interval)
         return False
+    except Exception as e:  # noqa: BLE001 - the run reports it with its context
+        log.error("pipeline %s: checking its open batch failed (%s: %s); starting the run",
+                  pipeline, type(e).__name__, e)
+        return True
     if failed is None or failed[2] <= 0:
         return True
     batch_id, attempts, wait = failed
-    log.warning("pipeline %s: open batch %d failed %d time(s); the next event-driven run "
-                "retries it in %.0f s (the wait doubles per failure, at most 1 h). A manual "
-                "DAG run or `offsetflow run-batch` retries it now; `offsetflow abandon` "
-                "drops it", pipeline, batch_id, attempts, wait)
+    if told is None or (batch_id, attempts) not in told:
+        log.warning("pipeline %s: open batch %d failed (attempt %d); the next event-driven "
+                    "run retries it in %.0f s (the wait doubles per attempt, at most 15 min). "
+                    "A manual DAG run or `offsetflow run-batch` retries it now; "
+                    "`offsetflow abandon` drops it", pipeline, batch_id, attempts, wait)
+        if told is not None:
+            told.add((batch_id, attempts))
     return False
 
 
@@ -122,11 +132,12 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
         # started is still reading (an asset event, and a queued run, each time): a
         # restarted watcher waits one poll interval first.
         await asyncio.sleep(self.poll_interval)
+        told: set[tuple[int, int]] = set()
         while True:
             payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
             if payload["status"] == "data":
-                if await retry_due(self.pipeline, self.poll_interval):
+                if await retry_due(self.pipeline, self.poll_interval, told):
                     yield TriggerEvent(payload)
                     return
                 await asyncio.sleep(self.poll_interval)
