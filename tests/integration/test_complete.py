@@ -21,6 +21,7 @@ from offsetflow.cli import main as cli
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
+from tests.integration.test_sink_iceberg import IcebergCase
 from tests.integration.test_sink_kafka_faults import (
     RECORDS,
     Case,
@@ -31,6 +32,7 @@ from tests.integration.test_sink_kafka_faults import (
 )
 from tests.tooling import chaos
 from tests.tooling.chaos import dead_letters
+from tests.tooling.iceberg_rows import iceberg_sink_rows, snapshot_batches
 from tests.tooling.topic_checker import read_topic
 
 SPLIT = 40  # offsets per sub-range: each partition's range is split into several parts
@@ -144,3 +146,26 @@ def test_complete_routes_the_records_the_kafka_transaction_left_out(
     assert "bytes" in dead[0].error  # its size, as the metadata recorded it
     assert len(read_topic(case.bootstrap, case.out, "read_committed")) == RECORDS
 
+
+@pytest.mark.slow
+def test_complete_records_the_iceberg_snapshots_counts(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path) -> None:
+    """Review s24-complete LOW: completed from an Iceberg snapshot, the batch recorded 0 bad
+    records (and 0 records read) although the snapshot's summary holds its dead-letter
+    count; status, metrics and Asset events then show a batch without its tombstones."""
+    case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, make_topic("ice", 2), 2, unique)
+    case.workload.tombstones(40)  # routed to the dead-letter table: the summary counts them
+    bid = case.planned_batch(3000, seed=23)
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # Iceberg committed it, the ledger not
+    chaos.crash_postgres()
+    delete_batch_records(kafka_bootstrap, pg_dsn, bid)
+    assert cli(["--dsn", pg_dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(bid), "--reason", "records gone"]) == 0
+    done = case.batch(bid)
+    rows = len(iceberg_sink_rows(case.cfg, case.dsn))
+    assert done.status == "committed" and rows > 0
+    assert (done.rows_written, done.bad_records, done.records_read) == (rows, 40, rows + 40)
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # nothing appended again
