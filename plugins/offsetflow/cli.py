@@ -199,7 +199,7 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 def cmd_complete(args: argparse.Namespace) -> int:
     """`offsetflow.complete`: a batch its external sink holds, completed from the sink's
     record when it can be neither run (records gone) nor abandoned (the sink holds it)."""
-    from offsetflow.complete import complete_from_sink
+    from offsetflow.complete import complete_from_sink, unreadable_in
     from offsetflow.errors import BatchStateError
     from offsetflow.sinks import external_sink
 
@@ -212,31 +212,18 @@ def cmd_complete(args: argparse.Namespace) -> int:
                 f"batch {args.batch_id}: pipeline {batch.pipeline} writes to PostgreSQL, "
                 f"where rows and ledger commit together; there is no sink record to complete "
                 f"it from (run it, or abandon it)")
-        if cfg is not None and cfg.sink.iceberg is not None and cfg.sink.mode == "upsert":
+        assert cfg is not None  # (no config: no sink)
+        if cfg.sink.iceberg is not None and cfg.sink.mode == "upsert":
             sink.close()  # its find would skip the deletions memory (review s24-complete M2)
             raise BatchStateError(
                 f"batch {args.batch_id}: complete is not offered for Iceberg upsert "
                 f"pipelines (the batch's deleted keys could not be remembered); run it")
-        if cfg is not None and not _records_gone(cfg, batch):
-            sink.close()  # a re-run still routes its dead letters (review s24-complete M1)
-            raise BatchStateError(
-                f"batch {args.batch_id}: Kafka still holds all of its records; run it again "
-                f"(offsetflow run-batch --pipeline {batch.pipeline} --batch-id "
-                f"{args.batch_id}), which completes it with its dead letters")
-        result = complete_from_sink(ledger, args.batch_id, sink, args.reason)
+        result = complete_from_sink(ledger, args.batch_id, sink, args.reason,
+                                    unreadable_in(cfg))
     print(result.message if result.status != "committed" else
           f"batch {args.batch_id} completed from its sink's record: {result.rows_written} "
           f"rows there; positions advanced")
     return 0
-
-
-def _records_gone(cfg: PipelineConfig, batch: Batch) -> bool:
-    """Whether retention deleted any of `batch`'s records (only then is `complete` the way
-    out: a re-run can no longer read the batch)."""
-    from offsetflow.runner import kafka_for
-
-    offsets = kafka_for(cfg).partition_offsets([r.topic_partition for r in batch.ranges])
-    return any(r.from_offset < offsets[r.topic_partition].earliest for r in batch.ranges)
 
 
 def cmd_reset_position(args: argparse.Namespace) -> int:

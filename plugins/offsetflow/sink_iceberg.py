@@ -107,6 +107,7 @@ class IcebergSink:
     _catalog: Any = None
     _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
     _layout_checked: bool = False  # the table's layout was compared with the config
+    stage_gone: bool = False  # `offsetflow complete`: the dead-letter count is the snapshot's
 
     @property
     def catalog(self) -> Catalog:
@@ -138,7 +139,13 @@ class IcebergSink:
 
             moved.dead += prepare(self, cur, batch)
         moved.rows = found[0]
+        if self.stage_gone:  # nothing was routed again: the count the snapshot recorded
+            moved.dead = found[1]
         return moved
+
+    def completing(self) -> None:
+        """`offsetflow complete`: the stage is lost; `find` takes the snapshot's counts."""
+        self.stage_gone = True
 
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
         if self.spec.mode == "upsert":  # merge on the key: its own module

@@ -31,7 +31,7 @@ import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 
-from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.commit import CommitSpec, Moved, _staged_per_range, move_stage_dead_letters
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
@@ -49,6 +49,7 @@ from offsetflow.sink_kafka_form import (
     output_topic,
     record_headers,
     record_size,
+    records_in,
     refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
@@ -110,8 +111,14 @@ class KafkaTopicSink:
         self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
         # the group's offsets `find` read when the batch was not there (`write` checks them)
         self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
+        self.stage_gone = False  # see `completing`
 
     # --- ExternalSink ---------------------------------------------------------------
+
+    def completing(self) -> None:
+        """`offsetflow complete`: the stage is lost; `find` takes the counts and the
+        left-out records from the commit's offset metadata alone."""
+        self.stage_gone = True
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
         topic = output_topic(self.sink, batch, self.cfg.source_file)
@@ -147,7 +154,10 @@ class KafkaTopicSink:
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  mark.group(batch))
         # the records that transaction left out go to the dead-letter table as it did
-        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
+                           stage_gone=self.stage_gone)
+        if self.stage_gone:
+            return _moved_from_record(batch, records_in(batch, mark, state), skipped)
         moved = Moved(rows=_staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
@@ -323,7 +333,7 @@ class KafkaTopicSink:
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
                                  f"({self._delivery_error}); "
                                  f"{self._timed_out() or 'the transaction was aborted'}")
-        self._send_offsets(batch, skipped)
+        self._send_offsets(batch, skipped, _staged_per_range(cur, batch.batch_id))
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False
@@ -382,14 +392,16 @@ class KafkaTopicSink:
                                  f"usable ({why}); create it before running the pipeline")
         return len(t.partitions)
 
-    def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced]) -> None:
+    def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced],
+                      per_range: dict[str, int]) -> None:
         assert self._producer is not None and self._consumer is not None
         offsets = []
         for r in batch.ranges:
             if r.until_offset <= r.from_offset:
                 continue
             left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
-            meta = self._mark.metadata(batch.batch_id, left_out)
+            meta = self._mark.metadata(batch.batch_id, left_out,
+                                       per_range.get(f"{r.topic}/{r.partition}", 0))
             if len(meta.encode()) > METADATA_MAX_BYTES:
                 raise KafkaSinkError(
                     f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
@@ -524,6 +536,18 @@ def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,
                     WHERE b.status = 'committed' AND b.pipeline = %s
                       AND r.batch_id = ANY(%s)""", (batch.pipeline, ids))
     return {(int(b), str(t), int(p), int(u)) for b, t, p, u in cur.fetchall()}
+
+
+def _moved_from_record(batch: Batch, records: dict[str, int] | None,
+                       skipped: Sequence[NotProduced]) -> Moved:
+    """Step 4's counts of a batch whose stage is gone, from its commit's record: the
+    staged records per range, less those the topic did not take."""
+    if records is None:  # committed by a release that did not record them
+        log.warning("batch %d: its Kafka commit records no counts (an older release made "
+                    "it); the ledger counts its rows as 0", batch.batch_id)
+        return Moved(rows=0, dead=len(skipped))
+    return Moved(rows=sum(records.values()) - len(skipped), dead=len(skipped),
+                 per_range=records)
 
 
 def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:

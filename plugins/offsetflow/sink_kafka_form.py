@@ -121,12 +121,17 @@ class CommitMark:
         """The group the batch's transaction commits its until positions to (KIP-98)."""
         return self._base(batch)
 
-    def metadata(self, batch_id: int, skipped: Sequence[NotProduced] = ()) -> str:
-        """The batch's mark on each committed offset; with the records of that partition
-        the topic could not take (so a run that finds the commit routes the same ones)."""
+    def metadata(self, batch_id: int, skipped: Sequence[NotProduced] = (),
+                 records: int | None = None) -> str:
+        """The batch's mark on each committed offset; with the partition's staged records
+        (`records`: the ledger's counts when `offsetflow complete` takes the batch from this
+        record, its stage gone) and those the topic could not take (so a run that finds the
+        commit routes the same ones)."""
         base = f"offsetflow pipeline={self.pipeline} batch={batch_id}"
         if self.ledger is not None:
             base = f"{base} ledger={self.ledger} topic={self.topic}"
+        if records is not None:
+            base = f"{base} records={records}"
         if not skipped:
             return base
         return f"{base} {_NOT_PRODUCED}" + ",".join(
@@ -135,7 +140,8 @@ class CommitMark:
 
 # pipeline names have no blanks, Kafka topic names neither (legal: [a-zA-Z0-9._-])
 _METADATA_RE = re.compile(r"offsetflow pipeline=(\S+) batch=(\d+)"
-                          r"(?: ledger=(\S+) topic=(\S+))?(?: " + _NOT_PRODUCED + r"(\S*))?")
+                          r"(?: ledger=(\S+) topic=(\S+))?(?: records=(\d+))?"
+                          r"(?: " + _NOT_PRODUCED + r"(\S*))?")
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,7 @@ class _Meta:
     batch_id: int
     ledger: str | None
     topic: str | None
+    records: int | None  # None: committed before the count was recorded
     not_produced: str | None
 
 
@@ -151,7 +158,7 @@ def _parse(meta: str | None) -> _Meta | None:
     m = _METADATA_RE.fullmatch(meta or "")
     if m is None:
         return None
-    return _Meta(m[1], int(m[2]), m[3], m[4], m[5])
+    return _Meta(m[1], int(m[2]), m[3], m[4], None if m[5] is None else int(m[5]), m[6])
 
 
 def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
@@ -271,6 +278,24 @@ def not_produced_in(batch: Batch, mark: CommitMark,
             off, size = item.split(":")
             out.append(NotProduced(topic, partition, int(off),
                                    None if size == "nullkey" else int(size)))
+    return out
+
+
+def records_in(batch: Batch, mark: CommitMark,
+               found: Mapping[tuple[str, int], tuple[int, str | None]]) -> dict[str, int] | None:
+    """A committed batch's staged records per "topic/partition" as its commit recorded
+    them (`committed_state` is True); None if a range's commit predates the count."""
+    out: dict[str, int] = {}
+    for r in batch.ranges:
+        if r.until_offset <= r.from_offset:
+            continue
+        got = found.get(r.topic_partition)
+        meta = _parse(got[1]) if got is not None else None
+        if meta is None or meta.records is None or (
+                meta.pipeline, meta.batch_id, meta.ledger) != (
+                mark.pipeline, batch.batch_id, mark.ledger):
+            return None
+        out[f"{r.topic}/{r.partition}"] = meta.records
     return out
 
 

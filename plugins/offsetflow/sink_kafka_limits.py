@@ -70,9 +70,12 @@ def topic_limits(cfg: PipelineConfig, batch: Batch, topic: str, timeout_s: float
 
 def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
                        columns: Mapping[str, str], batch: Batch,
-                       skipped: Sequence[NotProduced], topic: str, limit: int | None) -> None:
+                       skipped: Sequence[NotProduced], topic: str, limit: int | None,
+                       stage_gone: bool = False) -> None:
     """The left-out records, with their source key and value, into the dead-letter
-    table in the ledger's transaction."""
+    table in the ledger's transaction. `stage_gone` (`offsetflow complete`): the stage and
+    the Kafka records are lost, so only what the commit's metadata names is left: their
+    coordinates and sizes, with an error saying the key and value are gone."""
     if not skipped:
         return
     if not (cfg.bad_records == "dead_letter" and cfg.dead_letter_table):
@@ -85,6 +88,17 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
     def arr(values: list[Any], pg_type: str) -> sql.Composable:
         return sql.SQL("{}::{}[]").format(sql.Literal(values), sql.SQL(pg_type))
 
+    if stage_gone:
+        gone = ("; its key and value are gone (the stage and the source records were lost "
+                "before the ledger's commit; the batch was completed by offsetflow complete)")
+        src = sql.SQL("unnest({t}, {p}, {o}, {e}) AS s(topic, partition, \"offset\", error)"
+                      ).format(t=arr([r.topic for r in skipped], "text"),
+                               p=arr([r.partition for r in skipped], "int"),
+                               o=arr([r.offset for r in skipped], "bigint"),
+                               e=arr([r.error(topic, limit) + gone for r in skipped], "text"))
+        dead_letters_from(cur, batch, cfg.dead_letter_table, src, [], sql.SQL("true"),
+                          sql.SQL("s.error"), "sink")
+        return
     src = sql.SQL(
         "{st} s JOIN unnest({t}, {p}, {o}, {e}) AS r(topic, partition, off, error) "
         "ON s.topic = r.topic AND s.partition = r.partition AND s.\"offset\" = r.off"

@@ -85,15 +85,19 @@ class Case:
         return v
 
 
-@pytest.fixture
-def case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-         tmp_path: Path) -> Case:
+def make_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+              tmp_path: Path, *, spark: dict[str, Any] | None = None,
+              dead_letter: bool = False, out_config: dict[str, str] | None = None,
+              before_plan: Any = None) -> Case:
+    """The pipeline and its planned batch; `before_plan(src)` adds records to the batch."""
     src = make_topic("kf-src", 2)
-    out = make_topic("kf-out", 2)
+    out = make_topic("kf-out", 2, out_config)
     w = Workload(kafka_bootstrap, src, 2, f"kf{unique}")
     w.plain(RECORDS - 100)
     w.transaction(60, commit=False)
     w.transaction(100, commit=True)
+    if before_plan is not None:
+        before_plan(src)
     name = f"kf_{unique}"
     raw: dict[str, Any] = {
         "name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
@@ -101,14 +105,22 @@ def case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         "format": {"type": "json", "schema": dict(SCHEMA)},
         "sink": {"type": "kafka", "connection": pg_dsn, "topic": out,
                  "key_column": "event_id"},
-        "spark": {"master": "local[2]"},
+        "spark": {"master": "local[2]", **(spark or {})},
     }
+    if dead_letter:
+        raw.update({"bad_records": "dead_letter", "dead_letter_table": f"{name}_dead"})
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw))
     cfg = parse_pipeline(raw, str(tmp_path / f"{name}.yaml"), {})
     planned = plan_only(cfg, pg_dsn)
     assert planned.batch is not None
     return Case(name, src, out, pg_dsn, kafka_bootstrap, tmp_path, w, cfg,
                 planned.batch.batch_id)
+
+
+@pytest.fixture
+def case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+         tmp_path: Path) -> Case:
+    return make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
 
 
 @contextlib.contextmanager
@@ -269,7 +281,7 @@ def test_batch_the_topic_holds_whose_stage_and_records_are_gone_is_completed_fro
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     chaos.crash_postgres()  # empties the unlogged stage and its markers
-    _delete_source_records(case)
+    delete_batch_records(case.bootstrap, case.dsn, case.batch_id)
     with pytest.raises(Exception, match=r"data loss on "):  # the re-run cannot read it again
         run_batch(spark, case.cfg, case.batch_id, case.dsn)
     abandon = ["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file),
@@ -283,7 +295,12 @@ def test_batch_the_topic_holds_whose_stage_and_records_are_gone_is_completed_fro
         assert ledger.positions(case.name) == {
             (r.topic, r.partition): r.until_offset
             for r in ledger.get_batch(case.batch_id).ranges}
-        assert "stage and records gone" in (ledger.get_batch(case.batch_id).error or "")
+        batch = ledger.get_batch(case.batch_id)
+        assert "stage and records gone" in (batch.error or "")
+        # what the topic holds (review s24-complete LOW: 0 rows, 0 records read before)
+        assert (batch.rows_written, batch.records_read, batch.bad_records) == (
+            RECORDS, RECORDS, 0)
+        assert sum(range_records(case.dsn, case.batch_id).values()) == RECORDS
     assert cli(complete) == 0  # again: already committed, nothing changes
     v = case.verdict()
     assert v.in_log == RECORDS  # nothing produced a second time
@@ -297,13 +314,24 @@ def test_complete_refuses_a_batch_the_topic_does_not_hold(case: Case) -> None:
     assert read_topic(case.bootstrap, case.out, "read_uncommitted") == []
 
 
-def _delete_source_records(case: Case) -> None:
+def range_records(dsn: str, batch_id: int) -> dict[tuple[str, int], int]:
+    """batch_ranges.records of the batch, per topic/partition."""
+    with psycopg2.connect(dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT topic, partition, records FROM offsetflow.batch_ranges "
+                    "WHERE batch_id = %s", (batch_id,))
+        found = {(t, int(p)): int(n or 0) for t, p, n in cur.fetchall()}
+    conn.close()
+    return found
+
+
+def delete_batch_records(bootstrap: str, dsn: str, batch_id: int) -> None:
+    """delete-records up to each range's until_offset: as if retention had run."""
     from confluent_kafka import TopicPartition as KTP
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient({"bootstrap.servers": case.bootstrap})
-    with Ledger(case.dsn) as ledger:
-        ranges = ledger.get_batch(case.batch_id).ranges
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    with Ledger(dsn) as ledger:
+        ranges = ledger.get_batch(batch_id).ranges
     for f in admin.delete_records([KTP(r.topic, r.partition, r.until_offset)
                                    for r in ranges]).values():
         f.result(30)

@@ -26,6 +26,7 @@ from offsetflow.sink_kafka_form import (
     record_headers,
     record_limit,
     record_size,
+    records_in,
     refuse_group_ahead,
     row_bytes_sql,
     rows_per_fetch,
@@ -283,6 +284,25 @@ def test_left_out_records_round_trip_through_the_offset_metadata() -> None:
     assert committed_state(b, legacy, old) and not_produced_in(b, legacy, old) == left
     assert "1020345 bytes" in left[0].error("out", 1_000_000)
     assert "compact" in left[1].error("out", None)
+
+
+def test_the_commit_records_each_partitions_staged_records_for_complete() -> None:
+    """`offsetflow complete` takes the ledger's counts from the commit when the stage is
+    gone (review s24-complete LOW): each partition's staged records, left-out ones included,
+    read back with the left-out list; a commit made before the count has none to give."""
+    b = batch()  # ranges in[0] [10, 20) and in[1] [5, 5) (empty: no offset committed)
+    left = [NotProduced("in", 0, 12, 1_020_345)]
+    meta = MARK.metadata(7, left, 9)
+    assert meta == ("offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out records=9 "
+                    "not_produced=12:1020345")
+    found = {("in", 0): (20, meta), ("in", 1): (5, None)}
+    assert committed_state(b, MARK, found) is True
+    assert not_produced_in(b, MARK, found) == left
+    assert records_in(b, MARK, found) == {"in/0": 9}
+    assert records_in(b, MARK, {("in", 0): (20, MARK.metadata(7, left))}) is None
+    assert records_in(b, MARK, {("in", 0): (20, MARK.metadata(8, (), 9))}) is None
+    legacy = CommitMark.legacy("orders")
+    assert records_in(b, legacy, {("in", 0): (20, legacy.metadata(7, (), 0))}) == {"in/0": 0}
 
 
 @pytest.mark.parametrize(("producer", "topic_max", "limit"), [
