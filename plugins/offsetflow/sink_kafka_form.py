@@ -130,8 +130,11 @@ class CommitMark:
         base = f"offsetflow pipeline={self.pipeline} batch={batch_id}"
         if self.ledger is not None:
             base = f"{base} ledger={self.ledger} topic={self.topic}"
-        if records is not None:
-            base = f"{base} records={records}"
+            if records is not None:
+                # glued to the topic (no Kafka topic name holds a comma): a release before
+                # the count reads `topic=<t>,records=<n>` as another topic and refuses the
+                # batch (naming both) after a downgrade, never takes it for uncommitted
+                base = f"{base},records={records}"
         if not skipped:
             return base
         return f"{base} {_NOT_PRODUCED}" + ",".join(
@@ -140,7 +143,7 @@ class CommitMark:
 
 # pipeline names have no blanks, Kafka topic names neither (legal: [a-zA-Z0-9._-])
 _METADATA_RE = re.compile(r"offsetflow pipeline=(\S+) batch=(\d+)"
-                          r"(?: ledger=(\S+) topic=(\S+))?(?: records=(\d+))?"
+                          r"(?: ledger=(\S+) topic=([^\s,]+)(?:,records=(\d+))?)?"
                           r"(?: " + _NOT_PRODUCED + r"(\S*))?")
 
 

@@ -117,7 +117,7 @@ def test_kafka_sink_commits_each_batch_once_with_its_offsets_and_replays_only_to
         counts = {(t, int(p)): int(n) for t, p, n in cur.fetchall()}
     assert group_offsets(kafka_bootstrap, f"offsetflow-sink-{name}.{lid}", tps) == {
         tp: (positions[tp], f"offsetflow pipeline={name} batch={bid} ledger={lid} topic={out}"
-                            f" records={counts[tp]}")  # what `offsetflow complete` reads
+                            f",records={counts[tp]}")  # what `offsetflow complete` reads
         for tp in tps}
 
     # the same batch again: committed in the ledger, nothing produced

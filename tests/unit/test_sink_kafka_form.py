@@ -293,7 +293,7 @@ def test_the_commit_records_each_partitions_staged_records_for_complete() -> Non
     b = batch()  # ranges in[0] [10, 20) and in[1] [5, 5) (empty: no offset committed)
     left = [NotProduced("in", 0, 12, 1_020_345)]
     meta = MARK.metadata(7, left, 9)
-    assert meta == ("offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out records=9 "
+    assert meta == ("offsetflow pipeline=orders batch=7 ledger=a1b2 topic=out,records=9 "
                     "not_produced=12:1020345")
     found = {("in", 0): (20, meta), ("in", 1): (5, None)}
     assert committed_state(b, MARK, found) is True
@@ -301,8 +301,23 @@ def test_the_commit_records_each_partitions_staged_records_for_complete() -> Non
     assert records_in(b, MARK, found) == {"in/0": 9}
     assert records_in(b, MARK, {("in", 0): (20, MARK.metadata(7, left))}) is None
     assert records_in(b, MARK, {("in", 0): (20, MARK.metadata(8, (), 9))}) is None
-    legacy = CommitMark.legacy("orders")
-    assert records_in(b, legacy, {("in", 0): (20, legacy.metadata(7, (), 0))}) == {"in/0": 0}
+    legacy = CommitMark.legacy("orders")  # never written any more: no count
+    assert legacy.metadata(7, (), 0) == "offsetflow pipeline=orders batch=7"
+    assert records_in(b, legacy, {("in", 0): (20, legacy.metadata(7, (), 0))}) is None
+
+
+def test_a_release_before_the_count_refuses_a_counted_commit_instead_of_producing_again(
+        ) -> None:
+    """After a downgrade, the previous release's parser (its regex, copied here) must not
+    take a commit with the count for "not committed" (it would produce the batch again):
+    it reads the count as part of the topic, and its topic check refuses the batch."""
+    import re
+
+    before = re.compile(r"offsetflow pipeline=(\S+) batch=(\d+)"
+                        r"(?: ledger=(\S+) topic=(\S+))?(?: not_produced=(\S*))?")
+    m = before.fullmatch(MARK.metadata(7, [NotProduced("in", 0, 12, 5)], 9))
+    assert m is not None and (m[1], m[2], m[3]) == ("orders", "7", "a1b2")
+    assert m[4] == "out,records=9" != MARK.topic
 
 
 @pytest.mark.parametrize(("producer", "topic_max", "limit"), [
