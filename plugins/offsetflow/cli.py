@@ -199,6 +199,7 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 def cmd_complete(args: argparse.Namespace) -> int:
     """`offsetflow.complete`: a batch its external sink holds, completed from the sink's
     record when it can be neither run (records gone) nor abandoned (the sink holds it)."""
+    from offsetflow.commit import CommitSpec
     from offsetflow.complete import complete_from_sink, unreadable_in
     from offsetflow.errors import BatchStateError
     from offsetflow.sinks import external_sink
@@ -218,8 +219,12 @@ def cmd_complete(args: argparse.Namespace) -> int:
             raise BatchStateError(
                 f"batch {args.batch_id}: complete is not offered for Iceberg upsert "
                 f"pipelines (the batch's deleted keys could not be remembered); run it")
+        # only where the staged parts' bad records go: the run's whole spec would make an
+        # Iceberg replay's find replace the window's dead letters
+        dead = CommitSpec(columns=(), dead_letter_table=cfg.dead_letter_table,
+                          bad_records_staged=cfg.bad_records == "dead_letter")
         result = complete_from_sink(ledger, args.batch_id, sink, args.reason,
-                                    unreadable_in(cfg))
+                                    unreadable_in(cfg), cfg.spark.max_offsets_per_task, dead)
     print(result.message if result.status != "committed" else
           f"batch {args.batch_id} completed from its sink's record: {result.rows_written} "
           f"rows there; positions advanced")

@@ -29,19 +29,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import psycopg2.extensions
+from psycopg2 import sql
 
 from offsetflow.commit import (
     CommitResult,
+    CommitSpec,
     ExternalSink,
     _fence_and_advance,
     already_committed,
     lock_batch,
+    move_stage_dead_letters,
     record_batch,
 )
 from offsetflow.commit_locks import lock_errors
 from offsetflow.config_schema import PipelineConfig
 from offsetflow.errors import BatchStateError
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Batch, Ledger, dead_letter_stage_table
 from offsetflow.stage_reset import lock_stage
 
 # the offsets of the batch Kafka no longer holds and no staged part holds ("": none)
@@ -49,8 +52,11 @@ Unreadable = Callable[[psycopg2.extensions.cursor, Batch], str]
 
 
 def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason: str,
-                       unreadable: Unreadable) -> CommitResult:
-    """Steps 1-6 of the module docstring, in one ledger transaction."""
+                       unreadable: Unreadable, split: int | None = None,
+                       dead_letters: CommitSpec | None = None) -> CommitResult:
+    """Steps 1-6 of the module docstring, in one ledger transaction. `split`: the config's
+    `spark.max_offsets_per_task` (a refusal says to restore the batch's own first);
+    `dead_letters`: where the bad records the staged parts hold go (step 5)."""
     try:
         with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
                                                       ledger.conn.get_backend_pid()):
@@ -60,7 +66,7 @@ def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason
             lock_stage(cur, batch_id)  # 2
             gone = unreadable(cur, batch)
             if not gone:
-                raise BatchStateError(_runnable(cur, batch))
+                raise BatchStateError(_runnable(cur, batch, split))
             if batch.moves_positions:  # 3
                 _fence_and_advance(cur, batch)
             completing = getattr(sink, "completing", None)
@@ -74,6 +80,10 @@ def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason
                     f"--pipeline {batch.pipeline} --batch-id {batch_id}), or, if its records "
                     f"are gone from Kafka, abandon it (offsetflow abandon --batch-id "
                     f"{batch_id} --reason '...')")
+            if dead_letters is not None and _exists(cur, dead_letter_stage_table(batch_id)):
+                # the bad records the staged parts routed, with their values (the parts'
+                # other dead letters are what the sink's record says: review s25 M2)
+                move_stage_dead_letters(cur, batch, dead_letters, found)
             result = record_batch(cur, ledger, batch, found, 0, None)  # 5, 6
             read = sum(found.per_range.values()) if found.per_range else (
                 found.rows + found.dead)
@@ -81,7 +91,7 @@ def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason
                         "WHERE batch_id = %s",
                         (f"completed from its sink's record by offsetflow complete: {reason} "
                          f"(Kafka no longer holds {gone}, and its stage was lost; bad records "
-                         f"the tasks would have routed are not in the dead-letter table)",
+                         f"of parts no run staged again are not in the dead-letter table)",
                          read, batch_id))
             return result
     finally:
@@ -89,16 +99,36 @@ def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason
 
 
 def unreadable_in(cfg: PipelineConfig) -> Unreadable:
-    """Step 2's question for `cfg`'s Kafka cluster (planning asks it before abandoning a
-    batch: `_deleted_before_read`)."""
-    from offsetflow.planning import _deleted_before_read
+    """Step 2's question for `cfg`'s Kafka cluster. A topic of the batch deleted, or deleted
+    and recreated, since it was planned: all its records there are gone (a run refuses such
+    a batch: review s25-complete2 H1). Otherwise the offsets Kafka no longer holds and no
+    staged part holds (planning asks the same before abandoning: `_deleted_before_read`),
+    under the batch's own split: a run under another split would drop the stage, but one
+    with the split restored finishes the batch from it (review s25-complete2 M1)."""
+    from offsetflow.planning import _deleted_before_read, changed_topics
     from offsetflow.runner import kafka_for
 
     kafka = kafka_for(cfg)
-    return lambda cur, batch: _deleted_before_read(cur, batch, kafka, cfg)
+
+    def unreadable(cur: psycopg2.extensions.cursor, batch: Batch) -> str:
+        deleted, recreated = changed_topics(cur, kafka, batch)
+        if deleted or recreated:
+            return "; ".join([f"every record of topic {t} (deleted)" for t in deleted]
+                             + [f"every record of topic {t} (deleted and recreated since "
+                                f"the batch was planned)" for t in recreated])
+        split = batch.split_offsets or cfg.spark.max_offsets_per_task
+        return _deleted_before_read(cur, batch, kafka, split)
+
+    return unreadable
 
 
-def _runnable(cur: psycopg2.extensions.cursor, batch: Batch) -> str:
+def _exists(cur: psycopg2.extensions.cursor, table: sql.Composable) -> bool:
+    cur.execute(sql.SQL("SELECT to_regclass(%s) IS NOT NULL"), (table.as_string(cur),))
+    row = cur.fetchone()
+    return bool(row and row[0])
+
+
+def _runnable(cur: psycopg2.extensions.cursor, batch: Batch, split: int | None) -> str:
     """The refusal when a re-run can still finish the batch."""
     cur.execute("SELECT count(*) FROM offsetflow.staged_parts WHERE batch_id = %s",
                 (batch.batch_id,))
@@ -106,6 +136,10 @@ def _runnable(cur: psycopg2.extensions.cursor, batch: Batch) -> str:
     parts = int(row[0]) if row else 0
     held = (f"its stage holds {parts} part(s) and Kafka still holds the records of the "
             f"others" if parts else "Kafka still holds all of its records")
-    return (f"batch {batch.batch_id} is not completed from its sink: {held}. Run it again "
-            f"(offsetflow run-batch --pipeline {batch.pipeline} --batch-id "
+    restore = (f" with spark.max_offsets_per_task restored to {batch.split_offsets} (the "
+               f"batch's split; a run under {split} drops its stage)"
+               if parts and split is not None and batch.split_offsets not in (None, split)
+               else "")
+    return (f"batch {batch.batch_id} is not completed from its sink: {held}. Run it again"
+            f"{restore} (offsetflow run-batch --pipeline {batch.pipeline} --batch-id "
             f"{batch.batch_id}), which completes it with its dead letters")

@@ -51,21 +51,26 @@ def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, ba
     was planned makes it unreadable for good; one deleted and recreated has restarted its
     offsets, so its ranges would name the new topic's records. Either way: name the way
     out."""
-    gone = kafka.missing(sorted({r.topic for r in batch.ranges}))
+    gone, recreated = changed_topics(cur, kafka, batch)
     if gone:
         raise BatchStateError(
             f"batch {batch.batch_id} reads topic {gone[0]}, which no longer exists in Kafka; "
             f"it can never be read. Abandon it (offsetflow abandon --batch-id "
             f"{batch.batch_id} --reason '...'); if the topic comes back, see "
             f"reset-position")
+    for topic, (old, new) in sorted(recreated.items()):
+        raise TopicRecreatedError(topic, old, new, pipeline=pipeline, batch_id=batch.batch_id)
+
+
+def changed_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, batch: Batch
+                   ) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """The batch's topics deleted since it was planned, and those recreated since (topic ->
+    (planned id, current id)): either way its records there are gone for good."""
+    gone = kafka.missing(sorted({r.topic for r in batch.ranges}))
     planned = Ledger.range_topic_ids(cur, batch.batch_id)
-    if not planned:
-        return
-    current = kafka.topic_ids(sorted(planned))
-    for topic, old in sorted(planned.items()):
-        if current.get(topic) != old:
-            raise TopicRecreatedError(topic, old, current.get(topic, "none"),
-                                      pipeline=pipeline, batch_id=batch.batch_id)
+    current = kafka.topic_ids(sorted(t for t in planned if t not in gone)) if planned else {}
+    return gone, {t: (old, current.get(t, "none")) for t, old in sorted(planned.items())
+                  if t not in gone and current.get(t) != old}
 
 
 def _refuse_if_in_sink(cur: psycopg2.extensions.cursor, ledger: Ledger, cfg: PipelineConfig,
@@ -91,7 +96,7 @@ def _refuse_if_in_sink(cur: psycopg2.extensions.cursor, ledger: Ledger, cfg: Pip
 
 
 def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
-                         kafka: KafkaMetadata, cfg: PipelineConfig) -> str:
+                         kafka: KafkaMetadata, split: int) -> str:
     """The offsets of an open batch's ranges that Kafka no longer holds and its stage does
     not hold either ("" if none: the batch can still be run, maybe from its stage).
 
@@ -110,8 +115,9 @@ def _deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
     staged: set[int] = set()
     for part, read in cur.fetchall():
         staged.update((int(part),) if read is None else (int(i) for i in read))
-    if staged and batch.split_offsets == cfg.spark.max_offsets_per_task:
-        # (a changed split makes the run drop the stage and read again: nothing covered)
+    if staged and batch.split_offsets == split:
+        # (a run under another split than `split` drops the stage and reads again: then
+        # nothing is covered)
         subs = split_ranges(batch.ranges, batch.split_offsets)
         deleted = [(r, gone) for r, gone in deleted
                    if any(i not in staged for i, s in enumerate(subs)
@@ -169,7 +175,8 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             # its offsets are looked up next: a deleted or recreated topic must be named
             # as such first, not failed on as an unknown partition or taken for deletions
             check_batch_topics(cur, kafka, existing, cfg.name)
-        unreadable = _deleted_before_read(cur, existing, kafka, cfg) \
+        unreadable = _deleted_before_read(cur, existing, kafka,
+                                          cfg.spark.max_offsets_per_task) \
             if existing is not None and cfg.data_loss == "continue" else ""
         if existing is not None and not unreadable:
             if cfg.data_loss == "continue" and existing.moves_positions:

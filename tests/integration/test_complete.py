@@ -169,3 +169,31 @@ def test_complete_records_the_iceberg_snapshots_counts(
     assert done.status == "committed" and rows > 0
     assert (done.rows_written, done.bad_records, done.records_read) == (rows, 40, rows + 40)
     assert snapshot_batches(case.cfg, case.dsn) == [bid]  # nothing appended again
+
+
+@pytest.mark.slow
+def test_complete_takes_an_iceberg_batch_whose_source_topic_was_recreated(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path) -> None:
+    """Review s25-complete2 H1: the source topic deleted and recreated after Iceberg's
+    commit. Its new incarnation starts at offset 0, so complete saw no offset gone ("Kafka
+    still holds all of its records: run it again"), a run refuses the recreated topic
+    ("abandon it") and abandon is refused (the table holds the batch): each pointed at
+    another that refused. The batch's records are gone for good: complete takes it. (A
+    Kafka sink is not wedged this way: deleting the topic deletes its group offsets, the
+    sink's record, so abandon is allowed.)"""
+    from tests.integration.test_planning_topic_identity import _recreate
+
+    topic = make_topic("ice", 2)
+    case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
+    bid = case.planned_batch(1000, seed=29)
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
+    chaos.crash_postgres()
+    _recreate(kafka_bootstrap, topic, 2)
+    assert cli(["--dsn", pg_dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(bid), "--reason", "topic recreated"]) == 0
+    done = case.batch(bid)
+    assert done.status == "committed" and "deleted and recreated" in (done.error or "")
+    assert done.rows_written == len(iceberg_sink_rows(case.cfg, case.dsn)) > 0
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # nothing appended again
