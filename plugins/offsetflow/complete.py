@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import psycopg2.extensions
-from psycopg2 import sql
 
 from offsetflow.commit import (
     CommitResult,
@@ -45,7 +44,7 @@ from offsetflow.commit_locks import lock_errors
 from offsetflow.config_schema import PipelineConfig
 from offsetflow.errors import BatchStateError
 from offsetflow.ledger import Batch, Ledger, dead_letter_stage_table
-from offsetflow.stage_reset import lock_stage
+from offsetflow.stage_reset import lock_stage, table_exists
 
 # the offsets of the batch Kafka no longer holds and no staged part holds ("": none)
 Unreadable = Callable[[psycopg2.extensions.cursor, Batch], str]
@@ -80,7 +79,7 @@ def complete_from_sink(ledger: Ledger, batch_id: int, sink: ExternalSink, reason
                     f"--pipeline {batch.pipeline} --batch-id {batch_id}), or, if its records "
                     f"are gone from Kafka, abandon it (offsetflow abandon --batch-id "
                     f"{batch_id} --reason '...')")
-            if dead_letters is not None and _exists(cur, dead_letter_stage_table(batch_id)):
+            if dead_letters is not None and table_exists(cur, dead_letter_stage_table(batch_id)):
                 # the bad records the staged parts routed, with their values (the parts'
                 # other dead letters are what the sink's record says: review s25 M2)
                 move_stage_dead_letters(cur, batch, dead_letters, found)
@@ -120,12 +119,6 @@ def unreadable_in(cfg: PipelineConfig) -> Unreadable:
         return _deleted_before_read(cur, batch, kafka, split)
 
     return unreadable
-
-
-def _exists(cur: psycopg2.extensions.cursor, table: sql.Composable) -> bool:
-    cur.execute(sql.SQL("SELECT to_regclass(%s) IS NOT NULL"), (table.as_string(cur),))
-    row = cur.fetchone()
-    return bool(row and row[0])
 
 
 def _runnable(cur: psycopg2.extensions.cursor, batch: Batch, split: int | None) -> str:

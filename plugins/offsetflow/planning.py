@@ -58,7 +58,8 @@ def check_batch_topics(cur: psycopg2.extensions.cursor, kafka: KafkaMetadata, ba
             f"it can never be read. Abandon it (offsetflow abandon --batch-id "
             f"{batch.batch_id} --reason '...'); if the topic comes back, see "
             f"reset-position")
-    for topic, (old, new) in sorted(recreated.items()):
+    if recreated:
+        topic, (old, new) = min(recreated.items())
         raise TopicRecreatedError(topic, old, new, pipeline=pipeline, batch_id=batch.batch_id)
 
 

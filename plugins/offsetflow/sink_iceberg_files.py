@@ -20,7 +20,7 @@ import hashlib
 import logging
 import posixpath
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from offsetflow.errors import OffsetFlowError
@@ -101,17 +101,22 @@ def canonical_path(location: str) -> str:
 def referenced_files(table: Table) -> set[str]:
     """Canonical paths of every data file a snapshot of the table references (each
     manifest read once: a fast append keeps the earlier ones, so snapshots share them)."""
+    return {canonical_path(p) for p in _data_file_paths(table, table.snapshots())}
+
+
+def _data_file_paths(table: Table, snapshots: Iterable[Any],
+                     take: Callable[[Any], bool] = lambda manifest: True) -> Iterator[str]:
+    """The data file paths (as written) of the manifests of `snapshots` that `take`
+    accepts, each manifest read once (snapshots of fast appends share them)."""
     io = table.io
     seen: set[str] = set()
-    out: set[str] = set()
-    for snap in table.snapshots():
+    for snap in snapshots:
         for manifest in snap.manifests(io):
-            if manifest.manifest_path in seen:
+            if manifest.manifest_path in seen or not take(manifest):
                 continue
             seen.add(manifest.manifest_path)
             for entry in manifest.fetch_manifest_entry(io, discard_deleted=False):
-                out.add(canonical_path(entry.data_file.file_path))
-    return out
+                yield entry.data_file.file_path
 
 
 def _list_data_files(table: Table, dirs: Iterable[str] | None = None
@@ -187,15 +192,12 @@ def remove_batch_orphans(table: Table, batch: Batch) -> list[str]:
     if not snaps:
         raise OrphanSweepRefusedError(f"orphan sweep of batch {batch.batch_id} in {name}: no "
                                       f"snapshot of the batch; nothing deleted")
-    io = table.io
     added: set[str] = set()
     dirs: set[str] = set()
-    for snap in snaps.values():
-        for manifest in snap.manifests(io):
-            if manifest.added_snapshot_id in snaps:
-                for entry in manifest.fetch_manifest_entry(io, discard_deleted=False):
-                    added.add(canonical_path(entry.data_file.file_path))
-                    dirs.add(posixpath.dirname(entry.data_file.file_path))
+    for path in _data_file_paths(table, snaps.values(),
+                                 lambda manifest: manifest.added_snapshot_id in snaps):
+        added.add(canonical_path(path))
+        dirs.add(posixpath.dirname(path))
     prefix = batch_file_prefix(batch)
     filesystem, infos = _list_data_files(table, dirs if batch.attempts <= 1 else None)
     mine = {posixpath.normpath(i.path): i for i in infos

@@ -71,7 +71,7 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                     parts = None
             tables = [stage_table(batch_id), dead_letter_stage_table(batch_id)] \
                 if parts is None else [stage_part_table(batch_id, p) for p in parts]
-            existing = [t for t in tables if _exists(cur, t)]
+            existing = [t for t in tables if table_exists(cur, t)]
             if existing:
                 cur.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(existing)))
             if parts is None:
@@ -87,7 +87,8 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
                 "all" if parts is None else parts)
 
 
-def _exists(cur: psycopg2.extensions.cursor, table: sql.Composed) -> bool:
+def table_exists(cur: psycopg2.extensions.cursor, table: sql.Composed) -> bool:
+    """Whether `table` (a quoted name) exists, in `cur`'s view."""
     cur.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(cur),))
     row = cur.fetchone()
     return bool(row and row[0])
@@ -198,7 +199,7 @@ def lock_stage(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
     zombie task) either committed before the checks, which see its rows, or waits until
     the commit has dropped the stage; rows landing after the checks are never applied."""
     existing = [t for t in (stage_table(batch_id), dead_letter_stage_table(batch_id))
-                if _exists(cur, t)]
+                if table_exists(cur, t)]
     if existing:
         cur.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(
             sql.SQL(", ").join(existing)))
