@@ -41,10 +41,46 @@ if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def pytest_report_header() -> str:
+    from tests.tooling import services
+
+    return services.disk_and_memory()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def _stack_services() -> Any:
+    from tests.tooling import services
+
+    return services.watch()
+
+
+@pytest.fixture(autouse=True)
+def _services_stay_up(request: pytest.FixtureRequest,
+                      _stack_services: Any) -> Iterator[None]:
+    """An integration test after which the broker or PostgreSQL is gone (and not by a fault
+    test's own hand: those start it again) fails with the cause, and the service is started
+    again for the tests after it; if it cannot be, the session stops with the cause instead
+    of failing every later test on `Connection refused`."""
+    yield
+    if "integration" not in request.keywords:
+        return
+    for svc in _stack_services.dead():
+        why = _stack_services.diagnose(svc)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:  # in the live log, where it died
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"\n[services] {why}", red=True)
+        failed = _stack_services.restart(svc)
+        if failed is not None:
+            pytest.exit(f"{why}\nstarting it again failed:\n{failed}", returncode=3)
+        pytest.fail(f"{why}\n(started again for the next tests)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

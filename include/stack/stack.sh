@@ -84,7 +84,13 @@ fail_service() {  # name, host:port, logfile, message
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-pid_alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+pid_alive() {  # a killed process its parent has not reaped yet (a zombie) is not alive
+  [[ -f "$1" ]] || return 1
+  local pid stat; pid="$(cat "$1")"
+  kill -0 "$pid" 2>/dev/null || return 1
+  stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"; [[ "${stat:0:1}" != [ZX] ]]
+}
 is_root() { [[ "$(id -u)" == 0 ]]; }
 
 # ---------------------------------------------------------------- environment
@@ -537,6 +543,8 @@ spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's da
 # start is retried (a few times) instead of failing the stack.
 bind_failed() { tail -n 60 "$1" 2>/dev/null | grep -q -e "Address already in use" -e "BindException"; }
 
+SPARK_DAEMON_ENV=()  # more environment for the next spark_daemon (a worker's)
+
 # Start a Spark daemon (spark-class CLASS ARGS) in a session of its own with the clean
 # environment; its pid file holds the session leader, which spark-class execs into the JVM,
 # so stop_group and spark-worker-kill reach the daemon and every executor it forked.
@@ -546,7 +554,7 @@ spark_daemon() {  # dir log class args...
   spark_clean_env
   # shellcheck disable=SC2016
   ( cd "$dir" && exec setsid bash -c 'echo $$ > "$0"; exec "$@"' "$dir/pid" \
-      "${SPARK_CLEAN_ENV[@]}" "SPARK_LOG_DIR=$dir" "$(spark_home)/bin/spark-class" "$@" \
+      "${SPARK_CLEAN_ENV[@]}" "SPARK_LOG_DIR=$dir" "${SPARK_DAEMON_ENV[@]}" "$(spark_home)/bin/spark-class" "$@" \
       >"$logf" 2>&1 < /dev/null ) &
   for ((i = 0; i < 100; i++)); do [[ -s "$dir/pid" ]] && return 0; sleep 0.1; done
   fail_service spark "$dir" "$logf" "the daemon did not start"
@@ -591,9 +599,17 @@ spark_worker_start() {  # N
   { port_open "$port" || port_open "$ui"; } && fail_service "spark-worker$n" "127.0.0.1:$port" "" \
     "port $port or $ui is taken by a process not started by this stack"
   log "starting Spark worker $n on 127.0.0.1:$port (UI $ui; $SPARK_WORKER_CORES core, $SPARK_WORKER_MEMORY)"
+  # every application unpacks the shipped environment (~360 MB) into its directory on each
+  # worker: the worker deletes a finished application's directory after a minute, and its
+  # executors' scratch space (the fetched archive among it) sits under the worker's own
+  # directory, not in /tmp, so a stop leaves nothing behind elsewhere
+  mkdir -p "$dir/local"
+  SPARK_DAEMON_ENV=("SPARK_LOCAL_DIRS=$dir/local"
+    "SPARK_WORKER_OPTS=-Dspark.worker.cleanup.enabled=true -Dspark.worker.cleanup.interval=20 -Dspark.worker.cleanup.appDataTtl=40")
   spark_daemon "$dir" "$dir/worker.log" org.apache.spark.deploy.worker.Worker --host 127.0.0.1 \
     --port "$port" --webui-port "$ui" --cores "$SPARK_WORKER_CORES" --memory "$SPARK_WORKER_MEMORY" \
     --work-dir "$dir/work" "spark://127.0.0.1:$SPARK_MASTER_PORT"
+  SPARK_DAEMON_ENV=()
 }
 
 spark_cluster_start() {
@@ -623,6 +639,9 @@ spark_cluster_stop() {  # workers first (each group holds its executors), then t
     [[ -d "$d" ]] && stop_group "spark $(basename "$d")" "$d/pid"
   done
   stop_group "spark master" "$SPARK_CLUSTER_DIR/master/pid"
+  # what a worker's cleanup had no time for: the last applications' unpacked environments
+  # and the executors' scratch space (their stderr logs stay)
+  rm -rf "$SPARK_CLUSTER_DIR"/worker*/work/app-*/*/"environment" "$SPARK_CLUSTER_DIR"/worker*/local/*
 }
 
 # A node lost: SIGKILL of worker N's process group (the worker and its executor JVMs).
