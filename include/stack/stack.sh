@@ -84,13 +84,13 @@ fail_service() {  # name, host:port, logfile, message
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-pid_alive() {  # a killed process its parent has not reaped yet (a zombie) is not alive
-  [[ -f "$1" ]] || return 1
-  local pid stat; pid="$(cat "$1")"
-  kill -0 "$pid" 2>/dev/null || return 1
-  stat="$(cat "/proc/$pid/stat" 2>/dev/null)" || return 1
+proc_alive() {  # a killed process its parent has not reaped yet (a zombie) is not alive
+  local stat
+  kill -0 "$1" 2>/dev/null || return 1
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
   stat="${stat##*) }"; [[ "${stat:0:1}" != [ZX] ]]
 }
+pid_alive() { [[ -f "$1" ]] && proc_alive "$(cat "$1")"; }
 is_root() { [[ "$(id -u)" == 0 ]]; }
 
 # ---------------------------------------------------------------- environment
@@ -229,7 +229,7 @@ stop_pidfile() {  # name pidfile [timeout]
   log "stopping $1 (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
   local deadline=$((SECONDS + t))
-  while kill -0 "$pid" 2>/dev/null; do
+  while proc_alive "$pid"; do
     if (( SECONDS >= deadline )); then log "$1 did not stop in ${t}s; SIGKILL"; kill -KILL "$pid" 2>/dev/null || true; sleep 0.5; break; fi
     sleep 0.3
   done
@@ -346,7 +346,7 @@ pg_stop() {
   as_pg "$bin/pg_ctl" -D "$PG_DIR/data" -m fast -w -t 60 stop >/dev/null 2>&1 || true
   if [[ -f "$PG_DIR/data/postmaster.pid" ]]; then  # stale pid file or a stuck server
     local pid; pid="$(head -n1 "$PG_DIR/data/postmaster.pid")"
-    if kill -0 "$pid" 2>/dev/null; then
+    if proc_alive "$pid"; then
       log "postgres did not stop; sending SIGQUIT"; kill -QUIT "$pid" 2>/dev/null || true; sleep 2
     fi
   fi
@@ -772,11 +772,11 @@ kafka_cluster_stop() {
     kill -TERM "${pids[@]}" 2>/dev/null || true
     local alive=1 p
     while (( alive && SECONDS < deadline )); do
-      alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+      alive=0; for p in "${pids[@]}"; do proc_alive "$p" && alive=1; done
       (( alive )) && sleep 0.3
     done
     for i in "${pids[@]}"; do
-      kill -0 "$i" 2>/dev/null && { log "kafka node pid $i did not stop in 30s; SIGKILL"; kill -KILL "$i" 2>/dev/null || true; }
+      proc_alive "$i" && { log "kafka node pid $i did not stop in 30s; SIGKILL"; kill -KILL "$i" 2>/dev/null || true; }
     done
   fi
   rm -f "$KAFKA_CLUSTER_DIR"/node*/kafka.pid
