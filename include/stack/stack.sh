@@ -793,10 +793,21 @@ kafka_cluster_kill() {
 }
 
 # ---------------------------------------------------------------- commands
+# The broker stops for good when its log directory cannot be written (a full disk), and
+# the test suite needs ~6 GB at its peak (the Spark cluster tests unpack the ~360 MB executor
+# environment per application on each worker): warn before anything starts
+disk_warn() {
+  local free_kb; free_kb="$(df -Pk "$STACK" | awk 'NR == 2 {print $4}')"
+  if (( free_kb < ${OFFSETFLOW_MIN_FREE_GB:-6} * 1024 * 1024 )); then
+    log "WARNING: only $((free_kb / 1024)) MB free on the disk of $STACK; Kafka and PostgreSQL stop when it fills, and 'make test' needs about ${OFFSETFLOW_MIN_FREE_GB:-6} GB"
+  fi
+}
+
 cmd_up() {
   [[ -x "$VENV/bin/python" ]] || die "no virtualenv at $VENV; run 'make venv' first"
   local t0=$SECONDS
   write_env
+  disk_warn
   pg_start
   kafka_start
   airflow_setup
