@@ -279,7 +279,7 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
 
     def watcher() -> Any:
         return asyncio.ensure_future(_first_event(
-            NewOffsetsEventTrigger(pipeline=name, poll_interval=4)))
+            NewOffsetsEventTrigger(pipeline=name, poll_interval=5)))
 
     # the commit waits on the held positions: every run stays alive until it is killed
     with chaos.hold_positions(pg_dsn, name):
@@ -300,7 +300,8 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
 
     async def after_kills() -> tuple[bool, bool]:
         task = watcher()
-        early = await _until(task, 11)  # three attempts: 4 s x 2^2 = 16 s after the last
+        # three attempts: 5 s x 2^2 = 20 s after the last one started (a second or two ago)
+        early = await _until(task, 12)
         later = await _until(task, 30)
         return early, later
 
