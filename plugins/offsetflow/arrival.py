@@ -9,7 +9,9 @@ from the earliest offset is new.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from offsetflow.planner import PartitionOffsets
 from offsetflow.ranges import TopicPartition
@@ -53,3 +55,28 @@ def retry_wait(attempts: int, since_failed_s: float, base_s: float,
         return 0.0
     delay = min(base_s * 2.0 ** min(attempts - 1, 30), cap_s)
     return max(0.0, delay - max(since_failed_s, 0.0))
+
+
+@dataclass(frozen=True)
+class OpenBatchRetry:
+    """When an event-driven run may start a pipeline's open batch. `state`: "live" (a run
+    of it is alive: never started twice), "failed" (its last attempt failed) or "died"
+    (left `running` by a run that is gone: a killed driver records no failure)."""
+    batch_id: int
+    attempts: int
+    state: str
+    wait_s: float  # 0: now; inf while a run of it is alive
+
+
+def open_batch_retry(batch_id: int, status: str, attempts: int, since_s: float | None,
+                     alive: bool, base_s: float) -> OpenBatchRetry | None:
+    """`since_s`: seconds since its last failure (failed) or its last attempt's start
+    (running; when its driver died is not recorded), None if not recorded (due now: never a
+    wait that cannot end). None for a batch no wait applies to (planned, never run)."""
+    if alive:
+        return OpenBatchRetry(batch_id, attempts, "live", math.inf)
+    state = {"failed": "failed", "running": "died"}.get(status)
+    if state is None:
+        return None
+    wait = 0.0 if since_s is None else retry_wait(attempts, since_s, base_s)
+    return OpenBatchRetry(batch_id, attempts, state, wait)

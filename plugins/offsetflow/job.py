@@ -49,6 +49,7 @@ from offsetflow.metrics import TaskClock
 from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.run_lock import hold_run_lock
 from offsetflow.sinks import external_sink, task_data_files
 from offsetflow.stage_reset import claim_pack_tasks, stage_generation
 from offsetflow.staging import (
@@ -509,13 +510,18 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
     no-op, staged parts are never staged twice, and the commit is fenced."""
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    with Ledger(dsn) as ledger:
+    with Ledger(dsn) as ledger, contextlib.ExitStack() as claim:
         # whose batch, before touching it: a driver pointed at the wrong ledger must not mark
         # another pipeline's batch running (or count an attempt against it)
         owner = ledger.get_batch(batch_id).pipeline
         if owner != cfg.name:
             raise BatchStateError(f"batch {batch_id} belongs to pipeline {owner}, "
                                   f"not {cfg.name}")
+        # held until this run ends or its process dies: the watcher tells a live run of the
+        # batch from one a killed driver left `running` (`offsetflow.run_lock`)
+        if claim.enter_context(hold_run_lock(dsn, batch_id)):
+            log.warning("batch %d: another run of it is alive; this one runs too (the "
+                        "commit's fencing lets only one of them commit it)", batch_id)
         batch = ledger.mark_running(batch_id)
         if batch.status == "committed":
             log.info("batch %d is already committed; nothing to do", batch_id)

@@ -8,12 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.arrival import pending_offsets, retry_wait
+from offsetflow.arrival import OpenBatchRetry, open_batch_retry, pending_offsets
 from offsetflow.config import PipelineConfig
 from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
 from offsetflow.planning import PlanOutcome, plan_next
 from offsetflow.ranges import TopicPartition
+from offsetflow.run_lock import run_alive
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -55,23 +56,24 @@ def pending_for(cfg: PipelineConfig, dsn: str | None = None) -> dict[TopicPartit
     return pending_offsets(committed, kafka.partition_offsets(tps), cfg.starting.kind)
 
 
-def failed_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None
-                      ) -> tuple[int, int, float] | None:
-    """For an open scheduled batch that failed: (batch id, attempts, seconds until an
-    event-driven run should retry it, `arrival.retry_wait`); None for any other state. The
-    time since the failure is the ledger database's, not this machine's clock."""
+def open_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None
+                    ) -> OpenBatchRetry | None:
+    """When an event-driven run may start the pipeline's open scheduled batch
+    (`arrival.open_batch_retry`): not while a run of it is alive (`run_lock`); after
+    `arrival.retry_wait` once it failed, or once the run that left it `running` is gone,
+    timed from that attempt's start. Times are the ledger database's, not this machine's."""
     with Ledger(dsn or cfg.sink.connection) as ledger, ledger.transaction() as cur:
         batch = ledger.open_batch(cur, cfg.name)
-        if batch is None or batch.status != "failed":
+        if batch is None:
             return None
-        # no failure time recorded: due now (never a wait that cannot end)
-        cur.execute("""SELECT extract(epoch FROM now() - finished_at)
+        cur.execute("""SELECT extract(epoch FROM now() - CASE WHEN status = 'failed'
+                                                           THEN finished_at
+                                                           ELSE started_at END)
                          FROM offsetflow.batches WHERE batch_id = %s""", (batch.batch_id,))
         row = cur.fetchone()
-    if not row or row[0] is None:
-        return batch.batch_id, batch.attempts, 0.0
-    since = float(row[0])
-    return batch.batch_id, batch.attempts, retry_wait(batch.attempts, since, base_s)
+        alive = run_alive(cur, batch.batch_id)
+    since = None if not row or row[0] is None else float(row[0])
+    return open_batch_retry(batch.batch_id, batch.status, batch.attempts, since, alive, base_s)
 
 
 def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:

@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg2
 import pytest
+import yaml
 from confluent_kafka import Producer
 from confluent_kafka import TopicPartition as KTP
 from confluent_kafka.admin import AdminClient
@@ -197,3 +198,67 @@ def test_complete_takes_an_iceberg_batch_whose_source_topic_was_recreated(
     assert done.status == "committed" and "deleted and recreated" in (done.error or "")
     assert done.rows_written == len(iceberg_sink_rows(case.cfg, case.dsn)) > 0
     assert snapshot_batches(case.cfg, case.dsn) == [bid]  # nothing appended again
+
+
+def _bad_record(bootstrap: str) -> Any:
+    def produce(src: str) -> None:
+        p = Producer({"bootstrap.servers": bootstrap})
+        p.produce(src, b"{not json", b"bad-key", partition=0)
+        assert p.flush(30) == 0
+
+    return produce
+
+
+@pytest.mark.slow
+def test_complete_refuses_after_a_split_change_and_the_restored_split_finishes_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Review s25-complete2 M1: the run killed after the Kafka commit, before the ledger's,
+    with every part staged; then retention deleted the batch's records. A re-run finishes it
+    from the intact stage (with the dead letters it holds, values and all). Once the
+    config's spark.max_offsets_per_task changed, complete judged the gone offsets under the
+    new split, found no part of it holding them, and took the batch from the sink, dropping
+    the stage and its dead letters. It must refuse and name the split to restore (a run
+    under the new split would drop the stage too); restored, a run commits the batch once."""
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": SPLIT}, dead_letter=True,
+                     before_plan=_bad_record(kafka_bootstrap))
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    parts = _staged_parts(case.dsn, case.batch_id)
+    assert parts > 0  # the stage is intact: a run can finish the batch from it
+    delete_batch_records(case.bootstrap, case.dsn, case.batch_id)
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    raw = yaml.safe_load(case.file.read_text())
+    raw["spark"]["max_offsets_per_task"] = SPLIT * 3
+    (changed / case.file.name).write_text(yaml.safe_dump(raw))
+    capsys.readouterr()
+
+    def complete(pipeline_file: Path) -> tuple[int, str]:
+        rc = cli(["--dsn", case.dsn, "complete", "--pipeline-file", str(pipeline_file),
+                  "--batch-id", str(case.batch_id), "--reason", "records gone"])
+        return rc, capsys.readouterr().err
+
+    rc, err = complete(changed / case.file.name)
+    assert rc == 2, err
+    assert f"restored to {SPLIT}" in err and f"a run under {SPLIT * 3} drops" in err, err
+    assert case.status() != "committed"
+    assert _staged_parts(case.dsn, case.batch_id) == parts  # nothing dropped
+    rc, err = complete(case.file)  # restored: a run finishes it, so complete still refuses
+    assert rc == 2 and "Run it again" in err and "restored" not in err, err
+
+    rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)
+    assert rep.result.status == "committed", rep
+    with Ledger(case.dsn) as ledger:
+        done = ledger.get_batch(case.batch_id)
+    assert (done.rows_written, done.bad_records) == (RECORDS, 1)
+    with psycopg2.connect(case.dsn) as conn, conn.cursor() as cur:
+        cur.execute(f'SELECT value FROM "{case.name}_dead" WHERE pipeline = %s', (case.name,))
+        values = [bytes(v) for v, in cur.fetchall()]
+    conn.close()
+    assert values == [b"{not json"]  # routed with its value, from the stage
+    assert case.verdict().in_log == RECORDS  # nothing produced a second time
+    assert complete(case.file)[0] == 0  # already committed: nothing changes

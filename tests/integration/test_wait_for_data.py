@@ -41,7 +41,7 @@ def waiting_pipeline(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_top
     monkeypatch.setenv("OFFSETFLOW_PIPELINES_DIR", str(pipelines))
     cfg = find_pipeline(name)
     assert plan_only(cfg, pg_dsn).batch is None  # first plan: positions at the end
-    return {"name": name, "topic": topic}
+    return {"name": name, "topic": topic, "file": pipelines / f"{name}.yaml"}
 
 
 async def _until(task: asyncio.Task[Any], seconds: float) -> bool:
@@ -244,3 +244,69 @@ def test_event_trigger_waits_longer_after_each_failure_of_the_open_batch(
     early, later = asyncio.run(scenario())
     assert not early, "the watcher retried a batch that failed 3 times after one interval"
     assert later, "the watcher never retried the failed batch once its delay had passed"
+
+
+@pytest.mark.slow  # three `offsetflow run-batch` processes, each starting Spark, killed
+def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_was_killed(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, pg_dsn: str, unique: str,
+        tmp_path: Path) -> None:
+    """A batch whose driver is killed (kill -9, the kernel's OOM killer) stays `running` in
+    the ledger. While its run is alive the watcher must start no second run of it; once the
+    driver is gone it is retried, after the poll interval doubled per attempt like a failed
+    batch (a batch whose driver dies every time ran a dying run every poll interval)."""
+    from offsetflow.config import find_pipeline
+    from offsetflow.ledger import Ledger
+    from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
+    from tests.tooling import chaos
+
+    name = waiting_pipeline["name"]
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"kd-{unique}", 2)
+    batch = plan_only(find_pipeline(name), pg_dsn).batch
+    assert batch is not None
+    log = tmp_path / "job.log"
+
+    def state() -> tuple[str, int]:
+        with Ledger(pg_dsn) as ledger:
+            b = ledger.get_batch(batch.batch_id)
+        return b.status, b.attempts
+
+    def start_run(attempt: int) -> Any:
+        proc = chaos.run_batch_process(waiting_pipeline["file"], batch.batch_id, log)
+        chaos.wait_for(lambda: state() == ("running", attempt) or proc.poll() is not None,
+                       300, f"attempt {attempt} to mark the batch running")
+        assert proc.poll() is None, log.read_text()[-4000:]
+        return proc
+
+    def watcher() -> Any:
+        return asyncio.ensure_future(_first_event(
+            NewOffsetsEventTrigger(pipeline=name, poll_interval=5)))
+
+    # the commit waits on the held positions: every run stays alive until it is killed
+    with chaos.hold_positions(pg_dsn, name):
+        first = start_run(1)
+
+        async def while_alive() -> bool:
+            return await _until(watcher(), 14)
+
+        try:
+            fired_while_alive = asyncio.run(while_alive())
+        finally:
+            chaos.kill(first)
+        assert not fired_while_alive, \
+            "the watcher started a second run of a batch whose run is alive"
+        for attempt in (2, 3):
+            chaos.kill(start_run(attempt))
+    assert state() == ("running", 3)  # nothing marks a killed run failed
+
+    async def after_kills() -> tuple[bool, bool]:
+        task = watcher()
+        # three attempts: 5 s x 2^2 = 20 s after the last one started (a second or two ago)
+        early = await _until(task, 12)
+        later = await _until(task, 30)
+        return early, later
+
+    early, later = asyncio.run(after_kills())
+    assert not early, ("the watcher retried a batch whose driver was killed 3 times after "
+                       "one interval")
+    assert later, "the watcher never retried the batch whose driver was killed"
+    assert state() == ("running", 3)

@@ -18,7 +18,7 @@ import psycopg2
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from confluent_kafka import KafkaException
 
-from offsetflow.arrival import describe
+from offsetflow.arrival import OpenBatchRetry, describe
 from offsetflow.errors import KafkaUnavailableError
 
 log = logging.getLogger(__name__)
@@ -59,23 +59,24 @@ async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
         await asyncio.sleep(poll_interval)
 
 
-def failed_wait(pipeline: str, base_s: float) -> tuple[int, int, float] | None:
-    """`runner.failed_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
+def open_batch_wait(pipeline: str, base_s: float) -> OpenBatchRetry | None:
+    """`runner.open_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
     from offsetflow.config import find_pipeline
     from offsetflow.orchestration.connections import resolve
-    from offsetflow.runner import failed_batch_wait
+    from offsetflow.runner import open_batch_wait as wait_for
 
-    return failed_batch_wait(resolve(find_pipeline(pipeline)), base_s)
+    return wait_for(resolve(find_pipeline(pipeline)), base_s)
 
 
 async def retry_due(pipeline: str, poll_interval: float,
-                    told: set[tuple[int, int]] | None = None) -> bool:
-    """Whether the pipeline's waiting data may start a run now: not while its open batch
-    failed less than its retry delay ago (`arrival.retry_wait`); said in the log once per
-    batch and attempt count (`told` remembers). A check that fails for another reason than
-    an outage lets the run start: the run then says what is wrong."""
+                    told: set[tuple[int, int, str]] | None = None) -> bool:
+    """Whether the pipeline's waiting data may start a run now: not while a run of its open
+    batch is alive, nor while that batch failed, or was left `running` by a run that is
+    gone, less than its retry delay ago (`arrival.retry_wait`); said in the log once per
+    batch, attempt count and state (`told` remembers). A check that fails for another
+    reason than an outage lets the run start: the run then says what is wrong."""
     try:
-        failed = await asyncio.to_thread(failed_wait, pipeline, poll_interval)
+        retry = await asyncio.to_thread(open_batch_wait, pipeline, poll_interval)
     except TRANSIENT as e:
         log.warning("pipeline %s: could not read its open batch (%s); checking again in "
                     "%.0f s", pipeline, e, poll_interval)
@@ -84,16 +85,25 @@ async def retry_due(pipeline: str, poll_interval: float,
         log.error("pipeline %s: checking its open batch failed (%s: %s); starting the run",
                   pipeline, type(e).__name__, e)
         return True
-    if failed is None or failed[2] <= 0:
+    if retry is None or retry.wait_s <= 0:
         return True
-    batch_id, attempts, wait = failed
-    if told is None or (batch_id, attempts) not in told:
-        log.warning("pipeline %s: open batch %d failed (attempt %d); the next event-driven "
-                    "run retries it in %.0f s (the wait doubles per attempt, at most 15 min). "
-                    "A manual DAG run or `offsetflow run-batch` retries it now; "
-                    "`offsetflow abandon` drops it", pipeline, batch_id, attempts, wait)
+    key = (retry.batch_id, retry.attempts, retry.state)
+    if told is None or key not in told:
+        if retry.state == "live":
+            log.info("pipeline %s: open batch %d is being run (attempt %d; its run is "
+                     "alive); the watcher starts no second run of it", pipeline,
+                     retry.batch_id, retry.attempts)
+        else:
+            what = ("failed" if retry.state == "failed" else
+                    "was left running by a run that is gone (its driver was killed or lost "
+                    "its database connection)")
+            log.warning("pipeline %s: open batch %d %s (attempt %d); the next event-driven "
+                        "run retries it in %.0f s (the wait doubles per attempt, at most 15 "
+                        "min). A manual DAG run or `offsetflow run-batch` retries it now; "
+                        "`offsetflow abandon` drops it", pipeline, retry.batch_id, what,
+                        retry.attempts, retry.wait_s)
         if told is not None:
-            told.add((batch_id, attempts))
+            told.add(key)
     return False
 
 
@@ -122,9 +132,10 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
     """The same check for event-driven scheduling: an `AssetWatcher` on an Asset that a
     pipeline DAG is scheduled on starts a run "when data arrives". Error payloads are not
     emitted as events (they would start runs); they are logged and polled again. An open
-    batch that failed counts as waiting data, but starts a run only after its retry delay
-    (`retry_due`): a batch failing for good would otherwise start a failing run every poll
-    interval until someone abandons it."""
+    batch counts as waiting data, but starts no run while a run of it is alive, and one
+    that failed (or whose driver died) only after its retry delay (`retry_due`): a batch
+    failing for good would otherwise start a failing run every poll interval until someone
+    abandons it."""
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # The triggerer restarts a watcher's trigger as soon as it fires. Checking at once
@@ -132,7 +143,7 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
         # started is still reading (an asset event, and a queued run, each time): a
         # restarted watcher waits one poll interval first.
         await asyncio.sleep(self.poll_interval)
-        told: set[tuple[int, int]] = set()
+        told: set[tuple[int, int, str]] = set()
         while True:
             payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
