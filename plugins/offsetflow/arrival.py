@@ -66,15 +66,20 @@ class OpenBatchRetry:
     attempts: int
     state: str
     wait_s: float  # 0: now; inf while a run of it is alive
+    holders: tuple[str, ...] = ()  # live: the sessions holding its run lock
+    running_s: float | None = None  # live: seconds since its attempt started
 
 
 def open_batch_retry(batch_id: int, status: str, attempts: int, since_s: float | None,
-                     alive: bool, base_s: float) -> OpenBatchRetry | None:
-    """`since_s`: seconds since its last failure (failed) or its last attempt's start
-    (running; when its driver died is not recorded), None if not recorded (due now: never a
-    wait that cannot end). None for a batch no wait applies to (planned, never run)."""
-    if alive:
-        return OpenBatchRetry(batch_id, attempts, "live", math.inf)
+                     holders: tuple[str, ...], base_s: float) -> OpenBatchRetry | None:
+    """`holders`: the sessions holding the batch's run lock (a run is alive while any does).
+    `since_s`: alive, seconds since its attempt started; failed, since its last failure;
+    died, since its run was first seen gone (when a killed driver died is not recorded, and
+    its attempt's start would put the wait of a long run's death in the past). None if not
+    recorded: due now (never a wait that cannot end). None for a batch no wait applies to
+    (planned, never run)."""
+    if holders:
+        return OpenBatchRetry(batch_id, attempts, "live", math.inf, holders, since_s)
     state = {"failed": "failed", "running": "died"}.get(status)
     if state is None:
         return None

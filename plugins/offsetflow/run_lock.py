@@ -29,17 +29,29 @@ def _key(batch_id: int) -> int:
     return int(batch_id) & 0x7FFFFFFF
 
 
+_HELD = """l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+               AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+               AND l.classid = hashtext(%s)::oid AND l.objid = %s::int::oid"""
+
+
 def run_alive(cur: psycopg2.extensions.cursor, batch_id: int) -> bool:
     """Whether some session of this database holds the run lock of `batch_id`."""
-    cur.execute("""SELECT EXISTS (
-                     SELECT 1 FROM pg_locks
-                      WHERE locktype = 'advisory' AND granted AND objsubid = 2
-                        AND database = (SELECT oid FROM pg_database
-                                         WHERE datname = current_database())
-                        AND classid = hashtext(%s)::oid AND objid = %s::int::oid)""",
+    cur.execute(f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {_HELD})",
                 (LOCK, _key(batch_id)))
     row = cur.fetchone()
     return bool(row and row[0])
+
+
+def run_holders(cur: psycopg2.extensions.cursor, batch_id: int) -> tuple[str, ...]:
+    """The sessions holding the run lock of `batch_id`, each as an operator finds it (server
+    pid, client, application, connected since): a lock can outlive its run where a pooler
+    in transaction mode keeps the session, or a driver hangs after its launcher was killed."""
+    cur.execute(f"""SELECT l.pid, a.client_addr, a.application_name,
+                           to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+                      FROM pg_locks l LEFT JOIN pg_stat_activity a USING (pid)
+                     WHERE {_HELD} ORDER BY l.pid""", (LOCK, _key(batch_id)))
+    return tuple(f"pid {pid} (client {addr or 'local'}, application {app or '?'}, connected "
+                 f"{since or '?'} UTC)" for pid, addr, app, since in cur.fetchall())
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
 from offsetflow.planning import PlanOutcome, plan_next
 from offsetflow.ranges import TopicPartition
-from offsetflow.run_lock import run_alive
+from offsetflow.run_lock import run_holders
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -56,24 +56,36 @@ def pending_for(cfg: PipelineConfig, dsn: str | None = None) -> dict[TopicPartit
     return pending_offsets(committed, kafka.partition_offsets(tps), cfg.starting.kind)
 
 
-def open_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None
+def open_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None,
+                    gone_since: dict[tuple[int, int], float] | None = None
                     ) -> OpenBatchRetry | None:
     """When an event-driven run may start the pipeline's open scheduled batch
     (`arrival.open_batch_retry`): not while a run of it is alive (`run_lock`); after
-    `arrival.retry_wait` once it failed, or once the run that left it `running` is gone,
-    timed from that attempt's start. Times are the ledger database's, not this machine's."""
+    `arrival.retry_wait` once it failed (timed by the ledger database's clock), or once the
+    run that left it `running` is gone, timed from when the caller first saw it gone:
+    `gone_since` remembers that per (batch, attempt) (monotonic clock). Without it, from the
+    attempt's start (a lower bound: a long run's death is then retried at once)."""
     with Ledger(dsn or cfg.sink.connection) as ledger, ledger.transaction() as cur:
+        # the locks before the status: a run that fails in between is seen alive (and waited
+        # for), never `failed` with its failure not yet timed
         batch = ledger.open_batch(cur, cfg.name)
         if batch is None:
             return None
-        cur.execute("""SELECT extract(epoch FROM now() - CASE WHEN status = 'failed'
-                                                           THEN finished_at
-                                                           ELSE started_at END)
+        holders = run_holders(cur, batch.batch_id)
+        cur.execute("""SELECT status, attempts,
+                              extract(epoch FROM now() - CASE WHEN status = 'failed'
+                                                         THEN finished_at
+                                                         ELSE started_at END)
                          FROM offsetflow.batches WHERE batch_id = %s""", (batch.batch_id,))
         row = cur.fetchone()
-        alive = run_alive(cur, batch.batch_id)
-    since = None if not row or row[0] is None else float(row[0])
-    return open_batch_retry(batch.batch_id, batch.status, batch.attempts, since, alive, base_s)
+    if row is None:
+        return None
+    status, attempts, age = row[0], int(row[1]), None if row[2] is None else float(row[2])
+    since = age
+    if status == "running" and not holders and gone_since is not None:
+        first = gone_since.setdefault((batch.batch_id, attempts), time.monotonic())
+        since = time.monotonic() - first
+    return open_batch_retry(batch.batch_id, status, attempts, since, holders, base_s)
 
 
 def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:

@@ -249,15 +249,28 @@ def test_event_trigger_waits_longer_after_each_failure_of_the_open_batch(
 @pytest.mark.slow  # three `offsetflow run-batch` processes, each starting Spark, killed
 def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_was_killed(
         waiting_pipeline: dict[str, Any], kafka_bootstrap: str, pg_dsn: str, unique: str,
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch whose driver is killed (kill -9, the kernel's OOM killer) stays `running` in
-    the ledger. While its run is alive the watcher must start no second run of it; once the
-    driver is gone it is retried, after the poll interval doubled per attempt like a failed
-    batch (a batch whose driver dies every time ran a dying run every poll interval)."""
+    the ledger. While its run is alive the watcher must start no second run of it, and names
+    the sessions holding its run lock (a warning once it ran long: a lock can outlive its
+    run); once the driver is gone it is retried, after the poll interval doubled per attempt
+    like a failed batch, counted from when the watcher saw it gone (a batch whose driver
+    dies every time ran a dying run every poll interval; counted from the attempt's start,
+    a run that died late was retried at once)."""
+    import logging
+    import re
+
     from offsetflow.config import find_pipeline
     from offsetflow.ledger import Ledger
+    from offsetflow.orchestration import triggers
     from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
     from tests.tooling import chaos
+
+    monkeypatch.setattr(triggers, "LIVE_WARN_S", 4.0)
+    warned: list[str] = []  # Airflow's logging set-up keeps these from pytest's caplog
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: warned.append(r.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(triggers.log, "handlers", [*triggers.log.handlers, handler])
 
     name = waiting_pipeline["name"]
     produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"kd-{unique}", 2)
@@ -294,13 +307,18 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
             chaos.kill(first)
         assert not fired_while_alive, \
             "the watcher started a second run of a batch whose run is alive"
-        for attempt in (2, 3):
-            chaos.kill(start_run(attempt))
+        named = [m for m in warned if "pg_terminate_backend" in m]
+        assert named and re.search(r"held, by: pid \d+ \(client", named[0]), warned
+        second = start_run(2)
+        chaos.kill(second)
+        third = start_run(3)
+        time.sleep(25)  # dies later than its retry delay (20 s) after its start
+        chaos.kill(third)
     assert state() == ("running", 3)  # nothing marks a killed run failed
 
     async def after_kills() -> tuple[bool, bool]:
         task = watcher()
-        # three attempts: 5 s x 2^2 = 20 s after the last one started (a second or two ago)
+        # three attempts: 5 s x 2^2 = 20 s after the watcher saw the last one gone
         early = await _until(task, 12)
         later = await _until(task, 30)
         return early, later

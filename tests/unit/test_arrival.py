@@ -53,15 +53,17 @@ def test_an_open_batch_waits_while_its_run_lives_and_by_attempts_once_it_died() 
 
     from offsetflow.arrival import open_batch_retry
 
-    live = open_batch_retry(7, "running", 2, 1.0, True, 30.0)
+    held = ("pid 9 (client local, application offsetflow, connected 2026-01-01 UTC)",)
+    live = open_batch_retry(7, "running", 2, 1.0, held, 30.0)
     assert live is not None and (live.state, live.wait_s) == ("live", math.inf)
+    assert (live.holders, live.running_s) == (held, 1.0)
     # a live run counts whatever the status says (another run of it failed meanwhile)
-    failed_but_live = open_batch_retry(7, "failed", 2, 1.0, True, 30.0)
+    failed_but_live = open_batch_retry(7, "failed", 2, 1.0, held, 30.0)
     assert failed_but_live is not None and failed_but_live.state == "live"
-    died = open_batch_retry(7, "running", 3, 20.0, False, 30.0)
+    died = open_batch_retry(7, "running", 3, 20.0, (), 30.0)
     assert died is not None and (died.state, died.wait_s) == ("died", 100.0)
-    failed = open_batch_retry(7, "failed", 1, 10.0, False, 30.0)
+    failed = open_batch_retry(7, "failed", 1, 10.0, (), 30.0)
     assert failed is not None and (failed.state, failed.wait_s) == ("failed", 20.0)
-    unknown = open_batch_retry(7, "running", 3, None, False, 30.0)
+    unknown = open_batch_retry(7, "running", 3, None, (), 30.0)
     assert unknown is not None and unknown.wait_s == 0.0  # no start recorded: due
-    assert open_batch_retry(7, "planned", 0, None, False, 30.0) is None
+    assert open_batch_retry(7, "planned", 0, None, (), 30.0) is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg2
@@ -59,24 +60,37 @@ async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
         await asyncio.sleep(poll_interval)
 
 
-def open_batch_wait(pipeline: str, base_s: float) -> OpenBatchRetry | None:
+# a run alive this long is named in a warning (once an hour): its lock may have outlived it
+LIVE_WARN_S = 3600.0
+
+
+@dataclass
+class RetryMemory:
+    """What one watcher remembers between polls: what it logged (once per batch, attempt and
+    state) and when it first saw each attempt's run gone (its retry delay counts from then)."""
+    told: set[tuple[int, int, str, int]] = field(default_factory=set)
+    gone_since: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
+def open_batch_wait(pipeline: str, base_s: float, memory: RetryMemory
+                    ) -> OpenBatchRetry | None:
     """`runner.open_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
     from offsetflow.config import find_pipeline
     from offsetflow.orchestration.connections import resolve
     from offsetflow.runner import open_batch_wait as wait_for
 
-    return wait_for(resolve(find_pipeline(pipeline)), base_s)
+    return wait_for(resolve(find_pipeline(pipeline)), base_s, gone_since=memory.gone_since)
 
 
-async def retry_due(pipeline: str, poll_interval: float,
-                    told: set[tuple[int, int, str]] | None = None) -> bool:
+async def retry_due(pipeline: str, poll_interval: float, memory: RetryMemory) -> bool:
     """Whether the pipeline's waiting data may start a run now: not while a run of its open
     batch is alive, nor while that batch failed, or was left `running` by a run that is
     gone, less than its retry delay ago (`arrival.retry_wait`); said in the log once per
-    batch, attempt count and state (`told` remembers). A check that fails for another
-    reason than an outage lets the run start: the run then says what is wrong."""
+    batch, attempt count and state. A run alive for over LIVE_WARN_S is named (the sessions
+    holding its lock) once an hour, with the way out. A check that fails for another reason
+    than an outage lets the run start: the run then says what is wrong."""
     try:
-        retry = await asyncio.to_thread(open_batch_wait, pipeline, poll_interval)
+        retry = await asyncio.to_thread(open_batch_wait, pipeline, poll_interval, memory)
     except TRANSIENT as e:
         log.warning("pipeline %s: could not read its open batch (%s); checking again in "
                     "%.0f s", pipeline, e, poll_interval)
@@ -87,23 +101,33 @@ async def retry_due(pipeline: str, poll_interval: float,
         return True
     if retry is None or retry.wait_s <= 0:
         return True
-    key = (retry.batch_id, retry.attempts, retry.state)
-    if told is None or key not in told:
-        if retry.state == "live":
-            log.info("pipeline %s: open batch %d is being run (attempt %d; its run is "
-                     "alive); the watcher starts no second run of it", pipeline,
-                     retry.batch_id, retry.attempts)
-        else:
-            what = ("failed" if retry.state == "failed" else
-                    "was left running by a run that is gone (its driver was killed or lost "
-                    "its database connection)")
-            log.warning("pipeline %s: open batch %d %s (attempt %d); the next event-driven "
-                        "run retries it in %.0f s (the wait doubles per attempt, at most 15 "
-                        "min). A manual DAG run or `offsetflow run-batch` retries it now; "
-                        "`offsetflow abandon` drops it", pipeline, retry.batch_id, what,
-                        retry.attempts, retry.wait_s)
-        if told is not None:
-            told.add(key)
+    hours = int((retry.running_s or 0.0) // LIVE_WARN_S) if retry.state == "live" else 0
+    key = (retry.batch_id, retry.attempts, retry.state, hours)
+    if key in memory.told:
+        return False
+    memory.told.add(key)
+    if retry.state == "live" and hours:
+        log.warning("pipeline %s: open batch %d has been running for %.0f min (attempt %d) and "
+                    "the watcher starts no second run while its run lock is held, by: %s. If "
+                    "that run is gone (a connection pooler in transaction mode keeps session "
+                    "locks: the ledger needs a direct or session-pooled connection), end the "
+                    "session with SELECT pg_terminate_backend(<pid>), or retry the batch now "
+                    "with a manual DAG run or `offsetflow run-batch`", pipeline,
+                    retry.batch_id, (retry.running_s or 0.0) / 60, retry.attempts,
+                    "; ".join(retry.holders))
+    elif retry.state == "live":
+        log.info("pipeline %s: open batch %d is being run (attempt %d; its run is alive: %s);"
+                 " the watcher starts no second run of it", pipeline, retry.batch_id,
+                 retry.attempts, "; ".join(retry.holders))
+    else:
+        what = ("failed" if retry.state == "failed" else
+                "was left running by a run that is gone (its driver was killed, or stopped "
+                "without recording a failure, or lost its database connection)")
+        log.warning("pipeline %s: open batch %d %s (attempt %d); the next event-driven "
+                    "run retries it in %.0f s (the wait doubles per attempt, at most 15 "
+                    "min). A manual DAG run or `offsetflow run-batch` retries it now; "
+                    "`offsetflow abandon` drops it", pipeline, retry.batch_id, what,
+                    retry.attempts, retry.wait_s)
     return False
 
 
@@ -143,12 +167,12 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
         # started is still reading (an asset event, and a queued run, each time): a
         # restarted watcher waits one poll interval first.
         await asyncio.sleep(self.poll_interval)
-        told: set[tuple[int, int, str]] = set()
+        memory = RetryMemory()
         while True:
             payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
             if payload["status"] == "data":
-                if await retry_due(self.pipeline, self.poll_interval, told):
+                if await retry_due(self.pipeline, self.poll_interval, memory):
                     yield TriggerEvent(payload)
                     return
                 await asyncio.sleep(self.poll_interval)
