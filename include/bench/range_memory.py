@@ -24,7 +24,7 @@ import pyarrow as pa
 from engines import SCHEMA
 
 from offsetflow.config import parse_pipeline
-from offsetflow.job import ReadContext, read_subrange, stage_columns
+from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.metrics import TaskClock, current_rss_mb
 from offsetflow.ranges import OffsetRange
 from offsetflow.staging import binary_encoder

@@ -7,6 +7,10 @@ sub-ranges with one `offsetflow.reader` consumer; rows are staged by the tasks a
 committed by the driver in one PostgreSQL transaction (`offsetflow.commit.commit_batch`; in
 append mode `offsetflow.partwise.PartwiseCommit`, which starts moving parts while later ones
 are read).
+
+This module is the driver's side: `run_batch` and the steps around the Spark job. What runs
+inside the tasks is in `offsetflow.job_tasks`, the session in `offsetflow.spark_session`
+(`build_spark` and `drop_session` are re-exported: callers start a run from here).
 """
 
 from __future__ import annotations
@@ -17,49 +21,44 @@ import importlib
 import json
 import logging
 import os
-import socket
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import pyarrow as pa
-
-from offsetflow import connect_session
 from offsetflow.commit import (
     CommitResult,
     CommitSpec,
     check_fence,
     commit_batch,
 )
-from offsetflow.config import DECIMAL_RE, PipelineConfig, config_drift, connect_address
+from offsetflow.config import PipelineConfig, config_drift
 from offsetflow.dead_letters import Coordinate
 from offsetflow.errors import (
     BadRecordError,
     BatchStateError,
     ConfigError,
     OffsetFlowError,
-    SparkUnavailableError,
     StaleConfigError,
     StaleStageError,
 )
-from offsetflow.ledger import Batch, Ledger, connect, stage_part_table
-from offsetflow.metrics import TaskClock
+from offsetflow.job_tasks import (
+    STATS_DDL,
+    make_read_and_stage,
+    make_reader,
+    make_writer,
+    spark_ddl,
+    stage_columns,
+)
+from offsetflow.ledger import Batch, Ledger, connect
 from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
-from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.ranges import split_ranges
 from offsetflow.run_lock import hold_run_lock
 from offsetflow.sinks import external_sink, task_data_files
+from offsetflow.spark_session import build_spark, drop_session
 from offsetflow.stage_reset import claim_pack_tasks, stage_generation
-from offsetflow.staging import (
-    BadBuffer,
-    BadRows,
-    SubrangeBad,
-    bad_record_summary,
-    binary_encoder,
-    stage_rows,
-)
+from offsetflow.staging import BadRows, bad_record_summary
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
 
 if TYPE_CHECKING:
@@ -67,134 +66,9 @@ if TYPE_CHECKING:
 
     from offsetflow.sink_iceberg_tasks import TaskFiles
 
+__all__ = ["RunReport", "build_spark", "drop_session", "run_batch"]
+
 log = logging.getLogger(__name__)
-
-RAW_DDL = ("`topic` string, `partition` int, `offset` bigint, `timestamp` timestamp, "
-           "`timestamp_type` int, `key` binary, `value` binary, "
-           "`headers` array<struct<key:string,value:binary>>")
-SPARK_TYPES = {"string": "string", "long": "bigint", "int": "int", "double": "double",
-               "float": "float", "boolean": "boolean", "timestamp": "timestamp", "date": "date"}
-
-
-def spark_ddl(cfg: PipelineConfig) -> str:
-    fields = [f"`{name}` {SPARK_TYPES.get(t, t if DECIMAL_RE.match(t) else 'string')}"
-              for name, t in cfg.schema.items()]
-    return ", ".join([RAW_DDL, *fields])
-
-
-# Arrow batches Spark hands a Python task (the DataFrame path's writer) are cut at 10,000
-# rows by default and not by bytes: with 1 MB records that is 10 GB per batch, past Arrow's
-# 2 GiB array limit. Spark 4 can cut them by bytes too (spark.conf of a pipeline overrides).
-ARROW_MAX_BYTES_PER_BATCH = 64 << 20
-
-
-def _arrow_conf() -> dict[str, str]:
-    import pyspark
-
-    if int(pyspark.__version__.split(".")[0]) < 4:
-        return {}
-    return {"spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_MAX_BYTES_PER_BATCH)}
-
-
-def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
-    """A SparkSession for the pipeline: spark-submit's if running under it, a warm Spark
-    Connect server when `spark.launch: connect`, else a local one from `spark.master`."""
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    builder = SparkSession.builder.appName(app_name)
-    if cfg.spark.launch == "connect":
-        return _connect_session(cfg)
-    # under spark-submit (which starts the Python driver with a gateway) the master comes
-    # from spark-submit / the Airflow Spark connection, never from the pipeline config
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:
-        builder = builder.master(cfg.spark.master)
-        # executors run the interpreter the driver names in PYSPARK_PYTHON, and pyspark reads
-        # only that variable, not spark.pyspark.python: a pipeline that ships its environment
-        # (spark.archives) would otherwise have its executors run this process's Python,
-        # which a cluster node does not have (spark-submit does this step itself)
-        executor_python = cfg.spark.conf.get("spark.pyspark.python")
-        if executor_python:
-            os.environ["PYSPARK_PYTHON"] = executor_python
-    builder = (builder.config("spark.sql.session.timeZone", "UTC")
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "8"))
-    log4j = os.environ.get("OFFSETFLOW_SPARK_LOG4J")  # console.setup_logging: quiet console
-    if log4j and "spark.driver.extraJavaOptions" not in cfg.spark.conf:
-        builder = builder.config("spark.driver.extraJavaOptions",
-                                 f"-Dlog4j2.configurationFile=file:{log4j}")
-    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
-        builder = builder.config(k, v)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
-    return spark
-
-
-def _connect_session(cfg: PipelineConfig) -> SparkSession:
-    """A session on the warm Spark Connect server. Reachability is checked first: the
-    client itself retries an absent server for minutes before it says anything."""
-    url = cfg.spark.connect_url
-    host, port = connect_address(url)
-    try:
-        socket.create_connection((host, port), timeout=5).close()
-    except OSError as e:
-        raise SparkUnavailableError(
-            f"no Spark Connect server at sc://{host}:{port} (spark.connect_url of "
-            f"{cfg.source_file}, spark.launch: connect): {e}. Start one (locally: "
-            f"include/stack/stack.sh connect-start) or use spark.launch: submit") from e
-    spark = _pipeline_session(cfg, url)
-    # set by every run: the session outlives it, and the pipeline's config may have changed
-    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
-        try:
-            spark.conf.set(k, v)
-        except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(cfg.source_file, f"spark.conf.{k}",
-                              f"cannot be set on a running Spark Connect server ({first}); "
-                              f"set it when the server is started") from e
-    return spark  # type: ignore[no-any-return]
-
-
-def _pipeline_session(cfg: PipelineConfig, url: str) -> Any:
-    """The pipeline's own session on the server (connect_session): reopened by every run,
-    so its Python workers stay warm and the server starts no new ones per run. Its first
-    call sets the time zone, which also tells whether the server closed that id before.
-    Built without the builder, whose create() makes calls (and registers the session as
-    the process's default) before a closed id can be told and dropped."""
-    from pyspark.sql.connect.session import SparkSession as RemoteSession
-
-    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # as the builder does: no local Spark
-    if connect_session.names_session(url):
-        candidates = [url]
-    else:
-        candidates = [connect_session.with_session_id(url, connect_session.session_id(
-            cfg.name, url, g)) for g in range(connect_session.MAX_GENERATIONS)]
-        candidates.append(url)  # every id closed: a session of this run's own
-    for i, candidate in enumerate(candidates):
-        spark = RemoteSession(connection=candidate)
-        try:
-            spark.conf.set("spark.sql.session.timeZone", "UTC")
-        except Exception as e:  # noqa: BLE001 - pyspark raises several kinds here
-            drop_session(spark)
-            if i + 1 < len(candidates) and connect_session.is_closed_session(e):
-                continue
-            raise
-        if candidate is candidates[-1] and len(candidates) > 1:
-            log.warning("pipeline %s: the server closed its %d session ids; this run uses a "
-                        "session of its own", cfg.name, connect_session.MAX_GENERATIONS)
-        log.info("pipeline %s: Spark Connect session %s", cfg.name, spark.session_id)
-        RemoteSession._set_default_and_active_session(spark)  # unless the process has one
-        return spark
-    raise AssertionError("unreachable: the last candidate returns or raises")
-
-
-def drop_session(spark: Any) -> None:
-    """End this process's use of a Spark session. A Spark Connect session stays on the
-    server for the pipeline's next run (only the client is closed); a local one stops."""
-    if hasattr(spark, "release_session_on_close"):  # pyspark.sql.connect.session
-        spark.release_session_on_close = False
-    spark.stop()
 
 
 @contextlib.contextmanager
@@ -223,269 +97,6 @@ class RunReport:
     batch_id: int
     result: CommitResult
     timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ReadContext:
-    """What a task needs to read one sub-range: plain values, cheap to ship to workers."""
-
-    batch_id: int
-    dsn: str
-    pipeline: str
-    consumer_conf: dict[str, str]
-    schema: dict[str, str]
-    fmt: str
-    write_dead: bool
-    specs: list[dict[str, Any]]
-    generation: int | None = None  # the stage generation the run stages under
-
-    @classmethod
-    def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-           generation: int | None = None) -> ReadContext:
-        return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
-                   cfg.format_type, cfg.bad_records == "dead_letter", specs, generation)
-
-
-def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
-                  bad_sink: BadBuffer | None = None, consumer: Any = None
-                  ) -> Iterator[pa.RecordBatch]:
-    """Raw columns + typed fields of sub-range `idx`, chunk by chunk. Bad records go to
-    `bad_sink` (the caller's staging transaction), else to a `SubrangeBad` that records
-    them keyed by coordinates and writes the sub-range's marker when it is read to its end.
-    A tombstone (null value) is a row with a null `value` (see
-    `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
-    shared by the small sub-ranges it reads (a large one, or None: a consumer of its
-    own for this sub-range)."""
-    from offsetflow.deserialize import arrow_schema
-    from offsetflow.reader import SHARED_MAX_SPAN, read_range
-
-    r = OffsetRange.from_dict(rc.specs[idx])
-    typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
-    own: SubrangeBad | None = None
-    sink: BadBuffer | SubrangeBad
-    if bad_sink is None:
-        sink = own = SubrangeBad(rc.dsn, rc.batch_id, idx, BadRows(rc.pipeline, rc.write_dead),
-                                 rc.generation)
-    else:
-        sink = bad_sink
-    shared = consumer is not None and r.span <= SHARED_MAX_SPAN
-    chunks = iter(read_range(rc.consumer_conf, r, consumer=consumer) if shared
-                  else read_range(rc.consumer_conf, r))
-    while True:
-        with clock.stage("read"):
-            chunk = next(chunks, None)
-        if chunk is None:
-            if own is not None:
-                own.close()
-            return
-        yield chunk_rows(rc, typed_schema, chunk, r, sink, clock)
-
-
-def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: OffsetRange,
-               sink: BadBuffer | SubrangeBad, clock: TaskClock) -> pa.RecordBatch:
-    """A chunk of raw records (of range `r`, or of several: `chunk.topics`) as the stage's
-    rows: raw columns + typed fields; its bad records go to `sink`."""
-    from offsetflow.deserialize import BadRecord, deserialize_json
-
-    clock.count("records", len(chunk))
-    typed: pa.Table | None = None
-    good: list[int] | None = None
-    bad: list[BadRecord] = []
-    if typed_schema is not None:
-        with clock.stage("deserialize"):
-            typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
-    if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
-        good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
-    if bad:
-        sink.add([
-            {"topic": r.topic if chunk.topics is None else chunk.topics[x.index],
-             "partition": r.partition if chunk.partitions is None
-             else chunk.partitions[x.index],
-             "offset": chunk.offsets[x.index], "timestamp": chunk.timestamps[x.index],
-             "key": chunk.keys[x.index], "value": chunk.values[x.index], "error": x.reason}
-            for x in bad])
-    with clock.stage("to_arrow"):
-        raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
-        if typed is None or typed_schema is None:
-            return raw  # type: ignore[no-any-return]
-        cols = list(raw.columns) + list(typed.combine_chunks().columns)
-        return pa.RecordBatch.from_arrays(
-            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
-            names=raw.schema.names + typed_schema.names)
-
-
-def read_packed(rc: ReadContext, idxs: list[int], clock: TaskClock, bad_sink: BadBuffer,
-                consumer: Any) -> Iterator[pa.RecordBatch]:
-    """A packed task's sub-ranges: the small ones (up to `SHARED_MAX_SPAN` offsets, one per
-    topic-partition) all at once on the task's consumer (`reader_packed`), in chunks that
-    span ranges; the others one by one (`read_subrange`)."""
-    from offsetflow.deserialize import arrow_schema
-    from offsetflow.reader import SHARED_MAX_SPAN
-    from offsetflow.reader_packed import read_ranges
-
-    small: dict[tuple[str, int], OffsetRange] = {}
-    rest: list[int] = []
-    for idx in idxs:
-        r = OffsetRange.from_dict(rc.specs[idx])
-        if r.span <= SHARED_MAX_SPAN and r.topic_partition not in small:
-            small[r.topic_partition] = r
-        else:
-            rest.append(idx)
-    if small:
-        typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
-        first = next(iter(small.values()))
-        chunks = iter(read_ranges(consumer, list(small.values())))
-        while True:
-            with clock.stage("read"):
-                chunk = next(chunks, None)
-            if chunk is None:
-                break
-            yield chunk_rows(rc, typed_schema, chunk, first, bad_sink, clock)
-    for idx in rest:
-        yield from read_subrange(rc, idx, clock, bad_sink, consumer)
-
-
-def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
-                  typed: pa.Table | None, bad: list[Any]
-                  ) -> tuple[list[int], pa.Table | None, list[Any]]:
-    """Take the reader's refused records out of the good rows and into the bad ones."""
-    from offsetflow.deserialize import BadRecord
-
-    good = list(range(n)) if good is None else good
-    keep = [j for j, g in enumerate(good) if g not in refused]
-    if typed is not None:
-        typed = typed.take(pa.array(keep, pa.int64()))
-    already = {b.index for b in bad}
-    bad = sorted([*bad, *(BadRecord(i, why) for i, why in refused.items() if i not in already)],
-                 key=lambda b: b.index)
-    return [good[j] for j in keep], typed, bad
-
-
-def _subranges(groups: list[tuple[int, ...]] | None, ids: Iterator[pa.RecordBatch]
-               ) -> Iterator[int]:
-    """The sub-ranges a task reads: its ids are sub-ranges, or (`groups`) packed parts."""
-    for b in ids:
-        for i in b.column("id").to_pylist():
-            yield from (i,) if groups is None else groups[i]
-
-
-def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-                generation: int | None = None, groups: list[tuple[int, ...]] | None = None
-                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """DataFrame path (a transform is configured): rows go to Spark for the transform.
-    `groups`: the sub-ranges each task id reads (`offsetflow.packing`), else one each."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
-
-    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from offsetflow.reader import range_consumer
-
-        with range_consumer(rc.consumer_conf, shared=True) as consumer:
-            for idx in _subranges(groups, batches):
-                clock = TaskClock()
-                yield from read_subrange(rc, idx, clock, consumer=consumer)
-                clock.emit(batch_id, "read", idx)
-    return read
-
-
-STATS_DDL = "part int, rows bigint, skipped boolean"
-
-
-def _stats_batch(part: int, stats: dict[str, Any]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_pylist(
-        [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
-        schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_())]))
-
-
-def _task_part() -> int:
-    from pyspark import TaskContext
-
-    ctx = TaskContext.get()
-    return ctx.partitionId() if ctx is not None else 0
-
-
-def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = None
-                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """DataFrame path: stage the transform's output (in stage form); rows PostgreSQL
-    refuses become bad records under `bad`'s policy."""
-    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        part = _task_part()
-        clock = TaskClock()
-        stats = stage_rows(dsn, batch_id, part, batches, clock, bad=bad,
-                           generation=generation)
-        clock.emit(batch_id, "stage", part)
-        yield _stats_batch(part, stats)
-    return write
-
-
-def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
-                        specs: list[dict[str, Any]], generation: int | None = None,
-                        groups: list[tuple[int, ...]] | None = None,
-                        files: TaskFiles | None = None
-                        ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """Fused path (no transform): each task reads its sub-ranges (`groups[part]`, packed by
-    `offsetflow.packing`; without `groups`, the sub-range its id names) with one consumer
-    and COPYs them into its stage part itself, so records never cross into the JVM and
-    back. Spark schedules, retries and spreads the tasks; the stage marker, which names the
-    sub-ranges, still makes a retried task stage nothing twice. With `files` (an Iceberg
-    append, `sinks.task_data_files`) the task writes its rows as the table's data files
-    and lists them in that marker instead (`offsetflow.sink_iceberg_tasks`)."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
-    pg_types = [t for _, t in stage_columns(cfg)]
-
-    def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from offsetflow.reader import range_consumer
-
-        part = _task_part()
-        clock = TaskClock(ignore=("wait_upstream",))  # here upstream is read + deserialize
-
-        bad_in = BadBuffer()  # read-side bad records: written in the part's transaction
-        consumer = contextlib.ExitStack()
-
-        def rows() -> Iterator[pa.RecordBatch]:
-            shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
-            yield from read_packed(rc, list(_subranges(groups, batches)), clock, bad_in,
-                                   shared)
-        with consumer:
-            stats = stage_rows(dsn, batch_id, part, _coalesced(rows()), clock,
-                               binary_encoder(pg_types),
-                               table=stage_part_table(batch_id, part),
-                               bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
-                               generation=generation,
-                               subranges=None if groups is None else groups[part],
-                               files=None if files is None else files.writer(part))
-        clock.emit(batch_id, "read_stage", part)
-        yield _stats_batch(part, stats)
-    return read_and_stage
-
-
-def _coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """Successive small chunks (a packed task's ranges of a few records each) as one, so
-    they cost one COPY and savepoint, not one per range; a chunk stays within the reader's
-    row and byte bounds, and chunks of another schema are never joined."""
-    from offsetflow.reader import MAX_CHUNK_BYTES, MAX_CHUNK_ROWS
-
-    buf: list[pa.RecordBatch] = []
-    rows = size = 0
-    for b in batches:
-        if buf and (rows + b.num_rows > MAX_CHUNK_ROWS or size + b.nbytes > MAX_CHUNK_BYTES
-                    or not b.schema.equals(buf[0].schema)):
-            yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
-            buf, rows, size = [], 0, 0
-        buf.append(b)
-        rows += b.num_rows
-        size += b.nbytes
-    if buf:
-        yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
-
-
-def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
-    """Stage/target columns of the fused path, from the config alone (no Spark analysis)."""
-    types = [("topic", "string"), ("partition", "int"), ("offset", "bigint"),
-             ("timestamp", "timestamp"), ("timestamp_type", "int"), ("key", "binary"),
-             ("value", "binary"), ("headers", "array<struct<key:string,value:binary>>")]
-    if cfg.format_type == "json":
-        types += [(n, SPARK_TYPES.get(t, t)) for n, t in cfg.schema.items()]
-    return [(n, pg_type(t)) for n, t in types]
 
 
 def to_stage_form(df: DataFrame) -> DataFrame:

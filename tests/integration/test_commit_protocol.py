@@ -14,7 +14,8 @@ import pytest
 from psycopg2 import sql
 
 from offsetflow.errors import CommitLockTimeoutError
-from offsetflow.job import run_batch, stage_columns
+from offsetflow.job import run_batch
+from offsetflow.job_tasks import stage_columns
 from offsetflow.ledger import Ledger, connect
 from offsetflow.runner import plan_only, run_cycle
 from offsetflow.tables import ensure_target

@@ -11,9 +11,11 @@ import pyarrow as pa
 import pytest
 
 import offsetflow.job as job
+import offsetflow.job_tasks as job_tasks
 from offsetflow import reader, reader_packed
 from offsetflow.errors import StagedRowsLostError
-from offsetflow.job import make_read_and_stage, run_batch, stage_columns
+from offsetflow.job import run_batch
+from offsetflow.job_tasks import make_read_and_stage, stage_columns
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
@@ -97,7 +99,7 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, part: int,
             if n == kill_after_chunk:
                 raise Killed
     monkeypatch.setattr(reader_packed, "read_ranges", read)
-    monkeypatch.setattr(job, "_task_part", lambda: part)
+    monkeypatch.setattr(job_tasks, "_task_part", lambda: part)
     try:
         for _ in task(iter([pa.RecordBatch.from_pydict({"id": [part]})])):
             pass

@@ -23,7 +23,8 @@ from pyspark.sql import functions as F
 from offsetflow.config import parse_pipeline
 from offsetflow.deserialize import arrow_schema
 from offsetflow.errors import BadRecordError
-from offsetflow.job import run_batch, stage_columns
+from offsetflow.job import run_batch
+from offsetflow.job_tasks import stage_columns
 from offsetflow.ledger import Ledger, stage_part_table
 from offsetflow.reader import HEADER_TYPE
 from offsetflow.runner import plan_only

@@ -15,7 +15,7 @@ from confluent_kafka import Producer
 
 from offsetflow import reader, reader_packed
 from offsetflow.config import parse_pipeline
-from offsetflow.job import make_read_and_stage, make_reader, stage_columns
+from offsetflow.job_tasks import make_read_and_stage, make_reader, stage_columns
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only

@@ -11,7 +11,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from offsetflow.config import parse_pipeline
-from offsetflow.job import ReadContext, read_subrange, stage_columns
+from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.ledger import stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import split_ranges

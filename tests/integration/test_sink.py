@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from offsetflow.errors import FencedCommitError
-from offsetflow.job import ReadContext, read_subrange, run_batch, stage_columns
+from offsetflow.job import run_batch
+from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.ledger import Batch, Ledger, stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit

@@ -1,10 +1,10 @@
-"""A packed task's small chunks are staged as one COPY (offsetflow.job._coalesced)."""
+"""A packed task's small chunks are staged as one COPY (offsetflow.job_tasks._coalesced)."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 
-from offsetflow.job import _coalesced
+from offsetflow.job_tasks import _coalesced
 from offsetflow.reader import MAX_CHUNK_ROWS
 
 
