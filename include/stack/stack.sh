@@ -84,11 +84,17 @@ fail_service() {  # name, host:port, logfile, message
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-proc_alive() {  # a killed process its parent has not reaped yet (a zombie) is not alive
-  local stat
+# A killed process its parent has not reaped yet (a zombie) is not alive; but its main thread
+# turns zombie before the others have exited and closed its sockets, so a process is alive
+# while any of its threads is not a zombie.
+proc_alive() {
+  local t stat
   kill -0 "$1" 2>/dev/null || return 1
-  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
-  stat="${stat##*) }"; [[ "${stat:0:1}" != [ZX] ]]
+  for t in /proc/"$1"/task/*/stat; do
+    stat="$(cat "$t" 2>/dev/null)" || continue
+    stat="${stat##*) }"; [[ "${stat:0:1}" == [ZX] ]] || return 0
+  done
+  return 1
 }
 pid_alive() { [[ -f "$1" ]] && proc_alive "$(cat "$1")"; }
 is_root() { [[ "$(id -u)" == 0 ]]; }
@@ -368,6 +374,7 @@ kafka_kill() {
   log "killing Kafka (kill -9)"
   kill -9 "$(cat "$KAFKA_DIR/kafka.pid")" 2>/dev/null || true
   local i; for ((i = 0; i < 100; i++)); do pid_alive "$KAFKA_DIR/kafka.pid" || break; sleep 0.1; done
+  for ((i = 0; i < 100; i++)); do port_open "$KAFKA_PORT" || break; sleep 0.1; done
   rm -f "$KAFKA_DIR/kafka.pid"
 }
 

@@ -48,11 +48,16 @@ def _alive(pid_file: Path) -> bool:
         pid = int(pid_file.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"  # a killed process not yet reaped is gone
+    # a killed process not yet reaped is gone once all its threads are zombies (its main
+    # thread is one before the others have exited)
+    for task in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            stat = task.read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2] not in "ZX":
+            return True
+    return False
 
 
 @dataclass
