@@ -34,14 +34,6 @@ _HELD = """l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
                AND l.classid = hashtext(%s)::oid AND l.objid = %s::int::oid"""
 
 
-def run_alive(cur: psycopg2.extensions.cursor, batch_id: int) -> bool:
-    """Whether some session of this database holds the run lock of `batch_id`."""
-    cur.execute(f"SELECT EXISTS (SELECT 1 FROM pg_locks l WHERE {_HELD})",
-                (LOCK, _key(batch_id)))
-    row = cur.fetchone()
-    return bool(row and row[0])
-
-
 def run_holders(cur: psycopg2.extensions.cursor, batch_id: int) -> tuple[str, ...]:
     """The sessions holding the run lock of `batch_id`, each as an operator finds it (server
     pid, client, application, connected since): a lock can outlive its run where a pooler
@@ -62,7 +54,7 @@ def hold_run_lock(dsn: str, batch_id: int) -> Iterator[bool]:
     try:
         conn.autocommit = True  # a session lock, on an idle (not idle-in-transaction) session
         with conn.cursor() as cur:
-            others = run_alive(cur, batch_id)
+            others = bool(run_holders(cur, batch_id))
             cur.execute("SELECT pg_advisory_lock_shared(hashtext(%s), %s)",
                         (LOCK, _key(batch_id)))
         yield others
