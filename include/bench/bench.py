@@ -47,8 +47,9 @@ from offsetflow.metrics import load_task_metrics
 from offsetflow.planning import plan_next
 
 log = logging.getLogger("bench")
-ENGINES = ("source-floor", "sink-floor", "baseline", "spark-builtin", "offsetflow-local",
-           "offsetflow-connect", "offsetflow-submit", "offsetflow-cluster", "offsetflow-iceberg",
+ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-builtin",
+           "offsetflow-local", "offsetflow-connect", "offsetflow-submit", "offsetflow-cluster",
+           "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka",
            # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
@@ -381,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "source-floor": [job(main_ds, args.runs)],
         "sink-floor": [job(main_ds, args.runs)],
         "baseline": [job(main_ds, args.runs)] + [job(d, args.scaling_runs) for d in scaling],
+        "bare-parallel": [job(main_ds, args.runs)],
         "spark-builtin": [job(main_ds, args.runs)],
         "offsetflow-local": [job(small_ds, args.small_runs), job(main_ds, args.runs)]
         + [job(d, args.scaling_runs) for d in scaling] + partition_jobs + memory_jobs,
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for e in raw.values() for r in e["results"]]
     summary = report.summarise(results)
     fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]
-                             for e in raw if e not in ("baseline", "offsetflow-submit")
+                             for e in raw
+                             if e not in ("baseline", "bare-parallel", "offsetflow-submit")
                              and "skipped" not in raw[e]}
     fixed.update({f"{e} SKIPPED": raw[e]["skipped"] for e in raw if "skipped" in raw[e]})
     if connect_start_s is not None:

@@ -82,6 +82,12 @@ def goals(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: st
             if r is not None:
                 out.append({"goal": f"OffsetFlow warm ({warm}) / {other} at {main_label}",
                             "target": f">= {target}", "measured": r, "met": r >= target})
+        # the yardstick: the same parts hand-built without Spark, stage or ledger (bare.py)
+        bare = ratio(summary, "bare-parallel", "spark-builtin", main_label)
+        if bare is not None:
+            out.append({"goal": f"bare-parallel (hand-built: no Spark, stage or ledger) / "
+                                f"spark-builtin at {main_label}", "target": "reported",
+                        "measured": bare, "met": None})
         # the slower warm launch is shown beside it, so neither figure is hidden
         for slower in (e for e in WARM_OFFSETFLOW if e != warm):
             for other in ("spark-builtin", "baseline"):

@@ -86,6 +86,11 @@ def main(spec_path: str) -> int:
     elif engine == "baseline":
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             return engines.baseline_run(ds, name, ctx)
+    elif engine == "bare-parallel":
+        import bare
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return bare.bare_parallel_run(ds, name, ctx)
     elif engine in ("source-floor", "sink-floor"):
         import floors
 

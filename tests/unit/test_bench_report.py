@@ -48,6 +48,17 @@ def test_goals_use_the_faster_warm_launch_and_flag_misses() -> None:
     assert small["measured"] == 0.8 and small["met"] is True
 
 
+def test_the_hand_built_yardstick_is_reported_beside_the_goal_not_as_one() -> None:
+    s = report.summarise([run("spark-builtin", "1M", 100.0, 10.0),
+                          run("bare-parallel", "1M", 180.0, 5.5),
+                          run("offsetflow-local", "1M", 170.0, 6.0)])
+    rows = {g["goal"]: g for g in report.goals(s, "1M", "1k", None)}
+    bare = rows["bare-parallel (hand-built: no Spark, stage or ledger) / spark-builtin at 1M"]
+    assert bare["measured"] == 1.8 and bare["met"] is None
+    assert rows["OffsetFlow warm (offsetflow-local) / spark-builtin at 1M"]["met"] is False
+    assert report.best_warm(s, "1M") == "offsetflow-local"  # never picked as OffsetFlow
+
+
 def test_missed_goal_is_reported_not_hidden() -> None:
     s = report.summarise([run("spark-builtin", "1M", 100.0, 10.0),
                           run("offsetflow-local", "1M", 120.0, 8.0)])
