@@ -1,10 +1,12 @@
 """Deserializers: Kafka values (bytes) to typed Arrow columns, with a reason for every bad one.
 
 Fast path: pyarrow's C++ JSON reader over a chunk of newline-delimited values with the
-declared schema, then a few vectorised checks for what pyarrow accepts but PostgreSQL or the
-declared type cannot hold (invalid UTF-8, NUL in strings, float overflow). If the chunk has
-any bad record, the slow path parses record by record in Python to say exactly which
-offsets are bad and why. Nothing is dropped silently and nothing raises: every input record
+declared schema, then a few vectorised checks for what pyarrow accepts but PostgreSQL, JSON
+or the declared type cannot hold (a value that is not one object, invalid UTF-8, NUL in
+strings, NaN/Infinity, float overflow, decimal precision). If the chunk has any bad record,
+the slow path parses record by record in Python to say exactly which offsets are bad and
+why; `tests/unit/test_deserialize_paths.py` holds both paths to the same answer. Nothing is
+dropped silently and nothing raises: every input record
 comes out either as a good row or as a `BadRecord`.
 
 A null value (a tombstone) is a row too: its fields are null, except those the Kafka key
@@ -147,7 +149,8 @@ class _TooDeep(ValueError):
 
 
 def _loads(value: bytes) -> Any:
-    """json.loads that refuses what pyarrow refuses too (not UTF-8, NaN/Infinity)."""
+    """json.loads that refuses what is not JSON (not UTF-8, NaN/Infinity); the fast path
+    sends a chunk with such a value here (`_unfit_value`), so both paths refuse it."""
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -274,6 +277,8 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
     # memchr speed, instead of a Python test per value)
     if not newlines and (buf.count(b"\n") != len(values) - 1 or b"\r" in buf):
         return None
+    if not _objects_only(values, buf, newlines):
+        return None
     # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
     read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
                              for f in target])
@@ -295,15 +300,49 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
         return None
     if not table.schema.equals(target):
         return None
-    for f in target:  # JSON has no infinity: an infinite float32 is an overflow
-        if pa.types.is_float32(f.type) and pc.any(pc.is_inf(table.column(f.name))).as_py():
-            if errors is not None:
-                errors.append(f"field {f.name!r} overflows float")
-            return None
+    why = _unfit_value(table, target)
+    if why is not None:
+        if errors is not None:
+            errors.append(why)
+        return None
     good = list(range(len(values)))
     if NUL_ESCAPE not in buf:  # one memchr-speed scan; the usual case ends here
         return table, [], good
     return _drop_nul_rows(table, target)
+
+
+def _objects_only(values: Sequence[bytes | None], buf: bytes, newlines: bool) -> bool:
+    """Whether every value starts with `{`. pyarrow's reader skips a blank line and reads
+    `{..}{..}` as two rows, so only then does its row count prove that row i is value i;
+    it also crashes on a first line of `null`. Anything else (blank, `null`, a BOM, leading
+    space, an array) goes to the slow path, which names it or parses it."""
+    if newlines:  # one record, possibly spread over lines (`_parse_deep`)
+        return all(v is not None and v.lstrip()[:1] == b"{" for v in values)
+    lengths = np.fromiter(map(len, values), dtype=np.int64,  # type: ignore[arg-type]
+                          count=len(values))
+    if not len(lengths) or lengths.min() == 0:
+        return False
+    starts = np.empty(len(lengths), dtype=np.int64)
+    starts[0] = 0
+    np.cumsum(lengths[:-1] + 1, out=starts[1:])
+    return bool(np.all(np.frombuffer(buf, dtype=np.uint8)[starts] == ord("{")))
+
+
+def _unfit_value(table: pa.Table, target: pa.Schema) -> str | None:
+    """What pyarrow's reader lets through but the declared type or JSON does not hold: NaN
+    and Infinity (not JSON; an infinite float is an overflow), a decimal with more digits
+    than its precision (pyarrow checks the digits as written, not after scaling)."""
+    for f in target:
+        col = table.column(f.name)
+        if pa.types.is_floating(f.type):
+            if pc.any(pc.or_(pc.is_nan(col), pc.is_inf(col))).as_py():
+                return f"field {f.name!r}: NaN, Infinity or a number that overflows {f.type}"
+        elif pa.types.is_decimal(f.type):
+            try:
+                col.validate(full=True)
+            except pa.ArrowInvalid as e:
+                return f"field {f.name!r}: {e}"
+    return None
 
 
 def _check_utf8(buf: bytes) -> None:

@@ -63,6 +63,10 @@ FIRST_CONSUME = 8
 # microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
 # message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
 MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
+# The other end: a librdkafka producer may send any negative CreateTime. Before year 1 a
+# dead letter's timestamp (written as text) is one PostgreSQL refuses, and below ~-292,000
+# years it does not fit microseconds: such a record is a bad record too.
+MIN_TIMESTAMP_MS = -62_135_596_800_000  # 0001-01-01T00:00:00Z
 # A consumer shared by a task's ranges switches partitions with assign(); the fetch left
 # outstanding for the partition it read up to the log end is long-polled by the broker for
 # fetch.wait.max.ms (500 ms by default) before the next partition's fetch goes out, which made
@@ -321,6 +325,10 @@ def append_record(chunk: RawChunk, m: Any, off: int) -> int:
         chunk.refused[len(chunk.offsets)] = (
             f"Kafka timestamp {ts} ms is beyond the largest timestamp "
             f"PostgreSQL and Arrow hold (year ~294,000)")
+        ts_type = 0
+    elif ts_type and ts < MIN_TIMESTAMP_MS:
+        chunk.refused[len(chunk.offsets)] = (
+            f"Kafka timestamp {ts} ms is before year 1, the earliest this pipeline writes")
         ts_type = 0
     chunk.offsets.append(off)
     chunk.timestamps.append(ts * 1000 if ts_type else None)
