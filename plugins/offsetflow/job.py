@@ -50,9 +50,11 @@ from offsetflow.job_tasks import (
     spark_ddl,
     stage_columns,
 )
-from offsetflow.ledger import Batch, Ledger, connect
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
+from offsetflow.pg_session import connect
 from offsetflow.ranges import split_ranges
 from offsetflow.run_lock import hold_run_lock
 from offsetflow.sinks import external_sink, task_data_files

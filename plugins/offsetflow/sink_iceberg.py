@@ -48,7 +48,8 @@ from psycopg2 import sql
 from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.dead_letters import dead_letters_from, route_quality_failures
 from offsetflow.errors import OffsetFlowError, SchemaMismatchError, StagedRowsLostError
-from offsetflow.ledger import Batch, qualified, stage_table
+from offsetflow.ledger import qualified, stage_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.sink_iceberg_config import (
     IcebergConfig,
     catalog_properties,

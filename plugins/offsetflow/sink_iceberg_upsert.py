@@ -41,7 +41,8 @@ from psycopg2 import sql
 
 from offsetflow.commit import Moved
 from offsetflow.errors import IcebergBatchOpenError, SchemaMismatchError
-from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger import stage_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.sink_iceberg_config import IcebergConfig, snapshot_summary
 from offsetflow.sink_iceberg_keys import COORDINATES, key_filter, key_mask, window_mask
 from offsetflow.staging import binary_encoder

@@ -26,7 +26,7 @@ from psycopg2 import sql
 
 from offsetflow.config_schema import RESERVED_COLUMNS, KafkaSinkConfig
 from offsetflow.errors import ConfigError, KafkaSinkError
-from offsetflow.ledger import Batch
+from offsetflow.ledger_batch import Batch
 
 BATCH_HEADER = "offsetflow.batch"
 SOURCE_HEADER = "offsetflow.source"  # topic/partition/offset of the source record

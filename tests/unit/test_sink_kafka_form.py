@@ -11,7 +11,7 @@ from psycopg2 import sql
 
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError, KafkaSinkError
-from offsetflow.ledger import Batch
+from offsetflow.ledger_batch import Batch
 from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
