@@ -338,7 +338,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation, groups, files), STATS_DDL)
     if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
-        from offsetflow.sink_kafka_form import output_topic
+        from offsetflow.sink_kafka_mark import output_topic
 
         output_topic(cfg.sink.kafka, batch, cfg.source_file)
     with connect_ctx(dsn) as cur:
