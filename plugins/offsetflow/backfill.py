@@ -31,7 +31,7 @@ from offsetflow.requests import (
     resolve_window,
     window_ranges,
 )
-from offsetflow.sink_kafka_form import replay_target
+from offsetflow.sink_kafka_mark import replay_target
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

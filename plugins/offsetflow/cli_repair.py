@@ -11,7 +11,8 @@ from offsetflow.cli_common import dsn_of as _dsn
 from offsetflow.cli_common import pipeline_of as _pipeline
 from offsetflow.config import PipelineConfig, find_pipeline
 from offsetflow.errors import ConfigError
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 
 log = logging.getLogger("offsetflow")
 

@@ -12,7 +12,7 @@ import psycopg2
 import psycopg2.errors
 
 from offsetflow.errors import CommitLockTimeoutError
-from offsetflow.ledger import connect
+from offsetflow.pg_session import connect
 
 LOCK_TIMEOUT_ENV = "OFFSETFLOW_COMMIT_LOCK_TIMEOUT_S"
 DEFAULT_LOCK_TIMEOUT_S = 120.0

@@ -43,7 +43,8 @@ from offsetflow.commit import (
 from offsetflow.commit_locks import lock_errors
 from offsetflow.config_schema import PipelineConfig
 from offsetflow.errors import BatchStateError
-from offsetflow.ledger import Batch, Ledger, dead_letter_stage_table
+from offsetflow.ledger import Ledger, dead_letter_stage_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.stage_reset import lock_stage, table_exists
 
 # the offsets of the batch Kafka no longer holds and no staged part holds ("": none)

@@ -1,8 +1,9 @@
 """Pipeline configs (`include/pipelines/<name>.yaml`), validated on load.
 
 Every error names the file and the dotted field, so a broken config is fixed in one go.
-The model is in config_schema, parsing and its errors in config_parse; this module reads
-files and finds pipelines, and re-exports both so callers import from one place.
+The model is in config_schema, parsing and its errors in config_parse (on config_fields'
+field reader); this module reads files and finds pipelines, and re-exports them so callers
+import from one place.
 `${VAR}` / `${VAR:-default}` are resolved from the environment so secrets stay out of
 the YAML; `PipelineConfig.redacted()` is what may be logged.
 """
@@ -15,12 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from offsetflow.config_parse import (
-    parse_pipeline,
-    resolve_env,
-    validate_identifier,
-    validate_table_name,
-)
+from offsetflow.config_fields import resolve_env, validate_identifier, validate_table_name
+from offsetflow.config_parse import parse_pipeline
 from offsetflow.config_schema import (
     DECIMAL_RE,
     DEFAULT_MAX_OFFSETS_PER_TASK,

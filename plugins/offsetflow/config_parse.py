@@ -1,7 +1,9 @@
 """Parsing of a pipeline config: every error names the file and the dotted field, so a
 broken config is fixed in one go. Pure: no file is read here (config.load_pipeline does).
 `${VAR}` / `${VAR:-default}` are resolved from the given environment so secrets stay out of
-the YAML.
+the YAML. The whole document and its sections are parsed here, on the field reader of
+`config_fields`; a Kafka sink's section by `sink_kafka_config`, an Iceberg sink's by
+`sink_iceberg_config`.
 """
 
 from __future__ import annotations
@@ -13,22 +15,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from offsetflow.config_fields import (
+    FieldReader,
+    resolve_env,
+    validate_identifier,
+    validate_table_name,
+)
 from offsetflow.config_schema import (
-    CONN_ID_RE,
     DECIMAL_RE,
     DEFAULT_MAX_OFFSETS_PER_TASK,
     DOTTED_RE,
-    ENV_RE,
     FIELD_TYPES,
     FORBIDDEN_CLIENT_KEYS,
-    IDENT_RE,
     ISOLATION_LEVELS,
     NAME_RE,
     RESERVED_COLUMNS,
     TOMBSTONE_POLICIES,
     TOPIC_RE,
     KafkaConfig,
-    KafkaSinkConfig,
     PipelineConfig,
     SinkConfig,
     SparkConfig,
@@ -38,99 +42,9 @@ from offsetflow.config_schema import (
 )
 from offsetflow.errors import ConfigError
 from offsetflow.sink_iceberg_config import parse_iceberg
+from offsetflow.sink_kafka_config import KAFKA_SINK_FIELDS, parse_kafka_sink
 
 ICEBERG_FIELDS = ("catalog", "partition_by", "sort_by", "target_file_mb")
-
-
-def validate_table_name(source: str, fld: str, table: Any) -> str:
-    if not isinstance(table, str) or not table:
-        raise ConfigError(source, fld, "must be a table name like 'orders' or 'raw.orders'")
-    parts = table.split(".")
-    if len(parts) > 2 or not all(IDENT_RE.match(p) for p in parts):
-        raise ConfigError(
-            source, fld,
-            f"{table!r} is not a valid table name (letters, digits and _, optionally "
-            f"'schema.table', each part at most 63 characters)",
-        )
-    return table
-
-
-def validate_identifier(source: str, fld: str, name: Any) -> str:
-    if not isinstance(name, str) or not IDENT_RE.match(name):
-        raise ConfigError(source, fld, f"{name!r} is not a valid column name "
-                                       f"(letters, digits and _, at most 63 characters)")
-    return name
-
-
-def resolve_env(value: str, source: str, fld: str, env: Mapping[str, str]) -> str:
-    def sub(m: re.Match[str]) -> str:
-        var, default = m.group(1), m.group(2)
-        if var in env:
-            return env[var]
-        if default is not None:
-            return default
-        raise ConfigError(source, fld, f"environment variable {var} is not set")
-
-    return ENV_RE.sub(sub, value)
-
-
-class _Reader:
-    """Walks the raw mapping and reports errors with their dotted path."""
-
-    def __init__(self, raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> None:
-        self.raw = raw
-        self.source = source
-        self.env = env
-
-    def err(self, fld: str, msg: str) -> ConfigError:
-        return ConfigError(self.source, fld, msg)
-
-    def section(self, name: str, required: bool = True) -> Mapping[str, Any]:
-        v = self.raw.get(name)
-        if v is None:
-            if required:
-                raise self.err(name, "is required")
-            return {}
-        if not isinstance(v, Mapping):
-            raise self.err(name, f"must be a mapping, got {type(v).__name__}")
-        return v
-
-    def unknown(self, sec: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
-        extra = sorted(set(sec) - allowed)
-        if extra:
-            raise self.err(f"{prefix}{extra[0]}", f"unknown field; allowed: {sorted(allowed)}")
-
-    def string(self, sec: Mapping[str, Any], key: str, prefix: str, default: str | None = None,
-               choices: set[str] | None = None) -> str | None:
-        v = sec.get(key, default)
-        if v is None:
-            return None
-        if not isinstance(v, str):
-            raise self.err(prefix + key, f"must be a string, got {v!r}")
-        v = resolve_env(v, self.source, prefix + key, self.env)
-        if choices is not None and v not in choices:
-            raise self.err(prefix + key, f"{v!r} is not one of {sorted(choices)}")
-        return v
-
-    def conn_id(self, sec: Mapping[str, Any], prefix: str, literal: str) -> str | None:
-        """An Airflow connection id, given instead of (never beside) the literal field."""
-        v = self.string(sec, "conn_id", prefix)
-        if v is not None and not CONN_ID_RE.match(v):
-            raise self.err(prefix + "conn_id", f"{v!r} is not an Airflow connection id "
-                                               f"(letters, digits, '_', '.', '-')")
-        if v is not None and sec.get(literal) is not None:
-            raise self.err(prefix + literal, f"give either {prefix}conn_id or "
-                                             f"{prefix}{literal}, not both")
-        return v
-
-    def positive_int(self, sec: Mapping[str, Any], key: str, prefix: str,
-                     default: int | None, minimum: int = 1) -> int | None:
-        v = sec.get(key, default)
-        if v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise self.err(prefix + key, f"must be an integer >= {minimum}, got {v!r}")
-        return v
 
 
 def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) -> PipelineConfig:
@@ -138,7 +52,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
     env = os.environ if env is None else env
     if not isinstance(raw, Mapping):
         raise ConfigError(source, "<root>", "a pipeline config must be a YAML mapping")
-    r = _Reader(raw, source, env)
+    r = FieldReader(raw, source, env)
     r.unknown(raw, "", {"name", "description", "schedule", "retries", "pool", "kafka", "source",
                         "format", "transform", "sink", "bad_records", "dead_letter_table",
                         "spark", "quality", "tombstones"})
@@ -245,7 +159,7 @@ def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) 
                                        "postgres connection)")
     kafka_sink = None
     if sink_type == "kafka":
-        kafka_sink = _parse_kafka_sink(r, sink_raw, schema, format_type or "json", transform)
+        kafka_sink = parse_kafka_sink(r, sink_raw, schema, format_type or "json", transform)
         # batches record where they write; a Kafka sink's "table" is its topic
         table = f"kafka:{kafka_sink.topic}"
         mode: str | None = "append"
@@ -352,7 +266,7 @@ def _utc_ms(dt: datetime) -> int:
     return int((dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp() * 1000)
 
 
-def _parse_starting(r: _Reader, v: Any) -> StartingPolicy:
+def _parse_starting(r: FieldReader, v: Any) -> StartingPolicy:
     fld = "source.starting"
     if v in ("earliest", "latest"):
         return StartingPolicy(kind=v)
@@ -389,75 +303,3 @@ def _parse_starting(r: _Reader, v: Any) -> StartingPolicy:
                 parsed[str(topic)][pi] = oi
         return StartingPolicy("offsets", offsets=parsed)
     raise r.err(fld, f"{v!r}: use earliest, latest, {{timestamp: ...}} or {{offsets: ...}}")
-
-
-KAFKA_SINK_FIELDS = {"topic", "replay_topic", "key_column", "value_format", "value_columns",
-                     "value_column", "headers", "partitioning", "producer"}
-# what the sink sets itself (offsetflow.sink_kafka): the transaction and its fencing
-FORBIDDEN_PRODUCER_KEYS = {"transactional.id", "enable.idempotence", "bootstrap.servers"}
-
-
-def _parse_kafka_sink(r: _Reader, sec: Mapping[str, Any], schema: Mapping[str, str],
-                      format_type: str, transform: str | None) -> KafkaSinkConfig:
-    """`sink.type: kafka`. Columns are checked against format.schema when the config alone
-    decides them (json format, no transform); a transform's columns are checked at run time."""
-    for fld in ("table", "mode", "key"):
-        if sec.get(fld) is not None:
-            raise r.err(f"sink.{fld}", "is for sink.type: postgres; a Kafka sink writes "
-                                       "sink.topic (record key: sink.key_column)")
-    topics = {}
-    for fld in ("topic", "replay_topic"):
-        t = r.string(sec, fld, "sink.")
-        if t is not None and not TOPIC_RE.match(t):
-            raise r.err(f"sink.{fld}", f"{t!r} is not a valid Kafka topic name")
-        topics[fld] = t
-    if topics["topic"] is None:
-        raise r.err("sink.topic", "is required with sink.type: kafka (the output topic)")
-    if topics["replay_topic"] == topics["topic"]:
-        raise r.err("sink.replay_topic", "must differ from sink.topic: a replay into the live "
-                                         "output topic would write its records a second time")
-    known = None if transform else set(schema) | RESERVED_COLUMNS
-
-    def column(fld: str, name: Any) -> str:
-        col = validate_identifier(r.source, fld, name)
-        if known is not None and col not in known:
-            raise r.err(fld, f"{col!r} is not a column (format.schema or a source column "
-                             f"{sorted(RESERVED_COLUMNS)})")
-        return col
-
-    key_col = sec.get("key_column")
-    value_format = r.string(sec, "value_format", "sink.", "json", {"json", "raw"}) or "json"
-    cols_raw = sec.get("value_columns") or []
-    if isinstance(cols_raw, str):
-        cols_raw = [cols_raw]
-    if not isinstance(cols_raw, list):
-        raise r.err("sink.value_columns", "must be a list of column names")
-    value_cols = tuple(column(f"sink.value_columns[{i}]", c) for i, c in enumerate(cols_raw))
-    if value_cols and value_format != "json":
-        raise r.err("sink.value_columns", "is for value_format: json (raw takes value_column)")
-    if sec.get("value_column") is not None and value_format != "raw":
-        raise r.err("sink.value_column", "is for value_format: raw (json takes value_columns)")
-    if value_format == "json" and not value_cols and not transform and not schema:
-        raise r.err("sink.value_columns", "raw format has no typed columns to write as JSON: "
-                                          "use value_format: raw, or list value_columns")
-    producer_raw = sec.get("producer") or {}
-    if not isinstance(producer_raw, Mapping):
-        raise r.err("sink.producer", "must be a mapping of librdkafka producer settings")
-    producer: dict[str, str] = {}
-    for k, v in producer_raw.items():
-        if k in FORBIDDEN_PRODUCER_KEYS:
-            raise r.err(f"sink.producer.{k}", "is set by OffsetFlow (the batch's transaction "
-                                              "and its fencing depend on it) and may not be set")
-        if isinstance(v, (Mapping, list)):
-            raise r.err(f"sink.producer.{k}", "must be a scalar")
-        producer[str(k)] = resolve_env(str(v).lower() if isinstance(v, bool) else str(v),
-                                       r.source, f"sink.producer.{k}", r.env)
-    assert topics["topic"] is not None
-    return KafkaSinkConfig(
-        topic=topics["topic"], replay_topic=topics["replay_topic"],
-        key_column=None if key_col is None else column("sink.key_column", key_col),
-        value_format=value_format, value_columns=value_cols,
-        value_column=column("sink.value_column", sec.get("value_column", "value")),
-        headers=r.string(sec, "headers", "sink.", "carry", {"carry", "none"}) or "carry",
-        partitioning=r.string(sec, "partitioning", "sink.", "key", {"key", "source"}) or "key",
-        producer=producer)

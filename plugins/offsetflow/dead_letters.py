@@ -12,7 +12,8 @@ import psycopg2.extensions
 import pyarrow as pa
 from psycopg2 import sql
 
-from offsetflow.ledger import Batch, qualified
+from offsetflow.ledger import qualified
+from offsetflow.ledger_batch import Batch
 from offsetflow.staging import _csv_bytes
 from offsetflow.tables import LINEAGE_COLUMN
 

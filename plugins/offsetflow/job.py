@@ -50,9 +50,11 @@ from offsetflow.job_tasks import (
     spark_ddl,
     stage_columns,
 )
-from offsetflow.ledger import Batch, Ledger, connect
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 from offsetflow.packing import pack, task_count
 from offsetflow.partwise import PartwiseCommit
+from offsetflow.pg_session import connect
 from offsetflow.ranges import split_ranges
 from offsetflow.run_lock import hold_run_lock
 from offsetflow.sinks import external_sink, task_data_files
@@ -336,7 +338,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation, groups, files), STATS_DDL)
     if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
-        from offsetflow.sink_kafka_form import output_topic
+        from offsetflow.sink_kafka_mark import output_topic
 
         output_topic(cfg.sink.kafka, batch, cfg.source_file)
     with connect_ctx(dsn) as cur:

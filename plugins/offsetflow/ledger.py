@@ -1,7 +1,10 @@
 """The ledger: PostgreSQL tables that are the single system of record for offsets.
 
 Thin adapter over psycopg2. Batches and their ranges are written before any record is
-read; positions only move inside the commit transaction (see `offsetflow.commit`).
+read; positions only move inside the commit transaction (see `offsetflow.commit`). Here:
+the connection and its transactions, migrations, reading batches and positions, a batch's
+status transitions, and dropping staged data. What planning writes is in `ledger_planning`
+(`Ledger` inherits it), the Batch record in `ledger_batch`, sessions in `pg_session`.
 """
 
 from __future__ import annotations
@@ -9,99 +12,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg2
 import psycopg2.extensions
-import psycopg2.extras
 from psycopg2 import sql
 
-from offsetflow.errors import (
-    BatchNotFoundError,
-    BatchStateError,
-    LockTimeoutError,
-)
+# `Batch as Batch`, `connect as connect`: re-exported for the modules that still import them
+# from here (commit, staging, sink_kafka); their homes are ledger_batch and pg_session
+from offsetflow.errors import BatchNotFoundError, BatchStateError
+from offsetflow.ledger_batch import OPEN_STATUSES
+from offsetflow.ledger_batch import Batch as Batch
 from offsetflow.ledger_migrations import refuse_newer_ledger, upgrade
-from offsetflow.planner import DataLossGap
+from offsetflow.ledger_planning import PlanningQueries
+from offsetflow.pg_session import connect as connect
 from offsetflow.ranges import OffsetRange, TopicPartition
 
 log = logging.getLogger(__name__)
-
-OPEN_STATUSES = ("planned", "running", "failed")
-KINDS = ("scheduled", "backfill", "replay")
-
-
-@dataclass(frozen=True)
-class Batch:
-    batch_id: int
-    pipeline: str
-    kind: str
-    status: str
-    ranges: tuple[OffsetRange, ...]
-    target_table: str
-    moves_positions: bool = True
-    config_fingerprint: str | None = None
-    started_by: str = "unknown"
-    params: dict[str, Any] = field(default_factory=dict)
-    planned_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    attempts: int = 0
-    records_read: int | None = None
-    rows_written: int | None = None
-    bad_records: int | None = None
-    error: str | None = None
-    quality: dict[str, Any] | None = None
-    timings: dict[str, Any] | None = None
-    split_offsets: int | None = None  # its ranges' split into Spark parts; None before 0003
-
-    @property
-    def is_open(self) -> bool:
-        return self.status in OPEN_STATUSES
-
-    @property
-    def offset_span(self) -> int:
-        return sum(r.span for r in self.ranges)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in (
-            "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
-            "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
-            "error", "quality", "timings")}
-        for k in ("planned_at", "started_at", "finished_at"):
-            v = getattr(self, k)
-            d[k] = v.isoformat() if v else None
-        d["ranges"] = [r.to_dict() for r in self.ranges]
-        return d
-
-
-# Server-side settings of every OffsetFlow session (libpq `options`):
-#  - READ COMMITTED whatever the database's default: `PartwiseCommit` polls for new stage
-#    markers inside one long transaction, and under `repeatable read` it would never see them;
-#  - TimeZone UTC: timestamps rendered as text (deleted_keys' JSON keys) never depend on a
-#    server's or role's default;
-#  - TCP keepalives on the server's socket: a driver whose host dies mid-commit (no FIN, no
-#    RST) loses its session, and the row locks its commit holds, in about a minute instead
-#    of the kernel's ~2 h (settings every supported PostgreSQL version knows).
-SESSION_OPTIONS = ("-c default_transaction_isolation=read\\ committed -c timezone=UTC "
-                   "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
-                   "-c tcp_keepalives_count=3")
-# libpq's keepalives: the client side notices a dead server the same way
-CLIENT_KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 30,
-                                     "keepalives_interval": 10, "keepalives_count": 3}
-
-
-def connect(dsn: str) -> psycopg2.extensions.connection:
-    """Open a connection with OffsetFlow's session settings (`SESSION_OPTIONS`); the DSN is
-    never logged (it holds the password). Options a DSN sets itself come after ours."""
-    dsn_opts = psycopg2.extensions.parse_dsn(dsn).get("options", "")
-    conn = psycopg2.connect(dsn, application_name="offsetflow", connect_timeout=10,
-                            options=f"{SESSION_OPTIONS} {dsn_opts}".strip(),
-                            **CLIENT_KEEPALIVES)
-    return conn
 
 
 def stage_table(batch_id: int) -> sql.Composed:
@@ -129,7 +57,7 @@ def qualified(table: str) -> sql.Composed:
     return sql.SQL(".").join(sql.Identifier(p) for p in parts)
 
 
-class Ledger:
+class Ledger(PlanningQueries):
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
         self._conn: psycopg2.extensions.connection | None = None
@@ -171,22 +99,6 @@ class Ledger:
         for v in applied:
             log.info("applied ledger migration %s", v)
         return applied
-
-    # -- locking ----------------------------------------------------------------------
-    @staticmethod
-    def lock_pipeline(cur: psycopg2.extensions.cursor, pipeline: str,
-                      timeout_s: float = 60.0) -> None:
-        """Per-pipeline planning lock, held until the surrounding transaction ends (after
-        the ledger version check: the first lock a planning transaction takes)."""
-        cur.execute("SET LOCAL lock_timeout = %s", (f"{int(timeout_s * 1000)}ms",))
-        refuse_newer_ledger(cur)
-        try:
-            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))",
-                        (f"offsetflow:plan:{pipeline}",))
-        except psycopg2.errors.LockNotAvailable as e:
-            raise LockTimeoutError(
-                f"pipeline {pipeline}: another planner held the planning lock for more "
-                f"than {timeout_s:.0f}s") from e
 
     # -- reads ------------------------------------------------------------------------
     _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
@@ -251,30 +163,6 @@ class Ledger:
             c.execute(q, (pipeline,))
             return {(t, p): o for t, p, o in c.fetchall()}
 
-    def init_positions(self, cur: psycopg2.extensions.cursor, pipeline: str,
-                       starts: dict[TopicPartition, int], topic_ids: dict[str, str],
-                       reason: str) -> None:
-        """One statement for all new partitions (1,000 of them: one round trip); history
-        for the rows it inserted (a concurrent planner's rows are left as they are)."""
-        items = sorted(starts.items())
-        if not items:
-            return
-        cur.execute("""WITH new AS (
-                         INSERT INTO offsetflow.positions
-                           (pipeline, topic, partition, next_offset, topic_id)
-                         SELECT %s, s.topic, s.partition, s.next_offset, s.topic_id
-                           FROM unnest(%s::text[], %s::int[], %s::bigint[], %s::text[])
-                                AS s(topic, partition, next_offset, topic_id)
-                          ORDER BY s.topic, s.partition
-                         ON CONFLICT DO NOTHING
-                         RETURNING topic, partition, next_offset)
-                       INSERT INTO offsetflow.position_history
-                         (pipeline, topic, partition, old_offset, new_offset, reason)
-                       SELECT %s, topic, partition, NULL, next_offset, %s FROM new""",
-                    (pipeline, [t for (t, _), _ in items], [p for (_, p), _ in items],
-                     [o for _, o in items], [topic_ids.get(t) for (t, _), _ in items],
-                     pipeline, reason))
-
     def lag_history(self, pipeline: str, limit: int = 100) -> list[dict[str, Any]]:
         """Lag (offsets) seen at each planning, oldest first: the lag-over-time chart."""
         with self.transaction() as cur:
@@ -287,81 +175,7 @@ class Ledger:
         return [{"batch_id": b, "at": t.isoformat(), "lag": lag, "status": s}
                 for b, t, lag, s in reversed(rows)]
 
-    def position_topic_ids(self, cur: psycopg2.extensions.cursor, pipeline: str
-                           ) -> dict[TopicPartition, str | None]:
-        cur.execute("""SELECT topic, partition, topic_id FROM offsetflow.positions
-                        WHERE pipeline = %s""", (pipeline,))
-        return {(t, p): i for t, p, i in cur.fetchall()}
-
-    def open_batches_overlapping(self, cur: psycopg2.extensions.cursor, pipeline: str,
-                                 ranges: Sequence[OffsetRange]) -> list[int]:
-        """Ids of open batches of `pipeline` whose ranges overlap any of `ranges`."""
-        found: set[int] = set()
-        for r in ranges:
-            cur.execute("""SELECT b.batch_id FROM offsetflow.batches b
-                             JOIN offsetflow.batch_ranges br USING (batch_id)
-                            WHERE b.pipeline = %s AND b.status = ANY(%s)
-                              AND br.topic = %s AND br.partition = %s
-                              AND br.from_offset < %s AND br.until_offset > %s""",
-                        (pipeline, list(OPEN_STATUSES), r.topic, r.partition,
-                         r.until_offset, r.from_offset))
-            found.update(row[0] for row in cur.fetchall())
-        return sorted(found)
-
     # -- writes -----------------------------------------------------------------------
-    def insert_batch(self, cur: psycopg2.extensions.cursor, *, pipeline: str, kind: str,
-                     ranges: Sequence[OffsetRange], target_table: str,
-                     config_fingerprint: str, split_offsets: int, started_by: str,
-                     moves_positions: bool = True, params: dict[str, Any] | None = None,
-                     topic_ids: Mapping[str, str] | None = None,
-                     expected_positions: Mapping[TopicPartition, int] | None = None) -> int:
-        """`config_fingerprint` and `split_offsets` are what `config_drift` compares a run's
-        config with; a batch without them would look like one planned before 0003.
-        `expected_positions`: the committed position a range's commit must find when it is
-        not the range's `from_offset` (a `data_loss: continue` gap); the fence uses it."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown batch kind {kind!r}")
-        cur.execute("""INSERT INTO offsetflow.batches
-                         (pipeline, kind, status, target_table, moves_positions,
-                          config_fingerprint, started_by, params, split_offsets)
-                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s, %s) RETURNING batch_id""",
-                    (pipeline, kind, target_table, moves_positions, config_fingerprint,
-                     started_by, json.dumps(params or {}), split_offsets))
-        row = cur.fetchone()
-        assert row is not None
-        batch_id = int(row[0])
-        psycopg2.extras.execute_values(
-            cur, """INSERT INTO offsetflow.batch_ranges
-                      (batch_id, topic, partition, from_offset, until_offset, topic_id,
-                       expected_position)
-                    VALUES %s""",
-            [(batch_id, r.topic, r.partition, r.from_offset, r.until_offset,
-              (topic_ids or {}).get(r.topic),
-              (expected_positions or {}).get(r.topic_partition)) for r in ranges])
-        return batch_id
-
-    def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,
-                         gaps: Sequence[DataLossGap], policy: str,
-                         batch_id: int | None = None) -> None:
-        """Record each gap once per (partition, missing_from): a later plan that finds
-        the same gap (a re-plan under `fail`, a batch abandoned and planned again, a gap
-        first recorded when no batch covered it) extends that row and links it to
-        `batch_id` when given, instead of adding an overlapping one."""
-        for g in gaps:
-            key = (pipeline, g.topic, g.partition, g.missing_from)
-            cur.execute("""UPDATE offsetflow.data_loss
-                              SET missing_until = GREATEST(missing_until, %s),
-                                  batch_id = COALESCE(%s, batch_id), policy = %s
-                            WHERE pipeline = %s AND topic = %s AND partition = %s
-                              AND missing_from = %s""",
-                        (g.missing_until, batch_id, policy, *key))
-            if cur.rowcount:
-                continue
-            cur.execute("""INSERT INTO offsetflow.data_loss
-                             (pipeline, topic, partition, missing_from, missing_until, policy,
-                              batch_id) VALUES (%s, %s, %s, %s, %s, %s, %s)""",
-                        (*key, g.missing_until, policy, batch_id))
-
     def data_loss_events(self, pipeline: str) -> list[dict[str, Any]]:
         with self.transaction() as cur:
             cur.execute("""SELECT topic, partition, missing_from, missing_until, policy,

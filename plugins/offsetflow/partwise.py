@@ -45,7 +45,8 @@ from offsetflow.commit import (
 )
 from offsetflow.commit_locks import lock_errors
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
-from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
+from offsetflow.ledger import Ledger, stage_part_table, stage_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.packing import Packing
 from offsetflow.stage_layout import Marker
 from offsetflow.stage_reset import check_layout, check_markers, forget_parts, layout_of

@@ -27,7 +27,8 @@ import psycopg2.extensions
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import BatchStateError, DataLossError, TopicRecreatedError
 from offsetflow.kafka_meta import KafkaMetadata
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 from offsetflow.planner import DataLossGap, Plan, check_topic_identity, plan_batch
 from offsetflow.ranges import split_ranges
 

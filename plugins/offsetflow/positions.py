@@ -14,7 +14,8 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.errors import BatchStateError, PositionResetError
-from offsetflow.ledger import OPEN_STATUSES, Ledger, qualified
+from offsetflow.ledger import Ledger, qualified
+from offsetflow.ledger_batch import OPEN_STATUSES
 
 
 def reset_positions(ledger: Ledger, pipeline: str, topic: str, partitions: Sequence[int],

@@ -11,42 +11,32 @@ KafkaRDD: no group subscription, no auto-commit, `auto.offset.reset` = error.
 Gaps are normal (transaction markers, aborted or compacted records): reading stops at
 `until_offset` and never waits for an offset that cannot come. Reaching the end of the
 partition before `until_offset`, or finding the start deleted, is an error.
+
+What a record becomes in a chunk (and in Arrow), and which records are refused, is
+`offsetflow.reader_chunk`; here: the consumer, the read loop, and Kafka's errors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import logging
 import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
 
 from offsetflow.errors import DataLossError, RangeReadError
 from offsetflow.kafka_retry import RETRIABLE_CODES
 from offsetflow.ranges import OffsetRange
+from offsetflow.reader_chunk import RawChunk, append_record
 
 log = logging.getLogger(__name__)
-
-HEADER_TYPE = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
-RAW_SCHEMA = pa.schema([
-    pa.field("topic", pa.string(), nullable=False),
-    pa.field("partition", pa.int32(), nullable=False),
-    pa.field("offset", pa.int64(), nullable=False),
-    pa.field("timestamp", pa.timestamp("us", tz="UTC")),
-    pa.field("timestamp_type", pa.int32()),
-    pa.field("key", pa.binary()),
-    pa.field("value", pa.binary()),
-    pa.field("headers", HEADER_TYPE),
-])
 
 REQUIRED_SETTINGS = {"enable.auto.commit": "false", "auto.offset.reset": "error"}
 # A chunk is cut at whichever comes first: rows or bytes of keys + values + header names and
@@ -59,14 +49,6 @@ MAX_CHUNK_ROWS = 20_000
 MAX_CHUNK_BYTES = 64 << 20
 MAX_CONSUME = 10_000
 FIRST_CONSUME = 8
-# Kafka timestamps are int64 milliseconds; Arrow/PostgreSQL timestamps are int64
-# microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
-# message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
-MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
-# The other end: a librdkafka producer may send any negative CreateTime. Before year 1 a
-# dead letter's timestamp (written as text) is one PostgreSQL refuses, and below ~-292,000
-# years it does not fit microseconds: such a record is a bad record too.
-MIN_TIMESTAMP_MS = -62_135_596_800_000  # 0001-01-01T00:00:00Z
 # A consumer shared by a task's ranges switches partitions with assign(); the fetch left
 # outstanding for the partition it read up to the log end is long-polled by the broker for
 # fetch.wait.max.ms (500 ms by default) before the next partition's fetch goes out, which made
@@ -88,43 +70,6 @@ _M_ARENA_MAX = -8  # mallopt(3)
 # Transient errors (leader moving, broker restarting): retried with exponential backoff for
 # as long as a read may stall (`stall_timeout_s`)
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-
-
-@dataclass
-class RawChunk:
-    """Up to `max_rows` consecutive records of one range, column-wise."""
-
-    offsets: list[int] = field(default_factory=list)
-    timestamps: list[int | None] = field(default_factory=list)
-    timestamp_types: list[int] = field(default_factory=list)
-    keys: list[bytes | None] = field(default_factory=list)
-    values: list[bytes | None] = field(default_factory=list)
-    headers: list[list[dict[str, Any]] | None] = field(default_factory=list)
-    nbytes: int = 0  # keys + values + headers
-    refused: dict[int, str] = field(default_factory=dict)  # index -> why it cannot be written
-    # a chunk of several ranges (`reader_packed`): each row's topic and partition
-    topics: list[str] | None = None
-    partitions: list[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def to_arrow(self, topic: str, partition: int, indices: list[int] | None = None
-                 ) -> pa.RecordBatch:
-        def pick(xs: list[Any]) -> list[Any]:
-            return xs if indices is None else [xs[i] for i in indices]
-        n = len(self.offsets) if indices is None else len(indices)
-        return pa.RecordBatch.from_arrays([
-            pa.array([topic] * n if self.topics is None else pick(self.topics), pa.string()),
-            pa.array([partition] * n if self.partitions is None else pick(self.partitions),
-                     pa.int32()),
-            pa.array(pick(self.offsets), pa.int64()),
-            pa.array(pick(self.timestamps), pa.int64()).cast(pa.timestamp("us", tz="UTC")),
-            pa.array(pick(self.timestamp_types), pa.int32()),
-            pa.array(pick(self.keys), pa.binary()),
-            pa.array(pick(self.values), pa.binary()),
-            pa.array(pick(self.headers), HEADER_TYPE),
-        ], schema=RAW_SCHEMA)
 
 
 def consumer_conf(conf: Mapping[str, str]) -> dict[str, str]:
@@ -314,67 +259,6 @@ def check_stall(consumer: Consumer, r: OffsetRange, reached: int, last_progress:
         raise RangeReadError(r.topic, r.partition, r.from_offset, r.until_offset,
                              reached, f"no progress for {stall_timeout_s:.0f}s "
                                       f"(partition offsets now [{lo}, {hi}))")
-
-
-def append_record(chunk: RawChunk, m: Any, off: int) -> int:
-    """Add record `m` (at offset `off`) to `chunk`; returns its size in bytes (keys, values,
-    header names and values). A timestamp or headers that cannot be written are noted in
-    `refused`, the record is kept."""
-    ts_type, ts = m.timestamp()
-    if ts_type and ts > MAX_TIMESTAMP_MS:
-        chunk.refused[len(chunk.offsets)] = (
-            f"Kafka timestamp {ts} ms is beyond the largest timestamp "
-            f"PostgreSQL and Arrow hold (year ~294,000)")
-        ts_type = 0
-    elif ts_type and ts < MIN_TIMESTAMP_MS:
-        chunk.refused[len(chunk.offsets)] = (
-            f"Kafka timestamp {ts} ms is before year 1, the earliest this pipeline writes")
-        ts_type = 0
-    chunk.offsets.append(off)
-    chunk.timestamps.append(ts * 1000 if ts_type else None)
-    chunk.timestamp_types.append(ts_type)
-    key, value = m.key(), m.value()
-    chunk.keys.append(key)
-    chunk.values.append(value)
-    nb = 0
-    if value is not None:
-        nb = len(value)
-    if key is not None:
-        nb += len(key)
-    hdrs = _headers(m)
-    if hdrs is _UNREADABLE:
-        chunk.refused[len(chunk.offsets) - 1] = UNREADABLE_HEADERS
-        hdrs = None
-    if hdrs:
-        chunk.headers.append([{"key": h[0], "value": h[1]} for h in hdrs])
-        # names as characters (ASCII in practice), values as bytes
-        nb += sum(len(h[0]) + (len(h[1]) if h[1] is not None else 0) for h in hdrs)
-    else:
-        chunk.headers.append(None)
-    chunk.nbytes += nb
-    return nb
-
-
-_UNREADABLE: list[tuple[str, bytes | None]] = []
-UNREADABLE_HEADERS = ("its headers cannot be read: a header name is not UTF-8 (the record's "
-                      "key and value are kept)")
-
-
-def _headers(m: Any) -> list[tuple[str, bytes | None]] | None:
-    """The record's headers, or `_UNREADABLE`. A header name that is not UTF-8 makes
-    confluent-kafka build a (NULL, value) tuple and return it with the UnicodeDecodeError
-    still set: Python raises SystemError then, or (once the call site is specialised) hands
-    back the broken list, whose NULL item crashes the process when read, with the error
-    pending. Tuples visit only their non-NULL items for the garbage collector, so counting
-    those finds a NULL without touching it, and the checked call surfaces a pending error
-    as SystemError here rather than somewhere later."""
-    try:
-        hdrs = m.headers()
-        if hdrs and len(gc.get_referents(*hdrs)) != 2 * len(hdrs):
-            return _UNREADABLE
-    except SystemError:
-        return _UNREADABLE
-    return hdrs  # type: ignore[no-any-return]
 
 
 def _watermarks(consumer: Consumer, r: OffsetRange, limit_s: float = 5.0) -> tuple[int, int]:

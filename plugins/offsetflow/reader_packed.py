@@ -29,12 +29,11 @@ from offsetflow.reader import (
     MAX_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
     Backoff,
-    RawChunk,
     _handle_error,
-    append_record,
     check_stall,
     consume_size,
 )
+from offsetflow.reader_chunk import RawChunk, append_record
 
 
 @dataclass

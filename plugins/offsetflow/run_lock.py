@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import psycopg2.extensions
 
-from offsetflow.ledger import connect
+from offsetflow.pg_session import connect
 
 LOCK = "offsetflow:run"
 

@@ -28,7 +28,7 @@ from offsetflow.errors import OffsetFlowError
 if TYPE_CHECKING:
     from pyiceberg.table import Table
 
-    from offsetflow.ledger import Batch
+    from offsetflow.ledger_batch import Batch
 
 log = logging.getLogger(__name__)
 

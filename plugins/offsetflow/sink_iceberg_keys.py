@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from offsetflow.ledger import Batch
+from offsetflow.ledger_batch import Batch
 
 COORDINATES = ("topic", "partition", "offset")
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.errors import ConfigError, PositionResetError
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_config import resolve_identifier
 from offsetflow.sink_iceberg_files import (

@@ -41,7 +41,8 @@ from psycopg2 import sql
 
 from offsetflow.commit import Moved
 from offsetflow.errors import IcebergBatchOpenError, SchemaMismatchError
-from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger import stage_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.sink_iceberg_config import IcebergConfig, snapshot_summary
 from offsetflow.sink_iceberg_keys import COORDINATES, key_filter, key_mask, window_mask
 from offsetflow.staging import binary_encoder
@@ -105,7 +106,7 @@ def lock_table(cur: psycopg2.extensions.cursor, memory: str) -> None:
 
 def write_upsert(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
     """`IcebergSink.write` in upsert mode; see the module docstring."""
-    from offsetflow.sink_iceberg import commit_snapshot
+    from offsetflow.sink_iceberg_commit import commit_snapshot
 
     moved = sink._dead_letters(cur, batch)
     moved.dead += prepare(sink, cur, batch)
@@ -147,7 +148,7 @@ class _Plan:
     # -- the commit ----------------------------------------------------------------------
     def stage_into(self, table: Table) -> Transaction:
         """Decide against `table` as loaded now and add one overwrite to a new transaction
-        of it (the caller, `sink_iceberg.commit_snapshot`, commits it)."""
+        of it (the caller, `sink_iceberg_commit.commit_snapshot`, commits it)."""
         batch = self.batch
         if batch.kind in ("replay", "backfill"):
             self._refuse_unremembered(table)
@@ -235,7 +236,7 @@ class _Plan:
                         .format(c=CURRENT, s=SCRATCH, w=WINNERS, m=match))
             cur.execute(sql.SQL("TRUNCATE {}").format(SCRATCH))
         if self.batch.kind in ("replay", "backfill"):
-            from offsetflow.sink_iceberg import window_filter
+            from offsetflow.sink_iceberg_commit import window_filter
 
             for task in table.scan(row_filter=window_filter(self.batch)).plan_files():
                 tasks[task.file.file_path] = task
@@ -370,7 +371,7 @@ def _in_schema(data: pa.Table, table: Table, batch: Batch) -> pa.Table:
     """The winners as the table takes them, else the append path's SchemaMismatchError."""
     from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible
 
-    from offsetflow.sink_iceberg import schema_mismatch
+    from offsetflow.sink_iceberg_commit import schema_mismatch
 
     try:
         _check_pyarrow_schema_compatible(table.schema(), provided_schema=data.schema,

@@ -17,8 +17,10 @@ from psycopg2 import sql
 from offsetflow.config_schema import PipelineConfig
 from offsetflow.dead_letters import dead_letters_from
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
-from offsetflow.ledger import Batch, stage_table
-from offsetflow.sink_kafka_form import NotProduced, record_limit
+from offsetflow.ledger import stage_table
+from offsetflow.ledger_batch import Batch
+from offsetflow.sink_kafka_form import record_limit
+from offsetflow.sink_kafka_mark import NotProduced
 
 log = logging.getLogger(__name__)
 

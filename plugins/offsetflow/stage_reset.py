@@ -17,16 +17,10 @@ from offsetflow.errors import (
     StaleConfigError,
     StaleStageError,
 )
-from offsetflow.ledger import (
-    OPEN_STATUSES,
-    Batch,
-    Ledger,
-    connect,
-    dead_letter_stage_table,
-    stage_part_table,
-    stage_table,
-)
+from offsetflow.ledger import Ledger, dead_letter_stage_table, stage_part_table, stage_table
+from offsetflow.ledger_batch import OPEN_STATUSES, Batch
 from offsetflow.packing import Packing, pack
+from offsetflow.pg_session import connect
 from offsetflow.ranges import split_ranges
 from offsetflow.stage_layout import Layout, Marker, foreign_markers
 

@@ -12,13 +12,8 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.errors import SchemaMismatchError
-from offsetflow.ledger import (
-    connect,
-    dead_letter_stage_table,
-    qualified,
-    stage_part_table,
-    stage_table,
-)
+from offsetflow.ledger import dead_letter_stage_table, qualified, stage_part_table, stage_table
+from offsetflow.pg_session import connect
 
 LINEAGE_COLUMN = "_offsetflow_batch_id"
 # upsert targets: the Kafka topic id of the incarnation a row's record came from, so a topic

@@ -26,7 +26,8 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.dead_letters import dead_letters_from
-from offsetflow.ledger import Batch, qualified
+from offsetflow.ledger import qualified
+from offsetflow.ledger_batch import Batch
 from offsetflow.tables import LINEAGE_COLUMN, TOPIC_ID_COLUMN, canonical_table
 
 WINNERS = sql.Identifier("offsetflow_winners")

@@ -16,7 +16,8 @@ from psycopg2 import sql
 from offsetflow.errors import CommitLockTimeoutError
 from offsetflow.job import run_batch
 from offsetflow.job_tasks import stage_columns
-from offsetflow.ledger import Ledger, connect
+from offsetflow.ledger import Ledger
+from offsetflow.pg_session import connect
 from offsetflow.runner import plan_only, run_cycle
 from offsetflow.tables import ensure_target
 from tests.integration.helpers import ledger_database, pipeline_for, produce_plain, query

@@ -18,6 +18,7 @@ from offsetflow.job import run_batch
 from offsetflow.job_tasks import make_read_and_stage, stage_columns
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
+from offsetflow.reader_chunk import RawChunk
 from offsetflow.runner import plan_only
 from offsetflow.stage_reset import claim_pack_tasks, packing_of, stage_generation
 from offsetflow.tables import create_stage_tables
@@ -93,7 +94,7 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, part: int,
     span them: part of its ranges read by then, and handed on to the COPY)."""
     from offsetflow import reader_packed
 
-    def read(consumer: Any, ranges: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+    def read(consumer: Any, ranges: Any, **kw: Any) -> Iterator[RawChunk]:
         for n, chunk in enumerate(READ_RANGES(consumer, ranges, max_rows=4), 1):
             yield chunk
             if n == kill_after_chunk:

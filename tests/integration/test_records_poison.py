@@ -26,7 +26,7 @@ from offsetflow.errors import BadRecordError
 from offsetflow.job import run_batch
 from offsetflow.job_tasks import stage_columns
 from offsetflow.ledger import Ledger, stage_part_table
-from offsetflow.reader import HEADER_TYPE
+from offsetflow.reader_chunk import HEADER_TYPE
 from offsetflow.runner import plan_only
 from offsetflow.tables import create_stage_tables
 from tests.integration.helpers import query

@@ -18,6 +18,7 @@ from offsetflow.config import parse_pipeline
 from offsetflow.job_tasks import make_read_and_stage, make_reader, stage_columns
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
+from offsetflow.reader_chunk import RawChunk
 from offsetflow.runner import plan_only
 from offsetflow.staging import bad_record_summary
 from offsetflow.tables import create_stage_tables
@@ -71,7 +72,7 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, rows: int,
              kill_after: int | None) -> None:
     """One attempt of the task reading sub-range 0 in chunks of `rows` records, killed
     before its chunk number `kill_after` (or after its last chunk) when given."""
-    def killing(chunks: Iterator[reader.RawChunk]) -> Iterator[reader.RawChunk]:
+    def killing(chunks: Iterator[RawChunk]) -> Iterator[RawChunk]:
         for i, c in enumerate(chunks):
             if kill_after is not None and i == kill_after:
                 raise Killed
@@ -79,10 +80,10 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, rows: int,
         if kill_after is not None:  # fewer chunks than that: killed after the last one
             raise Killed
 
-    def one(conf: Any, r: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+    def one(conf: Any, r: Any, **kw: Any) -> Iterator[RawChunk]:
         return killing(READ_RANGE(conf, r, **{**kw, "max_rows": rows}))
 
-    def packed(consumer: Any, ranges: Any, **kw: Any) -> Iterator[reader.RawChunk]:
+    def packed(consumer: Any, ranges: Any, **kw: Any) -> Iterator[RawChunk]:
         return killing(READ_RANGES(consumer, ranges, **{**kw, "max_rows": rows}))
     # a small sub-range of a packed task is read by reader_packed (the fused path), a
     # transform's by reader.read_range: whichever the task takes is chunked and killed

@@ -15,7 +15,8 @@ import pytest
 from offsetflow.errors import FencedCommitError
 from offsetflow.job import run_batch
 from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
-from offsetflow.ledger import Batch, Ledger, stage_part_table
+from offsetflow.ledger import Ledger, stage_part_table
+from offsetflow.ledger_batch import Batch
 from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import split_ranges

@@ -20,12 +20,8 @@ from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.requests import parse_request
 from offsetflow.runner import kafka_for, plan_only, run_until_caught_up
-from offsetflow.sink_iceberg import (
-    commit_snapshot,
-    find_batch,
-    load_catalog,
-    remove_orphan_files,
-)
+from offsetflow.sink_iceberg import load_catalog, remove_orphan_files
+from offsetflow.sink_iceberg_commit import commit_snapshot, find_batch
 from offsetflow.sink_iceberg_config import (
     BatchIdentityError,
     snapshot_summary,

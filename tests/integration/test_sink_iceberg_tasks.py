@@ -17,7 +17,8 @@ import pytest
 
 from offsetflow import sink_iceberg
 from offsetflow.job import run_batch
-from offsetflow.ledger import connect, stage_table
+from offsetflow.ledger import stage_table
+from offsetflow.pg_session import connect
 from offsetflow.runner import run_cycle, run_until_caught_up
 from offsetflow.sink_iceberg import load_catalog
 from offsetflow.sink_iceberg_files import canonical_path, referenced_files

@@ -19,7 +19,8 @@ from psycopg2 import sql
 
 from offsetflow.errors import BatchStateError, KafkaSinkError, LedgerIdentityError
 from offsetflow.job import run_batch
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Ledger
+from offsetflow.ledger_batch import Batch
 from offsetflow.ledger_identity import adopt_identity, ledger_identity
 from offsetflow.runner import plan_only
 from tests.integration.helpers import ledger_database

@@ -205,7 +205,7 @@ def test_a_target_table_resolves_to_one_iceberg_identifier(table: str, target: s
 def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
     from datetime import UTC, datetime
 
-    from offsetflow.ledger import Batch
+    from offsetflow.ledger_batch import Batch
     from offsetflow.sink_iceberg_files import batch_file_prefix
 
     at = datetime(2026, 11, 23, tzinfo=UTC)

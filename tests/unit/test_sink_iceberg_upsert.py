@@ -7,7 +7,7 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 
-from offsetflow.ledger import Batch
+from offsetflow.ledger_batch import Batch
 from offsetflow.ranges import OffsetRange
 from offsetflow.sink_iceberg_config import IcebergConfig
 from offsetflow.sink_iceberg_keys import key_filter, key_mask, window_mask

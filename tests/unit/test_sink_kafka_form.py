@@ -11,26 +11,28 @@ from psycopg2 import sql
 
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError, KafkaSinkError
-from offsetflow.ledger import Batch
+from offsetflow.ledger_batch import Batch
 from offsetflow.ranges import OffsetRange
 from offsetflow.sink_kafka_form import (
+    check_columns,
+    record_headers,
+    record_limit,
+    record_size,
+    row_bytes_sql,
+    rows_per_fetch,
+    select_sql,
+)
+from offsetflow.sink_kafka_mark import (
     BATCH_HEADER,
     SOURCE_HEADER,
     CommitMark,
     NotProduced,
-    check_columns,
     commit_batch_ids,
     committed_state,
     not_produced_in,
     output_topic,
-    record_headers,
-    record_limit,
-    record_size,
     records_in,
     refuse_group_ahead,
-    row_bytes_sql,
-    rows_per_fetch,
-    select_sql,
 )
 
 MARK = CommitMark("orders", "a1b2", "out")

@@ -4,7 +4,7 @@
 -- pipeline of the same name against one cluster never take each other's records. Not a
 -- secret: a random id. A restored dump keeps it (the same ledger) but rewinds positions and
 -- batch ids: the Kafka sink refuses a batch whose group holds a commit of this ledger above
--- its from_offset that the ledger does not know (sink_kafka_form.refuse_group_ahead).
+-- its from_offset that the ledger does not know (sink_kafka_mark.refuse_group_ahead).
 -- A copy keeps it too: home_* record where it was made (the database's name and, where
 -- readable, the server's system identifier); elsewhere it is refused until the operator
 -- says which it is (offsetflow db new-identity: a copy; db adopt-identity: the same ledger).
