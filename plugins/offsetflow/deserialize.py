@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -31,8 +32,10 @@ import pyarrow.json as pajson
 
 from offsetflow.config import DECIMAL_RE
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 NUL_ESCAPE = b"\\u0000"  # the only way a JSON text can hold a NUL character
+# NaN / Inf / Infinity where a JSON value starts (after `:`, `[` or `,`); a string that
+# merely holds such text only costs its chunk the slow path
+_NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*[-+]?(?:NaN|Inf)")
 # a chunk the fast path refuses is halved down to this size before records are parsed one
 # by one in Python (~10x slower than the fast path per record)
 SLOW_PATH_ROWS = 1024
@@ -77,7 +80,7 @@ def _decimal(value: Any, t: str) -> Decimal:
     m = DECIMAL_RE.match(t)
     assert m is not None
     precision, scale = int(m.group(1)), int(m.group(2))
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
         raise ValueError(f"expected a decimal, got {value!r}")
     try:
         d = Decimal(str(value))
@@ -113,14 +116,17 @@ def _coerce(value: Any, t: str) -> Any:
             raise ValueError(f"{value} does not fit in {t}")
         return value
     if t in ("double", "float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
             raise ValueError(f"expected a number, got {value!r}")
         try:
             f = float(value)
         except OverflowError as e:
             raise ValueError(f"{value} overflows {t}") from e
-        if f in (float("inf"), float("-inf")) or (t == "float" and abs(f) > FLOAT32_MAX):
-            raise ValueError(f"{value!r} overflows {t}")
+        if t == "float":  # what float32 rounds it to: its largest value is not an overflow
+            with np.errstate(over="ignore"):
+                f = float(np.float32(f))
+        if f in (float("inf"), float("-inf")):
+            raise ValueError(f"{value} overflows {t}")
         return f
     if t == "boolean":
         if not isinstance(value, bool):
@@ -156,7 +162,9 @@ def _loads(value: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise ValueError(f"value is not UTF-8: {e.reason} at byte {e.start}") from e
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        # numbers with a fraction or exponent as Decimal: every digit reaches a decimal
+        # field, and a float field rounds once, from the text, as pyarrow does
+        return json.loads(text, parse_constant=_no_constants, parse_float=Decimal)
     except json.JSONDecodeError as e:
         raise ValueError(f"invalid JSON: {e.msg} (character {e.pos})") from e
     except RecursionError as e:
@@ -279,6 +287,8 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
         return None
     if not _objects_only(values, buf, newlines):
         return None
+    if (b"NaN" in buf or b"Inf" in buf) and _NON_JSON_NUMBER.search(buf):
+        return None  # pyarrow takes NaN/Inf(inity) even in fields it ignores; JSON does not
     # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
     read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
                              for f in target])
@@ -312,9 +322,11 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
 
 
 def _objects_only(values: Sequence[bytes | None], buf: bytes, newlines: bool) -> bool:
-    """Whether every value starts with `{`. pyarrow's reader skips a blank line and reads
-    `{..}{..}` as two rows, so only then does its row count prove that row i is value i;
-    it also crashes on a first line of `null`. Anything else (blank, `null`, a BOM, leading
+    """Whether every value starts with `{` and ends with `}`. pyarrow's reader skips a blank
+    line, reads `{..}{..}` as two rows and continues an object left open on the next line
+    (JSON needs a `,` or `}` after a `}`, so a line ending in `}` cannot be continued by one
+    starting with `{`): only then does its row count prove that row i is value i. It also
+    crashes on a first line of `null`. Anything else (blank, `null`, a BOM, surrounding
     space, an array) goes to the slow path, which names it or parses it."""
     if newlines:  # one record, possibly spread over lines (`_parse_deep`)
         return all(v is not None and v.lstrip()[:1] == b"{" for v in values)
@@ -325,13 +337,15 @@ def _objects_only(values: Sequence[bytes | None], buf: bytes, newlines: bool) ->
     starts = np.empty(len(lengths), dtype=np.int64)
     starts[0] = 0
     np.cumsum(lengths[:-1] + 1, out=starts[1:])
-    return bool(np.all(np.frombuffer(buf, dtype=np.uint8)[starts] == ord("{")))
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    return bool(np.all(raw[starts] == ord("{")) and np.all(raw[starts + lengths - 1] == ord("}")))
 
 
 def _unfit_value(table: pa.Table, target: pa.Schema) -> str | None:
     """What pyarrow's reader lets through but the declared type or JSON does not hold: NaN
     and Infinity (not JSON; an infinite float is an overflow), a decimal with more digits
-    than its precision (pyarrow checks the digits as written, not after scaling)."""
+    than its precision (pyarrow checks the digits as written, not after scaling), a date or
+    timestamp in year 0 (pyarrow reads it, Python's datetime does not)."""
     for f in target:
         col = table.column(f.name)
         if pa.types.is_floating(f.type):
@@ -342,7 +356,18 @@ def _unfit_value(table: pa.Table, target: pa.Schema) -> str | None:
                 col.validate(full=True)
             except pa.ArrowInvalid as e:
                 return f"field {f.name!r}: {e}"
+        elif pa.types.is_timestamp(f.type) or pa.types.is_date(f.type):
+            lo, hi = _YEARS_1_TO_9999[pa.types.is_date(f.type)]
+            if pc.any(pc.or_(pc.less(col, pa.scalar(lo, f.type)),
+                             pc.greater(col, pa.scalar(hi, f.type)))).as_py():
+                return f"field {f.name!r}: outside years 1-9999"
     return None
+
+
+# what Python's datetime (the slow path) holds; pyarrow also reads year 0
+_YEARS_1_TO_9999 = {
+    False: (datetime(1, 1, 1, tzinfo=UTC), datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)),
+    True: (date(1, 1, 1), date(9999, 12, 31))}
 
 
 def _check_utf8(buf: bytes) -> None:

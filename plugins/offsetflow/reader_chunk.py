@@ -26,14 +26,13 @@ RAW_SCHEMA = pa.schema([
     pa.field("headers", HEADER_TYPE),
 ])
 
-# Kafka timestamps are int64 milliseconds; Arrow/PostgreSQL timestamps are int64
-# microseconds, so a CreateTime past ~year 294,000 cannot be written (a topic with
-# message.timestamp.after.max.ms raised accepts one): such a record is a bad record.
-MAX_TIMESTAMP_MS = (2**63 - 1) // 1000
-# The other end: a librdkafka producer may send any negative CreateTime. Before year 1 a
-# dead letter's timestamp (written as text) is one PostgreSQL refuses, and below ~-292,000
-# years it does not fit microseconds: such a record is a bad record too.
+# Kafka timestamps are int64 milliseconds (a topic with message.timestamp.after.max.ms
+# raised, or a librdkafka producer, sends any). What this pipeline writes is years 1 to
+# 9999: a dead letter's timestamp (and a CSV-staged row's) is written as text, which Arrow
+# writes with a wrapped year past 32,767 and PostgreSQL refuses before year 1, and
+# microseconds overflow int64 past ~year 294,000. A record outside is a bad record.
 MIN_TIMESTAMP_MS = -62_135_596_800_000  # 0001-01-01T00:00:00Z
+MAX_TIMESTAMP_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
 
 
 @dataclass
@@ -80,8 +79,7 @@ def append_record(chunk: RawChunk, m: Any, off: int) -> int:
     ts_type, ts = m.timestamp()
     if ts_type and ts > MAX_TIMESTAMP_MS:
         chunk.refused[len(chunk.offsets)] = (
-            f"Kafka timestamp {ts} ms is beyond the largest timestamp "
-            f"PostgreSQL and Arrow hold (year ~294,000)")
+            f"Kafka timestamp {ts} ms is after year 9999, the latest this pipeline writes")
         ts_type = 0
     elif ts_type and ts < MIN_TIMESTAMP_MS:
         chunk.refused[len(chunk.offsets)] = (

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from offsetflow.deserialize import deserialize_json, parse_json_record
@@ -47,7 +49,7 @@ def judged(values: list[bytes], at: int) -> tuple[dict[str, Any] | str, list[dic
     reasons = {b.index: b.reason for b in bad}
     assert set(rows) | set(reasons) == set(range(len(values))) and not set(rows) & set(reasons)
     mine = reasons[at] if at in reasons else rows[at]
-    return mine, [rows[i] for i in range(len(values)) if i != at]
+    return mine, [rows.get(i, reasons.get(i)) for i in range(len(values)) if i != at]
 
 
 @pytest.mark.parametrize("value", ODD, ids=[repr(v)[:30] for v in ODD])
@@ -83,3 +85,52 @@ def test_an_odd_value_first_in_a_chunk_is_judged_in_a_process_that_survives() ->
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", \
         f"exit {proc.returncode} (-11: the parser crashed): {proc.stderr[-2000:]}"
+
+
+# -- review s27-odd: what the first fix left --------------------------------------------------
+def test_a_value_left_open_is_not_continued_by_the_next_one() -> None:
+    """A1: pyarrow continues an object left open on the next line; a two-object value
+    elsewhere made the row count match again, so {"a":3} was stored with a=4."""
+    values = [b'{"a":1,"x":', b'{"a":2}}', b'{"a":3}', b'{"a":4}{"a":5}', b'{"a":6}']
+    table, bad, good = deserialize_json(values, SCHEMA)
+    assert [b.index for b in bad] == [0, 1, 3]
+    assert dict(zip(good, table.column("a").to_pylist(), strict=True)) == {2: 3, 4: 6}
+
+
+def test_a_decimal_keeps_every_digit_on_the_slow_path() -> None:
+    """A2: the slow path read JSON numbers as Python floats before making decimals."""
+    schema = {"p": "decimal(38,18)"}
+    value = b'{"p":1.123456789012345678}'
+    for chunk in ([value], [value, b"not json"]):  # fast path, then slow path
+        table, _, good = deserialize_json(chunk, schema)
+        assert table.column("p").to_pylist()[good.index(0)] == \
+            Decimal("1.123456789012345678"), chunk
+
+
+@pytest.mark.parametrize("token", [b"NaN", b"Infinity", b"-Infinity", b"Inf", b"-Inf"])
+def test_nan_or_infinity_outside_the_declared_fields_gets_one_answer(token: bytes) -> None:
+    """A3: in a field the schema does not declare (or nested), pyarrow accepted the token
+    and Python refused the record."""
+    for value in (b'{"a":1,"extra":' + token + b"}", b'{"a":1,"n":{"m":[' + token + b"]}}"):
+        alone, _ = judged([GOOD[0], value], 1)
+        with_bad, _ = judged([GOOD[0], value, b"not json"], 1)
+        assert alone == with_bad == expected(value), (value, alone, with_bad)
+
+
+def test_float_max_is_a_float_on_both_paths() -> None:
+    """A4: Java's Float.MAX_VALUE printed (3.4028235E38) rounds to float32's largest value;
+    the slow path called it an overflow."""
+    value = b'{"f":3.4028235E38}'
+    alone, _ = judged([GOOD[0], value], 1)
+    with_bad, _ = judged([GOOD[0], value, b"not json"], 1)
+    assert alone == with_bad == expected(value)
+    assert isinstance(alone, dict) and alone["f"] == float(np.float32(3.4028235e38))
+
+
+@pytest.mark.parametrize("value", [b'{"dt":"0000-01-01"}', b'{"t":"0000-12-31T23:00:00Z"}'])
+def test_year_zero_gets_one_answer(value: bytes) -> None:
+    """A6: pyarrow reads year 0, Python's datetime (the slow path) refuses it."""
+    schema = {"dt": "date", "t": "timestamp"}
+    table, bad, good = deserialize_json([value], schema)
+    table2, bad2, good2 = deserialize_json([value, b"not json"], schema)
+    assert [b.index for b in bad] == [0] and [b.index for b in bad2] == [0, 1]
