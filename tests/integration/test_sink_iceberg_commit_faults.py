@@ -1,6 +1,8 @@
 """The Iceberg append's task-files path (`sink_iceberg_tasks`) between the tasks' data files
-and the commit, on the real services: the table replaced under the same name meanwhile.
-The checker reads the table back with a pyiceberg scan: 0 lost, 0 duplicated."""
+and the commit, on the real services: the table replaced under the same name meanwhile,
+and PostgreSQL crashing (`pg_ctl -m immediate`: the markers, UNLOGGED, are emptied) after
+the catalog commit and before the ledger's. The checker reads the table back with a
+pyiceberg scan: 0 lost, 0 duplicated."""
 
 from __future__ import annotations
 
@@ -91,3 +93,31 @@ def test_a_table_replaced_between_the_tasks_files_and_the_commit_is_refused(
     case.assert_exactly_once()
     assert _unreferenced(case) == set()  # the files written for the old table are swept
 
+
+def test_postgresql_crash_after_the_catalog_commit_of_the_tasks_files_commits_once(
+        case: IcebergCase, spark: Any) -> None:
+    """The driver commits the tasks' files to Iceberg and is killed before the ledger's
+    COMMIT; then PostgreSQL crashes (`pg_ctl -m immediate`), which empties the UNLOGGED
+    markers listing those files. The re-run finds no marker, so its tasks write the batch's
+    files again, but the commit finds the batch's snapshot and appends nothing: the batch
+    is committed once, and the re-run's own files, referenced by no snapshot, are swept."""
+    bid = case.planned_batch(2000, seed=62)
+    before = case.positions()
+    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
+    assert "after-commit: killing this driver" in case.job_output()
+    assert snapshot_batches(case.cfg, case.dsn) == [bid]  # in Iceberg, not in the ledger
+    assert case.batch(bid).status != "committed" and case.positions() == before
+    assert _markers(case.dsn, bid) >= 2
+    committed = referenced_files(iceberg_table(case.cfg, case.dsn))
+    try:
+        chaos.stack("pg-crash")
+    finally:
+        chaos.stack("pg-start")
+    assert _markers(case.dsn, bid) == 0, "the crash should have emptied the markers"
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    assert case.batch(bid).status == "committed"
+    assert snapshot_batches(case.cfg, case.dsn).count(bid) == 1
+    assert committed <= referenced_files(iceberg_table(case.cfg, case.dsn))
+    assert _unreferenced(case) == set(), "the re-run's files of the found batch stay"
+    case.assert_exactly_once()
