@@ -184,6 +184,30 @@ class StagedRowsLostError(StagingIncompleteError):
             f"dropped and the next run re-stages them from Kafka")
 
 
+class IcebergTableReplacedError(StagedRowsLostError):
+    """The Iceberg table was dropped and created again under the same name (another table
+    UUID) after the batch's tasks wrote their data files for it: those files have the old
+    table's field ids and location and are never committed into the new table. Nothing was
+    committed; their parts are dropped with their markers, so the next run writes them for
+    the table as it is then."""
+
+    def __init__(self, batch_id: int, parts: list[int], table: str, written_for: str,
+                 current: str) -> None:
+        self.batch_id = batch_id
+        self.parts = parts
+        self.table = table
+        self.written_for = written_for
+        self.current = current
+        StagingIncompleteError.__init__(
+            self,
+            f"batch {batch_id}: the Iceberg table {table} was replaced (dropped and created "
+            f"again) after the batch's tasks wrote their data files: part(s) {parts} wrote "
+            f"them for table UUID {written_for}, the table is now UUID {current}. Nothing "
+            f"was committed; those parts were dropped, and the next run writes them into "
+            f"the table as it is then. If the new table is a mistake, restore the old one "
+            f"(register its last metadata file under {table}) before re-running the batch")
+
+
 class StaleConfigError(BatchStateError):
     """The batch's recorded config changed while this run worked on it (another run took a
     new config with --accept-config-change and rebuilt the stage): this run's commit would

@@ -81,9 +81,22 @@ def read_ranges(consumer: Consumer, ranges: Sequence[OffsetRange],
         yield from _consume(consumer, todo, done, max_rows, poll_timeout_s, stall_timeout_s,
                             max_bytes)
     finally:
+        _release(consumer, paused)
+
+
+def _release(consumer: Consumer, paused: list[KTopicPartition]) -> None:
+    """Leave the consumer with no assignment, nothing paused. A reader abandoned part-way
+    (its task failed) may be closed only after its consumer was (when the exception's
+    traceback, which holds it, goes): a closed consumer has nothing left to undo, and an
+    error here would hide the one that stopped the task (or print as "Exception ignored"
+    from the garbage collector)."""
+    try:
         consumer.unassign()
         if paused:
             consumer.resume(paused)
+    except RuntimeError as e:  # confluent-kafka's "Consumer closed"
+        if "closed" not in str(e):
+            raise
 
 
 def _consume(consumer: Consumer, todo: dict[tuple[str, int], _Open],

@@ -62,6 +62,7 @@ from offsetflow.sink_iceberg_stage import arrow_type as arrow_type
 from offsetflow.sink_iceberg_staged import (
     check_files_exist,
     check_files_spec,
+    check_files_table,
     data_files,
     staged_files,
 )
@@ -181,12 +182,16 @@ class IcebergSink:
         _check_counts(batch, files.records, "its data files", moved.dead - self._task_dead,
                       staged)
         table = self.table(self.identifier(batch))
+        check_files_table(table, files, batch.batch_id)  # not a table made again since
         check_files_exist(table, files, batch.batch_id)
         summary = _summary(batch, files.records, moved.dead)
         t = time.monotonic()
         check_files_spec(table, files, batch.batch_id)
-        rows = commit_snapshot(table, batch, data_files(table, files), summary,
-                               check=lambda t: check_files_spec(t, files, batch.batch_id))
+
+        def check(t: Table) -> None:  # a conflict reloads the table: vet it again
+            check_files_table(t, files, batch.batch_id)
+            check_files_spec(t, files, batch.batch_id)
+        rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check)
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
         if rows is not None:

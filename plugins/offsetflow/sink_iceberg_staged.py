@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg2.extensions
 
-from offsetflow.errors import StagedRowsLostError
+from offsetflow.errors import IcebergTableReplacedError, StagedRowsLostError
 from offsetflow.sink_iceberg_datafiles import decode_data_file
 from offsetflow.sink_iceberg_files import canonical_path
 
@@ -66,6 +66,24 @@ def check_files_exist(table: Table, staged: StagedFiles, batch_id: int) -> None:
         raise StagedRowsLostError(batch_id, sorted(lost),
                                   f"data files the markers list are gone or changed (e.g. "
                                   f"{next(iter(lost.values()))})")
+
+
+def check_files_table(table: Table, staged: StagedFiles, batch_id: int) -> None:
+    """Every listed file was written for this very table (its UUID): one dropped and
+    created again under the same name between the tasks' writes and the commit is another
+    table, whose field ids and location the files do not share. Their parts are dropped and
+    written again for it. A file listed without a UUID (a marker of an older OffsetFlow) is
+    taken as the table's."""
+    current = str(table.metadata.table_uuid)
+    stale: dict[int, str] = {}
+    for part, files in staged.by_part.items():
+        for f in files:
+            written_for = f.get("table_uuid")
+            if written_for is not None and written_for != current:
+                stale.setdefault(part, written_for)
+    if stale:
+        raise IcebergTableReplacedError(batch_id, sorted(stale), ".".join(table.name()),
+                                        ", ".join(sorted(set(stale.values()))), current)
 
 
 def check_files_spec(table: Table, staged: StagedFiles, batch_id: int) -> None:

@@ -210,7 +210,9 @@ class PartFiles:
             file_size_in_bytes=len(r.out), sort_order_id=None, equality_ids=None,
             key_metadata=None,
             **stats.to_serialized_dict())
-        self.files.append(encode_data_file(df, self.meta.default_spec_id, self.partition_type))
+        self.files.append({**encode_data_file(df, self.meta.default_spec_id,
+                                              self.partition_type),
+                           "table_uuid": str(self.meta.table_uuid)})  # checked at the commit
 
 
 @dataclass

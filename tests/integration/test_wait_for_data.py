@@ -328,3 +328,85 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
                        "one interval")
     assert later, "the watcher never retried the batch whose driver was killed"
     assert state() == ("running", 3)
+
+
+def test_event_trigger_holds_back_a_failed_batch_while_another_attempt_is_alive(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, pg_dsn: str, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt can fail while an earlier one still runs (a retry started by hand or by
+    Airflow beside a run it lost track of): the batch is then `failed`, and its retry delay
+    may be long past, but a run of it is alive. The watcher must start no run of it until
+    that run is gone, then retry it at once (its delay counted from the failure)."""
+    import logging
+
+    import psycopg2
+
+    from offsetflow.config import find_pipeline, parse_pipeline
+    from offsetflow.errors import BatchStateError
+    from offsetflow.job import run_batch
+    from offsetflow.ledger import Ledger
+    from offsetflow.orchestration import triggers
+    from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
+    from tests.tooling import chaos
+
+    warned: list[str] = []  # Airflow's logging set-up keeps these from pytest's caplog
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: warned.append(r.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(triggers.log, "handlers", [*triggers.log.handlers, handler])
+
+    # upsert: its run holds no lock on the batch row until its commit, so another attempt
+    # can record itself meanwhile (an append's commit holds it from the first part on)
+    name, file = waiting_pipeline["name"], waiting_pipeline["file"]
+    raw = yaml.safe_load(file.read_text())
+    raw["sink"].update({"mode": "upsert", "key": ["event_id"]})
+    file.write_text(yaml.safe_dump(raw))
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"fa-{unique}", 2)
+    batch = plan_only(find_pipeline(name), pg_dsn).batch
+    assert batch is not None
+
+    def state() -> tuple[str, int]:
+        with Ledger(pg_dsn) as ledger:
+            b = ledger.get_batch(batch.batch_id)
+        return b.status, b.attempts
+
+    # attempt 1 stays alive: its tasks wait to write their markers
+    hold = psycopg2.connect(pg_dsn, application_name="offsetflow-chaos")
+    first = None
+    try:
+        with hold.cursor() as cur:
+            cur.execute("LOCK TABLE offsetflow.staged_parts IN SHARE ROW EXCLUSIVE MODE")
+        log = tmp_path / "job.log"
+        first = chaos.run_batch_process(file, batch.batch_id, log)
+        chaos.wait_for(lambda: chaos.commit_waiting(pg_dsn) or first.poll() is not None,
+                       300, "attempt 1 to stage")
+        assert first.poll() is None, log.read_text()[-4000:]
+        assert state() == ("running", 1)
+        # attempt 2 fails while attempt 1 lives (here: a changed config, refused)
+        changed = {**raw, "sink": {**raw["sink"], "table": f"other_{unique}"}}
+        with pytest.raises(BatchStateError, match="config changed"):
+            run_batch(None, parse_pipeline(changed, str(file), {}),  # type: ignore[arg-type]
+                      batch.batch_id, pg_dsn)
+        assert state() == ("failed", 2)
+
+        async def while_alive() -> bool:
+            # two attempts: 3 s x 2 = 6 s after the failure, long past at the end
+            return await _until(asyncio.ensure_future(_first_event(
+                NewOffsetsEventTrigger(pipeline=name, poll_interval=3))), 14)
+
+        fired_while_alive = asyncio.run(while_alive())
+    finally:
+        if first is not None:
+            chaos.kill(first)
+        hold.rollback()
+        hold.close()
+    assert not fired_while_alive, ("the watcher started a run of a failed batch while "
+                                   "another attempt of it is alive")
+    assert not [m for m in warned if "retries it in" in m], warned
+    assert state() == ("failed", 2)
+
+    async def after_kill() -> bool:
+        return await _until(asyncio.ensure_future(_first_event(
+            NewOffsetsEventTrigger(pipeline=name, poll_interval=3))), 15)
+
+    assert asyncio.run(after_kill()), \
+        "the watcher never retried the failed batch once its other attempt was gone"
