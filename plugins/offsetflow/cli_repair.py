@@ -79,7 +79,7 @@ def cmd_abandon(args: argparse.Namespace) -> int:
 def cmd_complete(args: argparse.Namespace) -> int:
     """`offsetflow.complete`: a batch its external sink holds, completed from the sink's
     record when it can be neither run (records gone) nor abandoned (the sink holds it)."""
-    from offsetflow.commit import CommitSpec
+    from offsetflow.commit_spec import CommitSpec
     from offsetflow.complete import complete_from_sink, unreadable_in
     from offsetflow.errors import BatchStateError
     from offsetflow.sinks import external_sink

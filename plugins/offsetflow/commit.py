@@ -38,15 +38,16 @@ same steps, step 4 part by part while the batch is still being read):
 already (a run died after the sink's commit, before the ledger's): such a batch must never be
 abandoned, which would plan its ranges again and write them twice. Running it again
 completes it (step 4 finds the record), with its dead letters, as any retry does.
+
+Beside this module: what a commit is given and gives back, and the `ExternalSink` shape
+(`offsetflow.commit_spec`); step 4's SQL into a PostgreSQL target (`offsetflow.commit_rows`);
+what the markers count (`offsetflow.staged_parts`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import psycopg2
 import psycopg2.errors
@@ -55,7 +56,9 @@ import psycopg2.extras
 from psycopg2 import sql
 
 from offsetflow.commit_locks import lock_errors, lock_timeout_s
-from offsetflow.dead_letters import Coordinate, dead_letters_from, route_quality_failures
+from offsetflow.commit_rows import append_part, delete_range_rows, move_stage_dead_letters
+from offsetflow.commit_spec import CommitResult, CommitSpec, ExternalSink, Moved
+from offsetflow.dead_letters import route_quality_failures
 from offsetflow.errors import (
     BatchStateError,
     FencedCommitError,
@@ -63,97 +66,14 @@ from offsetflow.errors import (
     StagingIncompleteError,
     StaleConfigError,
 )
-from offsetflow.ledger import (
-    Batch,
-    Ledger,
-    connect,
-    dead_letter_stage_table,
-    qualified,
-    stage_table,
-)
+from offsetflow.ledger import Batch, Ledger, connect, stage_table
 from offsetflow.ledger_migrations import refuse_newer_ledger
 from offsetflow.ranges import OffsetRange
 from offsetflow.stage_reset import check_layout, forget_parts, lock_stage
-from offsetflow.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
+from offsetflow.staged_parts import _staged_per_range, _task_bad_records
 from offsetflow.upsert import apply_upsert
 
 log = logging.getLogger(__name__)
-
-TOMBSTONE_ERROR = "tombstone (null value); the pipeline has tombstones: dead_letter"
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    batch_id: int
-    status: str  # committed | already_committed
-    rows_written: int
-    bad_records: int
-    records_per_range: dict[str, int]
-
-    @property
-    def message(self) -> str:
-        if self.status == "already_committed":
-            return f"batch {self.batch_id} was already committed; nothing to do"
-        return (f"batch {self.batch_id} committed: {self.rows_written} rows, "
-                f"{self.bad_records} dead letters")
-
-
-class ExternalSink(Protocol):
-    """Step 4 for a sink outside PostgreSQL; see the module docstring. Both methods run
-    inside the commit's transaction (`cur`: stage, markers and ledger are readable) with the
-    batch row locked, and return step 4's counts for `record_batch`."""
-
-    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
-        """The sink's own record that this batch is committed there, or None."""
-
-    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
-        """Write the staged rows and commit them in the sink, tagged with the batch id."""
-
-    def close(self) -> None:
-        """Release what `find` left open for `write` (e.g. a producer holding its fence)."""
-
-
-@dataclass(frozen=True)
-class CommitSpec:
-    """What step 4 writes and where; the same for every attempt of a batch.
-
-    `tombstones`: upsert `delete` | `dead_letter`; append `dead_letter` | `null_row`. A
-    tombstone is a staged row whose `value` IS NULL; without a `value` column (a transform
-    dropped it) or without a dead-letter table nothing is told apart."""
-
-    columns: tuple[str, ...]
-    mode: str = "append"
-    key: tuple[str, ...] = ()
-    tombstones: str = "dead_letter"
-    dead_letter_table: str | None = None
-    bad_records_staged: bool = False  # the tasks staged bad records (bad_records: dead_letter)
-    quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
-    # the batch's config fingerprint as this run took it up; None: not checked
-    config_fingerprint: str | None = None
-    # the stage generation this run staged under (None: not checked), and whether part k
-    # is sub-range k of the batch's split (the fused path) or a Spark partition of a
-    # transform's output
-    stage_generation: int | None = None
-    subrange_parts: bool = False
-    external: ExternalSink | None = None  # step 4 outside PostgreSQL (Iceberg, Kafka)
-    # the tasks wrote the rows to the sink's files, listed in their markers (the stage holds
-    # only tombstones routed by policy): the sink reconciles the markers, the stage is not
-    # counted against them (`sinks.task_data_files`)
-    task_files: bool = False
-
-    @property
-    def routes_tombstones(self) -> bool:
-        return (self.mode == "append" and self.tombstones == "dead_letter"
-                and "value" in self.columns and self.dead_letter_table is not None)
-
-
-@dataclass
-class Moved:
-    """Step 4's counts; `PartwiseCommit` adds to them part by part."""
-
-    rows: int = 0
-    dead: int = 0
-    per_range: dict[str, int] = field(default_factory=dict)
 
 
 def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
@@ -293,51 +213,6 @@ def commit_external(cur: psycopg2.extensions.cursor, batch: Batch, sink: Externa
     return sink.write(cur, batch, staged)
 
 
-def append_part(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec,
-                source: sql.Composable, expected: int, what: str, part: int | None,
-                moved: Moved) -> None:
-    """Step 4 in append mode for one source (a part table, or the stage): its rows into the
-    target, tombstones routed by policy, and the total checked against `expected` (the
-    marker's count) from the INSERTs' rowcounts, so the fast path scans each part once."""
-    where = sql.SQL(" WHERE s.value IS NOT NULL") if spec.routes_tombstones else sql.SQL("")
-    collist = sql.SQL(", ").join(sql.Identifier(c) for c in spec.columns)
-    cur.execute(sql.SQL("INSERT INTO {t} ({cols}, {lin}) SELECT {cols}, %s FROM {src} s{w}")
-                .format(t=qualified(batch.target_table), cols=collist,
-                        lin=sql.Identifier(LINEAGE_COLUMN), src=source, w=where),
-                (batch.batch_id,))
-    rows, dead = int(cur.rowcount), 0
-    if rows < expected and spec.routes_tombstones:
-        assert spec.dead_letter_table is not None
-        dead = dead_letters_from(cur, batch, spec.dead_letter_table,
-                                 sql.SQL("{} s").format(source), spec.columns,
-                                 sql.SQL("s.value IS NULL"), sql.Literal(TOMBSTONE_ERROR),
-                                 "tombstone")
-    if rows + dead != expected:
-        raise StagedRowsLostError(
-            batch.batch_id, None if part is None else [part],
-            f"{what} holds {rows + dead} rows but its marker counts {expected}")
-    moved.rows += rows
-    moved.dead += dead
-
-
-def move_stage_dead_letters(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec,
-                            moved: Moved) -> None:
-    """Step 4's end: bad records the tasks staged (bad_records: dead_letter)."""
-    if not (spec.bad_records_staged and spec.dead_letter_table):
-        return
-    dl_cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in DEAD_LETTER_COLUMNS)
-    cur.execute(sql.SQL("INSERT INTO {dl} ({cols}, {lin}) SELECT {cols}, %s FROM {st}")
-                .format(dl=qualified(spec.dead_letter_table), cols=dl_cols,
-                        lin=sql.Identifier(LINEAGE_COLUMN),
-                        st=dead_letter_stage_table(batch.batch_id)), (batch.batch_id,))
-    found, expected = int(cur.rowcount), _task_bad_records(cur, batch.batch_id)
-    if found != expected:
-        raise StagedRowsLostError(batch.batch_id, None, f"the dead-letter stage holds {found} "
-                                                        f"bad records but its markers count "
-                                                        f"{expected}")
-    moved.dead += found
-
-
 def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
                  staged: int, timings: dict[str, float] | None) -> CommitResult:
     """Steps 5 and 6: per-range counts (records staged), the batch committed, the stage
@@ -363,24 +238,6 @@ def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, 
              moved.rows, batch.target_table, moved.dead)
     return CommitResult(batch.batch_id, "committed", moved.rows, moved.dead,
                         dict(moved.per_range))
-
-
-def _task_bad_records(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
-    cur.execute("""SELECT COALESCE(sum(bad_records), 0) FROM offsetflow.staged_parts
-                    WHERE batch_id = %s AND kind = 'bad'""", (batch_id,))
-    row = cur.fetchone()
-    return int(row[0]) if row else 0
-
-
-def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[str, int]:
-    """Rows per topic/partition as the tasks counted them when staging."""
-    cur.execute("""SELECT per_partition FROM offsetflow.staged_parts
-                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
-    per_range: dict[str, int] = {}
-    for (per_tp,) in cur.fetchall():
-        for tp, (n, _lo, _hi) in (per_tp or {}).items():
-            per_range[tp] = per_range.get(tp, 0) + int(n)
-    return per_range
 
 
 def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch
@@ -469,28 +326,3 @@ def _first_position(cur: psycopg2.extensions.cursor, batch: Batch, r: OffsetRang
                  batch.batch_id, r.topic, r.partition))
     if cur.rowcount == 0:
         raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset, None)
-
-
-def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec) -> None:
-    """Replay/backfill: what the ranges produced before is replaced, not duplicated. In an
-    upsert target, rows of another incarnation of the topic (deleted and recreated, same
-    offsets again) are not the window's and stay."""
-    other_incarnation: sql.Composable = sql.SQL("")
-    if spec.mode == "upsert":
-        other_incarnation = sql.SQL(
-            " AND NOT COALESCE({tid} <> (SELECT topic_id FROM offsetflow.batch_ranges WHERE "
-            "batch_id = %s AND topic = %s AND partition = %s), false)").format(
-                tid=sql.Identifier(TOPIC_ID_COLUMN))
-    for r in batch.ranges:
-        args: tuple[object, ...] = (r.topic, r.partition, r.from_offset, r.until_offset)
-        if spec.mode == "upsert":
-            args += (batch.batch_id, r.topic, r.partition)
-        cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
-                            "AND \"offset\" >= %s AND \"offset\" < %s{}").format(
-                                qualified(batch.target_table), other_incarnation), args)
-        if spec.dead_letter_table:
-            cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
-                                "AND partition = %s AND \"offset\" >= %s "
-                                "AND \"offset\" < %s").format(
-                                    qualified(spec.dead_letter_table)),
-                        (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))

@@ -30,17 +30,10 @@ from collections.abc import Callable
 
 import psycopg2.extensions
 
-from offsetflow.commit import (
-    CommitResult,
-    CommitSpec,
-    ExternalSink,
-    _fence_and_advance,
-    already_committed,
-    lock_batch,
-    move_stage_dead_letters,
-    record_batch,
-)
+from offsetflow.commit import _fence_and_advance, already_committed, lock_batch, record_batch
 from offsetflow.commit_locks import lock_errors
+from offsetflow.commit_rows import move_stage_dead_letters
+from offsetflow.commit_spec import CommitResult, CommitSpec, ExternalSink
 from offsetflow.config_schema import PipelineConfig
 from offsetflow.errors import BatchStateError
 from offsetflow.ledger import Ledger, dead_letter_stage_table

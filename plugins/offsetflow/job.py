@@ -26,12 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.commit import (
-    CommitResult,
-    CommitSpec,
-    check_fence,
-    commit_batch,
-)
+from offsetflow.commit import check_fence, commit_batch
+from offsetflow.commit_spec import CommitResult, CommitSpec
 from offsetflow.config import PipelineConfig, config_drift
 from offsetflow.dead_letters import Coordinate
 from offsetflow.errors import (

@@ -29,21 +29,17 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.commit import (
-    CommitResult,
-    CommitSpec,
-    Moved,
     _fence_and_advance,
     already_committed,
-    append_part,
     check_config,
     check_fence,
     check_staged,
-    delete_range_rows,
     lock_batch,
-    move_stage_dead_letters,
     record_batch,
 )
 from offsetflow.commit_locks import lock_errors
+from offsetflow.commit_rows import append_part, delete_range_rows, move_stage_dead_letters
+from offsetflow.commit_spec import CommitResult, CommitSpec, Moved
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
 from offsetflow.ledger import Ledger, stage_part_table, stage_table
 from offsetflow.ledger_batch import Batch

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg2.extensions
 from psycopg2 import sql
 
-from offsetflow.commit import TOMBSTONE_ERROR, CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.commit_rows import TOMBSTONE_ERROR, move_stage_dead_letters
+from offsetflow.commit_spec import CommitSpec, Moved
 from offsetflow.dead_letters import dead_letters_from, route_quality_failures
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.ledger import qualified, stage_table

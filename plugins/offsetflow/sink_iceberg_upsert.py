@@ -39,7 +39,7 @@ import psycopg2.extensions
 import pyarrow as pa
 from psycopg2 import sql
 
-from offsetflow.commit import Moved
+from offsetflow.commit_spec import Moved
 from offsetflow.errors import IcebergBatchOpenError, SchemaMismatchError
 from offsetflow.ledger import stage_table
 from offsetflow.ledger_batch import Batch

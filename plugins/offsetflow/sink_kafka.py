@@ -1,5 +1,5 @@
-"""The Kafka topic sink: step 4 of the commit protocol (`offsetflow.commit.ExternalSink`) as
-one Kafka transaction per batch, written by the driver.
+"""The Kafka topic sink: step 4 of the commit protocol (`offsetflow.commit_spec.ExternalSink`)
+as one Kafka transaction per batch, written by the driver.
 
 Tasks stage rows in PostgreSQL as for every sink (the stage is the batch's durable buffer).
 Inside the commit's still-open ledger transaction, with the batch row locked:
@@ -31,7 +31,8 @@ import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 
-from offsetflow.commit import CommitSpec, Moved, _staged_per_range, move_stage_dead_letters
+from offsetflow.commit_rows import move_stage_dead_letters
+from offsetflow.commit_spec import CommitSpec, Moved
 from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
@@ -61,6 +62,7 @@ from offsetflow.sink_kafka_limits import (
     topic_limits,
 )
 from offsetflow.sink_kafka_stage import prefetched
+from offsetflow.staged_parts import _staged_per_range
 
 log = logging.getLogger(__name__)
 

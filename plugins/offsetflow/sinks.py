@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from offsetflow.commit import CommitSpec, ExternalSink
+from offsetflow.commit_spec import CommitSpec, ExternalSink
 from offsetflow.config_schema import PipelineConfig
 
 

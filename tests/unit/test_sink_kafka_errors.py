@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from offsetflow.commit import CommitSpec
+from offsetflow.commit_spec import CommitSpec
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import KafkaSinkError
 from offsetflow.sink_kafka import KafkaTopicSink, committed_offsets

@@ -1,0 +1,25 @@
+"""What the `staged_parts` markers count, read by the driver (the tasks write them,
+`offsetflow.staging`): the rows staged per topic/partition, and the bad records the tasks
+found."""
+
+from __future__ import annotations
+
+import psycopg2.extensions
+
+
+def _task_bad_records(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+    cur.execute("""SELECT COALESCE(sum(bad_records), 0) FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'bad'""", (batch_id,))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[str, int]:
+    """Rows per topic/partition as the tasks counted them when staging."""
+    cur.execute("""SELECT per_partition FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
+    per_range: dict[str, int] = {}
+    for (per_tp,) in cur.fetchall():
+        for tp, (n, _lo, _hi) in (per_tp or {}).items():
+            per_range[tp] = per_range.get(tp, 0) + int(n)
+    return per_range
