@@ -42,7 +42,7 @@ from offsetflow.ledger import Ledger
 from offsetflow.metrics import read_task_metrics
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.runner import plan_only
-from offsetflow.staging import binary_encoder
+from offsetflow.stage_copy import binary_encoder
 from offsetflow.tables import LINEAGE_COLUMN, ensure_target
 
 if TYPE_CHECKING:

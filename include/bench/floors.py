@@ -26,7 +26,7 @@ from engines import BENCH_SCHEMA, TARGET_COLUMNS, create_target, verify_and_drop
 from psycopg2 import sql
 
 from offsetflow.deserialize import deserialize_json
-from offsetflow.staging import binary_encoder
+from offsetflow.stage_copy import binary_encoder
 from offsetflow.tables import LINEAGE_COLUMN
 
 PARTITION_EOF = -191

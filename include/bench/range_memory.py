@@ -27,7 +27,7 @@ from offsetflow.config import parse_pipeline
 from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.metrics import TaskClock, current_rss_mb
 from offsetflow.ranges import OffsetRange
-from offsetflow.staging import binary_encoder
+from offsetflow.stage_copy import binary_encoder
 
 
 def _peak_rss_mb() -> float:

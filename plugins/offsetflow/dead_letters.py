@@ -14,7 +14,7 @@ from psycopg2 import sql
 
 from offsetflow.ledger import qualified
 from offsetflow.ledger_batch import Batch
-from offsetflow.staging import _csv_bytes
+from offsetflow.stage_copy import _csv_bytes
 from offsetflow.tables import LINEAGE_COLUMN
 
 Coordinate = tuple[str, int, int]

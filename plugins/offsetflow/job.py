@@ -55,8 +55,9 @@ from offsetflow.ranges import split_ranges
 from offsetflow.run_lock import hold_run_lock
 from offsetflow.sinks import external_sink, task_data_files
 from offsetflow.spark_session import build_spark, drop_session
+from offsetflow.stage_bad_records import BadRows
 from offsetflow.stage_reset import claim_pack_tasks, stage_generation
-from offsetflow.staging import BadRows, bad_record_summary
+from offsetflow.staged_parts import bad_record_summary
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target, pg_type
 
 if TYPE_CHECKING:

@@ -20,7 +20,9 @@ from offsetflow.config import DECIMAL_RE, PipelineConfig
 from offsetflow.ledger import stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import OffsetRange
-from offsetflow.staging import BadBuffer, BadRows, SubrangeBad, binary_encoder, stage_rows
+from offsetflow.stage_bad_records import BadBuffer, BadRows
+from offsetflow.stage_copy import binary_encoder
+from offsetflow.staging import SubrangeBad, stage_rows
 from offsetflow.tables import pg_type
 
 if TYPE_CHECKING:

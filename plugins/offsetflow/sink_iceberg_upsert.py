@@ -45,7 +45,7 @@ from offsetflow.ledger import stage_table
 from offsetflow.ledger_batch import Batch
 from offsetflow.sink_iceberg_config import IcebergConfig, snapshot_summary
 from offsetflow.sink_iceberg_keys import COORDINATES, key_filter, key_mask, window_mask
-from offsetflow.staging import binary_encoder
+from offsetflow.stage_copy import binary_encoder
 from offsetflow.tables import TOPIC_ID_COLUMN
 from offsetflow.upsert import (
     WINNERS,

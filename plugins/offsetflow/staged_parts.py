@@ -1,10 +1,26 @@
 """What the `staged_parts` markers count, read by the driver (the tasks write them,
 `offsetflow.staging`): the rows staged per topic/partition, and the bad records the tasks
-found."""
+found with a sample of each partition's first."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg2.extensions
+
+from offsetflow.ledger import Ledger
+
+
+def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
+    with ledger.transaction() as cur:
+        cur.execute("""SELECT COALESCE(sum(bad_records), 0), array_agg(per_partition)
+                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'bad'""",
+                    (batch_id,))
+        row = cur.fetchone()
+    assert row is not None
+    samples = [s for pp in (row[1] or []) if pp for s in pp.get("sample", [])]
+    samples.sort(key=lambda s: (s["topic"], s["partition"], s["offset"]))
+    return int(row[0]), samples
 
 
 def _task_bad_records(cur: psycopg2.extensions.cursor, batch_id: int) -> int:

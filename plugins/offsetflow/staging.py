@@ -8,67 +8,38 @@ part's own transaction (`BadBuffer`), on the DataFrame path, where reading and s
 separate tasks, they are keyed by their coordinates (`SubrangeBad`) and the sub-range's
 marker is written once it is read to its end.
 
-Safety net: a chunk whose COPY PostgreSQL refuses with a data error (a value the
-deserializer's checks did not foresee, or one a transform produced) is rolled back to a
-savepoint and bisected; each row PostgreSQL refuses becomes a bad record with its error as
-the reason, the rest is staged, and its marker is written in the same transaction."""
+Safety net (`offsetflow.stage_refused`): a chunk whose COPY PostgreSQL refuses with a data
+error is bisected; each row PostgreSQL refuses becomes a bad record with its error as the
+reason, the rest is staged, and its marker is written in the same transaction.
+
+Beside this module: the COPY payloads (`offsetflow.stage_copy`), the bad records' way into
+the dead-letter stage (`offsetflow.stage_bad_records`); the driver reads the markers with
+`offsetflow.staged_parts`."""
 
 from __future__ import annotations
 
-import io
 import json
-import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import psycopg2
 import psycopg2.extensions
 import pyarrow as pa
-import pyarrow.csv as pacsv
 from psycopg2 import sql
 
-from offsetflow import pgcopy
 from offsetflow.errors import StaleStageError
-from offsetflow.ledger import Ledger, connect, dead_letter_stage_table, stage_table
+from offsetflow.ledger import connect, stage_table
 from offsetflow.metrics import TaskClock
-from offsetflow.stage_form import stage_form
-
-
-def _csv_bytes(batch: pa.RecordBatch | pa.Table) -> bytes:
-    buf = io.BytesIO()
-    pacsv.write_csv(batch, buf, pacsv.WriteOptions(include_header=False))
-    return buf.getvalue()
-
-
-def _copy(cur: psycopg2.extensions.cursor, table: sql.Composable, columns: Sequence[str],
-          data: bytes, fmt: str = "csv") -> None:
-    cur.copy_expert(sql.SQL("COPY {} ({}) FROM STDIN WITH (FORMAT {})").format(
-        table, sql.SQL(", ").join(sql.Identifier(c) for c in columns),
-        sql.SQL({"csv": "csv", "binary": "binary"}[fmt])), io.BytesIO(data))
-
-
-Encoder = Callable[[pa.RecordBatch], tuple[str, bytes]]
-
-
-def csv_encoder(batch: pa.RecordBatch) -> tuple[str, bytes]:
-    """For batches already in stage form (binary as hex text, nested as JSON)."""
-    return "csv", _csv_bytes(batch)
-
-
-def binary_encoder(pg_types: Sequence[str]) -> Encoder:
-    """For raw Arrow batches in stage-column order: binary COPY where every column type has
-    a binary layout (the usual case), else hex/JSON text as CSV."""
-    types = list(pg_types)
-    use_binary = pgcopy.supported(types)
-
-    def encode(batch: pa.RecordBatch) -> tuple[str, bytes]:
-        if use_binary:
-            data = pgcopy.encode(stage_form(batch, hex_binary=False), types)
-            if data is not None:
-                return "binary", data
-        return "csv", _csv_bytes(stage_form(batch))
-    return encode
+from offsetflow.stage_bad_records import (
+    REFUSED_CHUNK,
+    BadBuffer,
+    BadRows,
+    BadTally,
+    _copy_dead,
+    _ensure_coordinate_index,
+)
+from offsetflow.stage_copy import Encoder, _copy, csv_encoder
+from offsetflow.stage_refused import _copy_or_bisect
 
 
 def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
@@ -109,19 +80,6 @@ def _check_generation(cur: psycopg2.extensions.cursor, batch_id: int,
     if generation is not None and int(row[0]) != generation:
         raise StaleStageError(batch_id, generation, int(row[0]))
     return int(row[0])
-
-
-@dataclass(frozen=True)
-class BadRows:
-    """Where rows PostgreSQL refuses go: always a marker naming them (so a `fail` pipeline
-    fails naming the first), the rows too in the dead-letter stage under `dead_letter`."""
-
-    pipeline: str
-    write_rows: bool
-
-
-# the bad-record marker chunk of rows refused at staging (a part's own chunks count from 0)
-REFUSED_CHUNK = -1
 
 
 def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBatch],
@@ -210,155 +168,6 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
         conn.close()
 
 
-# failed COPYs of one chunk after which bisecting stops: where most rows are refused it
-# would cost ~2n COPYs, each of the first ones copying half the chunk
-BISECT_FAILURES = 4
-
-
-def _copy_or_bisect(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
-                    encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
-                    failures: list[int] | None = None) -> list[pa.RecordBatch]:
-    """COPY `b` under a savepoint. On a data error, roll back and bisect until the refused
-    rows are single; returns the slices that were staged, appends the refused rows. Costs
-    two statements per chunk when nothing is wrong, O(bad * log(rows)) COPYs when a few
-    rows are refused; after BISECT_FAILURES failures the rest goes row by row
-    (`_copy_row_by_row`), so a chunk of mostly refused rows costs about a COPY per row."""
-    failures = [0] if failures is None else failures
-    error = _try_copy(cur, into, b, encode, clock)
-    if error is None:
-        return [b]
-    failures[0] += 1
-    if b.num_rows == 1:
-        refused.append(_refused_row(b, _pg_reason(error, b)))
-        return []
-    if failures[0] > BISECT_FAILURES:
-        return _copy_row_by_row(cur, into, b, encode, clock, refused, error)
-    mid = b.num_rows // 2
-    return (_copy_or_bisect(cur, into, b.slice(0, mid), encode, clock, refused, failures)
-            + _copy_or_bisect(cur, into, b.slice(mid), encode, clock, refused, failures))
-
-
-def _try_copy(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
-              encode: Encoder, clock: TaskClock) -> psycopg2.DataError | None:
-    """COPY `b` under a savepoint; PostgreSQL's data error (rolled back) or None. The
-    error carries the payload's format in `offsetflow_fmt`."""
-    with clock.stage("encode"):
-        fmt, data = encode(b)
-    with clock.stage("copy"):
-        cur.execute("SAVEPOINT offsetflow_chunk")
-        try:
-            _copy(cur, into, b.schema.names, data, fmt)
-        except psycopg2.DataError as e:
-            cur.execute("ROLLBACK TO SAVEPOINT offsetflow_chunk")
-            cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-            e.offsetflow_fmt = fmt  # type: ignore[attr-defined]
-            return e
-        cur.execute("RELEASE SAVEPOINT offsetflow_chunk")
-    return None
-
-
-_LINE_RE = re.compile(r"^COPY \S+, line (\d+)")
-
-
-def _copy_row_by_row(cur: psycopg2.extensions.cursor, into: sql.Composed, b: pa.RecordBatch,
-                     encode: Encoder, clock: TaskClock, refused: list[dict[str, Any]],
-                     error: psycopg2.DataError) -> list[pa.RecordBatch]:
-    """Stage `b`, whose COPY just failed with `error`, a refused row at a time. A binary
-    COPY's error names the tuple it refused (its "line"): the rows before it go in one
-    COPY, and the rest is tried again. Otherwise (CSV, whose "line" is not a row where a
-    value holds a newline) each row is COPYed on its own."""
-    staged: list[pa.RecordBatch] = []
-    i, n = 0, b.num_rows
-    err: psycopg2.DataError | None = error
-    while i < n:
-        rest = b.slice(i)
-        if err is None:
-            err = _try_copy(cur, into, rest, encode, clock)
-            if err is None:
-                staged.append(rest)
-                return staged
-        m = _LINE_RE.search(err.diag.context or "") \
-            if getattr(err, "offsetflow_fmt", None) == "binary" else None
-        line = int(m.group(1)) if m else 0
-        if not 1 <= line <= rest.num_rows:  # not named: each row on its own
-            for j in range(rest.num_rows):
-                row = rest.slice(j, 1)
-                row_err = _try_copy(cur, into, row, encode, clock)
-                if row_err is None:
-                    staged.append(row)
-                else:
-                    refused.append(_refused_row(row, _pg_reason(row_err, row)))
-            return staged
-        good = rest.slice(0, line - 1)
-        if good.num_rows:
-            # the named row's predecessors passed once; should they not (a wrong line),
-            # they go row by row too
-            good_err = _try_copy(cur, into, good, encode, clock)
-            if good_err is None:
-                staged.append(good)
-            else:
-                staged += _copy_row_by_row(cur, into, good, encode, clock, refused,
-                                           _unnamed(good_err))
-        row = rest.slice(line - 1, 1)
-        refused.append(_refused_row(row, _pg_reason(err, row)))
-        i, err = i + line, None
-    return staged
-
-
-def _unnamed(e: psycopg2.DataError) -> psycopg2.DataError:
-    e.offsetflow_fmt = None  # type: ignore[attr-defined]
-    return e
-
-
-_COLUMN_RE = re.compile(r"column (\S+?)(?::|$)")
-
-
-def _pg_reason(e: psycopg2.Error, row: pa.RecordBatch) -> str:
-    """PostgreSQL's message and the column: from COPY's context, or for encoding errors
-    (found before COPY splits the line into columns) the text column holding NUL or
-    invalid UTF-8."""
-    msg = (e.diag.message_primary or str(e).strip().splitlines()[0]).strip()
-    m = _COLUMN_RE.search(e.diag.context or "")
-    column = m.group(1) if m else _bad_text_column(row)
-    where = f" (column {column})" if column else ""
-    return f"PostgreSQL refused the row at staging: {msg}{where}"
-
-
-def _bad_text_column(row: pa.RecordBatch) -> str | None:
-    for f, col in zip(row.schema, row.columns, strict=True):
-        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
-            v = col.cast(pa.binary())[0].as_py()
-            if v is None:
-                continue
-            try:
-                v.decode("utf-8")
-            except UnicodeDecodeError:
-                return f.name
-            if b"\x00" in v:
-                return f.name
-    return None
-
-
-def _refused_row(b: pa.RecordBatch, reason: str) -> dict[str, Any]:
-    """One refused row's coordinates and raw key/value, from raw or stage-form columns."""
-    def get(name: str) -> Any:
-        if name not in b.schema.names:
-            return None
-        col = b.column(name)
-        if name in ("key", "value") and (pa.types.is_string(col.type)
-                                         or pa.types.is_large_string(col.type)):
-            # stage form: hex text; other text (a transform's) as its bytes
-            raw = col.cast(pa.binary())[0].as_py()
-            return None if raw is None else (
-                bytes.fromhex(raw[2:].decode()) if raw.startswith(b"\\x") else raw)
-        if pa.types.is_timestamp(col.type):  # as microseconds: any year, no datetime
-            return col.cast(pa.timestamp("us", tz="UTC")).cast(pa.int64())[0].as_py()
-        return col[0].as_py()
-    return {"topic": get("topic"), "partition": get("partition"), "offset": get("offset"),
-            "timestamp": get("timestamp"), "key": get("key"), "value": get("value"),
-            "error": reason, "stage": "stage"}
-
-
 def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
     t = pa.Table.from_batches([b]).select(["topic", "partition", "offset"])
     g = t.group_by(["topic", "partition"]).aggregate(
@@ -370,44 +179,6 @@ def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
             acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
         else:
             acc[k] = [n, lo, hi]
-
-
-@dataclass
-class BadTally:
-    """How many bad records a marker counts, and a sample of each Kafka partition's first
-    (so the driver can fail a `fail` batch naming the first one)."""
-
-    count: int = 0
-    sample: dict[tuple[str, int], list[dict[str, Any]]] = field(default_factory=dict)
-
-    def add(self, rows: Sequence[dict[str, Any]]) -> None:
-        self.count += len(rows)
-        for r in rows:
-            s = self.sample.setdefault((r["topic"], r["partition"]), [])
-            if len(s) < 5:
-                s.append({k: r[k] for k in ("topic", "partition", "offset", "error")})
-
-    def mark(self, cur: psycopg2.extensions.cursor, batch_id: int, part: int,
-             chunk: int) -> None:
-        sample = [x for s in self.sample.values() for x in s]
-        cur.execute("""UPDATE offsetflow.staged_parts SET bad_records = %s, per_partition = %s
-                        WHERE batch_id=%s AND kind='bad' AND part=%s AND chunk=%s""",
-                    (self.count, json.dumps({"sample": sample}), batch_id, part, chunk))
-
-
-@dataclass
-class BadBuffer:
-    """The fused path's bad records on their way from the reader into the part's own
-    transaction (`stage_rows(bad_in=...)`): one chunk's at a time."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    def add(self, rows: Sequence[dict[str, Any]]) -> None:
-        self.rows.extend(rows)
-
-    def take(self) -> list[dict[str, Any]]:
-        out, self.rows = self.rows, []
-        return out
 
 
 class SubrangeBad:
@@ -453,57 +224,3 @@ class SubrangeBad:
                     self.tally.mark(cur, self.batch_id, self.idx, self.CHUNK)
         finally:
             conn.close()
-
-
-def _ensure_coordinate_index(cur: psycopg2.extensions.cursor, batch_id: int) -> None:
-    """Read-side dead letters are unique by coordinates (rows refused at staging are not: a
-    transform may turn one record into several rows). Created by the first task that needs
-    it; the lock keeps concurrent tasks from racing on the catalog."""
-    cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow_dead_index'), %s)",
-                (int(batch_id),))
-    cur.execute(sql.SQL("""CREATE UNIQUE INDEX IF NOT EXISTS {} ON {}
-                           (topic, partition, "offset") WHERE stage = 'deserialize'""").format(
-        sql.Identifier(f"b{int(batch_id)}_dead_coordinates"), dead_letter_stage_table(batch_id)))
-
-
-def _copy_dead(cur: psycopg2.extensions.cursor, batch_id: int, pipeline: str,
-               rows: Sequence[dict[str, Any]], keyed: bool = False) -> None:
-    """Bad records into the dead-letter stage; `keyed`: skip those already there."""
-    t = pa.table({
-        "pipeline": [pipeline] * len(rows),
-        "topic": [r["topic"] for r in rows],
-        "partition": pa.array([r["partition"] for r in rows], pa.int32()),
-        "offset": pa.array([r["offset"] for r in rows], pa.int64()),
-        "timestamp": pa.array([r["timestamp"] for r in rows], pa.timestamp("us", tz="UTC")),
-        "key": [_hex(r["key"]) for r in rows],
-        "value": [_hex(r["value"]) for r in rows],
-        "error": [r["error"] for r in rows],
-        "stage": [r.get("stage", "deserialize") for r in rows],
-    })
-    dead = dead_letter_stage_table(batch_id)
-    if not keyed:
-        _copy(cur, dead, t.schema.names, _csv_bytes(t))
-        return
-    cur.execute(sql.SQL("CREATE TEMP TABLE offsetflow_dead_in (LIKE {}) ON COMMIT DROP")
-                .format(dead))
-    _copy(cur, sql.SQL("offsetflow_dead_in"), t.schema.names, _csv_bytes(t))
-    cur.execute(sql.SQL("""INSERT INTO {} SELECT * FROM offsetflow_dead_in
-                           ON CONFLICT (topic, partition, "offset") WHERE stage = 'deserialize'
-                           DO NOTHING""").format(dead))
-
-
-def _hex(b: bytes | None) -> str | None:
-    return None if b is None else "\\x" + b.hex()
-
-
-def bad_record_summary(ledger: Ledger, batch_id: int) -> tuple[int, list[dict[str, Any]]]:
-    with ledger.transaction() as cur:
-        cur.execute("""SELECT COALESCE(sum(bad_records), 0), array_agg(per_partition)
-                         FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'bad'""",
-                    (batch_id,))
-        row = cur.fetchone()
-    assert row is not None
-    samples = [s for pp in (row[1] or []) if pp for s in pp.get("sample", [])]
-    samples.sort(key=lambda s: (s["topic"], s["partition"], s["offset"]))
-    return int(row[0]), samples
-

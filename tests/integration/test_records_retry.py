@@ -20,7 +20,7 @@ from offsetflow.ledger import Ledger
 from offsetflow.ranges import split_ranges
 from offsetflow.reader_chunk import RawChunk
 from offsetflow.runner import plan_only
-from offsetflow.staging import bad_record_summary
+from offsetflow.staged_parts import bad_record_summary
 from offsetflow.tables import create_stage_tables
 from tests.integration.helpers import query
 

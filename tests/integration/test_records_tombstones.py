@@ -16,7 +16,9 @@ from offsetflow.ledger import stage_part_table
 from offsetflow.metrics import TaskClock
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
-from offsetflow.staging import BadRows, binary_encoder, stage_rows
+from offsetflow.stage_bad_records import BadRows
+from offsetflow.stage_copy import binary_encoder
+from offsetflow.staging import stage_rows
 from offsetflow.tables import create_stage_tables
 from tests.integration.helpers import query
 

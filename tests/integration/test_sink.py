@@ -21,7 +21,8 @@ from offsetflow.metrics import TaskClock
 from offsetflow.partwise import PartwiseCommit
 from offsetflow.ranges import split_ranges
 from offsetflow.runner import plan_only
-from offsetflow.staging import binary_encoder, stage_rows
+from offsetflow.stage_copy import binary_encoder
+from offsetflow.staging import stage_rows
 from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
