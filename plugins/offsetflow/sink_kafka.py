@@ -13,7 +13,9 @@ Inside the commit's still-open ledger transaction, with the batch row locked:
     one transaction, the batch's until_offsets go into the same transaction with
     `send_offsets_to_transaction` (KIP-98), and it commits. Output and the record of the
     commit are visible together or not at all; the ledger's COMMIT follows.
-Which names, which topic and how a row becomes a record: `offsetflow.sink_kafka_form`.
+Which names, which topic and how a row becomes a record: `offsetflow.sink_kafka_form`; the
+producer and its transaction (open, send offsets, commit, retry, abort, fence):
+`offsetflow.sink_kafka_txn`.
 """
 
 from __future__ import annotations
@@ -25,21 +27,19 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import psycopg2.extensions
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
 
 from offsetflow.commit_rows import move_stage_dead_letters
 from offsetflow.commit_spec import CommitSpec, Moved
-from offsetflow.config_schema import KafkaSinkConfig, PipelineConfig
+from offsetflow.config_schema import PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.ledger_identity import LedgerIdentity, ledger_identity
 from offsetflow.sink_kafka_form import (
     BATCH_HEADER,
-    METADATA_MAX_BYTES,
     SOURCE_HEADER,
     CommitMark,
     NotProduced,
@@ -56,13 +56,10 @@ from offsetflow.sink_kafka_form import (
     rows_per_fetch,
     select_sql,
 )
-from offsetflow.sink_kafka_limits import (
-    broker_txn_timeout_ms,
-    route_not_produced,
-    topic_limits,
-)
+from offsetflow.sink_kafka_limits import route_not_produced, topic_limits
 from offsetflow.sink_kafka_stage import prefetched
-from offsetflow.staged_parts import _staged_per_range
+from offsetflow.sink_kafka_txn import KAFKA_TIMEOUT_S, KafkaTransaction, _fence
+from offsetflow.staged_parts import _staged_per_range, _staged_rows
 
 log = logging.getLogger(__name__)
 
@@ -74,43 +71,25 @@ FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
 PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
-KAFKA_TIMEOUT_S = 60.0
 CURSOR_ROWS = 5_000
 # driver memory for one fetch of staged rows (large records: fewer rows per fetch; up to
-# four fetches at once: one produced, two read ahead, one being read) and, unless
-# sink.producer sets queue.buffering.max.kbytes, for librdkafka's queue (its default of 1 GB
-# would let large records pile up in the driver)
+# four fetches at once: one produced, two read ahead, one being read)
 FETCH_BYTES = 16 * 2**20
-QUEUE_KBYTES = 65_536
-UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
-                   "before the error); the next run finds the batch committed in Kafka and "
-                   "completes the ledger, or writes it again if it is not")
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
 
 
-class KafkaTopicSink:
+class KafkaTopicSink(KafkaTransaction):
     """`ExternalSink` for `sink.type: kafka`. One instance serves one commit attempt."""
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
         """`columns`: the stage's (None: only `find`, which reads no rows)."""
-        assert cfg.sink.kafka is not None
-        self.cfg = cfg
-        self.sink: KafkaSinkConfig = cfg.sink.kafka
+        super().__init__(cfg, timeout_s)
         self.columns = dict(columns or ())
         if columns is not None:
             check_columns(self.sink, self.columns, cfg.source_file)
         self.spec = spec  # its dead-letter settings: the tasks' bad records go there
-        self.timeout_s = timeout_s
-        self._producer: Producer | None = None
-        self._consumer: Consumer | None = None
-        self._txn_id = ""
-        self._delivery_error: str | None = None
-        self._open_txn = False  # begun, neither committed nor aborted by this run
-        self._txn_began = 0.0  # time.monotonic() at begin_transaction
-        self._txn_timeout_ms = 0
-        self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
         # the group's offsets `find` read when the batch was not there (`write` checks them)
         self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
         self.stage_gone = False  # see `completing`
@@ -209,53 +188,7 @@ class KafkaTopicSink:
         finally:
             self.close()
 
-    # --- the transaction --------------------------------------------------------------
-
-    def _open(self, batch: Batch) -> None:
-        """Producer and group consumer; `init_transactions` fences every older attempt."""
-        base = self.cfg.admin_settings()
-        self._txn_id = self._mark.transactional_id(batch)
-        if not self._txn_timeout_ms:
-            self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
-                                    if "transaction.timeout.ms" in self.sink.producer
-                                    else broker_txn_timeout_ms(self.cfg, batch, self.timeout_s))
-        conf: dict[str, Any] = {
-            **base, "transactional.id": self._txn_id, "enable.idempotence": True,
-            "linger.ms": 20, "partitioner": "murmur2_random",
-            "delivery.report.only.error": True, "queue.buffering.max.kbytes": QUEUE_KBYTES,
-            "on_delivery": self._on_delivery, **self.sink.producer,
-            "transaction.timeout.ms": self._txn_timeout_ms}
-        self._producer = Producer(conf)
-        self._consumer = Consumer({**base, "group.id": self._mark.group(batch),
-                                   "enable.auto.commit": False,
-                                   "isolation.level": "read_committed"})
-        try:
-            self._producer.init_transactions(self.timeout_s)
-        except KafkaException as e:
-            self.close()
-            raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
-                                 f"transactional.id {self._txn_id} failed: {e}") from e
-
-    def _timed_out(self) -> str | None:
-        """Why a fence is not a newer run: the transaction is older than its timeout, after
-        which the broker aborts it and bumps the epoch (the producer then reports a fence).
-        The broker's clock starts after begin_transaction, so a younger one was not it."""
-        if not self._txn_began:
-            return None
-        open_s = time.monotonic() - self._txn_began
-        if open_s * 1000 < self._txn_timeout_ms:
-            return None
-        return (f"the transaction was open {open_s:.0f} s, longer than its "
-                f"transaction.timeout.ms of {self._txn_timeout_ms} ms, so the broker aborted "
-                f"it; nothing of it is visible. Every attempt of a batch this large takes as "
-                f"long: make batches smaller (source.max_records_per_batch) or raise "
-                f"sink.producer.transaction.timeout.ms (at most the broker's "
-                f"transaction.max.timeout.ms)")
-
-    def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None and self._delivery_error is None:
-            src = dict(msg.headers() or []).get("offsetflow.source", b"?").decode()
-            self._delivery_error = f"record of source {src}: {err.str()}"
+    # --- the transaction's records -----------------------------------------------
 
     def _write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
                topic: str) -> Moved:
@@ -345,24 +278,6 @@ class KafkaTopicSink:
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
 
-    @staticmethod
-    def _produce(p: Producer, topic: str, key: bytes | None, value: Any,
-                 headers: Any, partition: int, timestamp: int) -> bool:
-        """Produce once the local queue has room. False: librdkafka refused the record as
-        too large (a size check it makes that `record_size` did not foresee); any other
-        error is raised."""
-        while True:
-            p.poll(0.005)
-            try:
-                p.produce(topic, value, key, partition, timestamp=timestamp, headers=headers)
-                return True
-            except BufferError:
-                continue
-            except KafkaException as e:
-                if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
-                    return False
-                raise
-
     # --- records the output topic cannot take -----------------------------------------
 
     def _not_produced(self, batch: Batch, topic: str, limit: int,
@@ -380,105 +295,6 @@ class KafkaTopicSink:
             f"Set bad_records: dead_letter to route such records to the dead-letter table, "
             f"or raise the limits")
 
-    def _partitions(self, batch: Batch, topic: str) -> int:
-        assert self._producer is not None
-        try:
-            md = self._producer.list_topics(topic, timeout=self.timeout_s)
-        except KafkaException as e:
-            raise KafkaSinkError(f"batch {batch.batch_id}: no metadata for output topic "
-                                 f"{topic}: {e}") from e
-        t = md.topics.get(topic)
-        if t is None or t.error is not None or not t.partitions:
-            why = t.error.str() if t is not None and t.error is not None else "not found"
-            raise KafkaSinkError(f"batch {batch.batch_id}: output topic {topic} is not "
-                                 f"usable ({why}); create it before running the pipeline")
-        return len(t.partitions)
-
-    def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced],
-                      per_range: dict[str, int]) -> None:
-        assert self._producer is not None and self._consumer is not None
-        offsets = []
-        for r in batch.ranges:
-            if r.until_offset <= r.from_offset:
-                continue
-            left_out = [s for s in skipped if (s.topic, s.partition) == r.topic_partition]
-            meta = self._mark.metadata(batch.batch_id, left_out,
-                                       per_range.get(f"{r.topic}/{r.partition}", 0))
-            if len(meta.encode()) > METADATA_MAX_BYTES:
-                raise KafkaSinkError(
-                    f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
-                    f"[{r.partition}] cannot be produced (first: offset {left_out[0].offset}:"
-                    f" {left_out[0].error(self.sink.topic, None)}): too many to record in "
-                    f"the commit; raise the limits, or make batches smaller")
-            offsets.append(KTopicPartition(r.topic, r.partition, r.until_offset,
-                                           metadata=meta))
-        if not offsets:
-            return
-        group = self._consumer.consumer_group_metadata()
-        self._retry(batch, "send_offsets_to_transaction",
-                    lambda t: self._producer.send_offsets_to_transaction(  # type: ignore[union-attr]
-                        offsets, group, t))
-
-    def _commit(self, batch: Batch, topic: str, produced: int) -> None:
-        assert self._producer is not None
-        t = time.monotonic()
-        self._retry(batch, "commit_transaction",
-                    lambda left: self._producer.commit_transaction(left))  # type: ignore[union-attr]
-        log.info("batch %d: Kafka transaction committed: %d records to %s "
-                 "(transactional.id %s, %.1fs)", batch.batch_id, produced, topic,
-                 self._txn_id, time.monotonic() - t)
-
-    def _retry(self, batch: Batch, what: str, call: Any) -> None:
-        """Retry a retriable error until the timeout (a broker restarting); an abortable one
-        aborts; a fenced or fatal one leaves the outcome to the broker: the next run's
-        `init_transactions` completes or aborts it and `find` tells which."""
-        deadline = time.monotonic() + 3 * self.timeout_s
-        while True:
-            try:
-                call(max(1.0, deadline - time.monotonic()))
-                return
-            except KafkaException as e:
-                err: KafkaError = e.args[0]
-                if err.retriable() and time.monotonic() < deadline:
-                    log.warning("batch %d: %s: %s; retrying", batch.batch_id, what, err.str())
-                    time.sleep(0.5)
-                    continue
-                if err.txn_requires_abort():
-                    self._abort(batch)
-                    # librdkafka also reports an EndTxn(commit) that failed after the
-                    # transaction had failed as abortable, yet the commit may have landed
-                    aborted = (UNKNOWN_OUTCOME if what == "commit_transaction" else
-                               "the transaction was aborted, nothing of it is visible")
-                    raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
-                                         f"({err.str()}); {self._timed_out() or aborted}"
-                                         ) from e
-                fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
-                                        KafkaError.INVALID_PRODUCER_EPOCH)
-                timed_out = self._timed_out() if fenced else None
-                why = timed_out or (f"this run was fenced: a newer run of the batch took over "
-                       f"transactional.id {self._txn_id} (its producer epoch is higher), so "
-                       f"nothing this run produced becomes visible" if fenced else
-                       UNKNOWN_OUTCOME)
-                raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed ({err.str()}); "
-                                     f"{why}") from e
-
-    def _abort(self, batch: Batch) -> None:
-        assert self._producer is not None
-        self._open_txn = False
-        try:
-            self._producer.abort_transaction(self.timeout_s)
-        except KafkaException as e:  # the next run's init_transactions aborts it
-            log.warning("batch %d: abort_transaction failed (%s); the next run's "
-                        "init_transactions aborts the transaction", batch.batch_id, e)
-
-    def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
-        # no flush: the transaction is committed or aborted by now, and a fenced producer's
-        # flush would raise over the error that says what happened
-        self._producer = None
-
 
 class _NotProducible(Exception):
     """A record the output topic can never take (checked before `produce`)."""
@@ -494,35 +310,6 @@ def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]
                                  f"{tp.topic}[{tp.partition}] in group {group}: "
                                  f"{tp.error.str()}; nothing is produced until it can be read")
     return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
-
-
-def _fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:
-    """`init_transactions` of `txn_id` and nothing else: an older producer of that id can
-    neither commit nor add records any more, and its open transaction is completed or
-    aborted, so the group's offsets read next are final."""
-    p = Producer(fence_settings(cfg, txn_id))
-    try:
-        p.init_transactions(timeout_s)
-    except KafkaException as e:
-        raise KafkaSinkError(f"init_transactions of transactional.id {txn_id} failed: {e}"
-                             ) from e
-
-
-# `sink.producer` settings that say how to connect and who the producer is; the fencing
-# producer takes only these (it produces nothing: delivery, batching and timeout settings
-# could only clash with its own transaction timeout, e.g. delivery.timeout.ms > 60 s)
-CONNECTION_PREFIXES = ("security.", "ssl", "sasl.", "enable.ssl.", "client.", "oauthbearer",
-                       "broker.address.")
-
-
-def fence_settings(cfg: PipelineConfig, txn_id: str) -> dict[str, Any]:
-    """The fencing producer's settings: the client's, then the connection and identity
-    settings of the batch's own producer (`sink.producer`: the credentials a cluster with
-    ACLs gives the sink's principal), for another transactional.id."""
-    producer = cfg.sink.kafka.producer if cfg.sink.kafka is not None else {}
-    own = {k: v for k, v in producer.items() if k.startswith(CONNECTION_PREFIXES)}
-    return {**cfg.admin_settings(), **own, "transactional.id": txn_id,
-            "enable.idempotence": True}
 
 
 def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,
@@ -550,13 +337,6 @@ def _moved_from_record(batch: Batch, records: dict[str, int] | None,
         return Moved(rows=0, dead=len(skipped))
     return Moved(rows=sum(records.values()) - len(skipped), dead=len(skipped),
                  per_range=records)
-
-
-def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
-    cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
-                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
-    row = cur.fetchone()
-    return int(row[0]) if row else 0
 
 
 def _fault_point(name: str) -> None:

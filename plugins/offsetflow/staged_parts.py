@@ -1,6 +1,6 @@
 """What the `staged_parts` markers count, read by the driver (the tasks write them,
-`offsetflow.staging`): the rows staged per topic/partition, and the bad records the tasks
-found with a sample of each partition's first."""
+`offsetflow.staging`): the rows staged per topic/partition, in all, and the bad records
+the tasks found with a sample of each partition's first."""
 
 from __future__ import annotations
 
@@ -39,3 +39,10 @@ def _staged_per_range(cur: psycopg2.extensions.cursor, batch_id: int) -> dict[st
         for tp, (n, _lo, _hi) in (per_tp or {}).items():
             per_range[tp] = per_range.get(tp, 0) + int(n)
     return per_range
+
+
+def _staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
+    cur.execute("""SELECT COALESCE(sum(rows_staged), 0) FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
