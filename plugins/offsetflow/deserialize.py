@@ -158,8 +158,8 @@ def _loads(value: bytes) -> Any:
 
 
 def _parse_deep(value: bytes, schema: Mapping[str, str]) -> dict[str, Any]:
-    """A record too deep for Python's parser goes through pyarrow's (no recursion), alone,
-    with the same checks as the fast path: both paths agree on it."""
+    """A record too deep for Python's parser (or one it refuses) goes through pyarrow's
+    (no recursion), alone, with the same checks as the fast path: both paths agree on it."""
     errors: list[str] = []
     res = _fast([value], arrow_schema(schema), errors, newlines=True)
     if res is None:
@@ -179,6 +179,14 @@ def parse_json_record(value: bytes | None, schema: Mapping[str, str]) -> dict[st
         doc = _loads(value)
     except _TooDeep:
         return _parse_deep(value, schema)
+    except ValueError as e:
+        # pyarrow's reader (the fast path) skips what Python refuses in a field the schema
+        # does not declare (NaN, Inf): a record it takes alone, checked as there, is good
+        # here too, so the answer never depends on which path a record's chunk takes
+        try:
+            return _parse_deep(value, schema)
+        except ValueError:
+            raise e from None
     if not isinstance(doc, dict):
         raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
     out: dict[str, Any] = {}

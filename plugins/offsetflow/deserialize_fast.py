@@ -6,7 +6,6 @@ that prove its rows are the chunk's values one for one and hold only what the sl
 from __future__ import annotations
 
 import io
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -17,9 +16,6 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 
 NUL_ESCAPE = b"\\u0000"  # the only way a JSON text can hold a NUL character
-# NaN / Inf / Infinity where a JSON value starts (after `:`, `[` or `,`); a string that
-# merely holds such text only costs its chunk the slow path
-_NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*[-+]?(?:NaN|Inf)")
 
 
 @dataclass(frozen=True)
@@ -39,8 +35,6 @@ def _fast(values: Sequence[bytes | None], target: pa.Schema, errors: list[str] |
         return None
     if not _objects_only(values, buf, newlines):
         return None
-    if (b"NaN" in buf or b"Inf" in buf) and _NON_JSON_NUMBER.search(buf):
-        return None  # pyarrow takes NaN/Inf(inity) even in fields it ignores; JSON does not
     # pyarrow's JSON reader does not parse dates: read them as strings and cast after.
     read_schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_date(f.type) else f
                              for f in target])
@@ -81,7 +75,8 @@ def _objects_only(values: Sequence[bytes | None], buf: bytes, newlines: bool) ->
     crashes on a first line of `null`. Anything else (blank, `null`, a BOM, surrounding
     space, an array) goes to the slow path, which names it or parses it."""
     if newlines:  # one record, possibly spread over lines (`_parse_deep`)
-        return all(v is not None and v.lstrip()[:1] == b"{" for v in values)
+        return all(v is not None and v.lstrip()[:1] == b"{" and v.rstrip()[-1:] == b"}"
+                   for v in values)
     lengths = np.fromiter(map(len, values), dtype=np.int64,  # type: ignore[arg-type]
                           count=len(values))
     if not len(lengths) or lengths.min() == 0:
