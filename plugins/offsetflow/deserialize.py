@@ -6,8 +6,8 @@ or the declared type cannot hold (a value that is not one object, invalid UTF-8,
 strings, NaN/Infinity, float overflow, decimal precision). If the chunk has any bad record,
 the slow path parses record by record in Python to say exactly which offsets are bad and
 why; `tests/unit/test_deserialize_paths.py` holds both paths to the same answer. Nothing is
-dropped silently and nothing raises: every input record
-comes out either as a good row or as a `BadRecord`.
+dropped silently and nothing raises: every input record comes out either as a good row or as
+a `BadRecord`.
 
 A null value (a tombstone) is a row too: its fields are null, except those the Kafka key
 fills when the key is a JSON object with fields of the schema's names.
@@ -141,8 +141,10 @@ class _TooDeep(ValueError):
 
 
 def _loads(value: bytes) -> Any:
-    """json.loads that refuses what is not JSON (not UTF-8, NaN/Infinity); the fast path
-    sends a chunk with such a value here (`_unfit_value`), so both paths refuse it."""
+    """json.loads that refuses what is not JSON (not UTF-8, NaN/Infinity). A record it
+    refuses is tried alone through pyarrow's reader (`parse_json_record`), which skips
+    NaN/Inf in undeclared fields and refuses them in declared ones (`_unfit_value`), as the
+    fast path does."""
     try:
         text = value.decode("utf-8")
     except UnicodeDecodeError as e:
