@@ -46,8 +46,11 @@ unit: venv
 test: system-browser up
 	$(ENV) $(PY) -m pytest tests -v -rs --timeout=900 $(PYTEST_ARGS)
 
+# ruff (with PLC2701: no private name imported across modules) and import-linter's
+# contracts in pyproject.toml (the lifecycle's layers, no import circle)
 lint: venv
 	$(PY) -m ruff check plugins dags spark_jobs include tests
+	.venv/bin/lint-imports
 	$(PY) -m mypy
 	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
 

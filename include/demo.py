@@ -20,12 +20,11 @@ from datetime import UTC, datetime
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from offsetflow.cli.console import progress_line, setup_logging
 from offsetflow.config import find_pipeline
-from offsetflow.console import progress_line, setup_logging
 from offsetflow.ledger import Ledger
+from offsetflow.ops import CycleResult, format_status, pipeline_status, run_until_caught_up
 from offsetflow.orchestration.connections import resolve
-from offsetflow.runner import CycleResult, run_until_caught_up
-from offsetflow.status import format_status, pipeline_status
 
 log = logging.getLogger("offsetflow.demo")
 

@@ -43,7 +43,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from offsetflow.config import load_pipeline  # noqa: E402 - after the sys.path line
 from offsetflow.ledger import Ledger  # noqa: E402 - after the sys.path line
-from offsetflow.runner import plan_only  # noqa: E402 - after the sys.path line
+from offsetflow.ops import plan_only  # noqa: E402 - after the sys.path line
 from tests.tooling import chaos  # noqa: E402 - after the sys.path line
 from tests.tooling.checker import check  # noqa: E402 - after the sys.path line
 
@@ -296,7 +296,7 @@ def main() -> int:
     ap.add_argument("--faults", type=lambda v: [f for f in v.split(",") if f], default=FAULTS,
                     help=f"comma-separated subset of: {','.join(FAULTS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("offsetflow.runner").setLevel(logging.WARNING)
+    logging.getLogger("offsetflow.ops.runner").setLevel(logging.WARNING)
     args = ap.parse_args()
     unknown = sorted(set(args.faults) - set(FAULTS))
     if unknown or not args.faults:

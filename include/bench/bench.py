@@ -40,11 +40,12 @@ from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
 from psycopg2 import sql
 
-from offsetflow.config import DEFAULT_MAX_OFFSETS_PER_TASK, parse_pipeline
-from offsetflow.kafka_meta import KafkaMetadata
+from offsetflow.config import parse_pipeline
+from offsetflow.config.schema import DEFAULT_MAX_OFFSETS_PER_TASK
 from offsetflow.ledger import Ledger
-from offsetflow.metrics import load_task_metrics
-from offsetflow.planning import plan_next
+from offsetflow.plan import plan_next
+from offsetflow.source import KafkaMetadata
+from offsetflow.stage.metrics import load_task_metrics
 
 log = logging.getLogger("bench")
 ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-builtin",

@@ -20,7 +20,7 @@ from engines import offsetflow_config, read_task_metrics, verify_and_drop
 from report import DAG_SUFFIX
 
 from offsetflow.config import parse_pipeline
-from offsetflow.connect_session import session_id, with_session_id
+from offsetflow.job.connect_session import session_id, with_session_id
 from offsetflow.ledger import Ledger
 
 __all__ = ["DAG_SUFFIX", "dag_path_run"]
@@ -33,7 +33,7 @@ def dag_path_run(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, Any]:
     from offsetflow.orchestration.tasks import connect_run_task, plan_task, publish_task
 
     # every run here is a new pipeline (fresh table and ledger), but a scheduled pipeline's
-    # runs share its Spark Connect session (offsetflow.connect_session): so do these
+    # runs share its Spark Connect session (offsetflow.job.connect_session): so do these
     url = with_session_id(ctx["connect_url"], session_id(SESSION_OF, ctx["connect_url"]))
     raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "connect", url,
                             ctx["max_offsets_per_task"])

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ranges import OffsetRange
+from offsetflow.source import KafkaMetadata
 
 log = logging.getLogger("bench.dataset")
 

@@ -36,14 +36,14 @@ from dataset import SCHEMA, DataSet, record
 from psycopg2 import sql
 from rss import PeakRss
 
+from offsetflow.commit import LINEAGE_COLUMN, ensure_target
 from offsetflow.config import PipelineConfig, parse_pipeline
-from offsetflow.deserialize import deserialize_json
 from offsetflow.ledger import Ledger
-from offsetflow.metrics import read_task_metrics
+from offsetflow.ops import plan_only
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.runner import plan_only
-from offsetflow.stage_copy import binary_encoder
-from offsetflow.tables import LINEAGE_COLUMN, ensure_target
+from offsetflow.source import deserialize_json
+from offsetflow.stage import binary_encoder
+from offsetflow.stage.metrics import read_task_metrics
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -282,7 +282,7 @@ def baseline_copy(ds: DataSet, name: str, ctx: dict[str, Any]) -> dict[str, floa
     """The baseline's work on `ds.ranges` into an existing target: its stage seconds."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from offsetflow.kafka_meta import KafkaMetadata
+    from offsetflow.source import KafkaMetadata
 
     st: dict[str, float] = {"plan_s": 0.0, "read_s": 0.0, "deserialize_s": 0.0,
                             "encode_s": 0.0, "copy_s": 0.0, "commit_s": 0.0}

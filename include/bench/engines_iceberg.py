@@ -19,7 +19,7 @@ from dataset import DataSet
 from engines import expected_quantity_sum, offsetflow_config, timed_batch
 
 from offsetflow.config import parse_pipeline
-from offsetflow.sink_iceberg import load_catalog
+from offsetflow.sinks.iceberg.sink import load_catalog
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -33,10 +33,11 @@ from iceberg_spark import (
 )
 from rss import PeakRss
 
+from offsetflow.commit import LINEAGE_COLUMN
 from offsetflow.config import parse_pipeline
 from offsetflow.ranges import split_ranges
-from offsetflow.sink_iceberg import arrow_schema, load_catalog
-from offsetflow.tables import LINEAGE_COLUMN
+from offsetflow.sinks.iceberg.sink import load_catalog
+from offsetflow.sinks.iceberg.stage import arrow_schema
 
 ENGINE = "spark-builtin-iceberg"
 CATALOG = "bench"  # offsetflow-iceberg's sink.catalog.name (engines_iceberg.iceberg_config)

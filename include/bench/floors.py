@@ -25,9 +25,9 @@ from dataset import SCHEMA, DataSet
 from engines import BENCH_SCHEMA, TARGET_COLUMNS, create_target, verify_and_drop
 from psycopg2 import sql
 
-from offsetflow.deserialize import deserialize_json
-from offsetflow.stage_copy import binary_encoder
-from offsetflow.tables import LINEAGE_COLUMN
+from offsetflow.commit import LINEAGE_COLUMN
+from offsetflow.source import deserialize_json
+from offsetflow.stage import binary_encoder
 
 PARTITION_EOF = -191
 CHUNK_ROWS = 20_000

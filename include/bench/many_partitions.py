@@ -25,7 +25,8 @@ from typing import Any
 import engines
 from dataset import DataSet, ensure_dataset
 
-from offsetflow.config import DEFAULT_MAX_OFFSETS_PER_TASK, parse_pipeline
+from offsetflow.config import parse_pipeline
+from offsetflow.config.schema import DEFAULT_MAX_OFFSETS_PER_TASK
 
 log = logging.getLogger("bench.many")
 

@@ -24,10 +24,10 @@ import pyarrow as pa
 from engines import SCHEMA
 
 from offsetflow.config import parse_pipeline
-from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
-from offsetflow.metrics import TaskClock, current_rss_mb
+from offsetflow.job.tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.ranges import OffsetRange
-from offsetflow.stage_copy import binary_encoder
+from offsetflow.stage import TaskClock, binary_encoder
+from offsetflow.stage.metrics import current_rss_mb
 
 
 def _peak_rss_mb() -> float:

@@ -19,7 +19,7 @@ import great_expectations as gx
 import great_expectations.expectations as gxe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "plugins"))
-from offsetflow.quality import configure_project  # noqa: E402
+from offsetflow.job.quality import configure_project  # noqa: E402
 
 
 def main() -> int:

@@ -277,7 +277,7 @@ class KafkaSinkError(OffsetFlowError):
 
 
 class LedgerIdentityError(BatchStateError):
-    """The ledger's identity (`offsetflow.ledger_identity`) was made in another database:
+    """The ledger's identity (`offsetflow.ledger.identity`) was made in another database:
     a copy of a ledger (staging from a prod dump) must get its own (`offsetflow db
     new-identity`), the same ledger restored or moved keeps it (`offsetflow db
     adopt-identity`). Names both databases."""

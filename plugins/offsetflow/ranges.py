@@ -103,3 +103,24 @@ def check_disjoint(ranges: Iterable[OffsetRange]) -> None:
         for a, b in zip(rs, rs[1:], strict=False):
             if b.from_offset < a.until_offset:
                 raise InvalidRangeError(f"{tp[0]}[{tp[1]}]: ranges {a} and {b} overlap")
+
+
+@dataclass(frozen=True)
+class PartitionOffsets:
+    """What Kafka says about one partition: `latest` is the last stable offset under
+    read_committed (nothing at or beyond it may be read yet)."""
+
+    earliest: int
+    latest: int
+
+
+@dataclass(frozen=True)
+class DataLossGap:
+    topic: str
+    partition: int
+    missing_from: int
+    missing_until: int
+
+    @property
+    def count(self) -> int:
+        return self.missing_until - self.missing_from

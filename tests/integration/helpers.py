@@ -109,7 +109,7 @@ def query(dsn: str, q: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[tuple[str, int], int]:
-    from offsetflow.kafka_meta import KafkaMetadata
+    from offsetflow.source import KafkaMetadata
 
     km = KafkaMetadata({"bootstrap.servers": bootstrap})
     offs = km.partition_offsets([(topic, p) for p in range(partitions)])

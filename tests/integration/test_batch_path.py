@@ -14,7 +14,8 @@ from confluent_kafka.admin import AdminClient
 from offsetflow.errors import BadRecordError, DataLossError, FencedCommitError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
+from offsetflow.ops import plan_only, run_until_caught_up
+from offsetflow.ops.runner import run_cycle
 from tests.integration.helpers import (
     end_offsets,
     pipeline_for,
@@ -224,7 +225,7 @@ def test_upsert_mode_keeps_one_row_per_key(
 
 def test_abandoned_batch_staging_is_cleaned_up(pg_dsn: str, kafka_bootstrap: str,
                                                make_topic: Any, unique: str) -> None:
-    from offsetflow.tables import create_stage_tables
+    from offsetflow.commit import create_stage_tables
 
     topic = make_topic("aband", 1)
     produce_plain(kafka_bootstrap, topic, 10, f"a{unique}", 1)

@@ -62,7 +62,7 @@ def test_run_batch_keeps_the_detail_on_its_console_for_airflow_task_logs(
     """run-batch is what the DAGs spark-submit: its console is the task log, so it keeps
     the INFO records (and the machine-readable timings line) without -v."""
     from offsetflow.config import load_pipeline
-    from offsetflow.runner import plan_only
+    from offsetflow.ops import plan_only
 
     topic = make_topic("cli_rb", 1)
     produce_plain(kafka_bootstrap, topic, 50, f"r{unique}", 1)

@@ -17,7 +17,7 @@ import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.test_faults import Case
 from tests.tooling import chaos, cluster
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.helpers import produce_plain, query
 from tests.integration.test_dags import airflow_project, dags_test  # noqa: F401 - fixture
 from tests.integration.test_faults import Case

@@ -12,7 +12,7 @@ import pytest
 from offsetflow.errors import StagingIncompleteError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.helpers import query
 from tests.integration.test_faults import Case
 from tests.tooling import chaos

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from offsetflow.job import run_batch
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 FAIL_CONF = "offsetflow.test.fail_upper_half"
@@ -140,7 +140,7 @@ def test_two_transform_runs_never_share_a_stage_generation(
     quarter of the batch."""
     import threading
 
-    import offsetflow.job as job
+    import offsetflow.job.driver as job
 
     topic = make_topic("gen", 1)
     produce_plain(kafka_bootstrap, topic, 400, f"gn{unique}", 1)
@@ -240,7 +240,7 @@ def test_a_run_reaching_its_claim_after_another_committed_the_batch_stages_nothi
     """Review F6: a transform run took the batch up, and another run committed it before
     this one claimed its stage generation. The claim must see the batch is closed: no new
     generation for a committed batch, no read, no stage tables left behind."""
-    import offsetflow.job as job
+    import offsetflow.job.driver as job
 
     topic = make_topic("cc", 1)
     produce_plain(kafka_bootstrap, topic, 100, f"cc{unique}", 1)

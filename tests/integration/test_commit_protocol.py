@@ -13,13 +13,13 @@ import psycopg2
 import pytest
 from psycopg2 import sql
 
+from offsetflow.commit import ensure_target
 from offsetflow.errors import CommitLockTimeoutError
 from offsetflow.job import run_batch
-from offsetflow.job_tasks import stage_columns
-from offsetflow.ledger import Ledger
-from offsetflow.pg_session import connect
-from offsetflow.runner import plan_only, run_cycle
-from offsetflow.tables import ensure_target
+from offsetflow.job.tasks import stage_columns
+from offsetflow.ledger import Ledger, connect
+from offsetflow.ops import plan_only
+from offsetflow.ops.runner import run_cycle
 from tests.integration.helpers import ledger_database, pipeline_for, produce_plain, query
 from tests.integration.test_quality import gx_root, produce_with_negative_amounts  # noqa: F401
 from tests.tooling import chaos
@@ -214,7 +214,7 @@ def test_commit_refuses_when_another_run_changed_the_batch_config(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A run still on the old config (a zombie) must not commit a stage that a run with
     --accept-config-change rebuilt under a new one (review item 6)."""
-    import offsetflow.job as job
+    import offsetflow.job.driver as job
     from offsetflow.errors import StaleConfigError
 
     topic = make_topic("cfgz", 1)

@@ -14,9 +14,9 @@ from confluent_kafka import Producer
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.positions import reset_positions
+from offsetflow.ops import reset_positions, run_until_caught_up
+from offsetflow.ops.runner import run_cycle
 from offsetflow.ranges import OffsetRange
-from offsetflow.runner import run_cycle, run_until_caught_up
 from tests.integration.helpers import pipeline_for, query
 from tests.integration.test_planning_topic_identity import _recreate
 

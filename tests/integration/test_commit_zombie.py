@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-import offsetflow.job as job
+import offsetflow.job.driver as job
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import run_batch
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import (
     pipeline_for,
     produce_plain,
@@ -197,7 +197,7 @@ def test_a_late_forget_of_a_refused_commit_leaves_a_rebuilt_stage_alone(
     """forget_parts runs after the refused commit rolled back, without the batch lock: a
     newer run may rebuild the stage and stage its own parts in between. The late forget
     must not drop the newer run's parts of the same numbers."""
-    import offsetflow.commit as commit_mod
+    import offsetflow.commit.protocol as commit_mod
 
     topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zl", unique, 2, 200)
     old = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, max_offsets_per_task=50,
@@ -328,7 +328,7 @@ def test_rows_landing_after_the_check_are_never_upserted(
     """Review F4: a late writer (a zombie task) commits a row into the stage between the
     commit's checks (step 2) and the upsert that reads the stage again: the commit must
     never apply it. Here it lands (or tries to) right after check_staged."""
-    import offsetflow.commit as commit_mod
+    import offsetflow.commit.protocol as commit_mod
 
     topic, table = _topic_with_records(make_topic, kafka_bootstrap, "zu", unique, 1, 100)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, table, mode="upsert", key=["event_id"])

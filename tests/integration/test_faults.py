@@ -23,7 +23,8 @@ from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.errors import BatchStateError, OffsetsResetError, TopicRecreatedError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
+from offsetflow.ops import plan_only, run_until_caught_up
+from offsetflow.ops.runner import run_cycle
 from tests.tooling import chaos
 from tests.tooling.checker import check
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.test_faults import Case
 from tests.tooling import chaos
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.test_sink_iceberg import IcebergCase, _window
 from tests.tooling.iceberg_rows import iceberg_sink_rows, iceberg_table
 

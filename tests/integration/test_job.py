@@ -1,4 +1,4 @@
-"""The two ways a batch reaches the stage (offsetflow.job) and the Spark Connect launch, on
+"""The two ways a batch reaches the stage (offsetflow.job.driver) and the Spark Connect launch, on
 real Kafka, PostgreSQL and Spark.
 
 Without a transform each Spark task reads its sub-range and COPYs it in binary itself (the
@@ -27,7 +27,7 @@ from pyspark.sql import DataFrame
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import SparkUnavailableError
 from offsetflow.job import build_spark, run_batch
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import query
 
 RICH_SCHEMA = {"event_id": "string", "seq": "long", "small": "int", "amount": "double",

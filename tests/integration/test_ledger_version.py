@@ -11,7 +11,7 @@ import pytest
 
 from offsetflow.errors import LedgerVersionError
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import ledger_database, pipeline_for, produce_plain
 
 

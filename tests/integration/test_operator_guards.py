@@ -11,8 +11,8 @@ import pytest
 
 from offsetflow.errors import BatchStateError
 from offsetflow.job import run_batch
+from offsetflow.ops import plan_only
 from offsetflow.orchestration.tasks import publish_task
-from offsetflow.runner import plan_only
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 

@@ -10,18 +10,20 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-import offsetflow.job as job
-import offsetflow.job_tasks as job_tasks
-from offsetflow import reader, reader_packed
+import offsetflow.job.driver as job
+import offsetflow.job.tasks as job_tasks
+from offsetflow.commit import create_stage_tables
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import run_batch
-from offsetflow.job_tasks import make_read_and_stage, stage_columns
+from offsetflow.job.tasks import make_read_and_stage, stage_columns
 from offsetflow.ledger import Ledger
+from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
-from offsetflow.reader_chunk import RawChunk
-from offsetflow.runner import plan_only
-from offsetflow.stage_reset import claim_pack_tasks, packing_of, stage_generation
-from offsetflow.tables import create_stage_tables
+from offsetflow.source import packed as reader_packed
+from offsetflow.source import reader
+from offsetflow.source.chunk import RawChunk
+from offsetflow.stage import claim_pack_tasks, stage_generation
+from offsetflow.stage.reset import packing_of
 from tests.integration.helpers import end_offsets, pipeline_for, produce_plain, query
 
 READ_RANGES = reader_packed.read_ranges
@@ -92,7 +94,7 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, part: int,
     """One attempt of packed part `part`, its process killed once it has read
     `kill_after_chunk` chunks of 4 records (the ranges are read all at once, in chunks that
     span them: part of its ranges read by then, and handed on to the COPY)."""
-    from offsetflow import reader_packed
+    from offsetflow.source import packed as reader_packed
 
     def read(consumer: Any, ranges: Any, **kw: Any) -> Iterator[RawChunk]:
         for n, chunk in enumerate(READ_RANGES(consumer, ranges, max_rows=4), 1):
@@ -192,7 +194,7 @@ def test_a_packed_task_reads_its_small_ranges_all_at_once_exactly(
     across committed and aborted transactions' gaps; chunks span ranges and keep the row
     bound; after it, the same consumer reads a partition it paused."""
     from offsetflow.ranges import OffsetRange
-    from offsetflow.reader_packed import read_ranges
+    from offsetflow.source import read_ranges
     from tests.integration.helpers import produce_transactional
 
     topic = make_topic("pkm", 6)

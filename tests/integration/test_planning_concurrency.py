@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from offsetflow.ledger import Ledger
-from offsetflow.planning import PlanOutcome
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
+from offsetflow.plan import PlanOutcome
 from tests.integration.helpers import pipeline_for, produce_plain
 
 

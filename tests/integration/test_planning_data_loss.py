@@ -15,8 +15,9 @@ from confluent_kafka.admin import AdminClient
 from offsetflow.errors import BatchStateError, DataLossError, FencedCommitError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
+from offsetflow.ops import plan_only, run_until_caught_up
+from offsetflow.ops.runner import run_cycle
 from offsetflow.ranges import OffsetRange
-from offsetflow.runner import plan_only, run_cycle, run_until_caught_up
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 

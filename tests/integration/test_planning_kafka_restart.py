@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-import offsetflow.kafka_meta as kafka_meta
-from offsetflow.kafka_retry import RetryPolicy
-from offsetflow.runner import plan_only
+import offsetflow.source.meta as kafka_meta
+from offsetflow.ops import plan_only
+from offsetflow.source.retry import RetryPolicy
 from tests.integration.helpers import pipeline_for, produce_plain
 
 STACK = Path(__file__).resolve().parents[2] / "include" / "stack" / "stack.sh"

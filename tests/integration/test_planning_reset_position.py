@@ -8,12 +8,17 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from offsetflow.backfill import plan_window, submit_window
 from offsetflow.errors import BatchStateError, PositionResetError
 from offsetflow.ledger import Ledger
-from offsetflow.positions import reset_positions
-from offsetflow.requests import parse_request
-from offsetflow.runner import kafka_for, run_cycle, run_until_caught_up
+from offsetflow.ops import (
+    kafka_for,
+    plan_window,
+    reset_positions,
+    run_until_caught_up,
+    submit_window,
+)
+from offsetflow.ops.runner import run_cycle
+from offsetflow.plan import parse_request
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 

@@ -16,9 +16,9 @@ from offsetflow.cli import main as cli
 from offsetflow.config import load_pipeline
 from offsetflow.errors import BatchStateError, TopicRecreatedError
 from offsetflow.job import run_batch
-from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only, run_until_caught_up
+from offsetflow.ops import plan_only, run_until_caught_up
+from offsetflow.source import KafkaMetadata
 from tests.integration.helpers import SCHEMA, produce_plain, query
 
 
@@ -228,7 +228,7 @@ def test_topic_recreated_while_the_batch_reads_is_refused_before_commit(
     """The identity check before reading passes; the topic is then deleted and recreated
     (with as many new records) before the tasks read: what they read is the new topic's,
     and must not be committed under the old topic's positions."""
-    import offsetflow.job as job
+    import offsetflow.job.driver as job
 
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(topic_name, 2, 1)])[topic_name].result(30)

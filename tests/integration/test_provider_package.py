@@ -71,8 +71,8 @@ def test_wheel_installed_into_clean_airflow_venv_lists_provider_plugin_and_cli(
     env = {**base_env, "PATH": f"{venv / 'bin'}{os.pathsep}{base_env.get('PATH', '')}",
            "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
            "VIRTUAL_ENV": str(venv)}
-    where = _run([str(py), "-c", "import offsetflow, offsetflow.spark_app as s; "
-                  "print(offsetflow.__file__); print(s.application_path())"], env, work)
+    where = _run([str(py), "-c", "import offsetflow, offsetflow.orchestration.operators as s; "
+                  "print(offsetflow.__file__); print(s.SPARK_JOB)"], env, work)
     site = str(venv / "lib")
     assert all(line.startswith(site) for line in where.split()), where
     assert Path(where.split()[1]).is_file()

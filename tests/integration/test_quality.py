@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
+from offsetflow.job.quality import QualityGateError, configure_project
 from offsetflow.ledger import Ledger
-from offsetflow.quality import QualityGateError, configure_project
-from offsetflow.runner import run_cycle
+from offsetflow.ops.runner import run_cycle
 from tests.integration.helpers import pipeline_for, query
 
 
@@ -100,7 +100,7 @@ def test_dead_letter_policy_commits_good_rows_and_routes_bad_ones(
 # `rounds` times on a staged batch, prints the outcomes as JSON
 VALIDATE = """
 import json, sys, time
-from offsetflow.quality import validate_stage
+from offsetflow.job.quality import validate_stage
 dsn, batch_id, suite, rounds, start = sys.argv[1:]
 time.sleep(max(0.0, float(start) - time.time()))
 out = []
@@ -194,7 +194,7 @@ def test_suite_without_its_checkpoint_fails_naming_the_set_up_step(tmp_path: Pat
     import great_expectations.expectations as gxe
 
     from offsetflow.errors import OffsetFlowError
-    from offsetflow.quality import validate_stage
+    from offsetflow.job.quality import validate_stage
 
     ctx = gx.get_context(mode="file", project_root_dir=str(tmp_path))
     ctx.suites.add_or_update(gx.ExpectationSuite(name="late", expectations=[

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from offsetflow.ranges import OffsetRange
-from offsetflow.reader import MALLOC_ARENAS
+from offsetflow.source.reader import MALLOC_ARENAS
 
 from .helpers import produce_plain
 
@@ -40,7 +40,7 @@ def test_reader_caps_the_malloc_arenas_of_a_worker_that_runs_many_tasks(
         import ctypes
         import tempfile
 
-        from offsetflow.reader import read_range
+        from offsetflow.source import read_range
 
         for b in batches:
             n = 0

@@ -12,9 +12,9 @@ from confluent_kafka import Producer
 
 from offsetflow.config import parse_pipeline
 from offsetflow.job import run_batch
+from offsetflow.ops import plan_only
 from offsetflow.ranges import OffsetRange
-from offsetflow.reader import read_range
-from offsetflow.runner import plan_only
+from offsetflow.source import read_range
 from tests.integration.helpers import end_offsets, query
 
 MIB = 1 << 20
@@ -137,7 +137,7 @@ def test_one_consume_call_returns_about_a_chunk_at_most(
     with large records it must ask for fewer."""
     from confluent_kafka import Consumer
 
-    from offsetflow import reader
+    from offsetflow.source import reader
 
     size, n = 200_000, 60
     topic = make_topic("consumecap", 1, config={"max.message.bytes": str(2 * MIB)})

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 
 from offsetflow.config import parse_pipeline
 from offsetflow.job import run_batch
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import query
 
 SCHEMA = {"event_id": "string", "seq": "long", "amount": "double", "price": "decimal(6,2)",

@@ -20,15 +20,15 @@ from confluent_kafka import Producer
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from offsetflow.commit import create_stage_tables
 from offsetflow.config import parse_pipeline
-from offsetflow.deserialize import arrow_schema
 from offsetflow.errors import BadRecordError
 from offsetflow.job import run_batch
-from offsetflow.job_tasks import stage_columns
+from offsetflow.job.tasks import stage_columns
 from offsetflow.ledger import Ledger, stage_part_table
-from offsetflow.reader_chunk import HEADER_TYPE
-from offsetflow.runner import plan_only
-from offsetflow.tables import create_stage_tables
+from offsetflow.ops import plan_only
+from offsetflow.source import arrow_schema
+from offsetflow.source.chunk import HEADER_TYPE
 from tests.integration.helpers import query
 
 SCHEMA = {"event_id": "string", "seq": "long", "small": "int", "ratio": "float",
@@ -206,9 +206,7 @@ def test_staging_bisects_a_refused_binary_copy_and_keeps_the_marker_with_the_row
     """The safety net on the fused path's binary COPY, driven directly: a chunk holding
     values no deserializer check caught is staged minus the refused rows, which are
     recorded in the same transaction as the part's marker."""
-    from offsetflow.stage_bad_records import BadRows
-    from offsetflow.stage_copy import binary_encoder
-    from offsetflow.staging import stage_rows
+    from offsetflow.stage import BadRows, binary_encoder, stage_rows
 
     topic = make_topic("bisect", 1)
     p = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -337,7 +335,7 @@ def test_unreadable_header_name_never_crashes_the_reader(kafka_bootstrap: str,
     the process once the interpreter has specialised the call (after a few reads), so read
     the range many times in this process."""
     from offsetflow.ranges import OffsetRange
-    from offsetflow.reader import read_range
+    from offsetflow.source import read_range
 
     topic = _topic_with_unreadable_header(kafka_bootstrap, make_topic)
     conf = {"bootstrap.servers": kafka_bootstrap, "group.id": "hdr-test",
@@ -381,11 +379,12 @@ def test_a_chunk_of_mostly_refused_rows_costs_about_one_copy_per_row(
     """Bisecting a chunk where most rows are refused costs ~2n COPYs (and each of the first
     ones copies half the chunk): after a few failures staging goes row by row instead (the
     binary COPY's error names the refused row, so good runs go in one COPY)."""
-    from offsetflow import stage_bad_records, stage_copy, stage_refused, staging
-    from offsetflow.stage_bad_records import BadRows
-    from offsetflow.stage_copy import binary_encoder, csv_encoder
-    from offsetflow.stage_form import stage_form
-    from offsetflow.staging import stage_rows
+    from offsetflow.stage import BadRows, binary_encoder, stage_form, stage_rows
+    from offsetflow.stage import bad_records as stage_bad_records
+    from offsetflow.stage import part as staging
+    from offsetflow.stage import payload as stage_copy
+    from offsetflow.stage import refused as stage_refused
+    from offsetflow.stage.payload import csv_encoder
 
     topic = make_topic("mostlybad", 1)
     p = Producer({"bootstrap.servers": kafka_bootstrap})
@@ -416,15 +415,15 @@ def test_a_chunk_of_mostly_refused_rows_costs_about_one_copy_per_row(
     arrays = [cols[c] if c in cols else pa.nulls(n, typed.field(c).type) for c in names]
     batch = pa.RecordBatch.from_arrays(arrays, names=names)
     copies = []
-    orig = stage_copy._copy
+    orig = stage_copy.copy_into
 
     def counting(*a: Any, **kw: Any) -> None:
         copies.append(1)
         orig(*a, **kw)
-    # every module that looks `_copy` up: the rows' COPYs are stage_refused's (bad=...),
+    # every module that looks `copy_into` up: the rows' COPYs are stage_refused's (bad=...),
     # the dead-letter COPY stage_bad_records'
     for module in (staging, stage_refused, stage_bad_records):
-        monkeypatch.setattr(module, "_copy", counting)
+        monkeypatch.setattr(module, "copy_into", counting)
     if fmt == "binary":
         encode = binary_encoder([t for _, t in columns])
         assert encode(batch.slice(0, 1))[0] == "binary"

@@ -13,15 +13,16 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 
-from offsetflow import reader, reader_packed
+from offsetflow.commit import create_stage_tables
 from offsetflow.config import parse_pipeline
-from offsetflow.job_tasks import make_read_and_stage, make_reader, stage_columns
+from offsetflow.job.tasks import make_read_and_stage, make_reader, stage_columns
 from offsetflow.ledger import Ledger
+from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
-from offsetflow.reader_chunk import RawChunk
-from offsetflow.runner import plan_only
-from offsetflow.staged_parts import bad_record_summary
-from offsetflow.tables import create_stage_tables
+from offsetflow.source import packed as reader_packed
+from offsetflow.source import reader
+from offsetflow.source.chunk import RawChunk
+from offsetflow.stage import bad_record_summary
 from tests.integration.helpers import query
 
 BAD_AT = (3, 25, 47)

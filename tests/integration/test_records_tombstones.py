@@ -10,16 +10,13 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from offsetflow.commit import create_stage_tables
 from offsetflow.config import parse_pipeline
-from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
+from offsetflow.job.tasks import ReadContext, read_subrange, stage_columns
 from offsetflow.ledger import stage_part_table
-from offsetflow.metrics import TaskClock
+from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
-from offsetflow.runner import plan_only
-from offsetflow.stage_bad_records import BadRows
-from offsetflow.stage_copy import binary_encoder
-from offsetflow.staging import stage_rows
-from offsetflow.tables import create_stage_tables
+from offsetflow.stage import BadRows, TaskClock, binary_encoder, stage_rows
 from tests.integration.helpers import query
 
 SCHEMA = {"event_id": "string", "seq": "long", "note": "string"}

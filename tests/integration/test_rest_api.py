@@ -18,7 +18,7 @@ import yaml
 
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration.helpers import SCHEMA, produce_plain, query
 from tests.tooling.airflow_standalone import airflow_standalone, http
 

@@ -13,7 +13,7 @@ import yaml
 
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError, RequestError
-from offsetflow.requests import parse_request
+from offsetflow.plan import parse_request
 from tests.integration.helpers import SCHEMA, produce_plain, query
 
 INJECTIONS = ['orders"; DROP TABLE offsetflow.batches; --', "orders; DELETE FROM x",
@@ -45,7 +45,7 @@ def test_reserved_and_mixed_case_names_are_quoted(spark: Any, pg_dsn: str,
                                                   kafka_bootstrap: str, make_topic: Any,
                                                   unique: str) -> None:
     """Valid names that are SQL keywords or mixed case work because every one is quoted."""
-    from offsetflow.runner import run_cycle
+    from offsetflow.ops.runner import run_cycle
     from tests.integration.helpers import pipeline_for
 
     topic = make_topic("quote", 1)

@@ -12,18 +12,14 @@ from typing import Any
 
 import pytest
 
+from offsetflow.commit import PartwiseCommit, create_stage_tables, ensure_dead_letter, ensure_target
 from offsetflow.errors import FencedCommitError
 from offsetflow.job import run_batch
-from offsetflow.job_tasks import ReadContext, read_subrange, stage_columns
-from offsetflow.ledger import Ledger, stage_part_table
-from offsetflow.ledger_batch import Batch
-from offsetflow.metrics import TaskClock
-from offsetflow.partwise import PartwiseCommit
+from offsetflow.job.tasks import ReadContext, read_subrange, stage_columns
+from offsetflow.ledger import Batch, Ledger, stage_part_table
+from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
-from offsetflow.runner import plan_only
-from offsetflow.stage_copy import binary_encoder
-from offsetflow.staging import stage_rows
-from offsetflow.tables import create_stage_tables, ensure_dead_letter, ensure_target
+from offsetflow.stage import TaskClock, binary_encoder, stage_rows
 from tests.integration.helpers import pipeline_for, produce_plain, query
 
 

@@ -13,23 +13,26 @@ from typing import Any
 
 import pytest
 
-from offsetflow.backfill import plan_window, run_batches, submit_window
 from offsetflow.cli import main as cli
+from offsetflow.commit import LINEAGE_COLUMN
+from offsetflow.config import snapshot_summary
+from offsetflow.config.iceberg_sink import BatchIdentityError, sqlalchemy_url
 from offsetflow.errors import BatchStateError, RequestError, SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.requests import parse_request
-from offsetflow.runner import kafka_for, plan_only, run_until_caught_up
-from offsetflow.sink_iceberg import load_catalog, remove_orphan_files
-from offsetflow.sink_iceberg_commit import commit_snapshot, find_batch
-from offsetflow.sink_iceberg_config import (
-    BatchIdentityError,
-    snapshot_summary,
-    sqlalchemy_url,
+from offsetflow.ops import (
+    kafka_for,
+    plan_only,
+    plan_window,
+    run_batches,
+    run_until_caught_up,
+    submit_window,
 )
-from offsetflow.sink_iceberg_files import referenced_files
-from offsetflow.sink_iceberg_maint import ORPHAN_GRACE_S, main
-from offsetflow.tables import LINEAGE_COLUMN
+from offsetflow.plan import parse_request
+from offsetflow.sinks.iceberg.commit import commit_snapshot, find_batch
+from offsetflow.sinks.iceberg.files import referenced_files, remove_orphan_files
+from offsetflow.sinks.iceberg.maint import ORPHAN_GRACE_S, main
+from offsetflow.sinks.iceberg.sink import load_catalog
 from tests.integration.test_faults import Case
 from tests.tooling import chaos
 from tests.tooling.checker import check
@@ -108,7 +111,7 @@ def test_killed_after_data_files_written_rerun_commits_those_files_once(
     find the markers and write nothing again), and the sweep after it spares a concurrent
     writer's uncommitted files (a compaction in flight), however old."""
     import pyarrow.parquet as pq
-    from pyiceberg.io.pyarrow import _dataframe_to_data_files
+    from pyiceberg.io.pyarrow import _dataframe_to_data_files  # noqa: PLC2701 - no public API
 
     bid = case.planned_batch(3000, seed=22)
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-files")
@@ -479,8 +482,8 @@ def test_orphan_sweep_refuses_when_none_of_the_referenced_files_is_listed(
     listing) is not "every file is an orphan": it refuses and deletes nothing."""
     import pyarrow as pa
 
-    from offsetflow import sink_iceberg_files
-    from offsetflow.sink_iceberg import IcebergSink
+    from offsetflow.sinks.iceberg import IcebergSink
+    from offsetflow.sinks.iceberg import files as sink_iceberg_files
 
     cfg = case.cfg
     assert cfg.sink.iceberg is not None
@@ -511,7 +514,7 @@ def test_a_layout_edit_to_an_existing_table_is_reported_not_silently_ignored(
     case.workload.mixed(300, random.Random(46))
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.workload.mixed(100, random.Random(48))
-    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sinks.iceberg"):
         run_until_caught_up(case.cfg, case.dsn, spark)  # the same layout: not a word
     assert not [r for r in caplog.records if "layout" in r.getMessage()]
     case.raw["sink"]["partition_by"] = ["bucket(4, event_id)"]
@@ -519,7 +522,7 @@ def test_a_layout_edit_to_an_existing_table_is_reported_not_silently_ignored(
     case.raw["sink"]["target_file_mb"] = 64
     case.write_config()
     case.workload.mixed(300, random.Random(47))
-    with caplog.at_level(logging.WARNING, logger="offsetflow.sink_iceberg"):
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sinks.iceberg"):
         runs = [r for r in run_until_caught_up(case.cfg, case.dsn, spark)
                 if r.report is not None]
     warned = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]

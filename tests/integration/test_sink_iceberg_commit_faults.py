@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from offsetflow.ledger import connect
-from offsetflow.runner import run_until_caught_up
-from offsetflow.sink_iceberg import load_catalog
-from offsetflow.sink_iceberg_files import referenced_files
-from offsetflow.sink_iceberg_tasks import TASK_FAULT_ENV
+from offsetflow.ops import run_until_caught_up
 from offsetflow.sinks import task_data_files
+from offsetflow.sinks.iceberg.files import referenced_files
+from offsetflow.sinks.iceberg.sink import load_catalog
+from offsetflow.sinks.iceberg.tasks import TASK_FAULT_ENV
 from tests.integration.test_sink_iceberg import IcebergCase
 from tests.tooling import chaos
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches

@@ -15,15 +15,15 @@ import psutil
 import pyarrow.compute as pc
 import pytest
 
-from offsetflow import sink_iceberg
 from offsetflow.job import run_batch
-from offsetflow.ledger import stage_table
-from offsetflow.pg_session import connect
-from offsetflow.runner import run_cycle, run_until_caught_up
-from offsetflow.sink_iceberg import load_catalog
-from offsetflow.sink_iceberg_files import canonical_path, referenced_files
-from offsetflow.sink_iceberg_tasks import MAX_OPEN_WRITERS, TASK_FAULT_ENV
+from offsetflow.ledger import connect, stage_table
+from offsetflow.ops import run_until_caught_up
+from offsetflow.ops.runner import run_cycle
 from offsetflow.sinks import task_data_files
+from offsetflow.sinks.iceberg import sink as sink_iceberg
+from offsetflow.sinks.iceberg.files import canonical_path, referenced_files
+from offsetflow.sinks.iceberg.sink import load_catalog
+from offsetflow.sinks.iceberg.tasks import MAX_OPEN_WRITERS, TASK_FAULT_ENV
 from tests.integration.helpers import pipeline_for, query
 from tests.integration.test_quality import gx_root as gx_root  # a fixture
 from tests.integration.test_quality import produce_with_negative_amounts

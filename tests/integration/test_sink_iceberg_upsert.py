@@ -17,9 +17,9 @@ from psycopg2 import sql
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
+from offsetflow.ops import plan_only, run_until_caught_up
 from offsetflow.ranges import OffsetRange
-from offsetflow.runner import plan_only, run_until_caught_up
-from offsetflow.sink_iceberg_upsert import memory_name
+from offsetflow.sinks.iceberg.upsert import memory_name
 from tests.integration.helpers import SCHEMA, query
 from tests.integration.test_commit_upsert import ev, produce
 from tests.integration.test_sink_iceberg import IcebergCase
@@ -235,7 +235,7 @@ def test_a_write_landing_between_the_decision_and_the_commit_is_decided_again(
     import pyarrow as pa
     from pyiceberg.expressions import EqualTo
 
-    from offsetflow import sink_iceberg_upsert
+    from offsetflow.sinks.iceberg import upsert as sink_iceberg_upsert
 
     topic = make_topic("iuc", 1)
     produce(kafka_bootstrap, topic, [(_key("a"), ev("a", 1.0), None),
@@ -277,7 +277,7 @@ def test_a_composite_key_row_matching_two_key_chunks_is_read_once(
     """Key (event_id, seq), chunks of 3 keys: the first chunk's values (t1, t2) x (1, 2)
     select every row, (t2, 2) included, whose key is the second chunk's; it must enter the
     table's rows once (a second insert was a unique violation on every attempt)."""
-    from offsetflow import sink_iceberg_upsert
+    from offsetflow.sinks.iceberg import upsert as sink_iceberg_upsert
 
     monkeypatch.setattr(sink_iceberg_upsert, "KEY_CHUNK", 3)
     topic = make_topic("iu2", 1)
@@ -342,8 +342,8 @@ def test_key_chunks_come_in_key_order_whatever_the_winners_order(
 
     import psycopg2
 
-    from offsetflow import sink_iceberg_upsert
-    from offsetflow.upsert import WINNERS
+    from offsetflow.commit import WINNERS
+    from offsetflow.sinks.iceberg import upsert as sink_iceberg_upsert
 
     monkeypatch.setattr(sink_iceberg_upsert, "KEY_CHUNK", 3)
     conn = psycopg2.connect(pg_dsn)

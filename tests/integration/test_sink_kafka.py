@@ -13,14 +13,12 @@ import yaml
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 
-from offsetflow.backfill import plan_window, submit_window
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.errors import ConfigError, RequestError
 from offsetflow.job import run_batch
-from offsetflow.ledger import Ledger
-from offsetflow.ledger_identity import ledger_identity
-from offsetflow.requests import parse_request
-from offsetflow.runner import kafka_for, plan_only
+from offsetflow.ledger import Ledger, ledger_identity
+from offsetflow.ops import kafka_for, plan_only, plan_window, submit_window
+from offsetflow.plan import parse_request
 from tests.tooling.chaos import SCHEMA, Workload, dead_letters, payload
 from tests.tooling.checker import ProducedRecord
 from tests.tooling.topic_checker import check_topic, read_topic

@@ -6,7 +6,7 @@ read_uncommitted shows the aborted attempt's records where there was one, so the
 is what keeps them out, not an absence of faults.
 
 The job runs as `offsetflow run-batch` in a process group of its own; the test-only fault
-points of offsetflow.sink_kafka (FAULT_ENV) hold it with its transaction open, or SIGKILL
+points of offsetflow.sinks.kafka.sink (FAULT_ENV) hold it with its transaction open, or SIGKILL
 it right after the Kafka commit."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from offsetflow.cli import main as cli
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only, run_until_caught_up
-from offsetflow.sink_kafka import FAULT_ENV, PAUSED_ENV, RESUME_ENV
+from offsetflow.ops import plan_only, run_until_caught_up
+from offsetflow.sinks.kafka.sink import FAULT_ENV, PAUSED_ENV, RESUME_ENV
 from tests.tooling import chaos
 from tests.tooling.chaos import SCHEMA, Workload
 from tests.tooling.topic_checker import TopicVerdict, check_topic, read_topic

@@ -19,10 +19,8 @@ from psycopg2 import sql
 
 from offsetflow.errors import BatchStateError, KafkaSinkError, LedgerIdentityError
 from offsetflow.job import run_batch
-from offsetflow.ledger import Ledger
-from offsetflow.ledger_batch import Batch
-from offsetflow.ledger_identity import adopt_identity, ledger_identity
-from offsetflow.runner import plan_only
+from offsetflow.ledger import Batch, Ledger, adopt_identity, ledger_identity
+from offsetflow.ops import plan_only
 from tests.integration.helpers import ledger_database
 from tests.integration.test_sink_kafka import kafka_sink_pipeline
 from tests.tooling.chaos import Workload
@@ -165,8 +163,7 @@ def test_a_ledger_restored_from_a_backup_does_not_produce_committed_batches_agai
     under another batch of this ledger: refused, nothing produced twice. The way out the
     error names (positions moved to the sink group's offsets) then works."""
     from offsetflow.commit import sink_holds
-    from offsetflow.positions import reset_positions
-    from offsetflow.runner import kafka_for
+    from offsetflow.ops import kafka_for, reset_positions
     from offsetflow.sinks import external_sink
 
     src, out = make_topic("kr-src", 2), make_topic("kr-out", 2)

@@ -20,8 +20,8 @@ from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.errors import KafkaSinkError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
-from offsetflow.runner import plan_only
-from offsetflow.sink_kafka import FAULT_ENV
+from offsetflow.ops import plan_only
+from offsetflow.sinks.kafka.sink import FAULT_ENV
 from tests.tooling import chaos
 from tests.tooling.chaos import PRODUCER_MAX_BYTES, dead_letters
 from tests.tooling.topic_checker import read_topic

@@ -11,10 +11,10 @@ from typing import Any
 import yaml
 
 from offsetflow.config import load_pipeline
-from offsetflow.lag import group_id, read_group_offsets
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_cycle
-from offsetflow.status import pipeline_status
+from offsetflow.ops import pipeline_status
+from offsetflow.ops.runner import run_cycle
+from offsetflow.source.lag import group_id, read_group_offsets
 from tests.integration.helpers import SCHEMA, end_offsets, produce_plain
 
 

@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from offsetflow.config import load_pipeline
-from offsetflow.runner import run_cycle
-from offsetflow.status import pipeline_status
+from offsetflow.ops import pipeline_status
+from offsetflow.ops.runner import run_cycle
 from tests.integration.helpers import SCHEMA, produce_plain
 
 pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium

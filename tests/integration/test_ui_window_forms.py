@@ -14,7 +14,7 @@ import pytest
 
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
-from offsetflow.runner import run_until_caught_up
+from offsetflow.ops import run_until_caught_up
 from tests.integration import test_rest_api
 from tests.integration.helpers import produce_plain, query
 

@@ -16,7 +16,7 @@ import yaml
 from confluent_kafka import Producer
 
 from offsetflow.errors import WaitError
-from offsetflow.runner import plan_only
+from offsetflow.ops import plan_only
 from tests.integration.helpers import SCHEMA, produce_plain, record
 
 

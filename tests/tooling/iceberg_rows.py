@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from offsetflow.config import PipelineConfig
-from offsetflow.sink_iceberg import load_catalog
-from offsetflow.sink_iceberg_config import SUMMARY_BATCH, SUMMARY_PIPELINE
+from offsetflow.config import SUMMARY_BATCH, SUMMARY_PIPELINE, PipelineConfig
+from offsetflow.sinks.iceberg.sink import load_catalog
 from tests.tooling.checker import SinkRow
 
 

@@ -1,9 +1,9 @@
-"""What counts as new data for the waiting sensor (offsetflow.arrival, pure)."""
+"""What counts as new data for the waiting sensor (offsetflow.plan.arrival, pure)."""
 
 from __future__ import annotations
 
-from offsetflow.arrival import describe, pending_offsets
-from offsetflow.planner import PartitionOffsets
+from offsetflow.plan import describe, pending_offsets
+from offsetflow.ranges import PartitionOffsets
 
 OFF = {("t", 0): PartitionOffsets(0, 10), ("t", 1): PartitionOffsets(5, 5)}
 
@@ -37,7 +37,7 @@ def test_describe_is_json_keys() -> None:
 
 
 def test_a_failed_batchs_retry_waits_double_per_failure_up_to_an_hour() -> None:
-    from offsetflow.arrival import RETRY_CAP_S, retry_wait
+    from offsetflow.plan.arrival import RETRY_CAP_S, retry_wait
 
     assert retry_wait(0, 0.0, 30.0) == 0.0  # never failed
     assert retry_wait(1, 0.0, 30.0) == 30.0  # the first failure: one poll interval
@@ -51,7 +51,7 @@ def test_a_failed_batchs_retry_waits_double_per_failure_up_to_an_hour() -> None:
 def test_an_open_batch_waits_while_its_run_lives_and_by_attempts_once_it_died() -> None:
     import math
 
-    from offsetflow.arrival import open_batch_retry
+    from offsetflow.plan import open_batch_retry
 
     held = ("pid 9 (client local, application offsetflow, connected 2026-01-01 UTC)",)
     live = open_batch_retry(7, "running", 2, 1.0, held, 30.0)

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from offsetflow.commit.tables import canonical_table, index_name
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError
-from offsetflow.tables import canonical_table, index_name
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}
 

@@ -5,13 +5,13 @@ import pytest
 import yaml
 
 from offsetflow.config import (
-    ConfigDrift,
     config_drift,
     connect_address,
     load_pipeline,
     parse_pipeline,
     redact_dsn,
 )
+from offsetflow.config.schema import ConfigDrift
 from offsetflow.errors import ConfigError
 
 ENV = {"OFFSETFLOW_PG_DSN": "postgresql://u:secret@h:1/db"}

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from offsetflow.connect_session import (
+from offsetflow.job.connect_session import (
     is_closed_session,
     names_session,
     session_id,

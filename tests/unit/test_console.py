@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from offsetflow.console import console_level, progress_line, setup_logging
+from offsetflow.cli.console import console_level, progress_line, setup_logging
 from offsetflow.ranges import OffsetRange
 
 

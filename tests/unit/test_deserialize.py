@@ -4,7 +4,7 @@ from decimal import Decimal
 import pyarrow as pa
 import pytest
 
-from offsetflow.deserialize import deserialize_json
+from offsetflow.source import deserialize_json
 
 SCHEMA = {"id": "string", "n": "long", "amount": "double", "ok": "boolean",
           "at": "timestamp", "day": "date", "price": "decimal(10,2)"}
@@ -161,14 +161,14 @@ def test_tombstones_among_bad_records_keep_chunk_order() -> None:
 
 
 def good_schema() -> pa.Schema:
-    from offsetflow.deserialize import arrow_schema
+    from offsetflow.source import arrow_schema
 
     return arrow_schema(POISON_SCHEMA)
 
 
 def test_one_bad_record_sends_only_a_small_piece_of_its_chunk_to_the_slow_path(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import offsetflow.deserialize as d
+    import offsetflow.source.deserialize as d
 
     calls = []
     real = d.parse_json_record

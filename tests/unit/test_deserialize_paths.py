@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from offsetflow.deserialize import deserialize_json, parse_json_record
+from offsetflow.source import deserialize_json
+from offsetflow.source.deserialize import parse_json_record
 
 SCHEMA = {"a": "long", "d": "double", "f": "float", "p": "decimal(6,2)", "s": "string"}
 GOOD = [json.dumps({"a": i, "d": i / 4, "f": 0.5, "p": f"{i}.25", "s": f"g{i}"}).encode()

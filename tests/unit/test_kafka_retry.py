@@ -12,8 +12,8 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import OffsetSpec
 
 from offsetflow.errors import KafkaUnavailableError
-from offsetflow.kafka_meta import KafkaMetadata
-from offsetflow.kafka_retry import RetryPolicy, is_retriable
+from offsetflow.source import KafkaMetadata
+from offsetflow.source.retry import RetryPolicy, is_retriable
 
 
 @pytest.mark.parametrize("code", [
@@ -92,7 +92,7 @@ def _meta(admin: _Admin, attempts: int = 4) -> KafkaMetadata:
 def test_listing_offsets_retries_then_succeeds_with_a_warning_per_retry(
         caplog: pytest.LogCaptureFixture) -> None:
     admin = _Admin([KafkaError.UNKNOWN_LEADER_EPOCH, KafkaError.NOT_LEADER_FOR_PARTITION])
-    with caplog.at_level(logging.WARNING, "offsetflow.kafka_meta"):
+    with caplog.at_level(logging.WARNING, "offsetflow.source.meta"):
         got = _meta(admin)._list_offsets({("t", 0): OffsetSpec.latest(),
                                           ("t", 1): OffsetSpec.latest()})
     assert got == {("t", 0): 42, ("t", 1): 42} and admin.calls == 3
@@ -146,7 +146,7 @@ def test_one_retry_budget_for_all_calls_of_a_plan(monkeypatch: pytest.MonkeyPatc
     """Planning holds the pipeline's lock across several metadata calls: inside
     `retry_budget()` their retries share one `max_elapsed_s`, instead of each call getting
     its own (several minutes in all)."""
-    import offsetflow.kafka_meta as km_mod
+    import offsetflow.source.meta as km_mod
 
     clock = [0.0]
     monkeypatch.setattr(km_mod.time, "monotonic", lambda: clock[0])

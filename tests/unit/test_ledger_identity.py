@@ -3,7 +3,7 @@ server where both system identifiers are known, is another database."""
 
 from __future__ import annotations
 
-from offsetflow.ledger_identity import Home
+from offsetflow.ledger.identity import Home
 
 
 def test_home_differs_by_name_or_by_a_known_server() -> None:

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from offsetflow.lineage import (
+from offsetflow.orchestration.lineage import (
     kafka_to_openlineage,
     kafka_topic,
     postgres_table,

@@ -1,4 +1,4 @@
-"""Packing sub-ranges into tasks (offsetflow.packing): a table of cases, as Spark's
+"""Packing sub-ranges into tasks (offsetflow.stage.packing): a table of cases, as Spark's
 KafkaOffsetRangeCalculatorSuite."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from offsetflow.errors import InvalidRangeError
-from offsetflow.packing import Packing, pack, task_count
 from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.stage import Packing, pack, task_count
 
 
 def r(p: int, lo: int, hi: int, topic: str = "t") -> OffsetRange:

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from offsetflow import pgcopy
+from offsetflow.stage import pgcopy
 
 UTC = dt.UTC
 EPOCH = dt.datetime(2000, 1, 1, tzinfo=UTC)

@@ -2,7 +2,9 @@ import pytest
 
 from offsetflow.config import StartingPolicy
 from offsetflow.errors import OffsetsResetError, RequestError
-from offsetflow.planner import PartitionOffsets, cut_window, fair_share, plan_batch
+from offsetflow.plan import cut_window
+from offsetflow.plan.planner import fair_share, plan_batch
+from offsetflow.ranges import PartitionOffsets
 
 EARLIEST = StartingPolicy("earliest")
 T0, T1, T2 = ("t", 0), ("t", 1), ("t", 2)
@@ -108,7 +110,7 @@ def test_cut_window_covers_window_in_order_without_overlap() -> None:
 
 def test_recreated_topic_is_refused() -> None:
     from offsetflow.errors import TopicRecreatedError
-    from offsetflow.planner import check_topic_identity
+    from offsetflow.plan.planner import check_topic_identity
 
     check_topic_identity({T0: "a", T1: None}, {"t": "a"})
     with pytest.raises(TopicRecreatedError, match="t was deleted and recreated"):
@@ -123,7 +125,7 @@ def test_recreated_topic_is_refused() -> None:
 
 
 def test_lag_rows_and_time_headroom() -> None:
-    from offsetflow.status import lag_rows, with_times
+    from offsetflow.ops.status import lag_rows, with_times
 
     rows = lag_rows({T0: 10, T1: 5, ("gone", 0): 3},
                     {T0: PartitionOffsets(0, 40), T1: PartitionOffsets(8, 8),

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from offsetflow import reader
+from offsetflow.source import reader
 
 
 def test_an_explicit_malloc_arena_max_wins(monkeypatch: pytest.MonkeyPatch) -> None:

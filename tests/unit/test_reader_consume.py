@@ -1,6 +1,6 @@
 """How many records the reader asks one consume() call for (pure logic)."""
 
-from offsetflow.reader import FIRST_CONSUME, MAX_CONSUME, consume_size
+from offsetflow.source.reader import FIRST_CONSUME, MAX_CONSUME, consume_size
 
 MIB = 1 << 20
 

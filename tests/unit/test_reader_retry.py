@@ -10,7 +10,7 @@ from confluent_kafka import KafkaError, KafkaException
 
 from offsetflow.errors import RangeReadError
 from offsetflow.ranges import OffsetRange
-from offsetflow.reader import Backoff, _handle_error, _watermarks
+from offsetflow.source.reader import Backoff, handle_error, watermarks
 
 R = OffsetRange("t", 0, 0, 100)
 
@@ -30,20 +30,20 @@ class FlakyConsumer:
 
 def test_watermarks_are_retried_through_a_leader_change() -> None:
     c = FlakyConsumer(2)
-    assert _watermarks(c, R) == (5, 100)  # type: ignore[arg-type]
+    assert watermarks(c, R) == (5, 100)  # type: ignore[arg-type]
     assert c.calls == 3
 
 
 def test_watermarks_give_up_within_their_bound() -> None:
     c = FlakyConsumer(10**6)
     t0 = time.monotonic()
-    assert _watermarks(c, R, limit_s=0.5) == (-1, -1)  # type: ignore[arg-type]
+    assert watermarks(c, R, limit_s=0.5) == (-1, -1)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 5 and c.calls >= 2
 
 
 def test_watermarks_do_not_retry_a_permanent_error() -> None:
     c = FlakyConsumer(10**6, KafkaError.TOPIC_AUTHORIZATION_FAILED)
-    assert _watermarks(c, R) == (-1, -1)  # type: ignore[arg-type]
+    assert watermarks(c, R) == (-1, -1)  # type: ignore[arg-type]
     assert c.calls == 1
 
 
@@ -54,7 +54,7 @@ def test_transient_errors_back_off_then_fail_naming_the_range(code: int) -> None
     t0 = time.monotonic()
     with pytest.raises(RangeReadError) as e:
         for _ in range(1000):
-            assert _handle_error(FlakyConsumer(0), R, KafkaError(code), None, 7,  # type: ignore[arg-type]
+            assert handle_error(FlakyConsumer(0), R, KafkaError(code), None, 7,  # type: ignore[arg-type]
                                  backoff) == 7
     waited = time.monotonic() - t0
     assert 0.3 < waited < 3  # backed off (no busy loop), and gave up at the bound

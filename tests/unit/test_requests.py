@@ -1,13 +1,8 @@
 import pytest
 
 from offsetflow.errors import RequestError
-from offsetflow.planner import PartitionOffsets
-from offsetflow.requests import (
-    check_replay_window,
-    gone_from_kafka,
-    parse_request,
-    resolve_window,
-)
+from offsetflow.plan import check_replay_window, gone_from_kafka, parse_request, resolve_window
+from offsetflow.ranges import PartitionOffsets
 
 TPS = [("t", 0), ("t", 1), ("t", 2)]
 
@@ -68,7 +63,7 @@ def test_gone_from_kafka_names_missing_parts() -> None:
 
 
 def test_backfill_into_own_table_only_below_the_live_position() -> None:
-    from offsetflow.requests import check_backfill_window
+    from offsetflow.plan import check_backfill_window
 
     check_backfill_window({("t", 0): (0, 50), ("t", 1): (5, 10)}, {("t", 0): 50, ("t", 1): 60},
                           "orders")

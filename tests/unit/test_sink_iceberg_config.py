@@ -7,18 +7,20 @@ from typing import Any
 
 import pytest
 
-from offsetflow.config import parse_pipeline
-from offsetflow.errors import ConfigError
-from offsetflow.sink_iceberg_config import (
-    PartitionField,
+from offsetflow.config import (
     SortField,
     catalog_properties,
-    parse_partition_field,
-    parse_sort_field,
+    parse_pipeline,
     snapshot_summary,
-    sqlalchemy_url,
     summary_batch,
 )
+from offsetflow.config.iceberg_sink import (
+    PartitionField,
+    parse_partition_field,
+    parse_sort_field,
+    sqlalchemy_url,
+)
+from offsetflow.errors import ConfigError
 
 
 def raw(**sink: Any) -> dict[str, Any]:
@@ -159,12 +161,12 @@ def test_explicit_catalog_uri_wins_and_secrets_are_redacted() -> None:
 def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None:
     import pyarrow as pa
 
-    from offsetflow.sink_iceberg import _unhex, arrow_schema, arrow_type
+    from offsetflow.sinks.iceberg.stage import arrow_schema, arrow_type, unhex
 
     hexes = pa.array(["00ff", None, "", "616263"])
-    assert _unhex(hexes).to_pylist() == [b"\x00\xff", None, b"", b"abc"]
-    assert _unhex(hexes.slice(1)).to_pylist() == [None, b"", b"abc"]
-    assert _unhex(pa.array([], pa.string())).to_pylist() == []
+    assert unhex(hexes).to_pylist() == [b"\x00\xff", None, b"", b"abc"]
+    assert unhex(hexes.slice(1)).to_pylist() == [None, b"", b"abc"]
+    assert unhex(pa.array([], pa.string())).to_pylist() == []
     assert arrow_type("numeric(12,3)") == pa.decimal128(12, 3)
     assert arrow_schema([("offset", "bigint")]).names == ["offset", "_offsetflow_batch_id"]
 
@@ -179,7 +181,7 @@ def test_hex_columns_decode_whole_chunks_with_nulls_empties_and_slices() -> None
     ("hdfs://nn:8020/t/data/x.parquet", "/t/data/x.parquet"),
 ])
 def test_data_file_paths_compare_in_one_canonical_form(path: str, canonical: str) -> None:
-    from offsetflow.sink_iceberg_files import canonical_path
+    from offsetflow.sinks.iceberg.files import canonical_path
 
     assert canonical_path(path) == canonical
 
@@ -195,7 +197,7 @@ def test_data_file_paths_compare_in_one_canonical_form(path: str, canonical: str
 ])
 def test_a_target_table_resolves_to_one_iceberg_identifier(table: str, target: str,
                                                            ident: str) -> None:
-    from offsetflow.sink_iceberg_config import resolve_identifier
+    from offsetflow.config import resolve_identifier
 
     ice = parse_pipeline(raw(table=table), "f.yaml", {}).sink.iceberg
     assert ice is not None
@@ -205,8 +207,8 @@ def test_a_target_table_resolves_to_one_iceberg_identifier(table: str, target: s
 def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
     from datetime import UTC, datetime
 
-    from offsetflow.ledger_batch import Batch
-    from offsetflow.sink_iceberg_files import batch_file_prefix
+    from offsetflow.ledger import Batch
+    from offsetflow.sinks.iceberg.files import batch_file_prefix
 
     at = datetime(2026, 11, 23, tzinfo=UTC)
     b = Batch(7, "p", "live", "running", (), "t", planned_at=at)
@@ -218,7 +220,8 @@ def test_batch_file_prefix_names_pipeline_batch_and_plan() -> None:
 
 
 def test_a_found_snapshot_must_carry_the_batchs_very_ranges() -> None:
-    from offsetflow.sink_iceberg_config import BatchIdentityError, check_summary_ranges
+    from offsetflow.config import check_summary_ranges
+    from offsetflow.config.iceberg_sink import BatchIdentityError
 
     s = snapshot_summary("p", 7, "live", [("t", 1, 5, 9), ("t", 0, 0, 100)], 9, 0)
     check_summary_ranges(s, "p", 7, [("t", 0, 0, 100), ("t", 1, 5, 9)], "1 of ns.t")
@@ -247,7 +250,7 @@ def test_the_catalog_is_part_of_the_fingerprint(catalog: dict[str, Any]) -> None
 
 
 def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> None:
-    from offsetflow.sink_iceberg_config import catalog_identity
+    from offsetflow.config.iceberg_sink import catalog_identity
 
     a = raw(catalog={"warehouse": "w", "uri": "postgresql+psycopg2://u:s3cr3t@h:5/db?x=1",
                      "token": "t1"})
@@ -267,7 +270,7 @@ def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> N
 
 
 def test_layout_drift_names_each_difference() -> None:
-    from offsetflow.sink_iceberg_config import layout_drift
+    from offsetflow.config import layout_drift
 
     ice = parse_pipeline(raw(partition_by=["day(amount)", "event_id"],
                              sort_by=["amount desc nulls first"]), "f.yaml", {}).sink.iceberg

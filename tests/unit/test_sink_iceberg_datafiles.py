@@ -18,7 +18,7 @@ from pyiceberg.types import (
     StructType,
 )
 
-from offsetflow.sink_iceberg_datafiles import decode_data_file, encode_data_file
+from offsetflow.sinks.iceberg.datafiles import decode_data_file, encode_data_file
 
 PARTITION = StructType(
     NestedField(1000, "partition", IntegerType(), required=False),

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from offsetflow.errors import IcebergTableReplacedError, StagedRowsLostError
-from offsetflow.sink_iceberg_staged import StagedFiles, check_files_table
+from offsetflow.sinks.iceberg.staged import StagedFiles, check_files_table
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ nothing of them in a repr that an error or a log line could print."""
 
 from __future__ import annotations
 
-from offsetflow.sink_iceberg_tasks import TaskFiles, task_io_properties
+from offsetflow.sinks.iceberg import TaskFiles
+from offsetflow.sinks.iceberg.tasks import task_io_properties
 
 
 def test_the_catalog_connection_stays_on_the_driver() -> None:

@@ -7,11 +7,11 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 
-from offsetflow.ledger_batch import Batch
+from offsetflow.config import IcebergConfig
+from offsetflow.ledger import Batch
 from offsetflow.ranges import OffsetRange
-from offsetflow.sink_iceberg_config import IcebergConfig
-from offsetflow.sink_iceberg_keys import key_filter, key_mask, window_mask
-from offsetflow.sink_iceberg_upsert import memory_name, row_columns
+from offsetflow.sinks.iceberg.keys import key_filter, key_mask, window_mask
+from offsetflow.sinks.iceberg.upsert import memory_name, row_columns
 
 
 def test_row_columns_are_the_key_the_coordinates_the_timestamp_and_the_topic_id() -> None:

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from offsetflow.commit_spec import CommitSpec
+from offsetflow.commit import CommitSpec
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import KafkaSinkError
-from offsetflow.sink_kafka import KafkaTopicSink, committed_offsets
+from offsetflow.sinks.kafka import KafkaTopicSink
+from offsetflow.sinks.kafka.sink import committed_offsets
 from tests.unit.test_sink_kafka_form import ENV, batch, raw
 
 
@@ -69,7 +70,7 @@ def test_the_fencing_producer_uses_the_sinks_producer_credentials() -> None:
     """A batch planned before the ledger identity is fenced under its old transactional.id
     by a producer of its own; on a cluster with ACLs only the sink's principal
     (`sink.producer`) may use transactional ids: the source's would be refused."""
-    from offsetflow.sink_kafka_txn import fence_settings
+    from offsetflow.sinks.kafka.txn import fence_settings
 
     cfg = parse_pipeline(raw(topic="orders.clean", producer={
         "sasl.username": "sink-writer", "sasl.password": "s3cret",
@@ -87,7 +88,7 @@ def test_the_fencing_producer_leaves_out_delivery_and_timeout_settings() -> None
     the 60 s default): every old-format batch failed, abandon and complete too."""
     from confluent_kafka import Producer
 
-    from offsetflow.sink_kafka_txn import fence_settings
+    from offsetflow.sinks.kafka.txn import fence_settings
 
     cfg = parse_pipeline(raw(topic="orders.clean", producer={
         "delivery.timeout.ms": 120000, "linger.ms": 50, "compression.type": "lz4",

@@ -11,9 +11,10 @@ from psycopg2 import sql
 
 from offsetflow.config import parse_pipeline
 from offsetflow.errors import ConfigError, KafkaSinkError
-from offsetflow.ledger_batch import Batch
+from offsetflow.ledger import Batch
 from offsetflow.ranges import OffsetRange
-from offsetflow.sink_kafka_form import (
+from offsetflow.sinks.kafka import output_topic
+from offsetflow.sinks.kafka.form import (
     check_columns,
     record_headers,
     record_limit,
@@ -22,7 +23,7 @@ from offsetflow.sink_kafka_form import (
     rows_per_fetch,
     select_sql,
 )
-from offsetflow.sink_kafka_mark import (
+from offsetflow.sinks.kafka.mark import (
     BATCH_HEADER,
     SOURCE_HEADER,
     CommitMark,
@@ -30,7 +31,6 @@ from offsetflow.sink_kafka_mark import (
     commit_batch_ids,
     committed_state,
     not_produced_in,
-    output_topic,
     records_in,
     refuse_group_ahead,
 )
@@ -231,8 +231,8 @@ def test_select_builds_key_and_value_in_postgres_in_source_order() -> None:
 
 
 def test_lineage_and_assets_name_the_output_topic() -> None:
-    from offsetflow.lineage import pipeline_datasets
     from offsetflow.orchestration.assets import target_uris
+    from offsetflow.orchestration.lineage import pipeline_datasets
 
     cfg = parse_pipeline(raw(topic="orders.clean"), "orders.yaml", ENV)
     _, outputs = pipeline_datasets(cfg)

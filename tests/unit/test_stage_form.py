@@ -9,7 +9,8 @@ import random
 import pyarrow as pa
 import pytest
 
-from offsetflow.stage_form import hex_bytea, nested_json, stage_form
+from offsetflow.stage import stage_form
+from offsetflow.stage.form import hex_bytea, nested_json
 
 
 def reference_hex(values: list[bytes | None]) -> list[str | None]:

@@ -1,10 +1,10 @@
-"""Which staged parts belong to the batch's current stage layout (offsetflow.stage_layout)."""
+"""Which staged parts belong to the batch's current stage layout (offsetflow.stage.layout)."""
 
 from __future__ import annotations
 
-from offsetflow.packing import Packing
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.stage_layout import Marker, foreign_markers, foreign_reason
+from offsetflow.stage import Marker, Packing
+from offsetflow.stage.layout import foreign_markers, foreign_reason
 
 SPLIT = split_ranges([OffsetRange("t", 0, 0, 100), OffsetRange("t", 1, 0, 100)], 50)
 

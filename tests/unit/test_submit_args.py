@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from offsetflow.submit_args import IMAGE_JOB, KubernetesSubmit, submit_conf
+from offsetflow.job import submit_conf
+from offsetflow.job.submit_args import IMAGE_JOB, KubernetesSubmit
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHIVE = {"spark.archives": "/opt/envs/offsetflow-env.tar.gz#environment",

@@ -8,7 +8,7 @@ ALTER TABLE offsetflow.staged_parts SET UNLOGGED;
 -- Keys that an upsert tombstone deleted, with the tombstone's coordinates. A deleted key leaves
 -- no row behind, so without this a replay of an older window that set the key would bring it
 -- back; with it, a record only re-creates a deleted key if it is newer by the upsert rule
--- (offsetflow/upsert.py). `target_table` is canonical (`schema.table`); `key` is the key
+-- (offsetflow/commit/upsert.py). `target_table` is canonical (`schema.table`); `key` is the key
 -- columns as a JSON array, rendered in a UTC session; `_offsetflow_topic_id` is the Kafka
 -- topic id of the tombstone's topic incarnation, as on upsert targets.
 CREATE TABLE offsetflow.deleted_keys (
@@ -34,5 +34,5 @@ CREATE FUNCTION offsetflow.topic_epoch(p_topic text, p_topic_id text) RETURNS bi
 
 -- The transform path's staging layout (Spark's partition count of the transform's output,
 -- which numbers the stage parts): an attempt whose layout differs drops earlier staging
--- rather than skipping parts numbered the old way (offsetflow.commit.claim_stage_layout).
+-- rather than skipping parts numbered the old way (offsetflow.commit.protocol.claim_stage_layout).
 ALTER TABLE offsetflow.batches ADD COLUMN stage_layout text;

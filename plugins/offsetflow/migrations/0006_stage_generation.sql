@@ -7,5 +7,5 @@ ALTER TABLE offsetflow.batches ADD COLUMN stage_generation bigint NOT NULL DEFAU
 -- NULL: a marker written before this migration (or by an older release); never trusted.
 ALTER TABLE offsetflow.staged_parts ADD COLUMN generation bigint;
 -- batches.stage_layout (0004) is no longer written: a transform run now always starts a new
--- generation (offsetflow.stage_reset.restart_stage), as AQE's coalescing follows more than any
+-- generation (offsetflow.stage.reset.restart_stage), as AQE's coalescing follows more than any
 -- recorded setting.

@@ -1,4 +1,4 @@
--- Packing small sub-ranges into tasks (offsetflow.packing): a stage part of the fused path
+-- Packing small sub-ranges into tasks (offsetflow.stage.packing): a stage part of the fused path
 -- reads a group of sub-ranges of the batch's split. The group each part stands for follows
 -- from the split and the task count a batch is packed into, recorded on its first run (NULL:
 -- not packed, part k is sub-range k), so every attempt of the batch draws the same parts.

@@ -16,9 +16,9 @@ from airflow.sdk import BaseHook
 
 from offsetflow.config import KafkaConfig, PipelineConfig, find_pipeline, parse_pipeline
 from offsetflow.errors import ConfigError
-from offsetflow.kafka_meta import KafkaMetadata
 from offsetflow.ledger import Ledger
 from offsetflow.orchestration import assets, connections
+from offsetflow.source import KafkaMetadata
 
 
 class OffsetFlowHook(BaseHook):
@@ -71,7 +71,7 @@ class OffsetFlowHook(BaseHook):
         return Ledger(self.pipeline_config.sink.connection)
 
     def get_kafka_metadata(self) -> KafkaMetadata:
-        from offsetflow.runner import kafka_for
+        from offsetflow.ops import kafka_for
 
         return kafka_for(self.pipeline_config)
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from offsetflow.arrival import pending_offsets
 from offsetflow.config import PipelineConfig
 from offsetflow.ledger import Ledger
-from offsetflow.lineage import (
+from offsetflow.orchestration.lineage import (
     DatasetName,
     pipeline_datasets,
     record_schema_extra,
 )
 from offsetflow.orchestration.pipeline_metrics import batch_metrics, emit
+from offsetflow.plan import pending_offsets
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def report_lineage(cfg: PipelineConfig, batch_ids: list[int]) -> None:
 
 
 def current_lag(cfg: PipelineConfig, positions: dict[str, int]) -> int:
-    from offsetflow.runner import kafka_for
+    from offsetflow.ops import kafka_for
 
     committed = {(t, int(p)): o for k, o in positions.items() for t, _, p in [k.rpartition("/")]}
     kafka = kafka_for(cfg)

@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
@@ -29,13 +30,13 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import BatchStateError, RequestError
+from offsetflow.job import submit_conf
 from offsetflow.orchestration import assets, connections, tasks
 from offsetflow.orchestration.hooks import OffsetFlowHook
-from offsetflow.spark_app import application_path
-from offsetflow.submit_args import submit_conf
 
-# inside the package, so an installed OffsetFlow (wheel) finds it too
-SPARK_JOB = application_path()
+# the Spark application file the operators submit, inside the package, so an installed
+# OffsetFlow (wheel) finds it too (`offsetflow/spark_app/run_batch.py`)
+SPARK_JOB = str(Path(__file__).resolve().parents[1] / "spark_app" / "run_batch.py")
 SPARK_CONN_ID = os.environ.get("OFFSETFLOW_SPARK_CONN_ID", "spark_default")
 PIPELINE_FIELDS = ("pipeline", "config", "postgres_conn_id", "kafka_conn_id")
 
@@ -243,7 +244,7 @@ class OffsetFlowPublishOperator(_PipelineOperator):
         facet, which the Kafka provider's asset converter (hook-level lineage) drops."""
         from airflow.providers.openlineage.extractors import OperatorLineage
 
-        from offsetflow.lineage import openlineage_dataset
+        from offsetflow.orchestration.lineage import openlineage_dataset
         from offsetflow.orchestration.observe import datasets_of
 
         cfg, ids = getattr(self, "_published", (None, []))

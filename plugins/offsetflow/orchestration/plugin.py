@@ -92,7 +92,7 @@ def _clean(text: str | None, cfg: PipelineConfig | None) -> str | None:
 
 def entry_status(entry: PipelineEntry, recent: int = 10) -> dict[str, Any]:
     """`offsetflow status --json` of one pipeline, or an error row {pipeline, source, error}."""
-    from offsetflow.status import pipeline_status
+    from offsetflow.ops import pipeline_status
 
     if entry.cfg is None:
         return {"pipeline": entry.name, "source": entry.source, "error": entry.error}

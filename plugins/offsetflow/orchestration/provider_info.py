@@ -17,6 +17,9 @@ PACKAGE = "offsetflow"
 ORCHESTRATION = "offsetflow.orchestration"
 
 
+LINEAGE = "offsetflow.orchestration.lineage"
+
+
 def _present(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -59,8 +62,9 @@ def _asset_uris() -> list[dict[str, Any]]:
     out = []
     for scheme, (owner, fn) in ASSET_SCHEMES.items():
         if not _present(owner):
-            out.append({"schemes": [scheme], "handler": f"offsetflow.lineage.sanitize_{fn}_uri",
-                        "to_openlineage_converter": f"offsetflow.lineage.{fn}_to_openlineage"})
+            out.append({"schemes": [scheme],
+                        "handler": f"{LINEAGE}.sanitize_{fn}_uri",
+                        "to_openlineage_converter": f"{LINEAGE}.{fn}_to_openlineage"})
     return out
 
 

@@ -13,12 +13,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from offsetflow.backfill import plan_window, submit_window
 from offsetflow.config import PipelineConfig, find_pipeline, redact_dsn
 from offsetflow.errors import BatchStateError, ConfigError, RequestError
 from offsetflow.ledger import Ledger
-from offsetflow.requests import parse_request
-from offsetflow.runner import kafka_for, plan_only
+from offsetflow.ops import kafka_for, plan_only, plan_window, submit_window
+from offsetflow.plan import parse_request
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +102,8 @@ def publish_task(pipeline: str | PipelineConfig,
 
 
 def _publish_consumer_group(cfg: PipelineConfig, positions: Mapping[str, int]) -> None:
-    """For monitoring tools; see offsetflow.lag (never read back for correctness)."""
-    from offsetflow.lag import publish_positions
+    """For monitoring tools; see offsetflow.source.lag (never read back for correctness)."""
+    from offsetflow.source import publish_positions
 
     try:
         publish_positions(cfg, positions)

@@ -1,7 +1,7 @@
 """Deferrable waiting for new data: a trigger that fires when a pipeline's topics have
 committed offsets beyond its ledger positions, run by Airflow's triggerer (no worker slot).
 
-The check itself (`offsetflow.runner.pending_for`: ledger positions, Kafka's last stable
+The check itself (`offsetflow.ops.runner.pending_for`: ledger positions, Kafka's last stable
 offsets under read_committed) is blocking confluent-kafka/psycopg2 code, so it runs in a
 thread. Brokers or PostgreSQL being away for a while is normal for a wait of hours: those
 errors are logged and polled again; a config error ends the wait with an error event.
@@ -19,8 +19,8 @@ import psycopg2
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from confluent_kafka import KafkaException
 
-from offsetflow.arrival import OpenBatchRetry, describe
 from offsetflow.errors import KafkaUnavailableError
+from offsetflow.plan import OpenBatchRetry, describe
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ TRANSIENT = (KafkaUnavailableError, KafkaException, psycopg2.OperationalError, O
 def check_pipeline(pipeline: str) -> dict[str, int]:
     """Offsets waiting per "topic/partition" (blocking: call it in a thread)."""
     from offsetflow.config import find_pipeline
+    from offsetflow.ops import pending_for
     from offsetflow.orchestration.connections import resolve
-    from offsetflow.runner import pending_for
 
     # a pipeline may name Airflow connections (kafka.conn_id, sink.conn_id)
     return describe(pending_for(resolve(find_pipeline(pipeline))))
@@ -76,8 +76,8 @@ def open_batch_wait(pipeline: str, base_s: float, memory: RetryMemory
                     ) -> OpenBatchRetry | None:
     """`runner.open_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
     from offsetflow.config import find_pipeline
+    from offsetflow.ops import open_batch_wait as wait_for
     from offsetflow.orchestration.connections import resolve
-    from offsetflow.runner import open_batch_wait as wait_for
 
     return wait_for(resolve(find_pipeline(pipeline)), base_s, gone_since=memory.gone_since)
 

@@ -1,0 +1,322 @@
+"""`offsetflow` command line: plan, run, status, db upgrade, and operator tools.
+
+Errors OffsetFlow raises on purpose are printed once, without a traceback, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from offsetflow.cli.common import dsn_of as _dsn
+from offsetflow.cli.common import pipeline_of as _pipeline
+from offsetflow.cli.console import setup_logging
+from offsetflow.cli.repair import cmd_abandon, cmd_cleanup, cmd_complete, cmd_reset_position
+from offsetflow.errors import ConfigError, OffsetFlowError
+from offsetflow.ledger import Ledger
+
+log = logging.getLogger(__name__)
+
+
+def cmd_db_identity(args: argparse.Namespace) -> int:
+    """`db new-identity` (a copy of a ledger) or `db adopt-identity` (the same ledger
+    restored or moved): see `offsetflow.ledger.identity`."""
+    from offsetflow.ledger import adopt_identity, new_identity
+
+    with Ledger(_dsn(args)) as ledger, ledger.transaction() as cur:
+        if args.db_cmd == "new-identity":
+            print(f"ledger identity is now {new_identity(cur)} (a ledger of its own)")
+        else:
+            print(f"ledger identity {adopt_identity(cur)} kept in this database")
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    with Ledger(_dsn(args)) as ledger:
+        applied = ledger.upgrade()
+    print(f"ledger schema up to date ({len(applied)} migration(s) applied"
+          + (f": {', '.join(applied)}" if applied else "") + ")")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from offsetflow.ops import plan_only
+
+    cfg = _pipeline(args)
+    out = plan_only(cfg, _dsn(args, cfg), started_by=args.started_by)
+    if out.batch is None:
+        print(f"pipeline {cfg.name}: nothing new to read")
+        return 0
+    b = out.batch
+    print(f"pipeline {cfg.name}: batch {b.batch_id} ({'re-used' if out.reused else 'new'}, "
+          f"{b.status})")
+    for r in b.ranges:
+        print(f"  {r}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from offsetflow.cli.console import progress_line
+    from offsetflow.ops import CycleResult, run_until_caught_up
+
+    cfg = _pipeline(args)
+    t = time.monotonic()
+
+    def show(res: CycleResult) -> None:
+        batch = res.plan.batch
+        print(progress_line(res.summary(), list(batch.ranges) if batch else [], cfg.name),
+              flush=True)
+
+    results = run_until_caught_up(cfg, _dsn(args, cfg), max_batches=args.max_batches,
+                                  started_by=args.started_by, on_cycle=show)
+    done = [r.summary() for r in results if r.report is not None]
+    print(f"pipeline {cfg.name}: {len(done)} batch(es), "
+          f"{sum(s.get('rows_written', 0) for s in done):,} rows written, "
+          f"{sum(s.get('bad_records', 0) for s in done):,} dead letters in "
+          f"{time.monotonic() - t:.1f}s" + (f"; full log: {args.log_path}"
+                                              if args.log_path else ""))
+    return 0
+
+
+def parse_batch_ids(values: Sequence[str]) -> list[int]:
+    """Batch ids as given on a command line or rendered from an XCom: "5", "5,6", "[5, 6]"."""
+    ids = [int(x) for v in values for x in re.findall(r"-?\d+", v)]
+    if not ids or any(i <= 0 for i in ids):
+        raise ConfigError("command line", "--batch-id", f"no valid batch id in {list(values)}")
+    return ids
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from offsetflow.job import build_spark, run_batch
+
+    cfg = _pipeline(args)
+    ids = parse_batch_ids(args.batch_id)
+    t = time.monotonic()
+    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
+    spark_start_s = round(time.monotonic() - t, 3)
+    for bid in ids:  # in order: window batches are consecutive
+        rep = run_batch(spark, cfg, bid, _dsn(args, cfg),
+                        accept_config_change=args.accept_config_change)
+        print(rep.result.message, flush=True)
+        # one machine-readable line per batch, so a cold run's JVM start can be told apart
+        log.info("batch %d timings %s", bid,
+                 json.dumps({"spark_start_s": spark_start_s, **rep.timings}))
+        spark_start_s = 0.0
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from offsetflow.ops import format_status, pipeline_status
+
+    cfg = _pipeline(args)
+    st = pipeline_status(cfg, _dsn(args, cfg), recent=args.recent)
+    print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
+    return 0
+
+
+SHIM = '''"""Airflow DAG (scheduled) of include/pipelines/{name}.yaml. One thin file per pipeline,
+so a broken config shows up as this file's import error and hides no other pipeline's DAG.
+Create one for a new pipeline with `offsetflow dags sync`."""
+
+from offsetflow.orchestration.dags import pipeline_dag_for_file
+
+dag = pipeline_dag_for_file(__file__)
+'''
+
+
+def cmd_dags_sync(args: argparse.Namespace) -> int:
+    """Write the thin DAG file of every pipeline that has none; remove orphans."""
+    from offsetflow.config import pipelines_dir
+
+    dags = Path(args.dags_dir)
+    dags.mkdir(parents=True, exist_ok=True)
+    names = {p.stem for p in pipelines_dir().glob("*.yaml")}
+    for name in sorted(names):
+        f = dags / f"{name}.py"
+        if not f.exists():
+            f.write_text(SHIM.format(name=name))
+            print(f"created {f}")
+    for f in sorted(dags.glob("*.py")):
+        if f.stem not in names and "pipeline_dag_for_file" in f.read_text():
+            f.unlink()
+            print(f"removed {f} (no pipeline {f.stem})")
+    return 0
+
+
+def _window_conf(args: argparse.Namespace) -> dict[str, object]:
+    conf: dict[str, object] = {"pipeline": args.pipeline}
+    for k in ("topic", "partitions", "from_offset", "until_offset", "from_timestamp",
+              "until_timestamp", "records_per_batch", "target_table"):
+        v = getattr(args, k, None)
+        if v is not None:
+            conf[k] = v
+    if args.dry_run:
+        conf["dry_run"] = True
+    return conf
+
+
+def cmd_window(args: argparse.Namespace) -> int:
+    """Backfill/replay: trigger the Airflow DAG (default) or run here with --local."""
+    import subprocess
+
+    conf = _window_conf(args)
+    kind = args.command
+    if not args.local:
+        from offsetflow.plan import parse_request
+
+        parse_request(kind, conf)  # refuse bad input before anything starts
+        cmd = ["airflow", "dags", "trigger", f"offsetflow_{kind}", "--conf", json.dumps(conf)]
+        print("triggering:", " ".join(cmd[:4]), "with conf", json.dumps(conf), flush=True)
+        return subprocess.call(cmd)
+    from offsetflow.ops import run_batches
+    from offsetflow.orchestration.tasks import window_task
+
+    planned = window_task(kind, conf, started_by=f"cli:{kind}",
+                          load=lambda name: _pipeline(argparse.Namespace(pipeline=name)))
+    print(json.dumps(planned["report"], indent=2))
+    if planned["batch_ids"]:
+        cfg = _pipeline(args)
+        for rep in run_batches(cfg, _dsn(args, cfg), planned["batch_ids"]):
+            print(rep.result.message)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="offsetflow", description=__doc__)
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="-v: INFO logs on the console too, -vv: DEBUG")
+    p.add_argument("--log-file", type=Path,
+                   help="full log (default $OFFSETFLOW_LOG_FILE, else "
+                        "$XDG_STATE_HOME/offsetflow/offsetflow.log)")
+    p.add_argument("--dsn", help="PostgreSQL DSN (default: sink.connection / OFFSETFLOW_PG_DSN)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_pipeline(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = sp.add_mutually_exclusive_group(required=True)
+        g.add_argument("--pipeline", "-p", help="pipeline name in include/pipelines")
+        g.add_argument("--pipeline-file", help="path of a pipeline YAML")
+        return sp
+
+    db = sub.add_parser("db", help="ledger schema").add_subparsers(dest="db_cmd", required=True)
+    db.add_parser("upgrade", help="apply ledger migrations").set_defaults(fn=cmd_db_upgrade)
+    db.add_parser("new-identity", help="a copied ledger: give it an identity of its own"
+                  ).set_defaults(fn=cmd_db_identity)
+    db.add_parser("adopt-identity", help="a restored or moved ledger: keep its identity here"
+                  ).set_defaults(fn=cmd_db_identity)
+
+    sp = with_pipeline(sub.add_parser("plan", help="plan the next batch (or show the open one)"))
+    sp.add_argument("--started-by", default="cli")
+    sp.set_defaults(fn=cmd_plan)
+
+    sp = with_pipeline(sub.add_parser("run", help="plan + Spark + commit until caught up"))
+    sp.add_argument("--max-batches", type=int, default=1,
+                    help="batches to run at most (default 1)")
+    sp.add_argument("--started-by", default="cli")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = with_pipeline(sub.add_parser("run-batch", help="read, stage and commit a planned batch"))
+    sp.add_argument("--batch-id", action="append", required=True,
+                    help="batch id(s); repeat or give '5,6' / '[5, 6]' to run in order")
+    sp.add_argument("--accept-config-change", action="store_true")
+    sp.set_defaults(fn=cmd_run_batch)
+
+    sp = with_pipeline(sub.add_parser("status", help="lag per partition, recent batches"))
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--recent", type=int, default=10)
+    sp.set_defaults(fn=cmd_status)
+
+    sp = sub.add_parser("abandon", help="close an open batch for good")
+    sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
+    sp.add_argument("--pipeline-file")
+    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--reason", required=True)
+    sp.add_argument("--unchecked", action="store_true",
+                    help="abandon even when the pipeline's config is not found, without "
+                         "asking its sink whether it holds the batch (PostgreSQL sinks only)")
+    sp.set_defaults(fn=cmd_abandon)
+
+    sp = sub.add_parser("complete", help="complete an open batch from its external sink's "
+                                         "record (its stage and Kafka records are gone)")
+    sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
+    sp.add_argument("--pipeline-file")
+    sp.add_argument("--batch-id", type=int, required=True)
+    sp.add_argument("--reason", required=True)
+    sp.set_defaults(fn=cmd_complete)
+
+    sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))
+    sp.add_argument("--topic", required=True)
+    g = sp.add_mutually_exclusive_group(required=True)
+    g.add_argument("--partition", type=int)
+    g.add_argument("--all-partitions", action="store_true",
+                   help="every partition the topic has in Kafka or in the ledger")
+    sp.add_argument("--offset", type=int, required=True)
+    sp.add_argument("--archive-to", metavar="TABLE",
+                    help="move sink rows at or beyond the new position to TABLE (else they "
+                         "refuse the reset)")
+    sp.add_argument("--allow-duplicates", action="store_true",
+                    help="Kafka sink: move a position back although the live output topic "
+                         "already holds those records (they are written there again)")
+    sp.add_argument("--force", action="store_true",
+                    help="Iceberg sink: reset although the table holds rows at or beyond the "
+                         "new position (the records read again are appended beside them)")
+    sp.add_argument("--reason", required=True)
+    sp.set_defaults(fn=cmd_reset_position)
+
+    sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
+        fn=cmd_cleanup)
+
+    dg = sub.add_parser("dags", help="DAG files").add_subparsers(dest="dags_cmd", required=True)
+    sp = dg.add_parser("sync", help="write the thin DAG file of every pipeline")
+    sp.add_argument("--dags-dir", default=str(_repo_root() / "dags" / "pipelines"))
+    sp.set_defaults(fn=cmd_dags_sync)
+
+    for kind, help_ in (("backfill", "re-read a window into the sink or a side table"),
+                        ("replay", "re-process a committed range, replacing its rows")):
+        sp = sub.add_parser(kind, help=help_)
+        sp.add_argument("--pipeline", "-p", required=True)
+        sp.add_argument("--topic")
+        sp.add_argument("--partitions", help="comma-separated; default all")
+        sp.add_argument("--from-offset", type=int)
+        sp.add_argument("--until-offset", type=int)
+        sp.add_argument("--from-timestamp", help="ISO-8601 with zone")
+        sp.add_argument("--until-timestamp")
+        sp.add_argument("--records-per-batch", type=int)
+        if kind == "backfill":
+            sp.add_argument("--target-table")
+        sp.add_argument("--dry-run", action="store_true")
+        sp.add_argument("--local", action="store_true",
+                        help="run here instead of triggering the Airflow DAG")
+        sp.set_defaults(fn=cmd_window)
+    return p
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # run-batch is what Airflow spark-submits: its console is the task log, which keeps INFO
+    args.log_path = setup_logging(args.verbose, args.log_file,
+                                  detailed=args.command == "run-batch")
+    import psycopg2
+
+    try:
+        return int(args.fn(args))
+    except OffsetFlowError as e:
+        print(f"offsetflow: error: {e}", file=sys.stderr)
+        return 2
+    except psycopg2.OperationalError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"offsetflow: error: PostgreSQL: {first}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""An append-mode commit that starts while the batch is still being read.
+
+The commit's single INSERT of the whole stage is serial in one PostgreSQL backend (one core
+busy, the rest idle while the driver waits). `PartwiseCommit` runs the steps of
+`offsetflow.commit.protocol` in one transaction on a connection of its own, with step 4 moving each
+part into the target as soon as its task has staged it, while later parts are still read:
+  a. step 1's lock first (a second run of the batch waits here instead of racing it part by
+     part); replay/backfill deletes what its ranges produced before (the start of step 4);
+  b. while tasks run: each part whose marker is visible is moved from its part table into
+     the target, its rowcount checked against the marker (step 4 and step 2's count, part by
+     part). A marker commits with its task's COPY, so a failed task attempt moves nothing
+     and a retried part is moved once;
+  c. `finish()`: the parts left and any rows staged into the stage table itself, step 2's
+     count of parts, step 3, the tasks' dead letters, steps 5-6; COMMIT. `abort()` (or any
+     error) rolls back everything, moved parts included; a part that lost rows is dropped
+     with its marker after the rollback, so the next run re-stages it.
+Append only: an upsert keeps the latest record per key across the whole batch, so it waits
+for all parts; a quality gate checks the whole stage before anything moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg2.errors
+import psycopg2.extensions
+from psycopg2 import sql
+
+from offsetflow.commit.protocol import (
+    already_committed,
+    check_config,
+    check_fence,
+    check_staged,
+    fence_and_advance,
+    lock_batch,
+    record_batch,
+)
+from offsetflow.commit.rows import append_part, delete_range_rows, move_stage_dead_letters
+from offsetflow.commit.spec import CommitResult, CommitSpec, Moved
+from offsetflow.errors import FencedCommitError, StagedRowsLostError
+from offsetflow.ledger import Batch, Ledger, lock_errors, stage_part_table, stage_table
+from offsetflow.stage import Marker, Packing, check_layout, check_markers, forget_parts, layout_of
+
+log = logging.getLogger(__name__)
+
+
+class _Aborted(Exception):
+    """The run failed before the commit could finish; roll the moved parts back."""
+
+
+class PartwiseCommit:
+    """See the module docstring. `parts`: how many part tables the stage has."""
+
+    POLL_S = 0.05
+
+    def __init__(self, dsn: str, batch: Batch, *, columns: list[str] | tuple[str, ...],
+                 parts: int, dead_letter_table: str | None, timings: dict[str, float],
+                 spec: CommitSpec | None = None) -> None:
+        self.dsn = dsn
+        self.batch = batch
+        self.spec = spec or CommitSpec(columns=tuple(columns),
+                                       dead_letter_table=dead_letter_table,
+                                       bad_records_staged=dead_letter_table is not None)
+        self.parts = parts
+        self.timings = timings
+        self._moved_parts: set[int] = set()
+        self._layout: tuple[int, Packing | None] | None = None
+        self._finish = threading.Event()
+        self._aborted = False
+        self._expected_parts = 0
+        self._result: CommitResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"offsetflow-commit-b{batch.batch_id}")
+
+    def __enter__(self) -> PartwiseCommit:
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self._thread.is_alive():
+            self.abort()
+        if exc_type is not None and self._error is not None:
+            log.warning("batch %d: the commit had failed too: %s: %s", self.batch.batch_id,
+                        type(self._error).__name__, str(self._error)[:500])
+
+    def abort(self) -> None:
+        self._aborted = True
+        self._finish.set()
+        self._thread.join()
+
+    def finish(self, expected_parts: int) -> CommitResult:
+        self._expected_parts = expected_parts
+        self._finish.set()
+        self._thread.join()
+        if self._error is not None:
+            error, self._error = self._error, None  # shown once, by the caller
+            raise error
+        assert self._result is not None
+        return self._result
+
+    def _run(self) -> None:
+        bid = self.batch.batch_id
+        try:
+            with Ledger(self.dsn) as ledger, ledger.transaction() as cur, \
+                    lock_errors(self.dsn, bid, ledger.conn.get_backend_pid()):
+                batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
+                moving = batch.is_open
+                if moving:  # held from here to COMMIT: no run can adopt a config meanwhile
+                    check_config(batch, self.spec)
+                    # nor rebuild the stage: the layout is fixed until COMMIT
+                    self._layout = layout_of(cur, batch, self.spec.stage_generation,
+                                             self.spec.subrange_parts)
+                if moving and batch.kind in ("replay", "backfill"):  # a
+                    delete_range_rows(cur, batch, self.spec)
+                moved = Moved()
+                while not self._finish.is_set():  # b
+                    if moving:
+                        self._move_staged_parts(cur, moved, "commit_overlapped_s")
+                    self._finish.wait(self.POLL_S)
+                if self._aborted:
+                    raise _Aborted
+                # c: finish() comes after the last task committed, so this pass sees all
+                t = time.monotonic()
+                if not moving:
+                    self._result = already_committed(batch)
+                    return
+                check_layout(cur, batch, self.spec.stage_generation,
+                             self.spec.subrange_parts)  # 2, all markers
+                self._move_staged_parts(cur, moved, "commit_insert_s")
+                self._move_stage_itself(cur, moved)
+                self.timings["commit_insert_s"] = round(time.monotonic() - t, 3)
+                staged, _ = check_staged(cur, batch, self._expected_parts, scan=False)  # 2
+                if moved.rows + moved.dead != staged:
+                    raise StagedRowsLostError(bid, None, f"{moved.rows + moved.dead} rows "
+                                                         f"were moved but the markers count "
+                                                         f"{staged}")
+                if batch.moves_positions:  # 3
+                    fence_and_advance(cur, batch)
+                move_stage_dead_letters(cur, batch, self.spec, moved)  # end of 4
+                self._result = record_batch(cur, ledger, batch, moved, staged,
+                                            self.timings)  # 5, 6
+        except _Aborted:
+            log.info("batch %d: commit aborted; the parts moved so far are rolled back", bid)
+        except psycopg2.errors.UniqueViolation as e:
+            self._error = self._fenced_or(e)
+        except StagedRowsLostError as e:
+            self._error = e
+            try:
+                forget_parts(self.dsn, bid, e.parts, self.spec.stage_generation)
+            except psycopg2.Error as forget:
+                log.error("batch %d: could not drop the refused part(s); the next run refuses "
+                          "them again: %s", bid, forget)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
+            self._error = e
+
+    def _fenced_or(self, e: psycopg2.errors.UniqueViolation) -> BaseException:
+        """A part's rows already in the target: if positions moved meanwhile, another run
+        committed these ranges first and this one is fenced; else the rows came from
+        elsewhere, and the unique violation is the error to show."""
+        try:
+            with Ledger(self.dsn) as ledger, ledger.transaction() as cur:
+                check_fence(cur, self.batch)
+        except FencedCommitError as fenced:
+            fenced.__cause__ = e
+            return fenced
+        except psycopg2.Error:
+            pass
+        return e
+
+    def _move_staged_parts(self, cur: psycopg2.extensions.cursor, moved: Moved,
+                           timing: str) -> None:
+        cur.execute("""SELECT part, rows_staged, per_partition, generation, subranges
+                         FROM offsetflow.staged_parts
+                        WHERE batch_id = %s AND kind = 'rows' AND NOT (part = ANY(%s))
+                          AND part < %s ORDER BY part""",
+                    (self.batch.batch_id, sorted(self._moved_parts), self.parts))
+        for part, rows_staged, per_tp, generation, subranges in cur.fetchall():
+            assert self._layout is not None
+            # a part of another layout is never moved (nor locked: its retry may drop it)
+            check_markers(self.batch.batch_id,
+                          [Marker("rows", part, generation, per_tp, subranges)],
+                          *self._layout)
+            t = time.monotonic()
+            table = stage_part_table(self.batch.batch_id, part)
+            append_part(cur, self.batch, self.spec, sql.SQL("ONLY {}").format(table),
+                        int(rows_staged), f"part {part} ({table.as_string(cur)})", part,
+                        moved)
+            _add_per_range(moved, per_tp)
+            self._moved_parts.add(part)
+            self.timings[timing] = round(self.timings.get(timing, 0.0) + time.monotonic() - t,
+                                         3)
+
+    def _move_stage_itself(self, cur: psycopg2.extensions.cursor, moved: Moved) -> None:
+        """Parts an earlier attempt staged into the stage table itself (numbered beyond
+        the part tables): moved together, checked against their markers together."""
+        cur.execute("""SELECT part, rows_staged, per_partition FROM offsetflow.staged_parts
+                        WHERE batch_id = %s AND kind = 'rows' AND part >= %s""",
+                    (self.batch.batch_id, self.parts))
+        found = cur.fetchall()
+        append_part(cur, self.batch, self.spec, sql.SQL("ONLY {}").format(
+            stage_table(self.batch.batch_id)), sum(int(n) for _, n, _ in found),
+            "the stage table", None, moved)
+        for _, _, per_tp in found:
+            _add_per_range(moved, per_tp)
+
+
+def _add_per_range(moved: Moved, per_tp: dict[str, list[int]] | None) -> None:
+    for tp, (n, _lo, _hi) in (per_tp or {}).items():
+        moved.per_range[tp] = moved.per_range.get(tp, 0) + int(n)

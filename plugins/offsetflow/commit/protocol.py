@@ -1,0 +1,338 @@
+"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction. `commit_batch`
+calls one function per step, in this order (`offsetflow.commit.partwise.PartwiseCommit` runs the
+same steps, step 4 part by part while the batch is still being read):
+  1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
+     `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
+     abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
+  2. `lock_stage`: the stage in SHARE mode, so no late writer (a zombie task) adds rows
+     after the checks that step 4 would read; `check_layout`: every marker is of the
+     batch's current stage layout (its generation, and on the fused path offsets of its
+     part's sub-range), else `StagedRowsLostError` as below (a run that is itself of an
+     older generation: `StaleStageError`);
+     `check_staged`: every part the job produced has its marker, and the stage holds, per
+     topic-partition, exactly the rows the markers count. A stage that lost rows (markers
+     are UNLOGGED like the stage, so a crash empties both, but whatever else removes rows)
+     is refused with `StagedRowsLostError` and dropped with its markers after the rollback,
+     so the next attempt re-stages it from Kafka instead of committing less;
+  3. `fence_and_advance`: advance each partition's position only if it still equals the
+     range's `from_offset` (a missing position counts only for a partition seen for the
+     first time); any mismatch rolls everything back with FencedCommitError;
+  4. `move_rows`: replay/backfill first deletes what its ranges produced before; rows that
+     broke the quality suite go to the dead-letter table; the stage goes into the target
+     (append, or upsert by the rule in `offsetflow.commit.upsert`), tombstones by the pipeline's
+     `tombstones` policy; the tasks' bad records join the dead-letter table. Every count is
+     checked against the markers (an INSERT's rowcount, not a second scan);
+     a sink outside PostgreSQL (`spec.external`, an `ExternalSink`) takes this step instead,
+     inside this still-open transaction (`commit_external`): first it looks for its own
+     record of this batch (`find`: an Iceberg snapshot or a Kafka transaction that carries
+     the batch id), and only when there is none it writes and commits there (`write`). The
+     batch row stays locked meanwhile, so no second live run gets here; a run killed after
+     the sink's commit but before COMMIT below leaves the batch open, and its retry finds
+     the record instead of writing again. A zombie whose lock is gone is the sink's to
+     refuse (its own fencing: a producer epoch, a snapshot-parent check);
+  5. `record_batch`: per-range counts, the batch marked committed;
+  6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
+     included: a retry routes the same rows again, once.
+
+`sink_holds` asks an external sink, outside the protocol, whether it holds an open batch
+already (a run died after the sink's commit, before the ledger's): such a batch must never be
+abandoned, which would plan its ranges again and write them twice. Running it again
+completes it (step 4 finds the record), with its dead letters, as any retry does.
+
+Beside this module: what a commit is given and gives back, and the `ExternalSink` shape
+(`offsetflow.commit.spec`); step 4's SQL into a PostgreSQL target (`offsetflow.commit.rows`);
+what the markers count (`offsetflow.stage.markers`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+from psycopg2 import sql
+
+from offsetflow.commit.dead_letters import route_quality_failures
+from offsetflow.commit.rows import append_part, delete_range_rows, move_stage_dead_letters
+from offsetflow.commit.spec import CommitResult, CommitSpec, ExternalSink, Moved
+from offsetflow.commit.upsert import apply_upsert
+from offsetflow.errors import (
+    BatchStateError,
+    FencedCommitError,
+    StagedRowsLostError,
+    StagingIncompleteError,
+    StaleConfigError,
+)
+from offsetflow.ledger import (
+    Batch,
+    Ledger,
+    connect,
+    lock_errors,
+    lock_timeout_s,
+    refuse_newer_ledger,
+    stage_table,
+)
+from offsetflow.ranges import OffsetRange
+from offsetflow.stage import (
+    check_layout,
+    forget_parts,
+    lock_stage,
+    staged_per_range,
+    task_bad_records,
+)
+
+log = logging.getLogger(__name__)
+
+
+def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
+                 timings: dict[str, float] | None = None) -> CommitResult:
+    """Steps 1-6 in one transaction; see the module docstring."""
+    try:
+        with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
+                                                      ledger.conn.get_backend_pid()):
+            batch = lock_batch(cur, ledger, batch_id)  # 1
+            if batch.status == "committed":
+                return already_committed(batch)
+            check_config(batch, spec)
+            lock_stage(cur, batch_id)  # 2: no late writer lands between checks and moves
+            check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)
+            staged, per_range = check_staged(cur, batch, expected_parts,
+                                             scan=not spec.task_files)
+            if batch.moves_positions:  # 3
+                fence_and_advance(cur, batch)
+            moved = (commit_external(cur, batch, spec.external, staged)  # 4
+                     if spec.external is not None
+                     else move_rows(cur, batch, spec, staged, timings))
+            moved.per_range = per_range
+            return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
+    except StagedRowsLostError as e:
+        try:
+            forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
+        except psycopg2.Error as forget:  # the refusal is what the user must see
+            log.error("batch %d: could not drop the refused part(s); the next run refuses "
+                      "them again: %s", batch_id, forget)
+        raise
+
+
+def sink_holds(dsn: str, batch: Batch, sink: ExternalSink) -> bool:
+    """Whether the sink already holds `batch` (step 4's `find`, in a transaction rolled
+    back afterwards: a find may route dead letters, which only a commit may keep)."""
+    conn = connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            return sink.find(cur, batch) is not None
+    finally:
+        conn.rollback()
+        conn.close()
+        sink.close()
+
+
+def lock_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch_id: int) -> Batch:
+    """Step 1. Every lock the commit takes from here waits at most `lock_timeout_s`."""
+    cur.execute("SELECT set_config('lock_timeout', %s, true)",
+                (f"{int(lock_timeout_s() * 1000)}ms",))
+    refuse_newer_ledger(cur)  # before any lock a `db upgrade` could wait for
+    batch = ledger.get_batch(batch_id, cur, for_update=True)
+    if batch.status == "abandoned":
+        raise BatchStateError(f"batch {batch_id} was abandoned; refusing to commit it")
+    return batch
+
+
+def check_config(batch: Batch, spec: CommitSpec) -> None:
+    """Step 1's end: the batch's config is still the one this run staged under. A run with
+    --accept-config-change may have adopted a new one (and rebuilt the stage) meanwhile."""
+    if spec.config_fingerprint is not None and \
+            batch.config_fingerprint != spec.config_fingerprint:
+        raise StaleConfigError(
+            f"batch {batch.batch_id}: its config changed while this run worked on it "
+            f"(another run took a new config with --accept-config-change); this run's "
+            f"config is stale, so it commits nothing. Re-run the batch with the current "
+            f"pipeline config")
+
+
+def already_committed(batch: Batch) -> CommitResult:
+    log.info("batch %d is already committed; this commit changes nothing", batch.batch_id)
+    return CommitResult(batch.batch_id, "already_committed", batch.rows_written or 0,
+                        batch.bad_records or 0, {})
+
+
+def check_staged(cur: psycopg2.extensions.cursor, batch: Batch, expected_parts: int,
+                 scan: bool) -> tuple[int, dict[str, int]]:
+    """Step 2. Returns the rows the markers count and their split by topic/partition. With
+    `scan`, the stage itself is counted against the markers (the upsert, quality and
+    transform paths); without, the caller checks each part as it moves it."""
+    cur.execute("""SELECT count(*), COALESCE(sum(rows_staged), 0)
+                     FROM offsetflow.staged_parts WHERE batch_id = %s AND kind = 'rows'""",
+                (batch.batch_id,))
+    row = cur.fetchone()
+    assert row is not None
+    parts, staged = int(row[0]), int(row[1])
+    if parts != expected_parts:
+        raise StagingIncompleteError(f"batch {batch.batch_id}: {parts} of {expected_parts} "
+                                     f"parts are staged; not committing")
+    per_range = staged_per_range(cur, batch.batch_id)
+    if scan:
+        # no distinct-offset check: a transform may turn one record into several rows, and
+        # parts of two partitionings never meet (a transform run stages under a generation
+        # of its own, and markers of another are refused above)
+        cur.execute(sql.SQL("SELECT topic, partition, count(*) FROM {} GROUP BY 1, 2")
+                    .format(stage_table(batch.batch_id)))
+        found = {f"{t}/{p}": int(n) for t, p, n in cur.fetchall()}
+        for tp in sorted(set(found) | set(per_range)):
+            if found.get(tp, 0) != per_range.get(tp, 0):
+                raise StagedRowsLostError(
+                    batch.batch_id, None,
+                    f"the stage holds {found.get(tp, 0)} rows of {tp} but its markers count "
+                    f"{per_range.get(tp, 0)}")
+    return staged, per_range
+
+
+def move_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec, staged: int,
+              timings: dict[str, float] | None) -> Moved:
+    """Step 4 for the whole stage at once."""
+    moved = Moved()
+    stage = stage_table(batch.batch_id)
+    if batch.kind in ("replay", "backfill"):
+        delete_range_rows(cur, batch, spec)
+    if spec.quality_routes:
+        assert spec.dead_letter_table is not None
+        moved.dead += route_quality_failures(cur, batch, spec.dead_letter_table, stage,
+                                             spec.quality_routes, spec.columns)
+    if spec.mode == "upsert":
+        assert spec.dead_letter_table is not None
+        rows, _deleted, dead = apply_upsert(cur, batch, stage, spec.columns, spec.key,
+                                            spec.tombstones, spec.dead_letter_table)
+        moved.rows += rows
+        moved.dead += dead
+    else:
+        append_part(cur, batch, spec, stage, staged - moved.dead, "the stage", None, moved)
+    move_stage_dead_letters(cur, batch, spec, moved)
+    return moved
+
+
+def commit_external(cur: psycopg2.extensions.cursor, batch: Batch, sink: ExternalSink,
+                    staged: int) -> Moved:
+    """Step 4 for an external sink: find this batch's commit there, else write it."""
+    found = sink.find(cur, batch)
+    if found is not None:
+        log.info("batch %d is already committed in the sink (an earlier attempt got that far); "
+                 "completing the ledger without writing again", batch.batch_id)
+        return found
+    return sink.write(cur, batch, staged)
+
+
+def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
+                 staged: int, timings: dict[str, float] | None) -> CommitResult:
+    """Steps 5 and 6: per-range counts (records staged), the batch committed, the stage
+    dropped; the caller's COMMIT makes it all visible at once."""
+    # one statement for all ranges (a batch of 1,000 partitions: one round trip)
+    cur.execute("""UPDATE offsetflow.batch_ranges br SET records = n.records
+                     FROM unnest(%s::text[], %s::int[], %s::bigint[])
+                          AS n(topic, partition, records)
+                    WHERE br.batch_id = %s AND br.topic = n.topic
+                      AND br.partition = n.partition""",
+                ([r.topic for r in batch.ranges], [r.partition for r in batch.ranges],
+                 [moved.per_range.get(f"{r.topic}/{r.partition}", 0) for r in batch.ranges],
+                 batch.batch_id))
+    cur.execute("""UPDATE offsetflow.batches
+                      SET status = 'committed', finished_at = now(), records_read = %s,
+                          rows_written = %s, bad_records = %s, error = NULL,
+                          timings = %s
+                    WHERE batch_id = %s""",
+                (staged + task_bad_records(cur, batch.batch_id), moved.rows, moved.dead,
+                 json.dumps(timings or {}), batch.batch_id))
+    ledger.drop_staging(cur, batch.batch_id)  # 6
+    log.info("batch %d committed: %d rows into %s, %d dead letters", batch.batch_id,
+             moved.rows, batch.target_table, moved.dead)
+    return CommitResult(batch.batch_id, "committed", moved.rows, moved.dead,
+                        dict(moved.per_range))
+
+
+def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch
+                        ) -> dict[tuple[str, int], tuple[int, int | None]]:
+    """Per range: the committed position the batch was planned from (the range's
+    `from_offset`, or the older position a `data_loss: continue` gap skipped) and the
+    position found now (None: the partition has none yet)."""
+    cur.execute("""SELECT br.topic, br.partition,
+                          COALESCE(br.expected_position, br.from_offset), p.next_offset
+                     FROM offsetflow.batch_ranges br
+                     LEFT JOIN offsetflow.positions p
+                       ON p.pipeline = %s AND p.topic = br.topic AND p.partition = br.partition
+                    WHERE br.batch_id = %s""", (batch.pipeline, batch.batch_id))
+    return {(t, int(p)): (int(exp), None if found is None else int(found))
+            for t, p, exp, found in cur.fetchall()}
+
+
+def check_fence(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+    """Step 3's test without its lock or update: a batch planned from positions that have
+    moved since (a zombie, or a run that lost a race) is refused before it reads anything
+    or writes a row. Step 3 itself still decides at commit time."""
+    if not batch.moves_positions:
+        return
+    expected = _expected_positions(cur, batch)
+    for r in batch.ranges:
+        exp, found = expected.get(r.topic_partition, (r.from_offset, None))
+        if found is not None and found != exp:
+            raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp, found,
+                                    open_scheduled=batch.kind == "scheduled")
+
+
+def fence_and_advance(cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+    """Move each position from the value the batch expects (`batch_ranges.expected_position`,
+    else `from_offset`) to the range's `until_offset`, or refuse the whole commit. One
+    statement moves every position found where the batch expects it (1,000 ranges cost one
+    round trip, not 1,000); a range it did not move is fenced, or its partition's first."""
+    cur.execute("""UPDATE offsetflow.positions p
+                      SET next_offset = br.until_offset, batch_id = br.batch_id,
+                          updated_at = now(), topic_id = COALESCE(br.topic_id, p.topic_id)
+                     FROM offsetflow.batch_ranges br
+                    WHERE br.batch_id = %s AND br.topic = p.topic
+                      AND br.partition = p.partition AND p.pipeline = %s
+                      AND p.next_offset = COALESCE(br.expected_position, br.from_offset)
+                RETURNING p.topic, p.partition,
+                          COALESCE(br.expected_position, br.from_offset)""",
+                (batch.batch_id, batch.pipeline))
+    advanced = {(t, int(p)): int(exp) for t, p, exp in cur.fetchall()}
+    expected = _expected_positions(cur, batch) if len(advanced) < len(batch.ranges) else {}
+    history = []
+    for r in batch.ranges:
+        old: int | None
+        if r.topic_partition in advanced:
+            old = exp = advanced[r.topic_partition]
+        else:
+            exp, _ = expected.get(r.topic_partition, (r.from_offset, None))
+            _first_position(cur, batch, r, exp)
+            old = None
+        reason = "commit" if exp == r.from_offset else (
+            f"commit; offsets [{exp}, {r.from_offset}) were gone from Kafka (data_loss: "
+            f"continue)")
+        history.append((batch.pipeline, r.topic, r.partition, old, r.until_offset,
+                        batch.batch_id, reason))
+    psycopg2.extras.execute_values(
+        cur, """INSERT INTO offsetflow.position_history
+                  (pipeline, topic, partition, old_offset, new_offset, batch_id, reason)
+                VALUES %s""", history, page_size=max(len(history), 1))
+
+
+def _first_position(cur: psycopg2.extensions.cursor, batch: Batch, r: OffsetRange,
+                    exp: int) -> None:
+    """A range whose position was not where the batch expects it: fenced, unless its
+    partition has no position yet (its first batch creates the row, once)."""
+    cur.execute("""SELECT next_offset FROM offsetflow.positions
+                    WHERE pipeline = %s AND topic = %s AND partition = %s""",
+                (batch.pipeline, r.topic, r.partition))
+    found = cur.fetchone()
+    if found is not None:
+        raise FencedCommitError(batch.batch_id, r.topic, r.partition, exp,
+                                int(found[0]), open_scheduled=batch.kind == "scheduled")
+    cur.execute("""INSERT INTO offsetflow.positions
+                     (pipeline, topic, partition, next_offset, batch_id, topic_id)
+                   SELECT %s, %s, %s, %s, %s, topic_id FROM offsetflow.batch_ranges
+                    WHERE batch_id = %s AND topic = %s AND partition = %s
+                   ON CONFLICT DO NOTHING""",
+                (batch.pipeline, r.topic, r.partition, r.until_offset, batch.batch_id,
+                 batch.batch_id, r.topic, r.partition))
+    if cur.rowcount == 0:
+        raise FencedCommitError(batch.batch_id, r.topic, r.partition, r.from_offset, None)

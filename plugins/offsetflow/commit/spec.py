@@ -1,0 +1,89 @@
+"""What the commit protocol (`offsetflow.commit.protocol`) is given and what it gives back: what
+step 4 writes and where (`CommitSpec`), step 4's counts (`Moved`), the commit's result
+(`CommitResult`), and the shape of a sink outside PostgreSQL that takes step 4
+(`ExternalSink`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import psycopg2.extensions
+
+from offsetflow.commit.dead_letters import Coordinate
+from offsetflow.ledger import Batch
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    batch_id: int
+    status: str  # committed | already_committed
+    rows_written: int
+    bad_records: int
+    records_per_range: dict[str, int]
+
+    @property
+    def message(self) -> str:
+        if self.status == "already_committed":
+            return f"batch {self.batch_id} was already committed; nothing to do"
+        return (f"batch {self.batch_id} committed: {self.rows_written} rows, "
+                f"{self.bad_records} dead letters")
+
+
+class ExternalSink(Protocol):
+    """Step 4 for a sink outside PostgreSQL; see `offsetflow.commit.protocol`'s docstring. Both
+    methods run inside the commit's transaction (`cur`: stage, markers and ledger are
+    readable) with the batch row locked, and return step 4's counts for `record_batch`."""
+
+    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        """The sink's own record that this batch is committed there, or None."""
+
+    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        """Write the staged rows and commit them in the sink, tagged with the batch id."""
+
+    def close(self) -> None:
+        """Release what `find` left open for `write` (e.g. a producer holding its fence)."""
+
+
+@dataclass(frozen=True)
+class CommitSpec:
+    """What step 4 writes and where; the same for every attempt of a batch.
+
+    `tombstones`: upsert `delete` | `dead_letter`; append `dead_letter` | `null_row`. A
+    tombstone is a staged row whose `value` IS NULL; without a `value` column (a transform
+    dropped it) or without a dead-letter table nothing is told apart."""
+
+    columns: tuple[str, ...]
+    mode: str = "append"
+    key: tuple[str, ...] = ()
+    tombstones: str = "dead_letter"
+    dead_letter_table: str | None = None
+    bad_records_staged: bool = False  # the tasks staged bad records (bad_records: dead_letter)
+    quality_routes: Mapping[Coordinate, list[str]] = field(default_factory=dict)
+    # the batch's config fingerprint as this run took it up; None: not checked
+    config_fingerprint: str | None = None
+    # the stage generation this run staged under (None: not checked), and whether part k
+    # is sub-range k of the batch's split (the fused path) or a Spark partition of a
+    # transform's output
+    stage_generation: int | None = None
+    subrange_parts: bool = False
+    external: ExternalSink | None = None  # step 4 outside PostgreSQL (Iceberg, Kafka)
+    # the tasks wrote the rows to the sink's files, listed in their markers (the stage holds
+    # only tombstones routed by policy): the sink reconciles the markers, the stage is not
+    # counted against them (`sinks.task_data_files`)
+    task_files: bool = False
+
+    @property
+    def routes_tombstones(self) -> bool:
+        return (self.mode == "append" and self.tombstones == "dead_letter"
+                and "value" in self.columns and self.dead_letter_table is not None)
+
+
+@dataclass
+class Moved:
+    """Step 4's counts; `PartwiseCommit` adds to them part by part."""
+
+    rows: int = 0
+    dead: int = 0
+    per_range: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,71 @@
+"""Pipeline configs (`include/pipelines/<name>.yaml`): parsed, validated on load, and
+the model every other package reads. Pure: no I/O beyond reading the file.
+"""
+
+from __future__ import annotations
+
+from offsetflow.config.fields import validate_table_name
+from offsetflow.config.iceberg_sink import (
+    SUMMARY_BATCH,
+    SUMMARY_PIPELINE,
+    IcebergConfig,
+    SortField,
+    catalog_properties,
+    check_summary_ranges,
+    layout_drift,
+    resolve_identifier,
+    snapshot_summary,
+    summary_batch,
+)
+from offsetflow.config.loader import find_pipeline, load_pipeline, pipelines_dir
+from offsetflow.config.parse import parse_pipeline
+from offsetflow.config.schema import (
+    DECIMAL_RE,
+    FORBIDDEN_CLIENT_KEYS,
+    IDENT_RE,
+    NAME_RE,
+    RESERVED_COLUMNS,
+    TOPIC_RE,
+    KafkaConfig,
+    KafkaSinkConfig,
+    PipelineConfig,
+    StartingPolicy,
+    config_drift,
+    connect_address,
+    redact_dsn,
+    redact_value,
+    split_table_name,
+)
+
+__all__ = [
+    "DECIMAL_RE",
+    "FORBIDDEN_CLIENT_KEYS",
+    "IDENT_RE",
+    "IcebergConfig",
+    "KafkaConfig",
+    "KafkaSinkConfig",
+    "NAME_RE",
+    "PipelineConfig",
+    "RESERVED_COLUMNS",
+    "SUMMARY_BATCH",
+    "SUMMARY_PIPELINE",
+    "SortField",
+    "StartingPolicy",
+    "TOPIC_RE",
+    "catalog_properties",
+    "check_summary_ranges",
+    "config_drift",
+    "connect_address",
+    "find_pipeline",
+    "layout_drift",
+    "load_pipeline",
+    "parse_pipeline",
+    "pipelines_dir",
+    "redact_dsn",
+    "redact_value",
+    "resolve_identifier",
+    "snapshot_summary",
+    "split_table_name",
+    "summary_batch",
+    "validate_table_name",
+]

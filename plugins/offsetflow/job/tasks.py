@@ -1,0 +1,299 @@
+"""What runs inside the job's Spark tasks: read planned sub-ranges with one consumer per
+task, turn each chunk into the stage's rows, and stage them (`offsetflow.stage.part`).
+
+The driver (`offsetflow.job.driver`) builds these task functions with `make_reader`,
+`make_writer` or `make_read_and_stage` and hands them to `mapInArrow`; Spark pickles them,
+so everything they call lives at module level here, importable on the executors from the
+shipped package. Only plain values cross to the tasks (`ReadContext`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from offsetflow.commit import pg_type
+from offsetflow.config import DECIMAL_RE, PipelineConfig
+from offsetflow.ledger import stage_part_table
+from offsetflow.ranges import OffsetRange
+from offsetflow.stage import BadBuffer, BadRows, SubrangeBad, TaskClock, binary_encoder, stage_rows
+
+if TYPE_CHECKING:
+    from offsetflow.sinks.iceberg import TaskFiles
+
+RAW_DDL = ("`topic` string, `partition` int, `offset` bigint, `timestamp` timestamp, "
+           "`timestamp_type` int, `key` binary, `value` binary, "
+           "`headers` array<struct<key:string,value:binary>>")
+SPARK_TYPES = {"string": "string", "long": "bigint", "int": "int", "double": "double",
+               "float": "float", "boolean": "boolean", "timestamp": "timestamp", "date": "date"}
+
+
+def spark_ddl(cfg: PipelineConfig) -> str:
+    """The rows `make_reader`'s tasks hand Spark: raw columns + the config's typed fields."""
+    fields = [f"`{name}` {SPARK_TYPES.get(t, t if DECIMAL_RE.match(t) else 'string')}"
+              for name, t in cfg.schema.items()]
+    return ", ".join([RAW_DDL, *fields])
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What a task needs to read one sub-range: plain values, cheap to ship to workers."""
+
+    batch_id: int
+    dsn: str
+    pipeline: str
+    consumer_conf: dict[str, str]
+    schema: dict[str, str]
+    fmt: str
+    write_dead: bool
+    specs: list[dict[str, Any]]
+    generation: int | None = None  # the stage generation the run stages under
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
+           generation: int | None = None) -> ReadContext:
+        return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
+                   cfg.format_type, cfg.bad_records == "dead_letter", specs, generation)
+
+
+def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
+                  bad_sink: BadBuffer | None = None, consumer: Any = None
+                  ) -> Iterator[pa.RecordBatch]:
+    """Raw columns + typed fields of sub-range `idx`, chunk by chunk. Bad records go to
+    `bad_sink` (the caller's staging transaction), else to a `SubrangeBad` that records
+    them keyed by coordinates and writes the sub-range's marker when it is read to its end.
+    A tombstone (null value) is a row with a null `value` (see
+    `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
+    shared by the small sub-ranges it reads (a large one, or None: a consumer of its
+    own for this sub-range)."""
+    from offsetflow.source import SHARED_MAX_SPAN, arrow_schema, read_range
+
+    r = OffsetRange.from_dict(rc.specs[idx])
+    typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+    own: SubrangeBad | None = None
+    sink: BadBuffer | SubrangeBad
+    if bad_sink is None:
+        sink = own = SubrangeBad(rc.dsn, rc.batch_id, idx, BadRows(rc.pipeline, rc.write_dead),
+                                 rc.generation)
+    else:
+        sink = bad_sink
+    shared = consumer is not None and r.span <= SHARED_MAX_SPAN
+    chunks = iter(read_range(rc.consumer_conf, r, consumer=consumer) if shared
+                  else read_range(rc.consumer_conf, r))
+    while True:
+        with clock.stage("read"):
+            chunk = next(chunks, None)
+        if chunk is None:
+            if own is not None:
+                own.close()
+            return
+        yield chunk_rows(rc, typed_schema, chunk, r, sink, clock)
+
+
+def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: OffsetRange,
+               sink: BadBuffer | SubrangeBad, clock: TaskClock) -> pa.RecordBatch:
+    """A chunk of raw records (of range `r`, or of several: `chunk.topics`) as the stage's
+    rows: raw columns + typed fields; its bad records go to `sink`."""
+    from offsetflow.source import BadRecord, deserialize_json
+
+    clock.count("records", len(chunk))
+    typed: pa.Table | None = None
+    good: list[int] | None = None
+    bad: list[BadRecord] = []
+    if typed_schema is not None:
+        with clock.stage("deserialize"):
+            typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
+    if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
+        good, typed, bad = _drop_refused(chunk.refused, len(chunk), good, typed, bad)
+    if bad:
+        sink.add([
+            {"topic": r.topic if chunk.topics is None else chunk.topics[x.index],
+             "partition": r.partition if chunk.partitions is None
+             else chunk.partitions[x.index],
+             "offset": chunk.offsets[x.index], "timestamp": chunk.timestamps[x.index],
+             "key": chunk.keys[x.index], "value": chunk.values[x.index], "error": x.reason}
+            for x in bad])
+    with clock.stage("to_arrow"):
+        raw = chunk.to_arrow(r.topic, r.partition, None if not bad else good)
+        if typed is None or typed_schema is None:
+            return raw  # type: ignore[no-any-return]
+        cols = list(raw.columns) + list(typed.combine_chunks().columns)
+        return pa.RecordBatch.from_arrays(
+            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
+            names=raw.schema.names + typed_schema.names)
+
+
+def read_packed(rc: ReadContext, idxs: list[int], clock: TaskClock, bad_sink: BadBuffer,
+                consumer: Any) -> Iterator[pa.RecordBatch]:
+    """A packed task's sub-ranges: the small ones (up to `SHARED_MAX_SPAN` offsets, one per
+    topic-partition) all at once on the task's consumer (`reader_packed`), in chunks that
+    span ranges; the others one by one (`read_subrange`)."""
+    from offsetflow.source import SHARED_MAX_SPAN, arrow_schema, read_ranges
+
+    small: dict[tuple[str, int], OffsetRange] = {}
+    rest: list[int] = []
+    for idx in idxs:
+        r = OffsetRange.from_dict(rc.specs[idx])
+        if r.span <= SHARED_MAX_SPAN and r.topic_partition not in small:
+            small[r.topic_partition] = r
+        else:
+            rest.append(idx)
+    if small:
+        typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+        first = next(iter(small.values()))
+        chunks = iter(read_ranges(consumer, list(small.values())))
+        while True:
+            with clock.stage("read"):
+                chunk = next(chunks, None)
+            if chunk is None:
+                break
+            yield chunk_rows(rc, typed_schema, chunk, first, bad_sink, clock)
+    for idx in rest:
+        yield from read_subrange(rc, idx, clock, bad_sink, consumer)
+
+
+def _drop_refused(refused: dict[int, str], n: int, good: list[int] | None,
+                  typed: pa.Table | None, bad: list[Any]
+                  ) -> tuple[list[int], pa.Table | None, list[Any]]:
+    """Take the reader's refused records out of the good rows and into the bad ones."""
+    from offsetflow.source import BadRecord
+
+    good = list(range(n)) if good is None else good
+    keep = [j for j, g in enumerate(good) if g not in refused]
+    if typed is not None:
+        typed = typed.take(pa.array(keep, pa.int64()))
+    already = {b.index for b in bad}
+    bad = sorted([*bad, *(BadRecord(i, why) for i, why in refused.items() if i not in already)],
+                 key=lambda b: b.index)
+    return [good[j] for j in keep], typed, bad
+
+
+def _subranges(groups: list[tuple[int, ...]] | None, ids: Iterator[pa.RecordBatch]
+               ) -> Iterator[int]:
+    """The sub-ranges a task reads: its ids are sub-ranges, or (`groups`) packed parts."""
+    for b in ids:
+        for i in b.column("id").to_pylist():
+            yield from (i,) if groups is None else groups[i]
+
+
+def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
+                generation: int | None = None, groups: list[tuple[int, ...]] | None = None
+                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """DataFrame path (a transform is configured): rows go to Spark for the transform.
+    `groups`: the sub-ranges each task id reads (`offsetflow.stage.packing`), else one each."""
+    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
+
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from offsetflow.source import range_consumer
+
+        with range_consumer(rc.consumer_conf, shared=True) as consumer:
+            for idx in _subranges(groups, batches):
+                clock = TaskClock()
+                yield from read_subrange(rc, idx, clock, consumer=consumer)
+                clock.emit(batch_id, "read", idx)
+    return read
+
+
+STATS_DDL = "part int, rows bigint, skipped boolean"
+
+
+def _stats_batch(part: int, stats: dict[str, Any]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(
+        [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
+        schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_())]))
+
+
+def _task_part() -> int:
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.partitionId() if ctx is not None else 0
+
+
+def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = None
+                ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """DataFrame path: stage the transform's output (in stage form); rows PostgreSQL
+    refuses become bad records under `bad`'s policy."""
+    def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        part = _task_part()
+        clock = TaskClock()
+        stats = stage_rows(dsn, batch_id, part, batches, clock, bad=bad,
+                           generation=generation)
+        clock.emit(batch_id, "stage", part)
+        yield _stats_batch(part, stats)
+    return write
+
+
+def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
+                        specs: list[dict[str, Any]], generation: int | None = None,
+                        groups: list[tuple[int, ...]] | None = None,
+                        files: TaskFiles | None = None
+                        ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """Fused path (no transform): each task reads its sub-ranges (`groups[part]`, packed by
+    `offsetflow.stage.packing`; without `groups`, the sub-range its id names) with one consumer
+    and COPYs them into its stage part itself, so records never cross into the JVM and
+    back. Spark schedules, retries and spreads the tasks; the stage marker, which names the
+    sub-ranges, still makes a retried task stage nothing twice. With `files` (an Iceberg
+    append, `sinks.task_data_files`) the task writes its rows as the table's data files
+    and lists them in that marker instead (`offsetflow.sinks.iceberg.tasks`)."""
+    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
+    pg_types = [t for _, t in stage_columns(cfg)]
+
+    def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from offsetflow.source import range_consumer
+
+        part = _task_part()
+        clock = TaskClock(ignore=("wait_upstream",))  # here upstream is read + deserialize
+
+        bad_in = BadBuffer()  # read-side bad records: written in the part's transaction
+        consumer = contextlib.ExitStack()
+
+        def rows() -> Iterator[pa.RecordBatch]:
+            shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
+            yield from read_packed(rc, list(_subranges(groups, batches)), clock, bad_in,
+                                   shared)
+        with consumer:
+            stats = stage_rows(dsn, batch_id, part, coalesced(rows()), clock,
+                               binary_encoder(pg_types),
+                               table=stage_part_table(batch_id, part),
+                               bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
+                               generation=generation,
+                               subranges=None if groups is None else groups[part],
+                               files=None if files is None else files.writer(part))
+        clock.emit(batch_id, "read_stage", part)
+        yield _stats_batch(part, stats)
+    return read_and_stage
+
+
+def coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """Successive small chunks (a packed task's ranges of a few records each) as one, so
+    they cost one COPY and savepoint, not one per range; a chunk stays within the reader's
+    row and byte bounds, and chunks of another schema are never joined."""
+    from offsetflow.source import MAX_CHUNK_BYTES, MAX_CHUNK_ROWS
+
+    buf: list[pa.RecordBatch] = []
+    rows = size = 0
+    for b in batches:
+        if buf and (rows + b.num_rows > MAX_CHUNK_ROWS or size + b.nbytes > MAX_CHUNK_BYTES
+                    or not b.schema.equals(buf[0].schema)):
+            yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+            buf, rows, size = [], 0, 0
+        buf.append(b)
+        rows += b.num_rows
+        size += b.nbytes
+    if buf:
+        yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+
+
+def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """Stage/target columns of the fused path, from the config alone (no Spark analysis)."""
+    types = [("topic", "string"), ("partition", "int"), ("offset", "bigint"),
+             ("timestamp", "timestamp"), ("timestamp_type", "int"), ("key", "binary"),
+             ("value", "binary"), ("headers", "array<struct<key:string,value:binary>>")]
+    if cfg.format_type == "json":
+        types += [(n, SPARK_TYPES.get(t, t)) for n, t in cfg.schema.items()]
+    return [(n, pg_type(t)) for n, t in types]

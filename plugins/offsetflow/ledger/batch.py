@@ -1,0 +1,59 @@
+"""The Batch record: one row of `offsetflow.batches` with its ranges, as the ledger reads
+it (`offsetflow.ledger.store`). No I/O here, so pure modules (the sinks' rules, planning's
+checks) can take a Batch without the PostgreSQL adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from offsetflow.ranges import OffsetRange
+
+OPEN_STATUSES = ("planned", "running", "failed")
+KINDS = ("scheduled", "backfill", "replay")
+
+
+@dataclass(frozen=True)
+class Batch:
+    batch_id: int
+    pipeline: str
+    kind: str
+    status: str
+    ranges: tuple[OffsetRange, ...]
+    target_table: str
+    moves_positions: bool = True
+    config_fingerprint: str | None = None
+    started_by: str = "unknown"
+    params: dict[str, Any] = field(default_factory=dict)
+    planned_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    records_read: int | None = None
+    rows_written: int | None = None
+    bad_records: int | None = None
+    error: str | None = None
+    quality: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    split_offsets: int | None = None  # its ranges' split into Spark parts; None before 0003
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in OPEN_STATUSES
+
+    @property
+    def offset_span(self) -> int:
+        return sum(r.span for r in self.ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in (
+            "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
+            "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
+            "error", "quality", "timings")}
+        for k in ("planned_at", "started_at", "finished_at"):
+            v = getattr(self, k)
+            d[k] = v.isoformat() if v else None
+        d["ranges"] = [r.to_dict() for r in self.ranges]
+        return d

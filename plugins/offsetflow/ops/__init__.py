@@ -1,0 +1,35 @@
+"""Operator verbs without Airflow: run until caught up, backfill and replay, status,
+reset positions, complete a batch an external sink holds.
+"""
+
+from __future__ import annotations
+
+from offsetflow.ops.backfill import plan_window, run_batches, submit_window
+from offsetflow.ops.complete import complete_from_sink, unreadable_in
+from offsetflow.ops.positions import reset_positions
+from offsetflow.ops.runner import (
+    CycleResult,
+    kafka_for,
+    open_batch_wait,
+    pending_for,
+    plan_only,
+    run_until_caught_up,
+)
+from offsetflow.ops.status import format_status, pipeline_status
+
+__all__ = [
+    "CycleResult",
+    "complete_from_sink",
+    "format_status",
+    "kafka_for",
+    "open_batch_wait",
+    "pending_for",
+    "pipeline_status",
+    "plan_only",
+    "plan_window",
+    "reset_positions",
+    "run_batches",
+    "run_until_caught_up",
+    "submit_window",
+    "unreadable_in",
+]

@@ -1,0 +1,125 @@
+"""Per-partition lag and recent batches: the operator's view (CLI, plugin page, JSON)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import KafkaUnavailableError
+from offsetflow.ledger import Ledger
+from offsetflow.ranges import PartitionOffsets, TopicPartition
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    topic: str
+    partition: int
+    committed: int | None
+    earliest: int | None
+    latest: int | None
+    lag: int | None  # offsets between the committed position and the latest offset
+    retention_headroom: int | None  # offsets the position is ahead of the earliest one
+    lag_seconds: float | None = None  # age of the oldest record not yet committed
+    retention_seconds: float | None = None  # topic retention.ms / 1000 (None: unlimited)
+    headroom_seconds: float | None = None  # time before the oldest unread record ages out
+    warning: str | None = None
+
+
+def lag_rows(committed: Mapping[TopicPartition, int],
+             offsets: Mapping[TopicPartition, PartitionOffsets]) -> list[PartitionLag]:
+    """Pure: join ledger positions with Kafka offsets; a partition absent on one side shows
+    None there (new partition not read yet, or a partition gone from Kafka)."""
+    rows = []
+    for tp in sorted(set(committed) | set(offsets)):
+        c = committed.get(tp)
+        o = offsets.get(tp)
+        start = c if c is not None else (o.earliest if o else None)
+        rows.append(PartitionLag(
+            tp[0], tp[1], c, o.earliest if o else None, o.latest if o else None,
+            (o.latest - start) if o is not None and start is not None else None,
+            (c - o.earliest) if o is not None and c is not None else None))
+    return rows
+
+
+def with_times(rows: list[PartitionLag], oldest_unread_ms: Mapping[TopicPartition, int],
+               retention_ms: Mapping[str, int | None], now_ms: int,
+               warn_fraction: float = 0.25) -> list[PartitionLag]:
+    """Pure: add lag in time and retention headroom, and warn before unread data ages out."""
+    out = []
+    for r in rows:
+        tp = (r.topic, r.partition)
+        ts = oldest_unread_ms.get(tp)
+        lag_s = max(0.0, (now_ms - ts) / 1000) if ts is not None and (r.lag or 0) > 0 else 0.0
+        ret = retention_ms.get(r.topic)
+        ret_s = ret / 1000 if ret is not None and ret >= 0 else None
+        head = (ret_s - lag_s) if ret_s is not None else None
+        warning = None
+        if r.committed is not None and r.earliest is not None and r.committed < r.earliest:
+            warning = f"data loss: offsets [{r.committed}, {r.earliest}) are gone"
+        elif head is not None and ret_s and head < warn_fraction * ret_s:
+            warning = (f"unread data ages out in {head:.0f}s "
+                       f"({100 * head / ret_s:.0f}% of retention left)")
+        out.append(replace(r, lag_seconds=round(lag_s, 3), retention_seconds=ret_s,
+                           headroom_seconds=None if head is None else round(head, 3),
+                           warning=warning))
+    return out
+
+
+def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str, Any]:
+    from offsetflow.ops.runner import kafka_for
+
+    with Ledger(dsn) as ledger:
+        committed = ledger.positions(cfg.name)
+        batches = ledger.recent_batches(cfg.name, recent)
+        history = ledger.lag_history(cfg.name)
+    kafka_error = None
+    offsets: dict[TopicPartition, PartitionOffsets] = {}
+    rows: list[PartitionLag] = []
+    try:
+        k = kafka_for(cfg)
+        topics = k.topics(cfg.topics, cfg.topic_pattern)
+        offsets = k.partition_offsets(k.partitions(topics))
+        rows = lag_rows(committed, offsets)
+        unread = {(r.topic, r.partition): r.committed if r.committed is not None
+                  else (r.earliest or 0) for r in rows if (r.lag or 0) > 0}
+        rows = with_times(rows, k.record_timestamps(unread, cfg.consumer_settings()),
+                          k.retention_ms(topics), int(time.time() * 1000))
+    except KafkaUnavailableError as e:
+        kafka_error = str(e)
+        rows = lag_rows(committed, offsets)
+    return {
+        "pipeline": cfg.name,
+        "kafka_error": kafka_error,
+        "partitions": [asdict(r) for r in rows],
+        "total_lag": sum(r.lag or 0 for r in rows),
+        "max_lag_seconds": max((r.lag_seconds or 0 for r in rows), default=0),
+        "warnings": [f"{r.topic}[{r.partition}]: {r.warning}" for r in rows if r.warning],
+        "batches": [b.to_dict() for b in batches],
+        "lag_history": history,
+    }
+
+
+def format_status(st: Mapping[str, Any]) -> str:
+    lines = [f"pipeline {st['pipeline']}  total lag {st['total_lag']}  "
+             f"oldest unread {st.get('max_lag_seconds', 0):.0f}s"]
+    lines += [f"  WARNING {w}" for w in st.get("warnings", [])]
+    if st.get("kafka_error"):
+        lines.append(f"  kafka: {st['kafka_error']}")
+    lines.append(f"  {'topic':<24}{'part':>5}{'committed':>12}{'latest':>12}{'lag':>10}")
+    for p in st["partitions"]:
+        lines.append(f"  {p['topic']:<24}{p['partition']:>5}{_n(p['committed']):>12}"
+                     f"{_n(p['latest']):>12}{_n(p['lag']):>10}")
+    lines.append("  recent batches:")
+    for b in st["batches"]:
+        span = sum(r["until_offset"] - r["from_offset"] for r in b["ranges"])
+        lines.append(f"    #{b['batch_id']:<6}{b['kind']:<10}{b['status']:<10}"
+                     f"offsets {span:<9}rows {_n(b['rows_written']):<9}"
+                     f"{(b['error'] or '')[:80]}")
+    return "\n".join(lines)
+
+
+def _n(v: int | None) -> str:
+    return "-" if v is None else str(v)

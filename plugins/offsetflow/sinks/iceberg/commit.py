@@ -1,0 +1,174 @@
+"""The Iceberg sink's catalog commit (step 2 of `offsetflow.sinks.iceberg.sink`'s order): ONE
+commit per batch whose snapshot summary names it, found again before every attempt.
+
+`commit_snapshot` looks for the batch among main's ancestors (`find_batch`) and, only if
+it is not there, appends the rows or data files (a replay or backfill first deletes its
+window by coordinates, `window_filter`) in one transaction that asserts main is still the
+snapshot it searched. pyiceberg's own rebase-and-retry is off for this view of the table
+(`_no_rebase`), so a conflict comes back here: the table is refreshed, the batch looked for
+again, and only then is the commit retried, at most `COMMIT_RETRIES` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from offsetflow.config import check_summary_ranges, summary_batch
+from offsetflow.errors import OffsetFlowError, SchemaMismatchError
+from offsetflow.ledger import Batch
+from offsetflow.sinks.iceberg.files import batch_file_prefix, name_files_for
+
+if TYPE_CHECKING:
+    from pyiceberg.manifest import DataFile
+    from pyiceberg.table import Table, Transaction
+
+log = logging.getLogger(__name__)
+
+COMMIT_RETRIES = 5
+NO_REBASE = ("commit.retry.num-retries", "0")
+# test-only fault hook: SIGKILL the driver after the data files are written (before the
+# catalog commit) or after the catalog commit (before the ledger commits)
+FAULT_ENV = "OFFSETFLOW_ICEBERG_FAULT"
+
+
+class IcebergCommitError(OffsetFlowError):
+    """The Iceberg commit kept conflicting with other writers; nothing was committed."""
+
+
+def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
+    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None; a
+    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+        summary = snap.summary.additional_properties if snap.summary else {}
+        found = summary_batch(summary, batch.pipeline, batch.batch_id)
+        if found is not None:  # and the very ranges: batch ids repeat when ledgers do
+            check_summary_ranges(summary, batch.pipeline, batch.batch_id,
+                                 [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                  for r in batch.ranges],
+                                 f"{snap.snapshot_id} of {'.'.join(table.name())}")
+            return found
+    return None
+
+
+def _fault(point: str) -> None:
+    """Test-only: `after-files` / `after-commit` SIGKILL this driver there;
+    `pause-before-commit:<path>` creates <path> and waits until it is removed (a test
+    breaks a service meanwhile)."""
+    want = os.environ.get(FAULT_ENV, "")
+    if want == point:
+        log.warning("%s=%s: killing this driver (test fault)", FAULT_ENV, point)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if point == "after-files" and want.startswith("pause-before-commit:"):
+        flag = want.split(":", 1)[1]
+        open(flag, "w").close()
+        deadline = time.monotonic() + 600
+        while os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile] | None,
+                    summary: dict[str, str],
+                    check: Callable[[Table], None] | None = None,
+                    build: Callable[[Table], Transaction] | None = None) -> int | None:
+    """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
+    append `data`: rows, or data files written already (the tasks'; a retry after a
+    conflict re-commits the same files, it writes none); or, with `build`, the transaction
+    it makes of the table as loaded now (upsert: decided again after a conflict). Returns
+    None when this call committed, else the rows of the snapshot an earlier or concurrent
+    attempt committed for the batch. `check` vets the table each round (a conflict
+    refreshes it: the tasks' files must still fit its partition spec)."""
+    from pyiceberg.exceptions import CommitFailedException
+
+    for attempt in range(COMMIT_RETRIES):
+        # the snapshot the commit asserts is the one searched here (`find` may have looked
+        # at an older load of the table)
+        found = find_batch(table, batch)
+        if found is not None:
+            return found[0]
+        if check is not None:
+            check(table)
+        _no_rebase(table)
+        name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
+        if build is not None:
+            txn = build(table)
+        else:
+            assert data is not None
+            txn = _append_transaction(table, batch, data, summary)
+        _fault("after-files")
+        try:
+            txn.commit_transaction()
+        except CommitFailedException as e:
+            log.warning("batch %d: Iceberg commit conflicted (%s); refreshing and looking "
+                        "for the batch before retrying", batch.batch_id, e)
+            time.sleep(0.2 * (attempt + 1))
+            table.refresh()  # the loop's next round looks for the batch before retrying
+            continue
+        _fault("after-commit")
+        return None
+    raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
+                             f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
+                             f"with other writers; nothing was committed, re-run the batch")
+
+
+def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
+                        summary: dict[str, str]) -> Transaction:
+    txn = table.transaction()
+    if batch.kind in ("replay", "backfill"):
+        with warnings.catch_warnings():  # a window with nothing before is no news
+            warnings.filterwarnings("ignore", "Delete operation did not match")
+            txn.delete(window_filter(batch), snapshot_properties=summary)
+    if not isinstance(data, pa.Table):  # an empty list still records the batch
+        with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+            for f in data:
+                append.append_data_file(f)
+    elif data.num_rows:
+        try:
+            txn.append(data, snapshot_properties=summary)
+        except ValueError as e:  # pyiceberg's word for rows that do not fit the table
+            raise schema_mismatch(batch, table, e) from e
+    else:  # an empty snapshot still records the batch, so the retry finds it
+        with txn.update_snapshot(snapshot_properties=summary).fast_append():
+            pass
+    return txn
+
+
+def schema_mismatch(batch: Batch, table: Table, e: Exception) -> SchemaMismatchError:
+    return SchemaMismatchError(
+        f"batch {batch.batch_id}: its rows do not fit the Iceberg table "
+        f"{'.'.join(table.name())} ({e}); the table's schema is fixed when OffsetFlow "
+        f"creates it: evolve it (e.g. Spark ALTER TABLE) or write to a new sink.table")
+
+
+def _no_rebase(table: Table) -> None:
+    """pyiceberg retries a conflicting commit itself (`commit.retry.num-retries`, default 4)
+    by rebasing the append onto the new main: a zombie's batch would then land a second
+    time. This view of the table (never the stored properties) retries nothing, so a
+    conflict comes back here and the batch is looked for first."""
+    props = table.metadata.properties
+    if props.get(NO_REBASE[0]) != NO_REBASE[1]:
+        table.metadata = table.metadata.model_copy(
+            update={"properties": {**props, NO_REBASE[0]: NO_REBASE[1]}})
+
+
+def window_filter(batch: Batch) -> Any:
+    """The rows a replay/backfill window produced before: its ranges' coordinates."""
+    from pyiceberg import expressions
+
+    ex: Any = expressions  # pydantic models: mypy cannot read their positional signatures
+    out: Any = None
+    for r in batch.ranges:
+        term = ex.And(ex.EqualTo("topic", r.topic), ex.EqualTo("partition", r.partition),
+                      ex.GreaterThanOrEqual("offset", r.from_offset),
+                      ex.LessThan("offset", r.until_offset))
+        out = term if out is None else ex.Or(out, term)
+    return out

@@ -1,0 +1,354 @@
+"""The Kafka topic sink: step 4 of the commit protocol (`offsetflow.commit.spec.ExternalSink`)
+as one Kafka transaction per batch, written by the driver.
+
+Tasks stage rows in PostgreSQL as for every sink (the stage is the batch's durable buffer).
+Inside the commit's still-open ledger transaction, with the batch row locked:
+  `find`: `init_transactions` with the batch's stable `transactional.id` first. That bumps
+    the producer epoch, so a zombie of an older attempt can neither commit nor add records
+    from here on (the broker fences it), and it completes or aborts whatever transaction an
+    earlier attempt left. Only then are the sink group's committed offsets read
+    (read_committed, so stable): this batch's until_offsets with its metadata mean the Kafka
+    commit happened and the ledger only has to catch up; nothing is produced again.
+  `write`: the stage in source order (a server-side cursor, bounded memory) is produced in
+    one transaction, the batch's until_offsets go into the same transaction with
+    `send_offsets_to_transaction` (KIP-98), and it commits. Output and the record of the
+    commit are visible together or not at all; the ledger's COMMIT follows.
+Which names, which topic and how a row becomes a record: `offsetflow.sinks.kafka.form`; the
+producer and its transaction (open, send offsets, commit, retry, abort, fence):
+`offsetflow.sinks.kafka.txn`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psycopg2.extensions
+from confluent_kafka import Consumer, KafkaError, KafkaException
+from confluent_kafka import TopicPartition as KTopicPartition
+
+from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import KafkaSinkError, StagedRowsLostError
+from offsetflow.ledger import Batch, LedgerIdentity, ledger_identity, stage_table
+from offsetflow.sinks.kafka.form import (
+    check_columns,
+    record_headers,
+    record_size,
+    row_bytes_sql,
+    rows_per_fetch,
+    select_sql,
+)
+from offsetflow.sinks.kafka.limits import route_not_produced, topic_limits
+from offsetflow.sinks.kafka.mark import (
+    BATCH_HEADER,
+    SOURCE_HEADER,
+    CommitMark,
+    NotProduced,
+    commit_batch_ids,
+    committed_state,
+    not_produced_in,
+    output_topic,
+    records_in,
+    refuse_group_ahead,
+)
+from offsetflow.sinks.kafka.stage import prefetched
+from offsetflow.sinks.kafka.txn import KAFKA_TIMEOUT_S, KafkaTransaction, fence
+from offsetflow.stage import staged_per_range, staged_rows
+
+log = logging.getLogger(__name__)
+
+# test-only fault points (tests/integration/test_sink_kafka*.py), looked up once per batch:
+# pause_before_commit (records produced and flushed, transaction open; waits for the RESUME
+# file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process group
+# right after the Kafka commit, before the ledger's)
+FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
+PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
+RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
+
+CURSOR_ROWS = 5_000
+# driver memory for one fetch of staged rows (large records: fewer rows per fetch; up to
+# four fetches at once: one produced, two read ahead, one being read)
+FETCH_BYTES = 16 * 2**20
+# a row whose key and value alone are this far below the record limit needs no exact size
+NEAR_LIMIT_BYTES = 65_536
+
+
+class KafkaTopicSink(KafkaTransaction):
+    """`ExternalSink` for `sink.type: kafka`. One instance serves one commit attempt."""
+
+    def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
+                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
+        """`columns`: the stage's (None: only `find`, which reads no rows)."""
+        super().__init__(cfg, timeout_s)
+        self.columns = dict(columns or ())
+        if columns is not None:
+            check_columns(self.sink, self.columns, cfg.source_file)
+        self.spec = spec  # its dead-letter settings: the tasks' bad records go there
+        # the group's offsets `find` read when the batch was not there (`write` checks them)
+        self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
+        self.stage_gone = False  # see `completing`
+
+    # --- ExternalSink ---------------------------------------------------------------
+
+    def completing(self) -> None:
+        """`offsetflow complete`: the stage is lost; `find` takes the counts and the
+        left-out records from the commit's offset metadata alone."""
+        self.stage_gone = True
+
+    def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        topic = output_topic(self.sink, batch, self.cfg.source_file)
+        ident = ledger_identity(cur)
+        self._mark = CommitMark(self.cfg.name, ident.installation_id, topic)
+        self._open(batch)
+        try:
+            return self._find(cur, batch, topic, ident)
+        except BaseException:
+            self.close()
+            raise
+
+    def _find(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+              ident: LedgerIdentity) -> Moved | None:
+        mark, state = self._mark, self._committed(batch, self._mark)
+        found = committed_state(batch, mark, state)
+        self._unfound = None if found else state
+        if not found and ident.predates(batch.batch_id):
+            # planned before the ledger identity: an earlier attempt may have committed it
+            # under the older names and metadata; fence that transactional.id, then look
+            mark = CommitMark.legacy(self.cfg.name)
+            state = self._committed(batch, mark)
+            found = committed_state(batch, mark, state)
+            if found:
+                log.warning("batch %d: committed in Kafka under the names before the ledger "
+                            "identity (group %s); completing the ledger", batch.batch_id,
+                            mark.group(batch))
+        if not found:
+            return None  # the producer stays open (and its fence up) for `write`
+        skipped = not_produced_in(batch, mark, state)
+        self.close()
+        log.info("batch %d: its Kafka transaction to %s is committed (group %s holds its "
+                 "offsets); nothing is produced again", batch.batch_id, topic,
+                 mark.group(batch))
+        # the records that transaction left out go to the dead-letter table as it did
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
+                           stage_gone=self.stage_gone)
+        if self.stage_gone:
+            return _moved_from_record(batch, records_in(batch, mark, state), skipped)
+        moved = Moved(rows=staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
+        move_stage_dead_letters(cur, batch, self.spec, moved)
+        return moved
+
+    def _committed(self, batch: Batch, mark: CommitMark
+                   ) -> dict[tuple[str, int], tuple[int, str | None]]:
+        """The committed offsets of `mark`'s group for the batch's partitions, read after
+        `init_transactions` of its transactional.id (`_open` made it for this run's own
+        mark; another's, the older names, is fenced here). A partition the broker answers
+        with an error is no answer: refused, never taken for "not committed" (which would
+        produce the batch again)."""
+        group = mark.group(batch)
+        tps = [KTopicPartition(r.topic, r.partition) for r in batch.ranges]
+        consumer = self._consumer
+        try:
+            if mark != self._mark:
+                fence(self.cfg, mark.transactional_id(batch), self.timeout_s)
+                consumer = Consumer({**self.cfg.admin_settings(), "group.id": group,
+                                     "enable.auto.commit": False,
+                                     "isolation.level": "read_committed"})
+            assert consumer is not None
+            try:
+                found = consumer.committed(tps, timeout=self.timeout_s)
+            finally:
+                if consumer is not self._consumer:
+                    consumer.close()
+            return committed_offsets(batch, group, found)
+        except KafkaException as e:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offsets "
+                                 f"of group {group}: {e}") from e
+
+    def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        topic = output_topic(self.sink, batch, self.cfg.source_file)
+        if self._producer is None:
+            self._mark = CommitMark(self.cfg.name, ledger_identity(cur).installation_id, topic)
+            self._open(batch)
+        try:
+            # not in `find`: abandoning a batch the sink does not hold stays possible
+            state = (self._unfound if self._unfound is not None
+                     else self._committed(batch, self._mark))
+            refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
+            return self._write(cur, batch, staged, topic)
+        except BaseException:
+            if self._open_txn:  # not left open: it would hold back read_committed readers
+                self._abort(batch)
+            raise
+        finally:
+            self.close()
+
+    # --- the transaction's records -----------------------------------------------
+
+    def _write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
+               topic: str) -> Moved:
+        p = self._producer
+        assert p is not None and self._consumer is not None
+        partitions = self._partitions(batch, topic)
+        limit, compacted = topic_limits(self.cfg, batch, topic, self.timeout_s)
+        near = limit - NEAR_LIMIT_BYTES
+        skipped: list[NotProduced] = []
+        by_source = self.sink.partitioning == "source"
+        p.begin_transaction()
+        self._open_txn = True
+        self._txn_began = time.monotonic()
+        produced = 0
+        stage = stage_table(batch.batch_id)
+        cur.execute(row_bytes_sql(self.columns, stage))
+        largest = int(cur.fetchone()[0])  # type: ignore[index]
+        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
+        # encodes it as UTF-8): up to 4 bytes a character until counted exactly
+        text_value = self.sink.value_format == "json"
+        vmul = 4 if text_value else 1
+        batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
+                                                        str(batch.batch_id).encode())
+        produce = p.produce
+        with contextlib.closing(prefetched(
+                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
+                select_sql(self.sink, self.columns, stage),
+                rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as chunks:
+            for chunk in chunks:
+                for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+                    if by_source and s_part >= partitions:
+                        raise KafkaSinkError(
+                            f"batch {batch.batch_id}: sink.partitioning: source puts "
+                            f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
+                            f"has {partitions} partitions; add partitions to {topic} or use "
+                            f"partitioning: key")
+                    if key is not None:
+                        key = bytes(key)
+                    if value is not None and not text_value:
+                        value = bytes(value)
+                    headers: list[tuple[str, bytes | str | None]] = (
+                        [batch_header, (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
+                               if hdrs is None else
+                               record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
+                    size = (0 if key is None else len(key)) + (
+                        0 if value is None else vmul * len(value))
+                    try:
+                        if (key is None and compacted) or (
+                                size > near and record_size(key, value, headers) > limit):
+                            raise _NotProducible
+                        produce(topic, value, key, s_part if by_source else -1,
+                                timestamp=ts or 0, headers=headers)
+                    except BufferError:  # the local queue is full: let deliveries drain it
+                        if not self._produce(p, topic, key, value, headers,
+                                             s_part if by_source else -1, ts or 0):
+                            skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                                s_topic, s_part, s_off, record_size(key, value, headers))))
+                            continue
+                    except (_NotProducible, KafkaException) as e:
+                        if isinstance(e, KafkaException) and \
+                                e.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                            raise
+                        skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                            s_topic, s_part, s_off, None if key is None and compacted
+                            else record_size(key, value, headers))))
+                        continue
+                    produced += 1
+        if produced + len(skipped) != staged:
+            self._abort(batch)
+            raise StagedRowsLostError(batch.batch_id, None,
+                                      f"the stage holds {produced + len(skipped)} rows but "
+                                      f"its markers count {staged}")
+        p.flush(self.timeout_s)
+        if self._delivery_error is not None:
+            self._abort(batch)
+            raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
+                                 f"({self._delivery_error}); "
+                                 f"{self._timed_out() or 'the transaction was aborted'}")
+        self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
+        _fault_point("pause_before_commit")
+        self._commit(batch, topic, produced)
+        self._open_txn = False
+        _fault_point("kill_after_commit")
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
+        moved = Moved(rows=produced, dead=len(skipped))
+        move_stage_dead_letters(cur, batch, self.spec, moved)
+        return moved
+
+    # --- records the output topic cannot take -----------------------------------------
+
+    def _not_produced(self, batch: Batch, topic: str, limit: int,
+                      rec: NotProduced) -> NotProduced:
+        """A record that can never be produced: kept for the dead-letter table, or, without
+        one, the batch fails here naming it (nothing of the transaction becomes visible)."""
+        if self.cfg.bad_records == "dead_letter" and self.cfg.dead_letter_table:
+            log.warning("batch %d: %s/%d/%d goes to the dead-letter table: %s",
+                        batch.batch_id, rec.topic, rec.partition, rec.offset,
+                        rec.error(topic, limit))
+            return rec
+        raise KafkaSinkError(
+            f"batch {batch.batch_id}: the record {rec.topic}/{rec.partition}/{rec.offset} can "
+            f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
+            f"Set bad_records: dead_letter to route such records to the dead-letter table, "
+            f"or raise the limits")
+
+
+class _NotProducible(Exception):
+    """A record the output topic can never take (checked before `produce`)."""
+
+
+def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]
+                      ) -> dict[tuple[str, int], tuple[int, str | None]]:
+    """`Consumer.committed()`'s answer as offsets and metadata; a partition returned with
+    an error (its offset then reads as none) is refused."""
+    for tp in found:
+        if tp.error is not None:
+            raise KafkaSinkError(f"batch {batch.batch_id}: cannot read the committed offset of "
+                                 f"{tp.topic}[{tp.partition}] in group {group}: "
+                                 f"{tp.error.str()}; nothing is produced until it can be read")
+    return {(tp.topic, tp.partition): (tp.offset, tp.metadata) for tp in found}
+
+
+def _known_commits(cur: psycopg2.extensions.cursor, batch: Batch,
+                   found: dict[tuple[str, int], tuple[int, str | None]]
+                   ) -> set[tuple[int, str, int, int]]:
+    """This ledger's committed ranges (batch id, topic, partition, until_offset) of the
+    batches the group's offsets name: what `refuse_group_ahead` accepts above a from_offset."""
+    ids = [i for i in commit_batch_ids(found) if i != batch.batch_id]
+    if not ids:
+        return set()
+    cur.execute("""SELECT r.batch_id, r.topic, r.partition, r.until_offset
+                     FROM offsetflow.batch_ranges r JOIN offsetflow.batches b USING (batch_id)
+                    WHERE b.status = 'committed' AND b.pipeline = %s
+                      AND r.batch_id = ANY(%s)""", (batch.pipeline, ids))
+    return {(int(b), str(t), int(p), int(u)) for b, t, p, u in cur.fetchall()}
+
+
+def _moved_from_record(batch: Batch, records: dict[str, int] | None,
+                       skipped: Sequence[NotProduced]) -> Moved:
+    """Step 4's counts of a batch whose stage is gone, from its commit's record: the
+    staged records per range, less those the topic did not take."""
+    if records is None:  # committed by a release that did not record them
+        log.warning("batch %d: its Kafka commit records no counts (an older release made "
+                    "it); the ledger counts its rows as 0", batch.batch_id)
+        return Moved(rows=0, dead=len(skipped))
+    return Moved(rows=sum(records.values()) - len(skipped), dead=len(skipped),
+                 per_range=records)
+
+
+def _fault_point(name: str) -> None:
+    """A test-only fault (FAULT_ENV); not on the per-record path."""
+    if os.environ.get(FAULT_ENV) != name:
+        return
+    if name == "kill_after_commit":
+        log.warning("test fault: SIGKILL after the Kafka commit, before the ledger's")
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    paused, resume = os.environ.get(PAUSED_ENV), os.environ.get(RESUME_ENV)
+    if paused:
+        Path(paused).write_text(str(os.getpid()))
+    deadline = time.monotonic() + 600
+    while resume and not Path(resume).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)

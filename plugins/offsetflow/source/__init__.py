@@ -1,0 +1,33 @@
+"""Kafka as a source: metadata in batched admin calls, reading exactly one OffsetRange
+(or a packed task's ranges) with an assigned consumer, and decoding records to Arrow.
+Spark tasks import this package: its face stays light.
+"""
+
+from __future__ import annotations
+
+from offsetflow.source.deserialize import arrow_schema, deserialize_json
+from offsetflow.source.json_fast import BadRecord
+from offsetflow.source.lag import publish_positions
+from offsetflow.source.meta import KafkaMetadata
+from offsetflow.source.packed import read_ranges
+from offsetflow.source.reader import (
+    MAX_CHUNK_BYTES,
+    MAX_CHUNK_ROWS,
+    SHARED_MAX_SPAN,
+    range_consumer,
+    read_range,
+)
+
+__all__ = [
+    "BadRecord",
+    "KafkaMetadata",
+    "MAX_CHUNK_BYTES",
+    "MAX_CHUNK_ROWS",
+    "SHARED_MAX_SPAN",
+    "arrow_schema",
+    "deserialize_json",
+    "publish_positions",
+    "range_consumer",
+    "read_range",
+    "read_ranges",
+]
