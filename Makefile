@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel spark-env
+.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel spark-env docs
 
 venv: .venv/.installed
 
@@ -53,6 +53,11 @@ lint: venv
 	.venv/bin/lint-imports
 	$(PY) -m mypy
 	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
+
+# the documentation site (mkdocs.yml, docs/): strict, so a broken link, a config field
+# without a description or a config example that does not parse fails it
+docs: venv
+	$(PY) -m mkdocs build --strict --site-dir .stack/site
 
 # the installable provider package (pip install dist/offsetflow-*.whl into an Airflow 3)
 wheel: venv
