@@ -39,12 +39,17 @@ status:
 demo: up
 	$(ENV) $(PY) include/demo.py
 
-unit: venv
-	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+# $(call test_paths,DEFAULT): DEFAULT unless PYTEST_ARGS names a path under tests/ itself, so
+# that `make test PYTEST_ARGS="tests/integration/commit/test_sink.py -k name"` runs that file only
+test_paths = $(if $(filter tests tests/% ./tests ./tests/%,$(PYTEST_ARGS)),,$(1))
 
-# all tests (what CI runs); a quick local subset: make test PYTEST_ARGS="-m 'not slow'"
+unit: venv
+	$(PY) -m pytest $(call test_paths,tests/unit) -q $(PYTEST_ARGS)
+
+# all tests (what CI runs), the 25 slowest listed at the end; a quick local subset:
+# make test PYTEST_ARGS="-m 'not slow'"; one package: PYTEST_ARGS="tests/integration/commit"
 test: system-browser up
-	$(ENV) $(PY) -m pytest tests -v -rs --timeout=900 $(PYTEST_ARGS)
+	$(ENV) $(PY) -m pytest $(call test_paths,tests) -v -rs --timeout=900 --durations=25 $(PYTEST_ARGS)
 
 # ruff (with PLC2701: no private name imported across modules) and import-linter's
 # contracts in pyproject.toml (the lifecycle's layers, no import circle)

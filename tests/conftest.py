@@ -159,7 +159,6 @@ def secret_dsn(pg_dsn: str, admin_dsn: str) -> Iterator[tuple[str, str]]:
 # database `airflow_test` and a home `.stack/airflow-test` of their own.
 AIRFLOW_TEST_DB = "airflow_test"
 AIRFLOW_TEST_HOME = ROOT / ".stack" / "airflow-test"
-TEST_DAG_PATTERNS = ("offsetflow\\_dagtest\\_%", "offsetflow\\_rest\\_%")
 
 
 def _alchemy_db(url: str, db: str) -> str:
@@ -178,24 +177,6 @@ def _stack_fernet_key() -> str | None:
         if m:
             return m.group(1)
     return None
-
-
-def registered_test_dags(dsn: str) -> set[str]:
-    """DAGs of test pipelines registered in the metadata database at `dsn`."""
-    import psycopg2
-
-    conn = psycopg2.connect(dsn, connect_timeout=30)
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute("SELECT to_regclass('public.dag') IS NOT NULL")
-            row = cur.fetchone()
-            if not row or not row[0]:
-                return set()
-            cur.execute("SELECT dag_id FROM dag WHERE dag_id LIKE %s OR dag_id LIKE %s",
-                        TEST_DAG_PATTERNS)
-            return {r[0] for r in cur.fetchall()}
-    finally:
-        conn.close()
 
 
 def _copy_connections(src_dsn: str, dst_dsn: str) -> None:
@@ -232,6 +213,8 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
 
     import psycopg2
     from psycopg2 import sql
+
+    from tests.tooling.airflow_test_db import registered_test_dags
 
     stack_url = os.environ.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
     if not stack_url.startswith("postgresql"):

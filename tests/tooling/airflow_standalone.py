@@ -1,21 +1,29 @@
 """`airflow standalone` for integration tests: DAG files synced, started in its own process
-group on its own port, healthy, an admin token; the whole group stopped afterwards."""
+group on its own port, healthy, an admin token; the whole group stopped afterwards. And one
+with a test pipeline on a topic of its own and the window DAGs a test names."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from offsetflow.cli import main as offsetflow_main
+from tests.tooling.pipeline_data import SCHEMA
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def http(method: str, url: str, body: Any = None, token: str | None = None,
@@ -73,3 +81,35 @@ def airflow_standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def run_standalone(base: Path, pg_dsn: str, kafka_bootstrap: str, port: int,
+                   dags: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """`airflow standalone` in its own process group on `port`, with a test pipeline and
+    the given window DAGs; yields its URL, an admin token and the pipeline's names."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    uid = uuid.uuid4().hex[:8]  # topics outlive a test session's database
+    topic = f"rest-{uid}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    name = f"rest_{uid}"
+    pipelines, dag_dir = base / "pipelines", base / "dags"
+    pipelines.mkdir()
+    (dag_dir / "pipelines").mkdir(parents=True)
+    (pipelines / f"{name}.yaml").write_text(yaml.safe_dump({
+        "name": name, "schedule": None, "retries": 0,
+        "kafka": {"bootstrap_servers": kafka_bootstrap}, "source": {"topics": [topic]},
+        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"connection": pg_dsn, "table": f"rest_{uid}"}}))
+    for f in dags:
+        shutil.copy(ROOT / "dags" / f, dag_dir)
+    try:
+        with airflow_standalone(base, pipelines, dag_dir, port, os.environ,
+                                health_timeout_s=240) as (url, token):
+            yield {"url": url, "token": token, "name": name, "topic": topic,
+                   "table": f"rest_{uid}", "pipelines": pipelines,
+                   "log": base / "standalone.log"}
+    finally:
+        admin.delete_topics([topic])

@@ -339,7 +339,7 @@ def kill_kafka(restart: bool = True) -> None:
         stack("kafka-start")
 
 
-def _proc_table() -> dict[int, tuple[int, int, str]]:
+def proc_table() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, process group, command line) of every process we can read."""
     table: dict[int, tuple[int, int, str]] = {}
     for d in Path("/proc").iterdir():
@@ -359,7 +359,7 @@ def python_workers(job_pid: int) -> list[int]:
     """Spark's Python workers of one job: the processes that its `pyspark.daemon` forked
     for tasks, not the daemon itself. Found by ancestry: the daemon puts itself in a process
     group of its own."""
-    table = _proc_table()
+    table = proc_table()
 
     def in_job(pid: int) -> bool:
         seen = 0

@@ -5,9 +5,9 @@ declared schema, then a few vectorised checks for what pyarrow accepts but Postg
 or the declared type cannot hold (a value that is not one object, invalid UTF-8, NUL in
 strings, NaN/Infinity, float overflow, decimal precision). If the chunk has any bad record,
 the slow path parses record by record in Python to say exactly which offsets are bad and
-why; `tests/unit/test_deserialize_paths.py` holds both paths to the same answer. Nothing is
-dropped silently and nothing raises: every input record comes out either as a good row or as
-a `BadRecord`.
+why; `tests/unit/source/test_deserialize_paths.py` holds both paths to the same answer.
+Nothing is dropped silently and nothing raises: every input record comes out either as a good
+row or as a `BadRecord`.
 
 A null value (a tombstone) is a row too: its fields are null, except those the Kafka key
 fills when the key is a JSON object with fields of the schema's names.

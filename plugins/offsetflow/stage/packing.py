@@ -11,7 +11,7 @@ The packing is a function of the batch alone (its split, and the task count reco
 first run), so every attempt of a batch, a zombie included, draws the same parts: part `k`
 is `Packing.groups[k]`, and a stage marker records which sub-ranges its part read.
 Like Spark's `KafkaOffsetRangeCalculator`, the rules are a small table of cases
-(tests/unit/test_packing.py).
+(tests/unit/stage/test_packing.py).
 """
 
 from __future__ import annotations

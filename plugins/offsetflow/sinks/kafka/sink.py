@@ -63,10 +63,10 @@ from offsetflow.stage import staged_per_range, staged_rows
 
 log = logging.getLogger(__name__)
 
-# test-only fault points (tests/integration/test_sink_kafka*.py), looked up once per batch:
-# pause_before_commit (records produced and flushed, transaction open; waits for the RESUME
-# file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process group
-# right after the Kafka commit, before the ledger's)
+# test-only fault points (tests/integration/sinks/kafka/test_sink_kafka*.py), looked up once
+# per batch: pause_before_commit (records produced and flushed, transaction open; waits for
+# the RESUME file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process
+# group right after the Kafka commit, before the ledger's)
 FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
 PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"

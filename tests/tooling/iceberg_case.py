@@ -1,0 +1,56 @@
+"""The Iceberg sink's fault `Case`: the same pipeline and workload writing an Iceberg table
+in a file warehouse, judged by a pyiceberg scan; and a replay or backfill window run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from offsetflow.ledger import Ledger
+from offsetflow.ops import kafka_for, plan_window, run_batches, submit_window
+from offsetflow.plan import parse_request
+from tests.tooling import chaos
+from tests.tooling.checker import check
+from tests.tooling.fault_case import Case
+from tests.tooling.iceberg_rows import iceberg_sink_rows
+
+
+class IcebergCase(Case):
+    """A fault `Case` whose pipeline writes an Iceberg table."""
+
+    def __init__(self, tmp: Path, *args: Any, **kw: Any) -> None:
+        super().__init__(tmp, *args, **kw)
+        self.warehouse = tmp / "warehouse"
+        self.warehouse.mkdir()
+        self.raw["sink"] = {"type": "iceberg", "connection": self.dsn,
+                            "table": f"lake.{self.table}",
+                            "catalog": {"warehouse": f"file://{self.warehouse}"},
+                            "partition_by": ["partition"], "sort_by": ["offset"]}
+        self.write_config()
+
+    def assert_exactly_once(self, expect_all: bool = True,
+                            tombstones: str = "dead_letter") -> None:
+        cfg = self.cfg
+        rep = check(self.workload.produced.values(), iceberg_sink_rows(cfg, self.dsn),
+                    self.positions(),
+                    chaos.dead_letters(self.dsn, cfg.dead_letter_table, cfg.name),
+                    tombstones=tombstones)
+        assert rep.ok, rep.explain()
+        if expect_all:
+            assert rep.expected == self.workload.committed_count, rep.explain()
+
+    def job_with(self, batch_id: int, **env: str) -> Any:
+        return chaos.run_batch_process(self.file, batch_id, self.log, env=env)
+
+    def data_files(self) -> set[Path]:
+        return set(self.warehouse.rglob("*.parquet"))
+
+
+def window(case: IcebergCase, spark: Any, kind: str, **conf: Any) -> list[int]:
+    """A `kind` window (replay, backfill) of `conf` planned, submitted and run; its batch ids."""
+    cfg = case.cfg
+    req = parse_request(kind, {"pipeline": cfg.name, "topic": case.workload.topic, **conf})
+    with Ledger(case.dsn) as ledger:
+        ids = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "test")
+    run_batches(cfg, case.dsn, ids, spark)
+    return ids

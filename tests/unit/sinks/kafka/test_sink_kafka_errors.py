@@ -1,0 +1,100 @@
+"""The Kafka topic sink's reading of what the broker answered (review LOW items), with
+stand-ins for the client objects: no broker can be made to answer this way on demand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from offsetflow.commit import CommitSpec
+from offsetflow.config import parse_pipeline
+from offsetflow.errors import KafkaSinkError
+from offsetflow.sinks.kafka import KafkaTopicSink
+from offsetflow.sinks.kafka.sink import committed_offsets
+from tests.tooling.kafka_sink_config import ENV, batch, raw
+
+
+@dataclass
+class Answered:
+    """A partition as `Consumer.committed()` returns it."""
+
+    topic: str
+    partition: int
+    offset: int
+    metadata: str | None
+    error: KafkaError | None = None
+
+
+def test_a_partition_answered_with_an_error_is_refused_not_taken_as_uncommitted() -> None:
+    """A per-partition error reads as offset -1001 (none); taken as "not committed", the
+    batch would be produced again."""
+    ok = Answered("in", 0, 20, "offsetflow pipeline=orders batch=7")
+    failed = Answered("in", 1, -1001, None, KafkaError(KafkaError.COORDINATOR_NOT_AVAILABLE))
+    assert committed_offsets(batch(), "g", [ok]) == {("in", 0): (20, ok.metadata)}
+    with pytest.raises(KafkaSinkError, match=r"in\[1\] in group g: .*Coordinator"):
+        committed_offsets(batch(), "g", [ok, failed])
+
+
+class AbortFails:
+    """A producer whose abort fails the way it does after an ambiguous EndTxn."""
+
+    def abort_transaction(self, timeout: float) -> None:
+        raise KafkaException(KafkaError(KafkaError._STATE))
+
+
+def failing(err: KafkaError) -> Any:
+    def call(left: float) -> None:
+        raise KafkaException(err)
+    return call
+
+
+def test_an_abortable_error_of_commit_transaction_is_an_unknown_outcome() -> None:
+    """librdkafka reports an EndTxn(commit) that failed on an already failed transaction
+    as abortable, but the broker may have committed it: not "nothing is visible"."""
+    cfg = parse_pipeline(raw(topic="out"), "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._producer = AbortFails()  # type: ignore[assignment]
+    abortable = KafkaError(KafkaError.INVALID_TXN_STATE, txn_requires_abort=True)
+    with pytest.raises(KafkaSinkError, match="outcome is unknown") as e:
+        sink._retry(batch(), "commit_transaction", failing(abortable))
+    assert "nothing of it is visible" not in str(e.value)
+    sink._producer = AbortFails()  # type: ignore[assignment]
+    with pytest.raises(KafkaSinkError, match="was aborted, nothing of it is visible"):
+        sink._retry(batch(), "send_offsets_to_transaction", failing(abortable))
+
+
+def test_the_fencing_producer_uses_the_sinks_producer_credentials() -> None:
+    """A batch planned before the ledger identity is fenced under its old transactional.id
+    by a producer of its own; on a cluster with ACLs only the sink's principal
+    (`sink.producer`) may use transactional ids: the source's would be refused."""
+    from offsetflow.sinks.kafka.txn import fence_settings
+
+    cfg = parse_pipeline(raw(topic="orders.clean", producer={
+        "sasl.username": "sink-writer", "sasl.password": "s3cret",
+        "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN"}), "orders.yaml", ENV)
+    conf = fence_settings(cfg, "offsetflow-sink-orders")
+    assert conf["sasl.username"] == "sink-writer" and conf["sasl.password"] == "s3cret"
+    assert conf["transactional.id"] == "offsetflow-sink-orders"
+    assert conf["enable.idempotence"] is True
+    assert conf["bootstrap.servers"] == "127.0.0.1:19092"
+
+
+def test_the_fencing_producer_leaves_out_delivery_and_timeout_settings() -> None:
+    """A sink.producer delivery.timeout.ms above 60 s (the Java client's default is 120 s)
+    made librdkafka refuse to create the fencing producer (its transaction.timeout.ms is
+    the 60 s default): every old-format batch failed, abandon and complete too."""
+    from confluent_kafka import Producer
+
+    from offsetflow.sinks.kafka.txn import fence_settings
+
+    cfg = parse_pipeline(raw(topic="orders.clean", producer={
+        "delivery.timeout.ms": 120000, "linger.ms": 50, "compression.type": "lz4",
+        "sasl.username": "sink-writer"}), "orders.yaml", ENV)
+    conf = fence_settings(cfg, "offsetflow-sink-orders")
+    assert "delivery.timeout.ms" not in conf and "linger.ms" not in conf
+    assert conf["sasl.username"] == "sink-writer"
+    conf.pop("sasl.username")  # no SASL on a plaintext test client
+    Producer(conf)  # librdkafka accepts the settings (it refused them with the timeout)
