@@ -4,7 +4,6 @@ batch or a position that a run cannot settle by itself."""
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 
 from offsetflow.cli.common import dsn_of as _dsn
@@ -79,25 +78,15 @@ def cmd_complete(args: argparse.Namespace) -> int:
     """`offsetflow.ops.complete`: a batch its external sink holds, completed from the sink's
     record when it can be neither run (records gone) nor abandoned (the sink holds it)."""
     from offsetflow.commit import CommitSpec
-    from offsetflow.errors import BatchStateError
     from offsetflow.ops import complete_from_sink, unreadable_in
-    from offsetflow.sinks import external_sink
+    from offsetflow.sinks import sink_for
 
     with Ledger(_dsn(args)) as ledger:
         batch = ledger.get_batch(args.batch_id)
         cfg = _batch_pipeline(args, batch)
-        sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
-        if sink is None:
-            raise BatchStateError(
-                f"batch {args.batch_id}: pipeline {batch.pipeline} writes to PostgreSQL, "
-                f"where rows and ledger commit together; there is no sink record to complete "
-                f"it from (run it, or abandon it)")
-        assert cfg is not None  # (no config: no sink)
-        if cfg.sink.iceberg is not None and cfg.sink.mode == "upsert":
-            sink.close()  # its find would skip the deletions memory (review s24-complete M2)
-            raise BatchStateError(
-                f"batch {args.batch_id}: complete is not offered for Iceberg upsert "
-                f"pipelines (the batch's deleted keys could not be remembered); run it")
+        assert cfg is not None  # (not found: refused, `complete` offers no --unchecked)
+        # refused where the sink keeps no record to complete from (PostgreSQL), or cannot
+        sink = sink_for(cfg).complete_from(ledger.dsn, batch)
         # only where the staged parts' bad records go: the run's whole spec would make an
         # Iceberg replay's find replace the window's dead letters
         dead = CommitSpec(columns=(), dead_letter_table=cfg.dead_letter_table,
@@ -115,6 +104,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
     recreated, planning accepts only positions that carry the new id."""
     from offsetflow.config import validate_table_name
     from offsetflow.ops import kafka_for, reset_positions
+    from offsetflow.sinks import sink_for
 
     cfg = _pipeline(args)
     if args.offset < 0:
@@ -131,24 +121,17 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
             partitions = sorted(known | {p for _, p in kafka.partitions([args.topic])})
         else:
             partitions = [args.partition]
-        check_sink = None
-        if cfg.sink.iceberg is not None and not args.force:  # no coordinates index there
-            from offsetflow.sinks.iceberg import refuse_rows_beyond
-
-            check_sink = functools.partial(refuse_rows_beyond, cfg, _dsn(args, cfg),
-                                           args.topic, partitions, args.offset)
+        sink = sink_for(cfg)
         moved = reset_positions(ledger, cfg.name, args.topic, partitions, args.offset,
                                 args.reason, topic_id=topic_id,
-                                # upsert rows cannot collide: a recreated topic's records
-                                # replace its old incarnation's (offsetflow.commit.upsert)
-                                # (a Kafka sink has no rows here to move)
-                                target_table=cfg.sink.table if cfg.sink.mode == "append"
-                                and cfg.sink.type == "postgres" else None,
+                                # rows that could collide (a PostgreSQL append's)
+                                target_table=sink.reset_rows_table,
                                 archive_to=args.archive_to,
                                 dead_letter_table=cfg.dead_letter_table,
-                                live_topic=cfg.sink.kafka.topic if cfg.sink.kafka is not None
-                                and not args.allow_duplicates else None,
-                                check_sink=check_sink)
+                                live_topic=None if args.allow_duplicates else sink.live_topic,
+                                # e.g. an Iceberg table's rows beyond (no coordinates index)
+                                check_sink=None if args.force else sink.reset_check(
+                                    _dsn(args, cfg), args.topic, partitions, args.offset))
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")

@@ -1,19 +1,24 @@
 """An append-mode commit that starts while the batch is still being read.
 
 The commit's single INSERT of the whole stage is serial in one PostgreSQL backend (one core
-busy, the rest idle while the driver waits). `PartwiseCommit` runs the steps of
-`offsetflow.commit.protocol` in one transaction on a connection of its own, with step 4 moving each
-part into the target as soon as its task has staged it, while later parts are still read:
+busy, the rest idle while the driver waits). `PartwiseCommit` runs the protocol's one
+sequence of steps (`offsetflow.commit.protocol.commit_steps`) in one transaction on a
+connection of its own, being that sequence's `Step4`: step 4 moves each part into the target
+as soon as its task has staged it, while later parts are still read, so most of it runs
+before step 2's checks and step 3 (which still decide: any refusal rolls it all back):
   a. step 1's lock first (a second run of the batch waits here instead of racing it part by
-     part); replay/backfill deletes what its ranges produced before (the start of step 4);
+     part), the config checked, the stage's layout read (fixed while the batch row is held);
+     replay/backfill deletes what its ranges produced before (the start of step 4). The
+     stage is not locked in SHARE mode: the tasks still write it;
   b. while tasks run: each part whose marker is visible is moved from its part table into
-     the target, its rowcount checked against the marker (step 4 and step 2's count, part by
-     part). A marker commits with its task's COPY, so a failed task attempt moves nothing
-     and a retried part is moved once;
-  c. `finish()`: the parts left and any rows staged into the stage table itself, step 2's
-     count of parts, step 3, the tasks' dead letters, steps 5-6; COMMIT. `abort()` (or any
-     error) rolls back everything, moved parts included; a part that lost rows is dropped
-     with its marker after the rollback, so the next run re-stages it.
+     the target, its marker checked against the layout and its rowcount against the
+     marker (step 4 and step 2's checks, part by part). A marker commits with its task's
+     COPY, so a failed task attempt moves nothing and a retried part is moved once;
+  c. `finish()`: step 2's layout check of every marker, the parts left and any rows staged
+     into the stage table itself, step 2's count of parts (and of rows: all were moved),
+     step 3, the tasks' dead letters, steps 5-6; COMMIT. `abort()` (or any error) rolls
+     back everything, moved parts included; a part that lost rows is dropped with its
+     marker after the rollback, so the next run re-stages it.
 Append only: an upsert keeps the latest record per key across the whole batch, so it waits
 for all parts; a quality gate checks the whole stage before anything moves.
 """
@@ -28,20 +33,12 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from offsetflow.commit.protocol import (
-    already_committed,
-    check_config,
-    check_fence,
-    check_staged,
-    fence_and_advance,
-    lock_batch,
-    record_batch,
-)
+from offsetflow.commit.protocol import Step4, check_fence, commit_steps
 from offsetflow.commit.rows import append_part, delete_range_rows, move_stage_dead_letters
 from offsetflow.commit.spec import CommitResult, CommitSpec, Moved
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
-from offsetflow.ledger import Batch, Ledger, lock_errors, stage_part_table, stage_table
-from offsetflow.stage import Marker, Packing, check_layout, check_markers, forget_parts, layout_of
+from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
+from offsetflow.stage import Marker, Packing, check_markers, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +47,11 @@ class _Aborted(Exception):
     """The run failed before the commit could finish; roll the moved parts back."""
 
 
-class PartwiseCommit:
-    """See the module docstring. `parts`: how many part tables the stage has."""
+class PartwiseCommit(Step4):
+    """See the module docstring. `parts`: how many part tables the stage has. Its thread
+    runs the protocol's steps (`commit_steps`) with this object as their step 4."""
+
+    scan = False  # each part's rows are checked against its marker as it moves
 
     POLL_S = 0.05
 
@@ -66,6 +66,8 @@ class PartwiseCommit:
         self.parts = parts
         self.timings = timings
         self._moved_parts: set[int] = set()
+        self._moved = Moved()  # step 4's counts, part by part
+        self._finishing = 0.0  # when the last pass (c) began
         self._layout: tuple[int, Packing | None] | None = None
         self._finish = threading.Event()
         self._aborted = False
@@ -102,59 +104,73 @@ class PartwiseCommit:
         return self._result
 
     def _run(self) -> None:
+        """The protocol's one sequence (`commit_steps`), with this object as its step 4."""
         bid = self.batch.batch_id
         try:
-            with Ledger(self.dsn) as ledger, ledger.transaction() as cur, \
-                    lock_errors(self.dsn, bid, ledger.conn.get_backend_pid()):
-                batch = lock_batch(cur, ledger, bid)  # 1, first: see a.
-                moving = batch.is_open
-                if moving:  # held from here to COMMIT: no run can adopt a config meanwhile
-                    check_config(batch, self.spec)
-                    # nor rebuild the stage: the layout is fixed until COMMIT
-                    self._layout = layout_of(cur, batch, self.spec.stage_generation,
-                                             self.spec.subrange_parts)
-                if moving and batch.kind in ("replay", "backfill"):  # a
-                    delete_range_rows(cur, batch, self.spec)
-                moved = Moved()
-                while not self._finish.is_set():  # b
-                    if moving:
-                        self._move_staged_parts(cur, moved, "commit_overlapped_s")
-                    self._finish.wait(self.POLL_S)
-                if self._aborted:
-                    raise _Aborted
-                # c: finish() comes after the last task committed, so this pass sees all
-                t = time.monotonic()
-                if not moving:
-                    self._result = already_committed(batch)
-                    return
-                check_layout(cur, batch, self.spec.stage_generation,
-                             self.spec.subrange_parts)  # 2, all markers
-                self._move_staged_parts(cur, moved, "commit_insert_s")
-                self._move_stage_itself(cur, moved)
-                self.timings["commit_insert_s"] = round(time.monotonic() - t, 3)
-                staged, _ = check_staged(cur, batch, self._expected_parts, scan=False)  # 2
-                if moved.rows + moved.dead != staged:
-                    raise StagedRowsLostError(bid, None, f"{moved.rows + moved.dead} rows "
-                                                         f"were moved but the markers count "
-                                                         f"{staged}")
-                if batch.moves_positions:  # 3
-                    fence_and_advance(cur, batch)
-                move_stage_dead_letters(cur, batch, self.spec, moved)  # end of 4
-                self._result = record_batch(cur, ledger, batch, moved, staged,
-                                            self.timings)  # 5, 6
+            with Ledger(self.dsn) as ledger:
+                self._result = commit_steps(ledger, bid, self.spec, self, self.timings)
         except _Aborted:
             log.info("batch %d: commit aborted; the parts moved so far are rolled back", bid)
         except psycopg2.errors.UniqueViolation as e:
             self._error = self._fenced_or(e)
-        except StagedRowsLostError as e:
-            self._error = e
-            try:
-                forget_parts(self.dsn, bid, e.parts, self.spec.stage_generation)
-            except psycopg2.Error as forget:
-                log.error("batch %d: could not drop the refused part(s); the next run refuses "
-                          "them again: %s", bid, forget)
         except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
+            # (StagedRowsLostError: `commit_steps` dropped the part with its marker)
             self._error = e
+
+    # -- Step4: what this commit does between the protocol's steps ------------------------
+    def skip(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """Committed already (by another run): nothing moves, but the read goes on until
+        `finish()` (or `abort()`)."""
+        self._wait_for_finish(cur, None)
+
+    def before_checks(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """a and b: the batch row is held from here to COMMIT, so no run can adopt a config
+        (checked just before) nor rebuild the stage meanwhile: the layout is fixed until
+        COMMIT. No SHARE lock on the stage (`WholeStage`'s): each part is moved by its
+        marker, its rowcount checked, while the tasks still write later ones."""
+        self._layout = layout_of(cur, batch, self.spec.stage_generation,
+                                 self.spec.subrange_parts)
+        if batch.kind in ("replay", "backfill"):  # a
+            delete_range_rows(cur, batch, self.spec)
+        self._wait_for_finish(cur, self._moved)  # b
+        # c: finish() comes after the last task committed, so this pass sees all
+        self._finishing = time.monotonic()
+
+    def before_count(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """c: the parts left (all markers are of the layout: `check_layout`), and rows an
+        earlier attempt staged into the stage table itself."""
+        self._move_staged_parts(cur, self._moved, "commit_insert_s")
+        self._move_stage_itself(cur, self._moved)
+        self.timings["commit_insert_s"] = round(time.monotonic() - self._finishing, 3)
+
+    @property
+    def expected_parts(self) -> int:
+        return self._expected_parts
+
+    def after_count(self, batch: Batch, staged: int) -> None:
+        """Step 2's count against what was moved (every part was checked as it moved)."""
+        moved = self._moved
+        if moved.rows + moved.dead != staged:
+            raise StagedRowsLostError(batch.batch_id, None, f"{moved.rows + moved.dead} rows "
+                                                            f"were moved but the markers count "
+                                                            f"{staged}")
+
+    def move(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
+             per_range: dict[str, int]) -> Moved:
+        """The end of step 4 after step 3: the tasks' dead letters. The counts per range
+        are the moved parts' markers'."""
+        move_stage_dead_letters(cur, batch, self.spec, self._moved)  # end of 4
+        return self._moved
+
+    def _wait_for_finish(self, cur: psycopg2.extensions.cursor, moved: Moved | None) -> None:
+        """Until `finish()`: each part whose marker is visible is moved (`moved`; None: none
+        is). After `abort()`: `_Aborted`, which rolls back everything moved."""
+        while not self._finish.is_set():  # b
+            if moved is not None:
+                self._move_staged_parts(cur, moved, "commit_overlapped_s")
+            self._finish.wait(self.POLL_S)
+        if self._aborted:
+            raise _Aborted
 
     def _fenced_or(self, e: psycopg2.errors.UniqueViolation) -> BaseException:
         """A part's rows already in the target: if positions moved meanwhile, another run

@@ -1,11 +1,14 @@
-"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction. `commit_batch`
-calls one function per step, in this order (`offsetflow.commit.partwise.PartwiseCommit` runs the
-same steps, step 4 part by part while the batch is still being read):
+"""The commit protocol: step 3 of the lifecycle, one PostgreSQL transaction. `commit_steps`
+calls one function per step, in this order: the one sequence of every commit. How step 4
+moves the stage is its `Step4`: `commit_batch` moves the whole stage at once after the
+checks (`WholeStage`); `offsetflow.commit.partwise.PartwiseCommit` moves it part by part
+while the batch is still being read (its hooks say what it does between the steps, and why):
   1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
      `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
      abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
-  2. `lock_stage`: the stage in SHARE mode, so no late writer (a zombie task) adds rows
-     after the checks that step 4 would read; `check_layout`: every marker is of the
+  2. `lock_stage` (`WholeStage`; `PartwiseCommit` moves parts as they come instead, see
+     there): the stage in SHARE mode, so no late writer (a zombie task) adds rows after
+     the checks that step 4 would read; `check_layout`: every marker is of the
      batch's current stage layout (its generation, and on the fused path offsets of its
      part's sub-range), else `StagedRowsLostError` as below (a run that is itself of an
      older generation: `StaleStageError`);
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+from abc import ABC, abstractmethod
 
 import psycopg2
 import psycopg2.extensions
@@ -86,26 +90,98 @@ from offsetflow.stage import (
 log = logging.getLogger(__name__)
 
 
+class Step4(ABC):
+    """How a commit's step 4 moves the stage, and what it does around the checks of
+    `commit_steps` (in their order: `skip` | `before_checks`, `before_count`,
+    `expected_parts` and `scan` for `check_staged`, `after_count`, then `move` after
+    step 3). Every hook runs in the commit's transaction with the batch row locked."""
+
+    scan: bool = True  # `check_staged` counts the stage itself against its markers
+
+    def skip(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """Step 1 found the batch committed already: nothing moves."""
+        return None
+
+    def before_checks(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """After step 1 (the batch open, its config checked), before step 2's checks."""
+        return None
+
+    def before_count(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        """After step 2's layout check (`check_layout`), before its count."""
+        return None
+
+    @property
+    @abstractmethod
+    def expected_parts(self) -> int:
+        """The parts the job produced (`check_staged` refuses fewer markers)."""
+
+    def after_count(self, batch: Batch, staged: int) -> None:
+        """After step 2's count (`staged`: the rows the markers count), before step 3."""
+        return None
+
+    @abstractmethod
+    def move(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
+             per_range: dict[str, int]) -> Moved:
+        """Step 4 (what is left of it), after step 3; its counts for `record_batch`
+        (`per_range`: step 2's split of the markers' rows by topic/partition)."""
+
+
+class WholeStage(Step4):
+    """Step 4 on the whole stage at once, after every check: into the PostgreSQL target
+    (`move_rows`) or through an external sink (`commit_external`)."""
+
+    def __init__(self, spec: CommitSpec, expected_parts: int,
+                 timings: dict[str, float] | None) -> None:
+        self.spec = spec
+        self.parts = expected_parts
+        self.timings = timings
+        self.scan = not spec.task_files  # task-written files: the sink reconciles them
+
+    def before_checks(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
+        lock_stage(cur, batch.batch_id)  # 2: no late writer lands between checks and moves
+
+    @property
+    def expected_parts(self) -> int:
+        return self.parts
+
+    def move(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
+             per_range: dict[str, int]) -> Moved:
+        moved = (commit_external(cur, batch, self.spec.external, staged)
+                 if self.spec.external is not None
+                 else move_rows(cur, batch, self.spec, staged, self.timings))
+        moved.per_range = per_range
+        return moved
+
+
 def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
                  timings: dict[str, float] | None = None) -> CommitResult:
-    """Steps 1-6 in one transaction; see the module docstring."""
+    """Steps 1-6 in one transaction, step 4 on the whole stage; see the module docstring."""
+    return commit_steps(ledger, batch_id, spec, WholeStage(spec, expected_parts, timings),
+                        timings)
+
+
+def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
+                 timings: dict[str, float] | None) -> CommitResult:
+    """Steps 1-6 in one transaction, in the order of the module docstring, with `step4`'s
+    way of moving the stage. A stage that lost rows is dropped with its markers after the
+    rollback, so the next attempt re-stages it from Kafka."""
     try:
         with ledger.transaction() as cur, lock_errors(ledger.dsn, batch_id,
                                                       ledger.conn.get_backend_pid()):
             batch = lock_batch(cur, ledger, batch_id)  # 1
             if batch.status == "committed":
+                step4.skip(cur, batch)
                 return already_committed(batch)
             check_config(batch, spec)
-            lock_stage(cur, batch_id)  # 2: no late writer lands between checks and moves
-            check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)
-            staged, per_range = check_staged(cur, batch, expected_parts,
-                                             scan=not spec.task_files)
+            step4.before_checks(cur, batch)
+            check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)  # 2
+            step4.before_count(cur, batch)
+            staged, per_range = check_staged(cur, batch, step4.expected_parts,
+                                             scan=step4.scan)
+            step4.after_count(batch, staged)
             if batch.moves_positions:  # 3
                 fence_and_advance(cur, batch)
-            moved = (commit_external(cur, batch, spec.external, staged)  # 4
-                     if spec.external is not None
-                     else move_rows(cur, batch, spec, staged, timings))
-            moved.per_range = per_range
+            moved = step4.move(cur, batch, staged, per_range)  # 4
             return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
     except StagedRowsLostError as e:
         try:

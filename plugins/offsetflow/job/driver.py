@@ -5,8 +5,9 @@ spark-submit on a cluster, or over Spark Connect. Large ranges are split into su
 small ones packed into about 4 tasks per core (`offsetflow.stage.packing`); a task reads its
 sub-ranges with one `offsetflow.source.reader` consumer; rows are staged by the tasks and
 committed by the driver in one PostgreSQL transaction (`offsetflow.commit.protocol.commit_batch`; in
-append mode `offsetflow.commit.partwise.PartwiseCommit`, which starts moving parts while later ones
-are read).
+a PostgreSQL append `offsetflow.commit.partwise.PartwiseCommit`, which starts moving parts while
+later ones are read). What differs between the sinks is a method of the pipeline's
+`offsetflow.sinks.Sink` (`sink_for`): the driver never asks which kind it holds.
 
 This module is the driver's side: `run_batch` and the steps around the Spark job. What runs
 inside the tasks is in `offsetflow.job.tasks`, the session in `offsetflow.job.spark_session`
@@ -35,7 +36,6 @@ from offsetflow.commit import (
     commit_batch,
     create_stage_tables,
     ensure_dead_letter,
-    ensure_target,
     pg_type,
 )
 from offsetflow.config import PipelineConfig, config_drift
@@ -57,7 +57,7 @@ from offsetflow.job.tasks import (
 )
 from offsetflow.ledger import Batch, Ledger, connect, hold_run_lock
 from offsetflow.ranges import split_ranges
-from offsetflow.sinks import external_sink, task_data_files
+from offsetflow.sinks import sink_for
 from offsetflow.stage import (
     BadRows,
     bad_record_summary,
@@ -69,8 +69,6 @@ from offsetflow.stage import (
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-
-    from offsetflow.sinks.iceberg import TaskFiles
 
 log = logging.getLogger(__name__)
 
@@ -191,22 +189,6 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
     return report
 
 
-def _task_files(cfg: PipelineConfig, dsn: str, batch: Batch,
-                columns: list[tuple[str, str]]) -> TaskFiles:
-    """What the tasks need to write the batch's Iceberg data files (the table's metadata
-    as loaded, or created, now; the rows must fit its schema)."""
-    from offsetflow.sinks.iceberg import IcebergSink
-
-    sink = external_sink(cfg, dsn, columns, CommitSpec(
-        columns=tuple(c for c, _ in columns), tombstones=cfg.tombstone_policy,
-        dead_letter_table=cfg.dead_letter_table))
-    assert isinstance(sink, IcebergSink)
-    try:
-        return sink.task_files(batch)
-    finally:
-        sink.close()
-
-
 def _cores(spark: SparkSession) -> int:
     """The cores the batch's tasks run on: the session's default parallelism (a Spark
     Connect client cannot ask for it: the server's `spark.default.parallelism` if set,
@@ -301,6 +283,7 @@ def _mark_failed(dsn: str, batch_id: int, msg: str) -> None:
 def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger,
          timings: dict[str, float]) -> RunReport:
     t = time.monotonic()
+    sink = sink_for(cfg)  # what differs between PostgreSQL, Iceberg and Kafka
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
@@ -336,16 +319,12 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         columns = stage_columns(cfg)
         # an Iceberg append: the tasks write the table's data files (the table is loaded,
         # or created, here: they need its schema and partition spec)
-        files = _task_files(cfg, dsn, batch, columns) if task_data_files(cfg) else None
+        files = sink.task_files(dsn, batch, columns)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation, groups, files), STATS_DDL)
-    if cfg.sink.kafka is not None:  # refused before anything is read, not at the commit
-        from offsetflow.sinks.kafka import output_topic
-
-        output_topic(cfg.sink.kafka, batch, cfg.source_file)
+    sink.check_before_read(batch)  # refused before anything is read, not at the commit
     with connect_ctx(dsn) as cur:
-        if cfg.sink.type == "postgres":
-            ensure_target(cur, batch.target_table, columns, cfg.sink.mode, cfg.sink.key)
+        sink.prepare_target(cur, batch, columns)  # a PostgreSQL sink's table
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
         ensure_dead_letter(cur, cfg.dead_letter_table)
@@ -354,15 +333,14 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
 
     # append without a quality gate: the commit moves parts while later ones are read
     # (an external sink commits the whole batch in step 4: never part by part)
-    partwise = (fused and cfg.sink.mode == "append" and not cfg.quality_suite
-                and cfg.sink.type == "postgres")
+    partwise = fused and not cfg.quality_suite and sink.commits_partwise
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused,
-                      task_files=task_data_files(cfg))
+                      task_files=sink.tasks_write_files)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None
@@ -388,9 +366,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         # checked again before COMMIT: a topic deleted and recreated while the tasks read
         # gave them the new topic's records under the old one's offsets
         _check_topic_identity(cfg, ledger, batch)
-        sink = external_sink(cfg, dsn, columns, spec)  # with the quality gate's routes
-        if sink is not None:
-            spec = dataclasses.replace(spec, external=sink)
+        # step 4 outside PostgreSQL (None: in the ledger's transaction), with the quality
+        # gate's routes
+        spec = dataclasses.replace(spec, external=sink.external(dsn, columns, spec))
         t = time.monotonic()
         if committer is not None:
             result = committer.finish(expected_parts=len(stats))
@@ -400,14 +378,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         timings["commit_s"] = round(time.monotonic() - t, 3)
     if result.status == "committed":
         _record_commit_time(ledger, batch.batch_id, timings["commit_s"])
-        if spec.task_files:  # task attempts that died or lost their marker left files
-            from offsetflow.sinks.iceberg import sweep_batch_orphans
-
-            sweep_batch_orphans(cfg, dsn, batch.batch_id)
-        elif cfg.sink.iceberg is not None and batch.attempts > 1:  # dead attempts' files
-            from offsetflow.sinks.iceberg import sweep_after_retry
-
-            sweep_after_retry(cfg, dsn, batch.batch_id)
+        sink.after_commit(dsn, batch, spec)  # e.g. data files of dead attempts
     log.info(result.message)
     if batch.moves_positions and result.status == "committed":
         _publish_lag(cfg, ledger)

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.config import PipelineConfig, split_table_name
+from offsetflow.config import PipelineConfig
 from offsetflow.errors import RequestError
 from offsetflow.ledger import Ledger
 from offsetflow.plan import (
@@ -30,7 +30,7 @@ from offsetflow.plan import (
     window_ranges,
 )
 from offsetflow.ranges import OffsetRange, TopicPartition
-from offsetflow.sinks.kafka import replay_target
+from offsetflow.sinks import sink_for
 from offsetflow.source import KafkaMetadata
 
 if TYPE_CHECKING:
@@ -101,48 +101,25 @@ def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
         check_replay_window(window, committed)
     refused = None
     try:  # a dry run shows the refusal in its report; submit_window raises it
-        _check_live_positions(cfg, req, window, committed)
+        check_live_positions(cfg, req, window, committed)
     except RequestError as e:
         refused = str(e)
     return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone,
                       kafka.topic_ids(topics), refused)
 
 
-def _check_live_positions(cfg: PipelineConfig, req: WindowRequest,
-                          window: dict[TopicPartition, tuple[int, int]],
-                          committed: dict[TopicPartition, int]) -> None:
-    """A replay, or a backfill into the pipeline's own table, covers committed offsets only."""
-    if cfg.sink.kafka is not None:  # a Kafka sink: only ever into its side topic
-        _check_kafka_side_topic(cfg, req)
-        if req.kind == "replay":
-            check_replay_window(window, committed)
-        return
+def check_live_positions(cfg: PipelineConfig, req: WindowRequest,
+                         window: dict[TopicPartition, tuple[int, int]],
+                         committed: dict[TopicPartition, int]) -> None:
+    """A replay, or a backfill where the live batches write (the pipeline's own table),
+    covers committed offsets only; the sink refuses a target it cannot write (a Kafka
+    sink: only ever into its side topic)."""
+    sink = sink_for(cfg)
+    sink.check_window_target(req.kind, req.target_table)
     if req.kind == "replay":
         check_replay_window(window, committed)
-    elif req.target_table is None or _own_table(cfg, req.target_table):
+    elif sink.writes_live_output(req.target_table):
         check_backfill_window(window, committed, cfg.sink.table)
-
-
-def _check_kafka_side_topic(cfg: PipelineConfig, req: WindowRequest) -> None:
-    assert cfg.sink.kafka is not None
-    if req.target_table is not None:
-        raise RequestError(f"pipeline {cfg.name} writes to Kafka topic {cfg.sink.kafka.topic}; "
-                           f"a {req.kind} goes to its sink.replay_topic, not to a table "
-                           f"(target_table)")
-    if cfg.sink.kafka.replay_topic is None:
-        raise RequestError(f"a {req.kind} of pipeline {cfg.name} would write its records to "
-                           f"the live output topic {cfg.sink.kafka.topic} a second time "
-                           f"(Kafka cannot delete them); name a side topic in "
-                           f"sink.replay_topic of {cfg.source_file}")
-def _own_table(cfg: PipelineConfig, target_table: str) -> bool:
-    """Whether `target_table` is the pipeline's own table, however spelled: for Iceberg,
-    by the resolved identifier (`t` and `offsetflow.t` are one table there)."""
-    if cfg.sink.iceberg is not None:
-        from offsetflow.config import resolve_identifier
-
-        return (resolve_identifier(cfg.sink.iceberg, cfg.sink.table, target_table)
-                == cfg.sink.iceberg.identifier)
-    return split_table_name(target_table) == split_table_name(cfg.sink.table)
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
@@ -154,18 +131,18 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)
         # again under the lock: the dry run's answer may be stale by now
-        _check_live_positions(cfg, wp.request, wp.window, ledger.positions(cfg.name, cur))
+        check_live_positions(cfg, wp.request, wp.window, ledger.positions(cfg.name, cur))
         overlapping = ledger.open_batches_overlapping(cur, cfg.name, window_ranges(wp.window))
         if overlapping:
             raise RequestError(f"the window overlaps open batch(es) {overlapping} of pipeline "
                                f"{cfg.name}; wait for them to commit or abandon them")
         params = {"window": {f"{tp[0]}/{tp[1]}": list(w) for tp, w in wp.window.items()},
                   "records_per_batch": wp.request.records_per_batch}
+        target = sink_for(cfg).window_target(wp.target_table)  # e.g. a Kafka side topic
         for ranges in wp.batches:
             ids.append(ledger.insert_batch(
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,
-                target_table=wp.target_table or replay_target(cfg.sink.kafka,
-                                                              cfg.sink.table),
+                target_table=target,
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
                 moves_positions=False, params=params, topic_ids=wp.topic_ids,
                 split_offsets=cfg.spark.max_offsets_per_task))

@@ -1,5 +1,5 @@
-"""Which `ExternalSink` a pipeline's commit writes through: None for the PostgreSQL sink,
-whose step 4 runs in the ledger's own transaction."""
+"""Which `Sink` a pipeline writes through: the one place that looks at the config's sink
+kind (`sink.type`). Everything else asks the sink it is given."""
 
 from __future__ import annotations
 
@@ -7,31 +7,37 @@ from collections.abc import Sequence
 
 from offsetflow.commit import CommitSpec, ExternalSink
 from offsetflow.config import PipelineConfig
+from offsetflow.sinks.base import Sink
+from offsetflow.sinks.postgres import PostgresSink
+
+
+def sink_for(cfg: PipelineConfig) -> Sink:
+    """The pipeline's sink. Iceberg's and Kafka's packages are imported only for a
+    pipeline that writes there (a PostgreSQL pipeline never loads pyiceberg)."""
+    if cfg.sink.kafka is not None:
+        from offsetflow.sinks.kafka import KafkaPipelineSink
+
+        return KafkaPipelineSink(cfg)
+    if cfg.sink.iceberg is not None:
+        from offsetflow.sinks.iceberg import IcebergPipelineSink
+
+        return IcebergPipelineSink(cfg)
+    return PostgresSink(cfg)
 
 
 def external_sink(cfg: PipelineConfig, dsn: str,
                   columns: Sequence[tuple[str, str]] | None = None,
                   spec: CommitSpec | None = None) -> ExternalSink | None:
-    """The pipeline's external sink for one commit attempt (`dsn`: the ledger's). Without
-    `columns` (a check made before anything is read: `commit.sink_holds`) the row shape is
-    not checked and nothing can be written."""
-    spec = spec or CommitSpec(columns=())
-    if cfg.sink.kafka is not None:
-        from offsetflow.sinks.kafka import KafkaTopicSink
-
-        return KafkaTopicSink(cfg, columns, spec)
-    if cfg.sink.iceberg is not None:
-        from offsetflow.sinks.iceberg import IcebergSink
-
-        return IcebergSink(cfg.sink.iceberg, cfg.sink.connection or dsn, spec,
-                           tuple(columns or ()), cfg.sink.table)
-    return None
+    """`sink_for(cfg).external(...)`: the pipeline's external sink for one commit attempt
+    (`dsn`: the ledger's), None for the PostgreSQL sink, whose step 4 runs in the ledger's
+    own transaction. Without `columns` (a check made before anything is read:
+    `commit.sink_holds`) the row shape is not checked and nothing can be written."""
+    return sink_for(cfg).external(dsn, columns, spec)
 
 
 def task_data_files(cfg: PipelineConfig) -> bool:
-    """Whether the Spark tasks write the batch's rows as the sink's data files themselves
-    (`offsetflow.sinks.iceberg.tasks`), so the driver commits files it never reads: an
-    Iceberg append without a transform or a quality suite. Those two (and `mode: upsert`)
-    read the batch's rows from the PostgreSQL stage, so they stage there as before."""
-    return (cfg.sink.iceberg is not None and cfg.sink.mode == "append"
-            and not cfg.transform and not cfg.quality_suite)
+    """`sink_for(cfg).tasks_write_files`: whether the Spark tasks write the batch's rows as
+    the sink's data files themselves (`offsetflow.sinks.iceberg.tasks`), so the driver
+    commits files it never reads: an Iceberg append without a transform or a quality
+    suite."""
+    return sink_for(cfg).tasks_write_files

@@ -9,10 +9,12 @@ from offsetflow.sinks.iceberg.maint import (
     sweep_after_retry,
     sweep_batch_orphans,
 )
+from offsetflow.sinks.iceberg.pipeline import IcebergPipelineSink
 from offsetflow.sinks.iceberg.sink import IcebergSink
 from offsetflow.sinks.iceberg.tasks import TaskFiles
 
 __all__ = [
+    "IcebergPipelineSink",
     "IcebergSink",
     "TaskFiles",
     "refuse_rows_beyond",

@@ -6,9 +6,11 @@ leaves in the topic's group.
 from __future__ import annotations
 
 from offsetflow.sinks.kafka.mark import output_topic, replay_target
+from offsetflow.sinks.kafka.pipeline import KafkaPipelineSink
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
 
 __all__ = [
+    "KafkaPipelineSink",
     "KafkaTopicSink",
     "output_topic",
     "replay_target",

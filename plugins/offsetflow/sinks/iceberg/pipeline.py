@@ -1,0 +1,88 @@
+"""The Iceberg sink behind the pipeline's `Sink` interface: step 4 is `IcebergSink` (one
+snapshot per batch), the tasks may write the data files themselves, and what the table
+cannot do (an index on coordinates, a memory of an upsert's deleted keys) is refused by
+name."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+from offsetflow.commit import CommitSpec
+from offsetflow.config import IcebergConfig, PipelineConfig, resolve_identifier
+from offsetflow.errors import BatchStateError
+from offsetflow.ledger import Batch
+from offsetflow.sinks.base import Sink
+from offsetflow.sinks.iceberg.maint import (
+    refuse_rows_beyond,
+    sweep_after_retry,
+    sweep_batch_orphans,
+)
+from offsetflow.sinks.iceberg.sink import IcebergSink
+from offsetflow.sinks.iceberg.tasks import TaskFiles
+
+
+class IcebergPipelineSink(Sink):
+    """`sink.type: iceberg`."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        super().__init__(cfg)
+        assert cfg.sink.iceberg is not None
+        self.iceberg: IcebergConfig = cfg.sink.iceberg
+
+    # -- the run ---------------------------------------------------------------------------
+    @property
+    def tasks_write_files(self) -> bool:
+        """An append without a transform or a quality suite: the tasks write the table's
+        data files (`offsetflow.sinks.iceberg.tasks`). Those two (and `mode: upsert`) read
+        the batch's rows from the PostgreSQL stage, so they stage there as before."""
+        cfg = self.cfg
+        return cfg.sink.mode == "append" and not cfg.transform and not cfg.quality_suite
+
+    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]]
+                   ) -> TaskFiles | None:
+        """The table's metadata as loaded, or created, now (the tasks need its schema and
+        partition spec; the rows must fit the schema)."""
+        if not self.tasks_write_files:
+            return None
+        sink = self.external(dsn, columns, CommitSpec(
+            columns=tuple(c for c, _ in columns), tombstones=self.cfg.tombstone_policy,
+            dead_letter_table=self.cfg.dead_letter_table))
+        try:
+            return sink.task_files(batch)
+        finally:
+            sink.close()
+
+    def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
+                 spec: CommitSpec | None = None) -> IcebergSink:
+        return IcebergSink(self.iceberg, self.cfg.sink.connection or dsn,
+                           spec or CommitSpec(columns=()), tuple(columns or ()),
+                           self.cfg.sink.table)
+
+    def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
+        """Data files no snapshot adds go: those of task attempts that died or lost their
+        marker (the tasks wrote the files), else those of the batch's dead attempts."""
+        if spec.task_files:
+            sweep_batch_orphans(self.cfg, dsn, batch.batch_id)
+        elif batch.attempts > 1:
+            sweep_after_retry(self.cfg, dsn, batch.batch_id)
+
+    # -- backfill and replay ---------------------------------------------------------------
+    def owns_table(self, name: str) -> bool:
+        """By the resolved identifier (`t` and `offsetflow.t` are one table here)."""
+        return (resolve_identifier(self.iceberg, self.cfg.sink.table, name)
+                == self.iceberg.identifier)
+
+    # -- repairs ---------------------------------------------------------------------------
+    def complete_from(self, dsn: str, batch: Batch) -> IcebergSink:
+        if self.cfg.sink.mode == "upsert":  # its find would skip the deletions memory
+            raise BatchStateError(  # (review s24-complete M2)
+                f"batch {batch.batch_id}: complete is not offered for Iceberg upsert "
+                f"pipelines (the batch's deleted keys could not be remembered); run it")
+        return self.external(dsn)
+
+    def reset_check(self, dsn: str, topic: str, partitions: Sequence[int], offset: int
+                    ) -> Callable[[], None] | None:
+        """No coordinates index there: rows at or beyond `offset` would be appended again
+        by the next batches (`refuse_rows_beyond`)."""
+        return functools.partial(refuse_rows_beyond, self.cfg, dsn, topic, partitions, offset)
