@@ -221,7 +221,7 @@ def test_a_postgresql_pipeline_loads_neither_pyiceberg_nor_the_other_sinks() -> 
         "loaded = [m for m in sys.modules if m.startswith(('pyiceberg',\n"
         "          'offsetflow.sinks.iceberg'))]\n"
         "assert not loaded, loaded\n")
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PYTHONPATH": f"{root / 'plugins'}:{root}"}, timeout=120)
     assert out.returncode == 0, out.stderr
