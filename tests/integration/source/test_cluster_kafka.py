@@ -90,7 +90,10 @@ class Writer(threading.Thread):
 def test_leader_killed_mid_batch_reader_follows_new_leader(
         tmp_path: Path, pg_dsn: str, kafka3: str, spark: Any) -> None:
     topic = replicated_topic(kafka3, leader=1)
-    assert set(leaders(kafka3, topic).values()) == {1}
+    # a new topic's leaders are elected after create_topics returns: wait for them, not
+    # for a moment (asserted at once, this saw no leader yet: `set() == {1}`)
+    chaos.wait_for(lambda: set(leaders(kafka3, topic).values()) == {1}, 60,
+                   "the new topic's partitions to have broker 1 as leader")
     assert topic_config(kafka3, topic)["min.insync.replicas"] == "2"
     case = Case(tmp_path, pg_dsn, kafka3, topic, 2, uuid.uuid4().hex[:8])
     case.raw["source"]["max_records_per_partition"] = 30_000
