@@ -12,6 +12,7 @@ import pytest
 
 import offsetflow.job.driver as job
 import offsetflow.job.tasks as job_tasks
+import offsetflow.source
 from offsetflow.commit import create_stage_tables
 from offsetflow.errors import StagedRowsLostError
 from offsetflow.job import run_batch
@@ -94,14 +95,13 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, part: int,
     """One attempt of packed part `part`, its process killed once it has read
     `kill_after_chunk` chunks of 4 records (the ranges are read all at once, in chunks that
     span them: part of its ranges read by then, and handed on to the COPY)."""
-    from offsetflow.source import packed as reader_packed
-
     def read(consumer: Any, ranges: Any, **kw: Any) -> Iterator[RawChunk]:
         for n, chunk in enumerate(READ_RANGES(consumer, ranges, max_rows=4), 1):
             yield chunk
             if n == kill_after_chunk:
                 raise Killed
-    monkeypatch.setattr(reader_packed, "read_ranges", read)
+    # where the task looks it up when it runs
+    monkeypatch.setattr(offsetflow.source, "read_ranges", read)
     monkeypatch.setattr(job_tasks, "_task_part", lambda: part)
     try:
         for _ in task(iter([pa.RecordBatch.from_pydict({"id": [part]})])):

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 
+import offsetflow.source
 from offsetflow.commit import create_stage_tables
 from offsetflow.config import parse_pipeline
 from offsetflow.job.tasks import make_read_and_stage, make_reader, stage_columns
@@ -86,10 +87,11 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, task: Any, rows: int,
 
     def packed(consumer: Any, ranges: Any, **kw: Any) -> Iterator[RawChunk]:
         return killing(READ_RANGES(consumer, ranges, **{**kw, "max_rows": rows}))
-    # a small sub-range of a packed task is read by reader_packed (the fused path), a
-    # transform's by reader.read_range: whichever the task takes is chunked and killed
-    monkeypatch.setattr(reader, "read_range", one)
-    monkeypatch.setattr(reader_packed, "read_ranges", packed)
+    # a small sub-range of a packed task is read by read_ranges (the fused path), a
+    # transform's by read_range: whichever the task takes is chunked and killed, patched on
+    # `offsetflow.source`, where the task looks them up when it runs
+    monkeypatch.setattr(offsetflow.source, "read_range", one)
+    monkeypatch.setattr(offsetflow.source, "read_ranges", packed)
     try:
         for _ in task(iter([pa.RecordBatch.from_pydict({"id": [0]})])):
             pass
