@@ -1,6 +1,6 @@
 """Step 4 of the commit in upsert mode: the stage's records applied to the target by key.
 
-The rule (README "Upsert"): Kafka orders records within a partition by offset, so
+The rule (docs/sinks/postgresql.md, "Upsert"): Kafka orders records within a partition by offset, so
   - within one partition the record with the highest offset wins, whatever its timestamp;
   - a target row is replaced (or deleted by a tombstone) only by a record at the same or a
     later offset of the same topic-partition: a replay or backfill of an old window never

@@ -105,7 +105,7 @@ def deleted_before_read(cur: psycopg2.extensions.cursor, batch: Batch,
     staged parts are not lost: the run commits them from the stage. A part's marker names
     the sub-ranges of the batch's split it read (packed parts read several); a marker
     without that list is of part k = sub-range k (the layout before packing, and a
-    transform that keeps the partitioning; one that repartitions breaks it, README)."""
+    transform that keeps the partitioning; one that repartitions breaks it, docs/concepts.md)."""
     offsets = kafka.partition_offsets([r.topic_partition for r in batch.ranges])
     deleted = [(r, min(r.until_offset, offsets[r.topic_partition].earliest))
                for r in batch.ranges if r.from_offset < offsets[r.topic_partition].earliest]

@@ -230,7 +230,7 @@ def refuse_group_ahead(batch: Batch, mark: CommitMark,
             f"move each position to the sink group's offset (offsetflow reset-position "
             f"{mark.pipeline} --topic {r.topic} --partition {r.partition} --offset "
             f"{got[0]}, and so for every partition); if this ledger is a copy, give it its "
-            f"own identity instead (see README, 'Two ledgers')")
+            f"own identity instead (see docs/sinks/kafka.md, 'Two ledgers')")
 
 
 def not_produced_in(batch: Batch, mark: CommitMark,
