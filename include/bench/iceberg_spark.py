@@ -10,8 +10,8 @@ but class was expected` for `spark.read.format("iceberg")`). So the Spark side o
 runs in an environment of its own, `.stack/iceberg-spark/` (pyspark 4.1 from PyPI with uv;
 the runtime jar, Spark's Kafka source and the PostgreSQL driver from Maven Central through
 `spark.jars.packages`, cached in Ivy's cache), used by the benchmark's
-`spark-builtin-iceberg` engine and the reading recipe test of docs/sinks/iceberg.md. Nothing here is on
-OffsetFlow's own path.
+`spark-builtin-iceberg` engine and the reading recipe test of docs/sinks/iceberg.md.
+Nothing here is on OffsetFlow's own path.
 """
 
 from __future__ import annotations
