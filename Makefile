@@ -46,10 +46,27 @@ test_paths = $(if $(filter tests tests/% ./tests ./tests/%,$(PYTEST_ARGS)),,$(1)
 unit: venv
 	$(PY) -m pytest $(call test_paths,tests/unit) -q $(PYTEST_ARGS)
 
-# all tests (what CI runs), the 25 slowest listed at the end; a quick local subset:
-# make test PYTEST_ARGS="-m 'not slow'"; one package: PYTEST_ARGS="tests/integration/commit"
+# all tests (what CI runs): first every test that leaves the shared services alone, on
+# TEST_WORKERS pytest-xdist workers (a file's tests on one worker: module fixtures such as an
+# Airflow on its own port stay single), then the tests that stop, kill or crash a service
+# or start a cluster (marked `serial` by tests/tooling/serial.py), one at a time; at the end
+# the 25 slowest tests and the wall time. With PYTEST_ARGS, one plain run of what they name:
+# make test PYTEST_ARGS="tests/integration/commit"; PYTEST_ARGS="-m 'not slow'"
+TEST_WORKERS ?= 3
+PYTEST := $(PY) -m pytest -v -rs --timeout=900 --durations=25
+RESULTS := .stack/test-results
 test: system-browser up
-	$(ENV) $(PY) -m pytest $(call test_paths,tests) -v -rs --timeout=900 --durations=25 $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.xml; start=$$(date +%s); \
+	$(ENV) $(PYTEST) tests -m "not serial" -n $(TEST_WORKERS) --dist loadfile \
+		--junitxml=$(RESULTS)/parallel.xml; rc1=$$?; \
+	$(ENV) $(PYTEST) tests -m serial --junitxml=$(RESULTS)/serial.xml; rc2=$$?; \
+	$(PY) -m tests.tooling.slowest $$(( $$(date +%s) - start )) $(RESULTS)/parallel.xml \
+		$(RESULTS)/serial.xml; \
+	test $$rc1 -eq 0 -a $$rc2 -eq 0
+else
+	$(ENV) $(PYTEST) $(call test_paths,tests) $(PYTEST_ARGS)
+endif
 
 # ruff (with PLC2701: no private name imported across modules) and import-linter's
 # contracts in pyproject.toml (the lifecycle's layers, no import circle)

@@ -7,6 +7,7 @@ do not depend on order. The ledger lives in a database created fresh for the ses
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shlex
@@ -48,9 +49,14 @@ def pytest_report_header() -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from tests.tooling.serial import is_serial
+
     for item in items:
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+            function = getattr(item, "originalname", None) or item.name
+            if is_serial(Path(str(item.fspath)), function):
+                item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")
@@ -225,6 +231,11 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
     stack_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=stack_url.rpartition("/")[2])
     test_dsn = psycopg2.extensions.make_dsn(admin_dsn, dbname=AIRFLOW_TEST_DB)
     before = registered_test_dags(stack_dsn)
+    AIRFLOW_TEST_HOME.mkdir(parents=True, exist_ok=True)
+    # pytest-xdist workers share the database: one creates and migrates it, the others
+    # wait for that and find it done
+    lock = open(AIRFLOW_TEST_HOME / ".migrate.lock", "w")  # noqa: SIM115 - held to the end
+    fcntl.flock(lock, fcntl.LOCK_EX)
     conn = psycopg2.connect(admin_dsn, connect_timeout=10)
     conn.autocommit = True
     with conn.cursor() as cur:
@@ -235,7 +246,6 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
         row = cur.fetchone()
         cluster = str(row[0]) if row else "?"
     conn.close()
-    AIRFLOW_TEST_HOME.mkdir(parents=True, exist_ok=True)
     env = {"AIRFLOW_HOME": str(AIRFLOW_TEST_HOME),
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _alchemy_db(stack_url, AIRFLOW_TEST_DB)}
     key = _stack_fernet_key()
@@ -245,15 +255,19 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
 
     stamp = AIRFLOW_TEST_HOME / ".migrated"
     want = f"{version('apache-airflow')}@{cluster}"
-    migrated = stamp.exists() and stamp.read_text() == want and bool(
-        query_one(test_dsn, "SELECT to_regclass('public.alembic_version') IS NOT NULL"))
-    if not migrated:
-        p = subprocess.run(["airflow", "db", "migrate"], env={**os.environ, **env},
-                           capture_output=True, text=True, timeout=900)
-        if p.returncode != 0:
-            pytest.fail(f"airflow db migrate of {AIRFLOW_TEST_DB} failed:\n{p.stderr[-3000:]}")
-        stamp.write_text(want)
-    _copy_connections(stack_dsn, test_dsn)
+    try:
+        migrated = stamp.exists() and stamp.read_text() == want and bool(
+            query_one(test_dsn, "SELECT to_regclass('public.alembic_version') IS NOT NULL"))
+        if not migrated:
+            p = subprocess.run(["airflow", "db", "migrate"], env={**os.environ, **env},
+                               capture_output=True, text=True, timeout=900)
+            if p.returncode != 0:
+                pytest.fail(f"airflow db migrate of {AIRFLOW_TEST_DB} failed:\n"
+                            f"{p.stderr[-3000:]}")
+            stamp.write_text(want)
+        _copy_connections(stack_dsn, test_dsn)
+    finally:
+        lock.close()  # releases the lock
     yield {**env, "OFFSETFLOW_AIRFLOW_TEST_DSN": test_dsn,
            "OFFSETFLOW_AIRFLOW_STACK_DSN": stack_dsn}
     leaked = registered_test_dags(stack_dsn) - before
