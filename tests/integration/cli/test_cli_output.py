@@ -80,4 +80,5 @@ def test_run_batch_keeps_the_detail_on_its_console_for_airflow_task_logs(
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(rf"INFO offsetflow\.job\.driver: batch {bid} committed: 50 rows", r.stderr), \
         r.stderr[-3000:]
-    assert re.search(rf"INFO offsetflow\.cli\.commands: batch {bid} timings \{{", r.stderr), r.stderr[-3000:]
+    assert re.search(rf"INFO offsetflow\.cli\.commands: batch {bid} timings \{{", r.stderr), \
+        r.stderr[-3000:]
