@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test unit lint bench soak clean wheel spark-env docs
+.PHONY: venv system system-browser up down status demo test check unit lint bench soak clean wheel spark-env docs
 
 venv: .venv/.installed
 
@@ -67,6 +67,16 @@ ifeq ($(strip $(PYTEST_ARGS)),)
 else
 	$(ENV) $(PYTEST) $(call test_paths,tests) $(PYTEST_ARGS)
 endif
+
+# the inner loop (under 5 minutes): the unit tests and the commit protocol's and the faults'
+# integration core, in the same two phases as `make test`
+CHECK_TESTS := tests/unit tests/integration/commit tests/integration/job/test_faults.py
+check: up
+	@start=$$(date +%s); \
+	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m "not serial" \
+		-n $(TEST_WORKERS) --dist loadfile; rc1=$$?; \
+	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m serial; rc2=$$?; \
+	echo "[check] done in $$(( $$(date +%s) - start )) s"; test $$rc1 -eq 0 -a $$rc2 -eq 0
 
 # ruff (with PLC2701: no private name imported across modules) and import-linter's
 # contracts in pyproject.toml (the lifecycle's layers, no import circle)
