@@ -49,7 +49,7 @@ unit: venv
 # all tests (what CI runs): first every test that leaves the shared services alone, on
 # TEST_WORKERS pytest-xdist workers (a file's tests on one worker: module fixtures such as an
 # Airflow on its own port stay single), then the tests that stop, kill or crash a service
-# or start a cluster (marked `serial` by tests/tooling/serial.py), one at a time; at the end
+# (marked `serial` by tests/tooling/serial.py), one at a time; at the end
 # the 25 slowest tests and the wall time. With PYTEST_ARGS, one plain run of what they name:
 # make test PYTEST_ARGS="tests/integration/commit"; PYTEST_ARGS="-m 'not slow'"
 TEST_WORKERS ?= 3

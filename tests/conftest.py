@@ -42,6 +42,15 @@ if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
+# Every Spark driver a test starts (the session fixture, `offsetflow run-batch` processes,
+# spark-submit from Airflow tasks) is a short JVM on small data: C1 only, one compiler
+# thread and the serial collector halve its CPU (14 -> 8 CPU-seconds to start a local
+# session and run a small job, measured here) on a suite that keeps both cores busy. The
+# product's own processes (make demo, bench, the Spark Connect server) are not affected.
+os.environ.setdefault("SPARK_SUBMIT_OPTS",
+                      "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC")
+
+
 def pytest_report_header() -> str:
     from tests.tooling import services
 
@@ -57,6 +66,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             function = getattr(item, "originalname", None) or item.name
             if is_serial(Path(str(item.fspath)), function):
                 item.add_marker(pytest.mark.serial)
+    # files with long (`slow`) tests first: pytest-xdist hands files to its workers in this
+    # order, so a long file starts early instead of finishing last on one worker
+    slow_files = {str(i.fspath) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: str(i.fspath) not in slow_files)
 
 
 @pytest.fixture(scope="session")
@@ -164,6 +177,7 @@ def secret_dsn(pg_dsn: str, admin_dsn: str) -> Iterator[tuple[str, str]]:
 # folders. Integration sessions therefore point every Airflow process they start at a
 # database `airflow_test` and a home `.stack/airflow-test` of their own.
 AIRFLOW_TEST_DB = "airflow_test"
+AIRFLOW_TEMPLATE_DB = "airflow_test_template"
 AIRFLOW_TEST_HOME = ROOT / ".stack" / "airflow-test"
 
 
@@ -266,14 +280,42 @@ def airflow_test_env(admin_dsn: str) -> Iterator[dict[str, str]]:
                             f"{p.stderr[-3000:]}")
             stamp.write_text(want)
         _copy_connections(stack_dsn, test_dsn)
+        _refresh_template(admin_dsn, again=not migrated)
     finally:
         lock.close()  # releases the lock
     yield {**env, "OFFSETFLOW_AIRFLOW_TEST_DSN": test_dsn,
-           "OFFSETFLOW_AIRFLOW_STACK_DSN": stack_dsn}
+           "OFFSETFLOW_AIRFLOW_STACK_DSN": stack_dsn,
+           "OFFSETFLOW_AIRFLOW_TEMPLATE_DB": AIRFLOW_TEMPLATE_DB,
+           "OFFSETFLOW_AIRFLOW_TEST_LOCK": str(AIRFLOW_TEST_HOME / ".migrate.lock")}
     leaked = registered_test_dags(stack_dsn) - before
     if leaked:
         pytest.fail(f"tests registered DAGs in the stack's own Airflow metadata database "
                     f"(what `make demo` shows): {sorted(leaked)}")
+
+
+def _refresh_template(admin_dsn: str, again: bool) -> None:
+    """A copy of the migrated test database, connections included, that nothing connects
+    to: each `airflow standalone` of the tests gets a database of its own from it in a
+    second (tests/tooling/airflow_standalone.py), so two of them on two pytest-xdist workers
+    never run each other's DAG runs. Made again after a migration (`again`), else only when
+    missing: copying needs the test database unused, and the first worker through the
+    migration lock may be running tests on it by now."""
+    import psycopg2
+    from psycopg2 import sql
+
+    conn = psycopg2.connect(admin_dsn, connect_timeout=10)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (AIRFLOW_TEMPLATE_DB,))
+            if cur.fetchone() is not None and not again:
+                return
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(AIRFLOW_TEMPLATE_DB)))
+            cur.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(AIRFLOW_TEMPLATE_DB), sql.Identifier(AIRFLOW_TEST_DB)))
+    finally:
+        conn.close()
 
 
 def query_one(dsn: str, q: str) -> Any:

@@ -48,8 +48,55 @@ def airflow_standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
                        env: Mapping[str, str], health_timeout_s: float = 300
                        ) -> Iterator[tuple[str, str]]:
     """Yields the API's URL and an admin token. `env` is the whole environment of the
-    Airflow processes (the DAG folder, port and API URLs are added here); the pipelines'
-    generated DAGs go to `dag_dir/pipelines`."""
+    Airflow processes (the DAG folder, port and API URLs are added here, and a metadata
+    database of its own: `own_database`); the pipelines' generated DAGs go to
+    `dag_dir/pipelines`."""
+    with own_database(env) as env:
+        yield from _standalone(base, pipelines, dag_dir, port, env, health_timeout_s)
+
+
+@contextlib.contextmanager
+def own_database(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """`env` with a metadata database of its own, copied from the migrated template the
+    test session made (tests/conftest.py) and dropped afterwards: a scheduler sees only its
+    own DAG runs, never those of an Airflow another pytest-xdist worker runs at the same
+    time (which it would run with the wrong DAG folder). Without the template (not the
+    local stack), `env` as it is."""
+    import fcntl
+
+    import psycopg2
+    from psycopg2 import sql
+
+    template = env.get("OFFSETFLOW_AIRFLOW_TEMPLATE_DB")
+    url = env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "")
+    admin = env.get("OFFSETFLOW_AIRFLOW_TEST_DSN")  # any database of that server will do
+    if not template or not admin or not url.startswith("postgresql"):
+        yield dict(env)
+        return
+    name = f"airflow_sa_{uuid.uuid4().hex[:8]}"
+
+    def run(statement: sql.Composable) -> None:
+        conn = psycopg2.connect(admin, connect_timeout=30)
+        conn.autocommit = True
+        try:
+            with conn.cursor() as cur:
+                cur.execute(statement)
+        finally:
+            conn.close()
+
+    # one copy at a time: a template being copied cannot be copied again at once
+    with open(env["OFFSETFLOW_AIRFLOW_TEST_LOCK"], "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        run(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name),
+                                                             sql.Identifier(template)))
+    try:
+        yield {**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"{url.rpartition('/')[0]}/{name}"}
+    finally:
+        run(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def _standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
+                env: Mapping[str, str], health_timeout_s: float) -> Iterator[tuple[str, str]]:
     env = {**env, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
            "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(port),
            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",

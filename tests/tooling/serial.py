@@ -1,5 +1,6 @@
 """Which tests must run alone: the ones that stop, kill or crash a service every other test
-uses (the broker, PostgreSQL, the Spark Connect server) or start a cluster of their own.
+uses (the broker, PostgreSQL, the Spark Connect server). A test that starts a cluster of its
+own (Spark standalone, three brokers) and kills a node of it harms no other test.
 
 `make test` runs the rest on several pytest-xdist workers at once and these afterwards, one
 at a time. Found from the test modules' source, so a new fault test is serial without
@@ -19,8 +20,7 @@ DISRUPTIVE = re.compile(
     r"|\.postgres_down_in_commit\("  # tests/tooling/fault_case.py: stops or crashes it
     # a stack.sh verb handed to a subprocess or a helper (not a message a test looks for)
     r"|[\"'](kafka-kill|kafka-stop|kafka-start|pg-crash|pg-stop|pg-start|connect-start"
-    r"|connect-stop)[\"'](?!\s+in\b)"
-    r"|\bcluster\.(stack|kafka_cluster|spark_cluster)\(")
+    r"|connect-stop)[\"'](?!\s+in\b)")
 
 
 @functools.cache
