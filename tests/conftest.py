@@ -66,10 +66,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             function = getattr(item, "originalname", None) or item.name
             if is_serial(Path(str(item.fspath)), function):
                 item.add_marker(pytest.mark.serial)
-    # files with long (`slow`) tests first: pytest-xdist hands files to its workers in this
-    # order, so a long file starts early instead of finishing last on one worker
-    slow_files = {str(i.fspath) for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: str(i.fspath) not in slow_files)
+    # files with a cluster, then files with long (`slow`) tests first: pytest-xdist hands
+    # files to its workers in this order, so a long file starts early instead of finishing
+    # last on one worker while the others wait
+    def files(marker: str) -> set[str]:
+        return {str(i.fspath) for i in items if i.get_closest_marker(marker)}
+
+    cluster, slow = files("cluster"), files("slow")
+    items.sort(key=lambda i: (str(i.fspath) not in cluster, str(i.fspath) not in slow))
 
 
 @pytest.fixture(scope="session")
