@@ -14,8 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from offsetflow.cli.common import dsn_of as _dsn
-from offsetflow.cli.common import pipeline_of as _pipeline
+from offsetflow.cli.common import dsn_of, pipeline_of
 from offsetflow.cli.console import setup_logging
 from offsetflow.cli.repair import cmd_abandon, cmd_cleanup, cmd_complete, cmd_reset_position
 from offsetflow.errors import ConfigError, OffsetFlowError
@@ -29,7 +28,7 @@ def cmd_db_identity(args: argparse.Namespace) -> int:
     restored or moved): see `offsetflow.ledger.identity`."""
     from offsetflow.ledger import adopt_identity, new_identity
 
-    with Ledger(_dsn(args)) as ledger, ledger.transaction() as cur:
+    with Ledger(dsn_of(args)) as ledger, ledger.transaction() as cur:
         if args.db_cmd == "new-identity":
             print(f"ledger identity is now {new_identity(cur)} (a ledger of its own)")
         else:
@@ -38,7 +37,7 @@ def cmd_db_identity(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    with Ledger(_dsn(args)) as ledger:
+    with Ledger(dsn_of(args)) as ledger:
         applied = ledger.upgrade()
     print(f"ledger schema up to date ({len(applied)} migration(s) applied"
           + (f": {', '.join(applied)}" if applied else "") + ")")
@@ -48,8 +47,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from offsetflow.ops import plan_only
 
-    cfg = _pipeline(args)
-    out = plan_only(cfg, _dsn(args, cfg), started_by=args.started_by)
+    cfg = pipeline_of(args)
+    out = plan_only(cfg, dsn_of(args, cfg), started_by=args.started_by)
     if out.batch is None:
         print(f"pipeline {cfg.name}: nothing new to read")
         return 0
@@ -65,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from offsetflow.cli.console import progress_line
     from offsetflow.ops import CycleResult, run_until_caught_up
 
-    cfg = _pipeline(args)
+    cfg = pipeline_of(args)
     t = time.monotonic()
 
     def show(res: CycleResult) -> None:
@@ -73,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(progress_line(res.summary(), list(batch.ranges) if batch else [], cfg.name),
               flush=True)
 
-    results = run_until_caught_up(cfg, _dsn(args, cfg), max_batches=args.max_batches,
+    results = run_until_caught_up(cfg, dsn_of(args, cfg), max_batches=args.max_batches,
                                   started_by=args.started_by, on_cycle=show)
     done = [r.summary() for r in results if r.report is not None]
     print(f"pipeline {cfg.name}: {len(done)} batch(es), "
@@ -95,13 +94,13 @@ def parse_batch_ids(values: Sequence[str]) -> list[int]:
 def cmd_run_batch(args: argparse.Namespace) -> int:
     from offsetflow.job import build_spark, run_batch
 
-    cfg = _pipeline(args)
+    cfg = pipeline_of(args)
     ids = parse_batch_ids(args.batch_id)
     t = time.monotonic()
     spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
     spark_start_s = round(time.monotonic() - t, 3)
     for bid in ids:  # in order: window batches are consecutive
-        rep = run_batch(spark, cfg, bid, _dsn(args, cfg),
+        rep = run_batch(spark, cfg, bid, dsn_of(args, cfg),
                         accept_config_change=args.accept_config_change)
         print(rep.result.message, flush=True)
         # one machine-readable line per batch, so a cold run's JVM start can be told apart
@@ -114,8 +113,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from offsetflow.ops import format_status, pipeline_status
 
-    cfg = _pipeline(args)
-    st = pipeline_status(cfg, _dsn(args, cfg), recent=args.recent)
+    cfg = pipeline_of(args)
+    st = pipeline_status(cfg, dsn_of(args, cfg), recent=args.recent)
     print(json.dumps(st, indent=2, default=str) if args.json else format_status(st))
     return 0
 
@@ -178,11 +177,11 @@ def cmd_window(args: argparse.Namespace) -> int:
     from offsetflow.orchestration.tasks import window_task
 
     planned = window_task(kind, conf, started_by=f"cli:{kind}",
-                          load=lambda name: _pipeline(argparse.Namespace(pipeline=name)))
+                          load=lambda name: pipeline_of(argparse.Namespace(pipeline=name)))
     print(json.dumps(planned["report"], indent=2))
     if planned["batch_ids"]:
-        cfg = _pipeline(args)
-        for rep in run_batches(cfg, _dsn(args, cfg), planned["batch_ids"]):
+        cfg = pipeline_of(args)
+        for rep in run_batches(cfg, dsn_of(args, cfg), planned["batch_ids"]):
             print(rep.result.message)
     return 0
 

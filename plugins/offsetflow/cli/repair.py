@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from offsetflow.cli.common import dsn_of as _dsn
-from offsetflow.cli.common import pipeline_of as _pipeline
+from offsetflow.cli.common import dsn_of, pipeline_of
 from offsetflow.config import PipelineConfig, find_pipeline
 from offsetflow.errors import ConfigError
 from offsetflow.ledger import Batch, Ledger
@@ -23,7 +22,7 @@ def _batch_pipeline(args: argparse.Namespace, batch: Batch) -> PipelineConfig | 
     from offsetflow.orchestration.connections import resolve
 
     if args.pipeline or args.pipeline_file:
-        cfg: PipelineConfig | None = _pipeline(args)
+        cfg: PipelineConfig | None = pipeline_of(args)
     else:
         try:
             cfg = resolve(find_pipeline(batch.pipeline))
@@ -54,7 +53,7 @@ def cmd_abandon(args: argparse.Namespace) -> int:
     from offsetflow.errors import BatchStateError
     from offsetflow.sinks import external_sink
 
-    with Ledger(_dsn(args)) as ledger:
+    with Ledger(dsn_of(args)) as ledger:
         cfg = _batch_pipeline(args, ledger.get_batch(args.batch_id))
         sink = external_sink(cfg, ledger.dsn) if cfg is not None else None
         with ledger.transaction() as cur:
@@ -81,7 +80,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
     from offsetflow.ops import complete_from_sink, unreadable_in
     from offsetflow.sinks import sink_for
 
-    with Ledger(_dsn(args)) as ledger:
+    with Ledger(dsn_of(args)) as ledger:
         batch = ledger.get_batch(args.batch_id)
         cfg = _batch_pipeline(args, batch)
         assert cfg is not None  # (not found: refused, `complete` offers no --unchecked)
@@ -106,7 +105,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
     from offsetflow.ops import kafka_for, reset_positions
     from offsetflow.sinks import sink_for
 
-    cfg = _pipeline(args)
+    cfg = pipeline_of(args)
     if args.offset < 0:
         raise ConfigError("command line", "--offset", f"must be >= 0, got {args.offset}")
     if args.archive_to is not None:
@@ -115,7 +114,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
     kafka.topics([args.topic])  # an unknown topic is an error naming it
     # None where the broker keeps no topic ids (recorded as such; identity is not checked)
     topic_id = kafka.topic_ids([args.topic]).get(args.topic)
-    with Ledger(_dsn(args, cfg)) as ledger:
+    with Ledger(dsn_of(args, cfg)) as ledger:
         if args.all_partitions:
             known = {p for t, p in ledger.positions(cfg.name) if t == args.topic}
             partitions = sorted(known | {p for _, p in kafka.partitions([args.topic])})
@@ -131,7 +130,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
                                 live_topic=None if args.allow_duplicates else sink.live_topic,
                                 # e.g. an Iceberg table's rows beyond (no coordinates index)
                                 check_sink=None if args.force else sink.reset_check(
-                                    _dsn(args, cfg), args.topic, partitions, args.offset))
+                                    dsn_of(args, cfg), args.topic, partitions, args.offset))
     for p in partitions:
         print(f"{cfg.name}: {args.topic}[{p}] position set to {args.offset} "
               f"(topic id {topic_id} recorded)")
@@ -143,7 +142,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    with Ledger(_dsn(args)) as ledger:
+    with Ledger(dsn_of(args)) as ledger:
         dropped = ledger.cleanup_staging()
     print(f"dropped staged data of {len(dropped)} closed batch(es)"
           + (f": {dropped}" if dropped else ""))

@@ -93,7 +93,7 @@ class IcebergSink:
     columns: Sequence[tuple[str, str]]  # stage columns and their PostgreSQL types
     table_name: str = ""  # sink.table as configured (a backfill may name another)
     _catalog: Any = None
-    _task_dead: int = 0  # bad records the tasks staged, of the last `_dead_letters`
+    _task_dead: int = 0  # bad records the tasks staged, of the last `route_dead_letters`
     _layout_checked: bool = False  # the table's layout was compared with the config
     stage_gone: bool = False  # `offsetflow complete`: the dead-letter count is the snapshot's
 
@@ -121,7 +121,7 @@ class IcebergSink:
         found = find_batch(table, batch)
         if found is None:
             return None
-        moved = self._dead_letters(cur, batch)  # they commit with the ledger, so again
+        moved = self.route_dead_letters(cur, batch)  # they commit with the ledger, so again
         if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
             from offsetflow.sinks.iceberg.upsert import prepare
 
@@ -142,7 +142,7 @@ class IcebergSink:
             return write_upsert(self, cur, batch)
         if self.spec.task_files:
             return self._write_task_files(cur, batch, staged)
-        moved = self._dead_letters(cur, batch)
+        moved = self.route_dead_letters(cur, batch)
         t = time.monotonic()
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
         read_s = time.monotonic() - t
@@ -179,7 +179,7 @@ class IcebergSink:
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
                           staged: int) -> Moved:
         """Commit the data files the batch's markers list (the tasks wrote them)."""
-        moved = self._dead_letters(cur, batch)  # tombstones the tasks staged go here too
+        moved = self.route_dead_letters(cur, batch)  # tombstones the tasks staged go here too
         files = staged_files(cur, batch.batch_id)
         _check_counts(batch, files.records, "its data files", moved.dead - self._task_dead,
                       staged)
@@ -202,7 +202,7 @@ class IcebergSink:
         moved.rows = files.records if rows is None else rows
         return moved
 
-    def _dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
+    def route_dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
         """Everything that goes to the PostgreSQL dead-letter table, in this transaction."""
         moved = Moved()
         spec = self.spec

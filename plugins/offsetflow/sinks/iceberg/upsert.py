@@ -107,7 +107,7 @@ def write_upsert(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batc
     """`IcebergSink.write` in upsert mode; see the module docstring."""
     from offsetflow.sinks.iceberg.commit import commit_snapshot
 
-    moved = sink._dead_letters(cur, batch)
+    moved = sink.route_dead_letters(cur, batch)
     moved.dead += prepare(sink, cur, batch)
     ident = sink.identifier(batch)
     table = sink.table(ident)
