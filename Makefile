@@ -31,6 +31,7 @@ up: venv system
 	$(STACK) up
 
 down:
+	@if [ -d .stack/serial ]; then $(SERIAL_STACK) down; fi
 	$(STACK) down
 
 status:
@@ -46,21 +47,32 @@ test_paths = $(if $(filter tests tests/% ./tests ./tests/%,$(PYTEST_ARGS)),,$(1)
 unit: venv
 	$(PY) -m pytest $(call test_paths,tests/unit) -q $(PYTEST_ARGS)
 
-# all tests (what CI runs): first every test that leaves the shared services alone, on
-# TEST_WORKERS pytest-xdist workers (a file's tests on one worker: module fixtures such as an
-# Airflow on its own port stay single), then the tests that stop, kill or crash a service
-# (marked `serial` by tests/tooling/serial.py), one at a time; at the end
-# the 25 slowest tests and the wall time. With PYTEST_ARGS, one plain run of what they name:
-# make test PYTEST_ARGS="tests/integration/commit"; PYTEST_ARGS="-m 'not slow'"
+# all tests (what CI runs), in two streams at once: every test that leaves the shared services
+# alone, on TEST_WORKERS pytest-xdist workers (a file's tests on one worker: module fixtures
+# such as an Airflow on its own port stay single), against the stack of `make up`; and beside
+# them, one at a time, the tests that stop, kill or crash a service (marked `serial` by
+# tests/tooling/serial.py) against a second stack of their own (.stack/serial: Kafka,
+# PostgreSQL, Spark Connect on the SERIAL_STACK ports). The serial stream's output follows
+# the first's; at the end the 25 slowest tests and the wall time. With PYTEST_ARGS, one plain
+# run of what they name: make test PYTEST_ARGS="tests/integration/commit"; PYTEST_ARGS="-m 'not slow'"
 TEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -v -rs --timeout=900 --durations=25
 RESULTS := .stack/test-results
+SERIAL_STACK := OFFSETFLOW_STACK_DIR=$(CURDIR)/.stack/serial OFFSETFLOW_AIRFLOW=0 \
+	OFFSETFLOW_KAFKA_PORT=19192 OFFSETFLOW_KAFKA_CONTROLLER_PORT=19193 OFFSETFLOW_PG_PORT=15532 \
+	OFFSETFLOW_AIRFLOW_PORT=18180 OFFSETFLOW_SPARK_CONNECT_PORT=15102 \
+	OFFSETFLOW_SPARK_MASTER_PORT=17177 OFFSETFLOW_SPARK_MASTER_UI_PORT=17180 \
+	OFFSETFLOW_SPARK_WORKER_PORT=17181 OFFSETFLOW_KAFKA_CLUSTER_PORT=17192 $(STACK)
 test: system-browser up
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.xml; start=$$(date +%s); \
+	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.xml $(RESULTS)/serial.log; start=$$(date +%s); \
+	( $(SERIAL_STACK) up && set -a && source .stack/serial/env.sh && set +a && \
+	  $(PYTEST) tests -m serial --junitxml=$(RESULTS)/serial.xml ) >$(RESULTS)/serial.log 2>&1 & \
+	serial=$$!; \
 	$(ENV) $(PYTEST) tests -m "not serial" -n $(TEST_WORKERS) --dist loadfile \
 		--junitxml=$(RESULTS)/parallel.xml; rc1=$$?; \
-	$(ENV) $(PYTEST) tests -m serial --junitxml=$(RESULTS)/serial.xml; rc2=$$?; \
+	echo "[test] the serial tests (on .stack/serial), run beside the others:"; \
+	wait $$serial; rc2=$$?; cat $(RESULTS)/serial.log; \
 	$(PY) -m tests.tooling.slowest $$(( $$(date +%s) - start )) $(RESULTS)/parallel.xml \
 		$(RESULTS)/serial.xml; \
 	test $$rc1 -eq 0 -a $$rc2 -eq 0

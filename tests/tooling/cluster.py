@@ -20,7 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STACK = ROOT / "include" / "stack" / "stack.sh"
-STATE = ROOT / ".stack"
+STATE = Path(os.environ.get("OFFSETFLOW_STACK_DIR") or ROOT / ".stack")
 SPARK_CLUSTER = STATE / "spark-cluster"
 KAFKA_CLUSTER = STATE / "kafka-cluster"
 ENV_NAME = "environment"  # where spark.archives unpacks the executor environment

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STATE = ROOT / ".stack"
+# the stack the tests talk to: make test runs the fault tests on a second one
+STATE = Path(os.environ.get("OFFSETFLOW_STACK_DIR") or ROOT / ".stack")
 STACK = ROOT / "include" / "stack" / "stack.sh"
 # lines of a service's log worth showing when it died: Kafka's and the JVM's fatal ones, a
 # full disk, PostgreSQL's PANIC/FATAL

@@ -21,11 +21,12 @@ from typing import Any
 import yaml
 
 from tests.tooling.chaos import proc_table
+from tests.tooling.services import STATE
 from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
 
 ROOT = Path(__file__).resolve().parents[3]
 STACK = ROOT / "include" / "stack" / "stack.sh"
-PID_FILE = ROOT / ".stack" / "connect" / "connect.pid"
+PID_FILE = STATE / "connect" / "connect.pid"
 
 # one scheduled DAG run's plan and run tasks (tasks.plan_task, tasks.connect_run_task)
 RUN = """

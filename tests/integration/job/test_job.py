@@ -29,6 +29,7 @@ from offsetflow.errors import SparkUnavailableError
 from offsetflow.job import build_spark, run_batch
 from offsetflow.ops import plan_only
 from tests.tooling.pipeline_data import query
+from tests.tooling.services import STATE
 
 RICH_SCHEMA = {"event_id": "string", "seq": "long", "small": "int", "amount": "double",
                "ratio": "float", "ok": "boolean", "at": "timestamp", "day": "date",
@@ -183,7 +184,7 @@ def test_offsetflow_run_on_warm_spark_connect_server(
     path = tmp_path / f"{table}.yaml"
     path.write_text(yaml.safe_dump(raw))
     env = {**os.environ, "OFFSETFLOW_TEST_CONNECT_DSN": pg_dsn}
-    server_log = ROOT / ".stack" / "connect" / "connect.log"
+    server_log = STATE / "connect" / "connect.log"
     seen = len(server_log.read_bytes())
     p = subprocess.run([str(Path(sys.executable).parent / "offsetflow"), "run",
                         "--pipeline-file", str(path), "--max-batches", "2"],
