@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 
 from tests.tooling.chaos import proc_table
-from tests.tooling.services import STATE
 from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
+from tests.tooling.services import STATE
 
 ROOT = Path(__file__).resolve().parents[3]
 STACK = ROOT / "include" / "stack" / "stack.sh"
