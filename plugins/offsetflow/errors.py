@@ -14,13 +14,34 @@ class OffsetFlowError(Exception):
 
 
 class ConfigError(OffsetFlowError):
-    """A pipeline config is invalid; names the file and the field."""
+    """A pipeline config is invalid; names the file and the field.
 
-    def __init__(self, source: str, field: str, message: str) -> None:
+    One raised for a whole file carries every error found in it (`errors`, one line each in
+    its message); its own source, field and message are the first's, so a caller that reads
+    one error reads the first. `line`/`column` (1-based) say where the field is in the YAML
+    when the file was read from disk; `at_key`: the error is about the key (an unknown
+    field), not its value."""
+
+    def __init__(self, source: str, field: str, message: str, *, at_key: bool = False,
+                 others: Sequence[ConfigError] = ()) -> None:
         self.source = source
         self.field = field
         self.message = message
-        super().__init__(f"{source}: {field}: {message}")
+        self.at_key = at_key
+        self.line: int | None = None
+        self.column: int | None = None
+        self.errors: tuple[ConfigError, ...] = (self, *others)
+        super().__init__("\n".join(f"{e.source}: {e.field}: {e.message}" for e in self.errors))
+
+    @classmethod
+    def of(cls, errors: Sequence[ConfigError]) -> ConfigError:
+        """One error for all of `errors` (not empty), in their order."""
+        first, *rest = [e for err in errors for e in err.errors]
+        if not rest:
+            return first
+        one = cls(first.source, first.field, first.message, at_key=first.at_key, others=rest)
+        one.line, one.column = first.line, first.column
+        return one
 
 
 class InvalidRangeError(OffsetFlowError, ValueError):

@@ -1,4 +1,5 @@
-"""`offsetflow` command line: plan, run, status, db upgrade, and operator tools.
+"""`offsetflow` command line: plan, run, status, db upgrade, operator tools, and offline
+checks of pipeline files (validate, schema).
 
 Errors OffsetFlow raises on purpose are printed once, without a traceback, exit code 2.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from offsetflow.cli.common import dsn_of, pipeline_of
 from offsetflow.cli.console import setup_logging
 from offsetflow.cli.repair import cmd_abandon, cmd_cleanup, cmd_complete, cmd_reset_position
+from offsetflow.cli.validate import cmd_schema, cmd_validate
 from offsetflow.errors import ConfigError, OffsetFlowError
 from offsetflow.ledger import Ledger
 
@@ -186,15 +188,43 @@ def cmd_window(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version, else the package's own (a checkout on
+    PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("offsetflow")
+    except PackageNotFoundError:
+        from offsetflow import __version__
+
+        return __version__
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """The shell's completion script (argcomplete, which Airflow installs too)."""
+    import argcomplete
+
+    print(argcomplete.shellcode(["offsetflow"], shell=args.shell))
+    return 0
+
+
+STARTED_BY = "who started it, recorded on the batch in the ledger (default: cli)"
+REASON = "why, recorded in the ledger beside the operator action"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="offsetflow", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                   help="print the version and exit")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="-v: INFO logs on the console too, -vv: DEBUG")
     p.add_argument("--log-file", type=Path,
                    help="full log (default $OFFSETFLOW_LOG_FILE, else "
                         "$XDG_STATE_HOME/offsetflow/offsetflow.log)")
     p.add_argument("--dsn", help="PostgreSQL DSN (default: sink.connection / OFFSETFLOW_PG_DSN)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def with_pipeline(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
         g = sp.add_mutually_exclusive_group(required=True)
@@ -210,31 +240,34 @@ def build_parser() -> argparse.ArgumentParser:
                   ).set_defaults(fn=cmd_db_identity)
 
     sp = with_pipeline(sub.add_parser("plan", help="plan the next batch (or show the open one)"))
-    sp.add_argument("--started-by", default="cli")
+    sp.add_argument("--started-by", default="cli", help=STARTED_BY)
     sp.set_defaults(fn=cmd_plan)
 
     sp = with_pipeline(sub.add_parser("run", help="plan + Spark + commit until caught up"))
     sp.add_argument("--max-batches", type=int, default=1,
                     help="batches to run at most (default 1)")
-    sp.add_argument("--started-by", default="cli")
+    sp.add_argument("--started-by", default="cli", help=STARTED_BY)
     sp.set_defaults(fn=cmd_run)
 
     sp = with_pipeline(sub.add_parser("run-batch", help="read, stage and commit a planned batch"))
     sp.add_argument("--batch-id", action="append", required=True,
                     help="batch id(s); repeat or give '5,6' / '[5, 6]' to run in order")
-    sp.add_argument("--accept-config-change", action="store_true")
+    sp.add_argument("--accept-config-change", action="store_true",
+                    help="run although the pipeline's output settings changed since the "
+                         "batch was planned (its rows are written the new way)")
     sp.set_defaults(fn=cmd_run_batch)
 
     sp = with_pipeline(sub.add_parser("status", help="lag per partition, recent batches"))
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--recent", type=int, default=10)
+    sp.add_argument("--json", action="store_true", help="print the status as JSON")
+    sp.add_argument("--recent", type=int, default=10,
+                    help="recent batches to show (default 10)")
     sp.set_defaults(fn=cmd_status)
 
     sp = sub.add_parser("abandon", help="close an open batch for good")
     sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
-    sp.add_argument("--pipeline-file")
-    sp.add_argument("--batch-id", type=int, required=True)
-    sp.add_argument("--reason", required=True)
+    sp.add_argument("--pipeline-file", help="path of its pipeline YAML (instead of --pipeline)")
+    sp.add_argument("--batch-id", type=int, required=True, help="the open batch to abandon")
+    sp.add_argument("--reason", required=True, help=REASON)
     sp.add_argument("--unchecked", action="store_true",
                     help="abandon even when the pipeline's config is not found, without "
                          "asking its sink whether it holds the batch (PostgreSQL sinks only)")
@@ -243,18 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("complete", help="complete an open batch from its external sink's "
                                          "record (its stage and Kafka records are gone)")
     sp.add_argument("--pipeline", help="its pipeline (default: the batch's, found by name)")
-    sp.add_argument("--pipeline-file")
-    sp.add_argument("--batch-id", type=int, required=True)
-    sp.add_argument("--reason", required=True)
+    sp.add_argument("--pipeline-file", help="path of its pipeline YAML (instead of --pipeline)")
+    sp.add_argument("--batch-id", type=int, required=True, help="the open batch to complete")
+    sp.add_argument("--reason", required=True, help=REASON)
     sp.set_defaults(fn=cmd_complete)
 
     sp = with_pipeline(sub.add_parser("reset-position", help="operator override of a position"))
-    sp.add_argument("--topic", required=True)
+    sp.add_argument("--topic", required=True, help="the topic whose position moves")
     g = sp.add_mutually_exclusive_group(required=True)
-    g.add_argument("--partition", type=int)
+    g.add_argument("--partition", type=int, help="the partition whose position moves")
     g.add_argument("--all-partitions", action="store_true",
                    help="every partition the topic has in Kafka or in the ledger")
-    sp.add_argument("--offset", type=int, required=True)
+    sp.add_argument("--offset", type=int, required=True,
+                    help="the new position: the next offset to read")
     sp.add_argument("--archive-to", metavar="TABLE",
                     help="move sink rows at or beyond the new position to TABLE (else they "
                          "refuse the reset)")
@@ -264,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true",
                     help="Iceberg sink: reset although the table holds rows at or beyond the "
                          "new position (the records read again are appended beside them)")
-    sp.add_argument("--reason", required=True)
+    sp.add_argument("--reason", required=True, help=REASON)
     sp.set_defaults(fn=cmd_reset_position)
 
     sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
@@ -272,26 +306,62 @@ def build_parser() -> argparse.ArgumentParser:
 
     dg = sub.add_parser("dags", help="DAG files").add_subparsers(dest="dags_cmd", required=True)
     sp = dg.add_parser("sync", help="write the thin DAG file of every pipeline")
-    sp.add_argument("--dags-dir", default=str(_repo_root() / "dags" / "pipelines"))
+    sp.add_argument("--dags-dir", default=str(_repo_root() / "dags" / "pipelines"),
+                    help="where the DAG files go (default: %(default)s)")
     sp.set_defaults(fn=cmd_dags_sync)
 
     for kind, help_ in (("backfill", "re-read a window into the sink or a side table"),
                         ("replay", "re-process a committed range, replacing its rows")):
         sp = sub.add_parser(kind, help=help_)
-        sp.add_argument("--pipeline", "-p", required=True)
-        sp.add_argument("--topic")
+        sp.add_argument("--pipeline", "-p", required=True, help="pipeline name")
+        sp.add_argument("--topic", help="the topic to re-read (default: every topic)")
         sp.add_argument("--partitions", help="comma-separated; default all")
-        sp.add_argument("--from-offset", type=int)
-        sp.add_argument("--until-offset", type=int)
-        sp.add_argument("--from-timestamp", help="ISO-8601 with zone")
-        sp.add_argument("--until-timestamp")
-        sp.add_argument("--records-per-batch", type=int)
+        sp.add_argument("--from-offset", type=int,
+                        help="first offset of the window (with --until-offset)")
+        sp.add_argument("--until-offset", type=int,
+                        help="end of the window, exclusive")
+        sp.add_argument("--from-timestamp", help="start of the window by time: ISO-8601 with "
+                                                 "zone (instead of --from-offset)")
+        sp.add_argument("--until-timestamp", help="end of the window by time, exclusive: "
+                                                  "ISO-8601 with zone")
+        sp.add_argument("--records-per-batch", type=int,
+                        help="split the window into batches of at most this many records")
         if kind == "backfill":
-            sp.add_argument("--target-table")
-        sp.add_argument("--dry-run", action="store_true")
+            sp.add_argument("--target-table",
+                            help="write into this table instead of the sink's own")
+        sp.add_argument("--dry-run", action="store_true",
+                        help="show the batches it would plan; plan and write nothing")
         sp.add_argument("--local", action="store_true",
                         help="run here instead of triggering the Airflow DAG")
         sp.set_defaults(fn=cmd_window)
+
+    sp = sub.add_parser(
+        "validate", help="check pipeline files offline: every error, with line and column",
+        description="Check pipeline files without touching any service: every error of "
+                    "every file, as FILE:LINE:COLUMN: error: FIELD: MESSAGE, then a summary. "
+                    "Exit 0 when all are valid (warnings allowed), 2 when any has an error.")
+    sp.add_argument("files", nargs="+", metavar="FILE",
+                    help="a pipeline YAML, or a folder of them (its *.yaml and *.yml)")
+    sp.add_argument("--env-strict", action="store_true",
+                    help="an unset ${VAR} without a default is an error (default: a warning: "
+                         "the file is fine, the variable is the deployment's)")
+    sp.set_defaults(fn=cmd_validate, offline=True)
+
+    sp = sub.add_parser(
+        "schema", help="print the JSON Schema of a pipeline file, for editors",
+        description="Print the JSON Schema (draft 2020-12) of a pipeline YAML: "
+                    "`offsetflow schema > pipeline.schema.json`, then start a pipeline file "
+                    "with `# yaml-language-server: $schema=pipeline.schema.json` (VS Code's "
+                    "YAML extension).")
+    sp.set_defaults(fn=cmd_schema, offline=True)
+
+    sp = sub.add_parser(
+        "completion", help="print the shell completion script",
+        description="Print the completion script of a shell; load it with "
+                    "`eval \"$(offsetflow completion bash)\"` (in ~/.bashrc, or ~/.zshrc "
+                    "with zsh).")
+    sp.add_argument("shell", choices=("bash", "zsh", "fish"), help="the shell")
+    sp.set_defaults(fn=cmd_completion, offline=True)
     return p
 
 
@@ -300,7 +370,20 @@ def _repo_root() -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        import argcomplete
+    except ImportError:  # completion is a convenience; the commands work without it
+        pass
+    else:
+        argcomplete.autocomplete(parser)  # answers a completion request (and exits) only
+    args = parser.parse_args(argv)
+    if getattr(args, "offline", False):  # no log file, no database driver: nothing to reach
+        try:
+            return int(args.fn(args))
+        except OffsetFlowError as e:
+            print(f"offsetflow: error: {e}", file=sys.stderr)
+            return 2
     # run-batch is what Airflow spark-submits: its console is the task log, which keeps INFO
     args.log_path = setup_logging(args.verbose, args.log_file,
                                   detailed=args.command == "run-batch")

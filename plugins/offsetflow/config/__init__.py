@@ -17,8 +17,9 @@ from offsetflow.config.iceberg_sink import (
     snapshot_summary,
     summary_batch,
 )
-from offsetflow.config.loader import find_pipeline, load_pipeline, pipelines_dir
-from offsetflow.config.parse import parse_pipeline
+from offsetflow.config.json_schema import pipeline_json_schema
+from offsetflow.config.loader import check_file, find_pipeline, load_pipeline, pipelines_dir
+from offsetflow.config.parse import Checked, check_pipeline, parse_pipeline
 from offsetflow.config.schema import (
     DECIMAL_RE,
     FORBIDDEN_CLIENT_KEYS,
@@ -38,6 +39,7 @@ from offsetflow.config.schema import (
 )
 
 __all__ = [
+    "Checked",
     "DECIMAL_RE",
     "FORBIDDEN_CLIENT_KEYS",
     "IDENT_RE",
@@ -53,6 +55,8 @@ __all__ = [
     "StartingPolicy",
     "TOPIC_RE",
     "catalog_properties",
+    "check_file",
+    "check_pipeline",
     "check_summary_ranges",
     "config_drift",
     "connect_address",
@@ -60,6 +64,7 @@ __all__ = [
     "layout_drift",
     "load_pipeline",
     "parse_pipeline",
+    "pipeline_json_schema",
     "pipelines_dir",
     "redact_dsn",
     "redact_value",

@@ -2,16 +2,24 @@
 the file and the dotted field (`FieldReader`), table and column names, and `${VAR}` /
 `${VAR:-default}` resolved from the given environment (so secrets stay out of the YAML).
 Pure: the sections' parsers (`config_parse`, `sink_kafka_config`) are built on it.
+
+The reader collects: a bad value is recorded and a placeholder read on (its default), so one
+run names every error of a file; what a broken structure makes meaningless (a section that
+is not a mapping) stops that section only (`guard`).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from offsetflow.config.schema import CONN_ID_RE, ENV_RE, IDENT_RE
 from offsetflow.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def validate_table_name(source: str, fld: str, table: Any) -> str:
@@ -34,28 +42,82 @@ def validate_identifier(source: str, fld: str, name: Any) -> str:
     return name
 
 
-def resolve_env(value: str, source: str, fld: str, env: Mapping[str, str]) -> str:
-    def sub(m: re.Match[str]) -> str:
-        var, default = m.group(1), m.group(2)
-        if var in env:
-            return env[var]
-        if default is not None:
-            return default
-        raise ConfigError(source, fld, f"environment variable {var} is not set")
-
-    return ENV_RE.sub(sub, value)
+def did_you_mean(word: Any, candidates: Collection[str]) -> str:
+    """"; did you mean 'x'?" when `word` is a likely typo of one of `candidates`, else ""."""
+    close = difflib.get_close_matches(str(word), sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 class FieldReader:
-    """Walks the raw mapping and reports errors with their dotted path."""
+    """Walks the raw mapping and records errors (and warnings) with their dotted path."""
 
-    def __init__(self, raw: Mapping[str, Any], source: str, env: Mapping[str, str]) -> None:
+    def __init__(self, raw: Mapping[str, Any], source: str, env: Mapping[str, str],
+                 strict_env: bool = True) -> None:
         self.raw = raw
         self.source = source
         self.env = env
+        # an unset `${VAR}` without a default: an error (loading to run), or a warning
+        # (validating a file away from the environment it runs in)
+        self.strict_env = strict_env
+        self.errors: list[ConfigError] = []
+        self.warnings: list[ConfigError] = []
+        self.unresolved: set[str] = set()  # fields holding an unset ${VAR}, left as written
 
-    def err(self, fld: str, msg: str) -> ConfigError:
-        return ConfigError(self.source, fld, msg)
+    suggest = staticmethod(did_you_mean)
+
+    def err(self, fld: str, msg: str, at_key: bool = False) -> ConfigError:
+        return ConfigError(self.source, fld, msg, at_key=at_key)
+
+    def fail(self, fld: str, msg: str, at_key: bool = False) -> None:
+        """Record an error and read on."""
+        self.errors.append(self.err(fld, msg, at_key))
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a section: an error it raises is recorded and ends that section only."""
+        try:
+            yield
+        except ConfigError as e:
+            self.errors.extend(e.errors)
+
+    def attempt(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)`, or None with its ConfigError recorded."""
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            self.errors.extend(e.errors)
+            return None
+
+    def ok(self, fld: str) -> bool:
+        """No error recorded for `fld` (or inside it) and no unset variable in it: checks
+        that build on its value may run without repeating the error."""
+        return fld not in self.unresolved and not any(
+            e.field == fld or e.field.startswith((fld + ".", fld + "[")) for e in self.errors)
+
+    def resolve(self, value: str, fld: str, hint: str = "") -> str:
+        """`${VAR}` / `${VAR:-default}` from the environment; an unset one without a default
+        is recorded (error or warning, see `strict_env`) and left as written."""
+        missing: list[str] = []
+
+        def sub(m: re.Match[str]) -> str:
+            var, default = m.group(1), m.group(2)
+            if var in self.env:
+                return self.env[var]
+            if default is not None:
+                return default
+            missing.append(var)
+            return m.group(0)
+
+        out = ENV_RE.sub(sub, value)
+        for var in missing:
+            self.unresolved.add(fld)
+            if self.strict_env:
+                self.fail(fld, f"environment variable {var} is not set{hint}")
+            else:
+                self.warnings.append(self.err(
+                    fld, f"environment variable {var} is not set here; it must be where the "
+                         f"pipeline runs{hint}"))
+        return out
 
     def section(self, name: str, required: bool = True) -> Mapping[str, Any]:
         v = self.raw.get(name)
@@ -67,39 +129,53 @@ class FieldReader:
             raise self.err(name, f"must be a mapping, got {type(v).__name__}")
         return v
 
-    def unknown(self, sec: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
-        extra = sorted(set(sec) - allowed)
-        if extra:
-            raise self.err(f"{prefix}{extra[0]}", f"unknown field; allowed: {sorted(allowed)}")
+    def unknown(self, sec: Mapping[str, Any], prefix: str, allowed: Collection[str],
+                elsewhere: Mapping[str, str] | None = None) -> None:
+        """Record every key of `sec` not in `allowed`, with the likely one it misspells;
+        `elsewhere`: where a key that is valid in another setting belongs."""
+        for extra in sorted(set(sec) - set(allowed), key=str):
+            hint = (f" {elsewhere[extra]}" if elsewhere and extra in elsewhere
+                    else did_you_mean(extra, allowed))
+            self.fail(f"{prefix}{extra}", f"unknown field{hint} (allowed: {sorted(allowed)})",
+                      at_key=True)
 
     def string(self, sec: Mapping[str, Any], key: str, prefix: str, default: str | None = None,
-               choices: set[str] | None = None) -> str | None:
+               choices: Collection[str] | None = None, hint: str = "") -> str | None:
+        """A string field; a bad one is recorded and its default read on."""
+        fld = prefix + key
         v = sec.get(key, default)
         if v is None:
             return None
+        fallback = default if choices is None or default in choices else None
         if not isinstance(v, str):
-            raise self.err(prefix + key, f"must be a string, got {v!r}")
-        v = resolve_env(v, self.source, prefix + key, self.env)
+            self.fail(fld, f"must be a string, got {v!r}")
+            return fallback
+        v = self.resolve(v, fld, hint)
+        if choices is not None and fld in self.unresolved:
+            return fallback
         if choices is not None and v not in choices:
-            raise self.err(prefix + key, f"{v!r} is not one of {sorted(choices)}")
+            self.fail(fld, f"{v!r} is not one of {sorted(choices)}{did_you_mean(v, choices)}")
+            return fallback
         return v
 
     def conn_id(self, sec: Mapping[str, Any], prefix: str, literal: str) -> str | None:
         """An Airflow connection id, given instead of (never beside) the literal field."""
         v = self.string(sec, "conn_id", prefix)
-        if v is not None and not CONN_ID_RE.match(v):
-            raise self.err(prefix + "conn_id", f"{v!r} is not an Airflow connection id "
-                                               f"(letters, digits, '_', '.', '-')")
-        if v is not None and sec.get(literal) is not None:
-            raise self.err(prefix + literal, f"give either {prefix}conn_id or "
-                                             f"{prefix}{literal}, not both")
+        if v is not None and self.ok(prefix + "conn_id") and not CONN_ID_RE.match(v):
+            self.fail(prefix + "conn_id", f"{v!r} is not an Airflow connection id "
+                                          f"(letters, digits, '_', '.', '-')")
+        if sec.get("conn_id") is not None and sec.get(literal) is not None:
+            self.fail(prefix + literal, f"give either {prefix}conn_id or {prefix}{literal}, "
+                                        f"not both")
         return v
 
     def positive_int(self, sec: Mapping[str, Any], key: str, prefix: str,
                      default: int | None, minimum: int = 1) -> int | None:
+        """An integer field; a bad one is recorded and its default read on."""
         v = sec.get(key, default)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise self.err(prefix + key, f"must be an integer >= {minimum}, got {v!r}")
+            self.fail(prefix + key, f"must be an integer >= {minimum}, got {v!r}")
+            return default
         return v

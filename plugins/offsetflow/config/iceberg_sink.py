@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 from offsetflow.errors import ConfigError, OffsetFlowError
+
+if TYPE_CHECKING:  # config.fields imports this module (through config.schema)
+    from offsetflow.config.fields import FieldReader
+
+T = TypeVar("T")
 
 CATALOG_TYPES = ("sql", "rest", "glue", "hive")
 DEFAULT_NAMESPACE = "offsetflow"
@@ -158,52 +163,60 @@ def parse_sort_field(text: Any, source: str, fld: str) -> SortField:
                      (m.group(3) or "last").lower() == "first")
 
 
-def parse_iceberg(raw: Mapping[str, Any], source: str, table: str, mode: str,
+def parse_iceberg(r: FieldReader, raw: Mapping[str, Any], table: str, mode: str,
                   columns: Sequence[str] | None) -> IcebergConfig:
     """The `sink` section's Iceberg fields (`catalog`, `partition_by`, `sort_by`,
     `target_file_mb`); `table` is `namespace.table` or `table`; `mode` append or upsert
     (`sink.key` is checked with the other sinks'). `columns`: the columns the
-    table will have (None: a transform decides them, checked when the table is made)."""
+    table will have (None: a transform decides them, checked when the table is made).
+    Errors are recorded on `r` (the parser's field reader)."""
     if mode not in ("append", "upsert"):
-        raise ConfigError(source, "sink.mode", f"{mode!r}: sink.type iceberg takes mode "
-                                               f"append or upsert")
+        r.fail("sink.mode", f"{mode!r}: sink.type iceberg takes mode append or upsert")
     cat = raw.get("catalog") or {}
     if not isinstance(cat, Mapping):
-        raise ConfigError(source, "sink.catalog", "must be a mapping (type, name, uri, "
-                                                  "warehouse, ...)")
+        raise r.err("sink.catalog", "must be a mapping (type, name, uri, warehouse, ...)")
     props = {str(k): str(v) for k, v in cat.items() if k not in ("type", "name")}
     ctype = str(cat.get("type", "sql"))
     if ctype not in CATALOG_TYPES:
-        raise ConfigError(source, "sink.catalog.type", f"{ctype!r} is not one of "
-                                                       f"{list(CATALOG_TYPES)}")
+        r.fail("sink.catalog.type", f"{ctype!r} is not one of {list(CATALOG_TYPES)}"
+                                    f"{r.suggest(ctype, CATALOG_TYPES)}")
     if ctype in ("rest", "hive") and not props.get("uri"):
-        raise ConfigError(source, "sink.catalog.uri", f"a {ctype} catalog needs its uri")
+        r.fail("sink.catalog.uri", f"a {ctype} catalog needs its uri")
     if ctype == "sql" and not props.get("warehouse"):
-        raise ConfigError(source, "sink.catalog.warehouse",
-                          "a sql catalog needs a warehouse (where data files go), e.g. "
-                          "file:///data/lake or s3://bucket/lake")
+        r.fail("sink.catalog.warehouse",
+               "a sql catalog needs a warehouse (where data files go), e.g. "
+               "file:///data/lake or s3://bucket/lake")
     name = str(cat.get("name", DEFAULT_CATALOG_NAME))
     parts = table.split(".")
     namespace, tname = (parts[0], parts[1]) if len(parts) == 2 else (DEFAULT_NAMESPACE, table)
-    partition_by = tuple(parse_partition_field(p, source, f"sink.partition_by[{i}]")
-                         for i, p in enumerate(_as_list(raw.get("partition_by"), source,
-                                                        "sink.partition_by")))
-    sort_by = tuple(parse_sort_field(s, source, f"sink.sort_by[{i}]")
-                    for i, s in enumerate(_as_list(raw.get("sort_by"), source, "sink.sort_by")))
+    partition_by = _parsed(r, parse_partition_field, raw.get("partition_by"),
+                           "sink.partition_by")
+    sort_by = _parsed(r, parse_sort_field, raw.get("sort_by"), "sink.sort_by")
     if columns is not None:
-        named: list[tuple[str, Sequence[PartitionField | SortField]]] = [
+        named: list[tuple[str, Sequence[tuple[int, PartitionField | SortField]]]] = [
             ("partition_by", partition_by), ("sort_by", sort_by)]
         for what, flds in named:
-            for i, f in enumerate(flds):
+            for i, f in flds:
                 if f.column not in columns:
-                    raise ConfigError(source, f"sink.{what}[{i}]",
-                                      f"{f.column!r} is not a column of the table "
-                                      f"({', '.join(columns)})")
+                    r.fail(f"sink.{what}[{i}]", f"{f.column!r} is not a column of the table "
+                                                f"({', '.join(columns)})"
+                                                f"{r.suggest(f.column, columns)}")
     mb = raw.get("target_file_mb", 128)
     if not isinstance(mb, int) or isinstance(mb, bool) or mb <= 0:
-        raise ConfigError(source, "sink.target_file_mb", f"must be a positive integer, "
-                                                         f"got {mb!r}")
-    return IcebergConfig(ctype, name, props, namespace, tname, partition_by, sort_by, mb)
+        r.fail("sink.target_file_mb", f"must be a positive integer, got {mb!r}")
+    return IcebergConfig(ctype, name, props, namespace, tname,
+                         tuple(f for _, f in partition_by), tuple(f for _, f in sort_by), mb)
+
+
+def _parsed(r: FieldReader, parse: Callable[[Any, str, str], T], v: Any, fld: str
+            ) -> list[tuple[int, T]]:
+    """Each item of a list field (`fld`) parsed, with its index; a bad one recorded on `r`."""
+    out = []
+    for i, item in enumerate(r.attempt(_as_list, v, r.source, fld) or []):
+        f = r.attempt(parse, item, r.source, f"{fld}[{i}]")
+        if f is not None:
+            out.append((i, f))
+    return out
 
 
 def _as_list(v: Any, source: str, fld: str) -> list[Any]:

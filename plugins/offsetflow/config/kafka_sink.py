@@ -9,76 +9,86 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offsetflow.config.fields import FieldReader, resolve_env, validate_identifier
+from offsetflow.config.fields import FieldReader, did_you_mean, validate_identifier
 from offsetflow.config.schema import RESERVED_COLUMNS, TOPIC_RE, KafkaSinkConfig
+from offsetflow.config.tables import choices
 
-KAFKA_SINK_FIELDS = {"topic", "replay_topic", "key_column", "value_format", "value_columns",
-                     "value_column", "headers", "partitioning", "producer"}
+# a table's sink fields: refused with their own message (the sink's topic is sink.topic)
+KAFKA_REFUSED = {"table", "mode", "key"}
 # what the sink sets itself (offsetflow.sinks.kafka.sink): the transaction and its fencing
 FORBIDDEN_PRODUCER_KEYS = {"transactional.id", "enable.idempotence", "bootstrap.servers"}
 
 
 def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str],
-                      format_type: str, transform: str | None) -> KafkaSinkConfig:
+                     format_type: str, transform: str | None,
+                     columns_known: bool = True) -> KafkaSinkConfig:
     """`sink.type: kafka`. Columns are checked against format.schema when the config alone
-    decides them (json format, no transform); a transform's columns are checked at run time."""
+    decides them (json format, no transform, `columns_known`: format.schema has no error);
+    a transform's columns are checked at run time."""
     for fld in ("table", "mode", "key"):
         if sec.get(fld) is not None:
-            raise r.err(f"sink.{fld}", "is for sink.type: postgres; a Kafka sink writes "
-                                       "sink.topic (record key: sink.key_column)")
+            r.fail(f"sink.{fld}", "is for sink.type: postgres; a Kafka sink writes "
+                                  "sink.topic (record key: sink.key_column)", at_key=True)
     topics = {}
     for fld in ("topic", "replay_topic"):
         t = r.string(sec, fld, "sink.")
-        if t is not None and not TOPIC_RE.match(t):
-            raise r.err(f"sink.{fld}", f"{t!r} is not a valid Kafka topic name")
+        if t is not None and r.ok(f"sink.{fld}") and not TOPIC_RE.match(t):
+            r.fail(f"sink.{fld}", f"{t!r} is not a valid Kafka topic name")
         topics[fld] = t
-    if topics["topic"] is None:
-        raise r.err("sink.topic", "is required with sink.type: kafka (the output topic)")
-    if topics["replay_topic"] == topics["topic"]:
-        raise r.err("sink.replay_topic", "must differ from sink.topic: a replay into the live "
-                                         "output topic would write its records a second time")
-    known = None if transform else set(schema) | RESERVED_COLUMNS
+    if sec.get("topic") is None:
+        r.fail("sink.topic", "is required with sink.type: kafka (the output topic)")
+    elif topics["replay_topic"] == topics["topic"]:
+        r.fail("sink.replay_topic", "must differ from sink.topic: a replay into the live "
+                                    "output topic would write its records a second time")
+    known = None if transform or not columns_known else set(schema) | RESERVED_COLUMNS
 
     def column(fld: str, name: Any) -> str:
-        col = validate_identifier(r.source, fld, name)
-        if known is not None and col not in known:
-            raise r.err(fld, f"{col!r} is not a column (format.schema or a source column "
-                             f"{sorted(RESERVED_COLUMNS)})")
-        return col
+        col = r.attempt(validate_identifier, r.source, fld, name)
+        if col is not None and known is not None and col not in known:
+            r.fail(fld, f"{col!r} is not a column (format.schema or a source column "
+                        f"{sorted(RESERVED_COLUMNS)}){did_you_mean(col, known)}")
+        return str(name)
 
     key_col = sec.get("key_column")
-    value_format = r.string(sec, "value_format", "sink.", "json", {"json", "raw"}) or "json"
+    value_format = r.string(sec, "value_format", "sink.", "json",
+                            choices("sink.value_format")) or "json"
     cols_raw = sec.get("value_columns") or []
     if isinstance(cols_raw, str):
         cols_raw = [cols_raw]
     if not isinstance(cols_raw, list):
-        raise r.err("sink.value_columns", "must be a list of column names")
+        r.fail("sink.value_columns", "must be a list of column names")
+        cols_raw = []
     value_cols = tuple(column(f"sink.value_columns[{i}]", c) for i, c in enumerate(cols_raw))
-    if value_cols and value_format != "json":
-        raise r.err("sink.value_columns", "is for value_format: json (raw takes value_column)")
-    if sec.get("value_column") is not None and value_format != "raw":
-        raise r.err("sink.value_column", "is for value_format: raw (json takes value_columns)")
-    if value_format == "json" and not value_cols and not transform and not schema:
-        raise r.err("sink.value_columns", "raw format has no typed columns to write as JSON: "
-                                          "use value_format: raw, or list value_columns")
+    format_known = r.ok("sink.value_format")
+    if format_known and value_cols and value_format != "json":
+        r.fail("sink.value_columns", "is for value_format: json (raw takes value_column)")
+    if format_known and sec.get("value_column") is not None and value_format != "raw":
+        r.fail("sink.value_column", "is for value_format: raw (json takes value_columns)")
+    if format_known and value_format == "json" and not value_cols and not transform \
+            and not schema and columns_known:
+        r.fail("sink.value_columns", "raw format has no typed columns to write as JSON: "
+                                     "use value_format: raw, or list value_columns")
     producer_raw = sec.get("producer") or {}
     if not isinstance(producer_raw, Mapping):
-        raise r.err("sink.producer", "must be a mapping of librdkafka producer settings")
+        r.fail("sink.producer", "must be a mapping of librdkafka producer settings")
+        producer_raw = {}
     producer: dict[str, str] = {}
     for k, v in producer_raw.items():
         if k in FORBIDDEN_PRODUCER_KEYS:
-            raise r.err(f"sink.producer.{k}", "is set by OffsetFlow (the batch's transaction "
-                                              "and its fencing depend on it) and may not be set")
-        if isinstance(v, (Mapping, list)):
-            raise r.err(f"sink.producer.{k}", "must be a scalar")
-        producer[str(k)] = resolve_env(str(v).lower() if isinstance(v, bool) else str(v),
-                                       r.source, f"sink.producer.{k}", r.env)
-    assert topics["topic"] is not None
+            r.fail(f"sink.producer.{k}", "is set by OffsetFlow (the batch's transaction "
+                                         "and its fencing depend on it) and may not be set",
+                   at_key=True)
+        elif isinstance(v, (Mapping, list)):
+            r.fail(f"sink.producer.{k}", "must be a scalar")
+        else:
+            producer[str(k)] = r.resolve(str(v).lower() if isinstance(v, bool) else str(v),
+                                         f"sink.producer.{k}")
     return KafkaSinkConfig(
-        topic=topics["topic"], replay_topic=topics["replay_topic"],
+        topic=topics["topic"] or "", replay_topic=topics["replay_topic"],
         key_column=None if key_col is None else column("sink.key_column", key_col),
         value_format=value_format, value_columns=value_cols,
         value_column=column("sink.value_column", sec.get("value_column", "value")),
-        headers=r.string(sec, "headers", "sink.", "carry", {"carry", "none"}) or "carry",
-        partitioning=r.string(sec, "partitioning", "sink.", "key", {"key", "source"}) or "key",
+        headers=r.string(sec, "headers", "sink.", "carry", choices("sink.headers")) or "carry",
+        partitioning=r.string(sec, "partitioning", "sink.", "key",
+                              choices("sink.partitioning")) or "key",
         producer=producer)

@@ -14,9 +14,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import yaml
-
-from offsetflow.config.parse import parse_pipeline
+from offsetflow.config.document import compose, locate
+from offsetflow.config.parse import Checked, check_pipeline
 from offsetflow.config.schema import (
     NAME_RE,
     PipelineConfig,
@@ -25,16 +24,37 @@ from offsetflow.errors import ConfigError
 
 
 def load_pipeline(path: str | Path, env: Mapping[str, str] | None = None) -> PipelineConfig:
+    """The pipeline of a file; one ConfigError carrying every error of it (each with its
+    line and column) when it is invalid."""
+    checked = check_file(path, env)
+    if checked.config is None:
+        raise ConfigError.of(checked.errors)
+    return checked.config
+
+
+def check_file(path: str | Path, env: Mapping[str, str] | None = None, strict_env: bool = True,
+               duplicate_keys: bool = False) -> Checked:
+    """Every error (and warning) of a pipeline file, each with its line and column in the
+    YAML. `strict_env=False`: an unset `${VAR}` is a warning (`check_pipeline`);
+    `duplicate_keys`: a key written twice is an error (loading to run tolerates it, as YAML
+    does: the last one wins)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ConfigError(str(p), "<file>", f"cannot read: {e.strerror}") from e
+        return Checked(None, (ConfigError(str(p), "<file>", f"cannot read: {e.strerror}"),), ())
+    except UnicodeDecodeError as e:
+        return Checked(None, (ConfigError(str(p), "<file>", f"cannot read: not UTF-8 text "
+                                                            f"({e.reason})"),), ())
     try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(str(p), "<yaml>", f"not valid YAML: {e}") from e
-    return parse_pipeline(raw, str(p), env)
+        doc = compose(text, str(p))
+    except ConfigError as e:
+        return Checked(None, (e,), ())
+    checked = check_pipeline(doc.data, str(p), env, strict_env)
+    errors = (*doc.duplicates, *checked.errors) if duplicate_keys else checked.errors
+    for found in (*errors, *checked.warnings):
+        locate(found, doc.root)
+    return Checked(None if errors else checked.config, errors, checked.warnings)
 
 
 def pipelines_dir() -> Path:

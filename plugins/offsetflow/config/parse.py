@@ -11,25 +11,26 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from offsetflow.config.fields import (
     FieldReader,
-    resolve_env,
+    did_you_mean,
     validate_identifier,
     validate_table_name,
 )
 from offsetflow.config.iceberg_sink import parse_iceberg
-from offsetflow.config.kafka_sink import KAFKA_SINK_FIELDS, parse_kafka_sink
+from offsetflow.config.kafka_sink import KAFKA_REFUSED, parse_kafka_sink
 from offsetflow.config.schema import (
     DECIMAL_RE,
     DEFAULT_MAX_OFFSETS_PER_TASK,
     DOTTED_RE,
     FIELD_TYPES,
     FORBIDDEN_CLIENT_KEYS,
-    ISOLATION_LEVELS,
+    IDENT_RE,
     NAME_RE,
     RESERVED_COLUMNS,
     TOMBSTONE_POLICIES,
@@ -42,215 +43,327 @@ from offsetflow.config.schema import (
     connect_address,
     default_tombstones,
 )
+from offsetflow.config.tables import FIELDS, choices, section_fields
 from offsetflow.errors import ConfigError
 
-ICEBERG_FIELDS = ("catalog", "partition_by", "sort_by", "target_file_mb")
+TOPIC_HINT = " (letters, digits, '.', '_', '-'; at most 249 characters)"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What checking a pipeline document found: the config when there is no error; the
+    errors and warnings (an unset `${VAR}` when not `strict_env`) in the parser's order."""
+
+    config: PipelineConfig | None
+    errors: tuple[ConfigError, ...]
+    warnings: tuple[ConfigError, ...]
 
 
 def parse_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None) -> PipelineConfig:
-    """Validate a parsed YAML document; `source` names the file in every error."""
+    """Validate a parsed YAML document; `source` names the file in every error. Raises one
+    ConfigError carrying every error found (`errors`), the first's field and message its own."""
+    checked = check_pipeline(raw, source, env)
+    if checked.config is None:
+        raise ConfigError.of(checked.errors)
+    return checked.config
+
+
+def check_pipeline(raw: Any, source: str, env: Mapping[str, str] | None = None,
+                   strict_env: bool = True) -> Checked:
+    """Every error of a parsed YAML document, without raising. `strict_env=False`: an unset
+    `${VAR}` without a default is a warning, not an error (the file is checked away from the
+    environment it runs in)."""
     env = os.environ if env is None else env
     if not isinstance(raw, Mapping):
-        raise ConfigError(source, "<root>", "a pipeline config must be a YAML mapping")
-    r = FieldReader(raw, source, env)
-    r.unknown(raw, "", {"name", "description", "schedule", "retries", "pool", "kafka", "source",
-                        "format", "transform", "sink", "bad_records", "dead_letter_table",
-                        "spark", "quality", "tombstones"})
+        what = "the file is empty" if raw is None else f"got a {_kind(raw)}"
+        return Checked(None, (ConfigError(source, "<root>", f"a pipeline config must be a YAML "
+                                                            f"mapping; {what}"),), ())
+    r = FieldReader(raw, source, env, strict_env)
+    cfg = _parse(r, raw)
+    return Checked(None if r.errors else cfg, tuple(r.errors), tuple(r.warnings))
+
+
+def _kind(v: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number",
+            bool: "boolean"}.get(type(v), type(v).__name__)
+
+
+def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
+    """The whole document, section by section; the result is meaningful only without
+    errors (a bad value reads on as its default)."""
+    source = r.source
+    r.unknown(raw, "", section_fields(""))
     stem = Path(source).stem
     name = r.string(raw, "name", "", default=stem) or stem
-    if not NAME_RE.match(name):
-        raise r.err("name", f"{name!r} must match {NAME_RE.pattern} "
-                            f"(it names DAGs and ledger rows)")
+    if r.ok("name") and not NAME_RE.match(name):
+        r.fail("name", f"{name!r} must match {NAME_RE.pattern} (it names DAGs and ledger rows)")
 
-    kafka = r.section("kafka")
-    r.unknown(kafka, "kafka.", {"bootstrap_servers", "isolation_level", "client", "conn_id"})
-    kafka_conn = r.conn_id(kafka, "kafka.", "bootstrap_servers")
-    bootstrap = r.string(kafka, "bootstrap_servers", "kafka.", default=None if kafka_conn
-                         else "${OFFSETFLOW_KAFKA_BOOTSTRAP:-127.0.0.1:19092}") or ""
-    if not bootstrap.strip() and not kafka_conn:
-        raise r.err("kafka.bootstrap_servers", "must not be empty (or give kafka.conn_id, "
-                                               "an Airflow kafka connection)")
-    isolation = r.string(kafka, "isolation_level", "kafka.", default="read_committed",
-                         choices=ISOLATION_LEVELS)
-    client_raw = kafka.get("client") or {}
-    if not isinstance(client_raw, Mapping):
-        raise r.err("kafka.client", "must be a mapping of librdkafka settings")
+    bootstrap, isolation, kafka_conn = "", "read_committed", None
     client: dict[str, str] = {}
-    for k, v in client_raw.items():
-        if k in FORBIDDEN_CLIENT_KEYS:
-            raise r.err(f"kafka.client.{k}", "is managed by OffsetFlow (offsets live in the "
-                                             "ledger; the reader assigns and seeks) and may "
-                                             "not be set")
-        if isinstance(v, (Mapping, list)):
-            raise r.err(f"kafka.client.{k}", "must be a scalar")
-        client[str(k)] = resolve_env(str(v).lower() if isinstance(v, bool) else str(v),
-                                     source, f"kafka.client.{k}", env)
+    with r.guard():
+        bootstrap, isolation, client, kafka_conn = _kafka(r)
 
-    src = r.section("source")
-    r.unknown(src, "source.", {"topics", "topic_pattern", "starting", "max_records_per_partition",
-                               "max_records_per_batch", "data_loss"})
-    topics_raw = src.get("topics")
-    pattern = r.string(src, "topic_pattern", "source.")
-    if (topics_raw is None) == (pattern is None):
-        raise r.err("source.topics", "give exactly one of source.topics or source.topic_pattern")
     topics: tuple[str, ...] = ()
-    if topics_raw is not None:
+    pattern: str | None = None
+    starting = StartingPolicy(kind="earliest")
+    per_partition, per_batch, data_loss = 100_000, None, "fail"
+    with r.guard():
+        src = r.section("source")
+        r.unknown(src, "source.", section_fields("source"))
+        topics_raw = src.get("topics")
+        pattern = r.string(src, "topic_pattern", "source.")
+        if (topics_raw is None) == (src.get("topic_pattern") is None):
+            r.fail("source.topics", "give exactly one of source.topics or source.topic_pattern")
         if isinstance(topics_raw, str):
             topics_raw = [topics_raw]
-        if not isinstance(topics_raw, list) or not topics_raw:
-            raise r.err("source.topics", "must be a non-empty list of topic names")
-        for i, t in enumerate(topics_raw):
-            if not isinstance(t, str) or not TOPIC_RE.match(t):
-                raise r.err(f"source.topics[{i}]", f"{t!r} is not a valid Kafka topic name")
-        topics = tuple(dict.fromkeys(topics_raw))
-    if pattern is not None:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise r.err("source.topic_pattern", f"invalid regular expression: {e}") from e
-    starting = _parse_starting(r, src.get("starting", "earliest"))
-    per_partition = r.positive_int(src, "max_records_per_partition", "source.", 100_000)
-    assert per_partition is not None
-    per_batch = r.positive_int(src, "max_records_per_batch", "source.", None)
-    data_loss = r.string(src, "data_loss", "source.", "fail", {"fail", "continue"})
+        if topics_raw is not None and (not isinstance(topics_raw, list) or not topics_raw):
+            r.fail("source.topics", "must be a non-empty list of topic names")
+        elif topics_raw is not None:
+            for i, t in enumerate(topics_raw):
+                if not isinstance(t, str) or not TOPIC_RE.match(t):
+                    r.fail(f"source.topics[{i}]", f"{t!r} is not a valid Kafka topic name"
+                                                  f"{TOPIC_HINT}")
+            topics = tuple(dict.fromkeys(str(t) for t in topics_raw))
+        if pattern is not None and r.ok("source.topic_pattern"):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                r.fail("source.topic_pattern", f"invalid regular expression: {e}")
+        starting = r.attempt(_parse_starting, r, src.get("starting", "earliest")) or starting
+        per_partition = r.positive_int(src, "max_records_per_partition", "source.",
+                                       100_000) or 100_000
+        per_batch = r.positive_int(src, "max_records_per_batch", "source.", None)
+        data_loss = r.string(src, "data_loss", "source.", "fail",
+                             choices("source.data_loss")) or "fail"
 
-    fmt = r.section("format", required=False)
-    r.unknown(fmt, "format.", {"type", "schema"})
-    format_type = r.string(fmt, "type", "format.", "json", {"json", "raw"})
+    format_type = "json"
     schema: dict[str, str] = {}
-    if format_type == "json":
-        schema_raw = fmt.get("schema")
-        if not isinstance(schema_raw, Mapping) or not schema_raw:
-            raise r.err("format.schema", "json format needs a schema: a mapping field -> type")
-        for col, typ in schema_raw.items():
-            validate_identifier(source, f"format.schema.{col}", col)
-            if col in RESERVED_COLUMNS:
-                raise r.err(f"format.schema.{col}", f"{col!r} is a reserved source column "
-                                                    f"({sorted(RESERVED_COLUMNS)})")
-            t = str(typ).strip().lower()
-            if t not in FIELD_TYPES and not DECIMAL_RE.match(t):
-                raise r.err(f"format.schema.{col}",
-                            f"unknown type {typ!r}; use one of {sorted(FIELD_TYPES)} or "
-                            f"decimal(p,s)")
-            schema[str(col)] = t
-    elif fmt.get("schema"):
-        raise r.err("format.schema", "raw format takes no schema")
+    schema_known = False  # format.schema is as written: columns are checked against it
+    with r.guard():
+        format_type, schema = _format(r)
+        schema_known = r.ok("format.type")
 
     transform = r.string(raw, "transform", "")
-    if transform is not None and not DOTTED_RE.match(transform):
-        raise r.err("transform", f"{transform!r} must be a dotted path 'package.module.function'")
+    if transform is not None and r.ok("transform") and not DOTTED_RE.match(transform):
+        r.fail("transform", f"{transform!r} must be a dotted path 'package.module.function'")
 
-    sink_raw = r.section("sink")
-    sink_type = r.string(sink_raw, "type", "sink.", "postgres", {"postgres", "kafka", "iceberg"})
-    r.unknown(sink_raw, "sink.", {"type", "connection", "table", "mode", "key", "conn_id"}
-              | (KAFKA_SINK_FIELDS if sink_type == "kafka" else set())
-              | (set(ICEBERG_FIELDS) if sink_type == "iceberg" else set()))
-    sink_conn = r.conn_id(sink_raw, "sink.", "connection")
-    try:
-        connection = r.string(sink_raw, "connection", "sink.",
-                              None if sink_conn else "${OFFSETFLOW_PG_DSN}")
-    except ConfigError as e:
-        if "connection" in sink_raw:
-            raise
-        raise r.err("sink.connection", f"{e.message} (give sink.connection, or sink.conn_id "
-                                       f"naming an Airflow postgres connection)") from e
-    if not (connection or "").strip() and not sink_conn:
-        raise r.err("sink.connection", "must not be empty (or give sink.conn_id, an Airflow "
-                                       "postgres connection)")
+    sink_type, connection, sink_conn = "postgres", "", None
+    table, mode = "", "append"
+    key: tuple[str, ...] = ()
+    mode_known = False  # sink.mode is as written: what depends on it is checked
     kafka_sink = None
-    if sink_type == "kafka":
-        kafka_sink = parse_kafka_sink(r, sink_raw, schema, format_type or "json", transform)
-        # batches record where they write; a Kafka sink's "table" is its topic
-        table = f"kafka:{kafka_sink.topic}"
-        mode: str | None = "append"
-        key_raw: Any = []
-    else:
-        table = validate_table_name(source, "sink.table", sink_raw.get("table"))
-        mode = r.string(sink_raw, "mode", "sink.", "append", {"append", "upsert"})
-        key_raw = sink_raw.get("key") or []
-    if isinstance(key_raw, str):
-        key_raw = [key_raw]
-    key = tuple(validate_identifier(source, f"sink.key[{i}]", k) for i, k in enumerate(key_raw))
-    if mode == "upsert":
-        if not key:
-            raise r.err("sink.key", "upsert mode needs a key (one or more columns)")
-        known = set(schema) | RESERVED_COLUMNS
-        for i, k in enumerate(key):
-            if format_type == "json" and transform is None and k not in known:
-                raise r.err(f"sink.key[{i}]", f"{k!r} is not a column of format.schema")
-    elif key:
-        raise r.err("sink.key", "a key is only used with mode: upsert")
-
     iceberg = None
-    if sink_type == "iceberg":
-        iceberg = parse_iceberg(sink_raw, source, table, mode or "append",
-                                None if transform else _table_columns(format_type, schema))
+    with r.guard():
+        sink_raw = r.section("sink")
+        sink_type = r.string(sink_raw, "type", "sink.", "postgres",
+                             choices("sink.type")) or "postgres"
+        type_known = r.ok("sink.type")
+        mine = section_fields("sink", sink_type if type_known else None)
+        others = {k: f"for sink.type {sink_type}; it is a field of sink.type "
+                     + ", ".join(FIELDS[f"sink.{k}"].sinks) for k in section_fields("sink") - mine}
+        r.unknown(sink_raw, "sink.", mine | (KAFKA_REFUSED if sink_type == "kafka" else set()),
+                  others)
+        sink_conn = r.conn_id(sink_raw, "sink.", "connection")
+        given = "connection" in sink_raw
+        connection = r.string(
+            sink_raw, "connection", "sink.",
+            None if sink_raw.get("conn_id") is not None else "${OFFSETFLOW_PG_DSN}",
+            hint="" if given else " (give sink.connection, or sink.conn_id naming an Airflow "
+                                  "postgres connection)") or ""
+        if r.ok("sink.connection") and not connection.strip() \
+                and sink_raw.get("conn_id") is None:
+            r.fail("sink.connection", "must not be empty (or give sink.conn_id, an Airflow "
+                                      "postgres connection)")
+        if type_known and sink_type == "kafka":
+            kafka_sink = parse_kafka_sink(r, sink_raw, schema, format_type, transform,
+                                          columns_known=schema_known)
+            # batches record where they write; a Kafka sink's "table" is its topic
+            table = f"kafka:{kafka_sink.topic}"
+            mode_known = True
+        elif type_known:  # a table: PostgreSQL or Iceberg
+            table, mode, key = _table_sink(r, sink_raw, schema if schema_known else None,
+                                           format_type, transform)
+            mode_known = r.ok("sink.mode")
+            if sink_type == "iceberg":
+                iceberg = parse_iceberg(
+                    r, sink_raw, table, mode,
+                    None if transform or not schema_known
+                    else _table_columns(format_type, schema))
 
-    bad_records = r.string(raw, "bad_records", "", "fail", {"fail", "dead_letter"})
+    bad_records = r.string(raw, "bad_records", "", "fail", choices("bad_records")) or "fail"
     tombstones = r.string(raw, "tombstones", "") or ""
-    allowed = TOMBSTONE_POLICIES[mode or "append"]
-    if tombstones and tombstones not in allowed:
-        raise r.err("tombstones", f"{tombstones!r} is not a tombstone policy of sink.mode "
-                                  f"{mode}; use one of {list(allowed)} (default "
-                                  f"{default_tombstones(mode or 'append', format_type or 'json')})")
-    dlt = validate_table_name(source, "dead_letter_table",
-                              raw.get("dead_letter_table", "offsetflow_dead_letter"))
+    allowed = TOMBSTONE_POLICIES[mode]
+    if tombstones and r.ok("tombstones") and mode_known and sink_type != "kafka" \
+            and tombstones not in allowed:
+        r.fail("tombstones", f"{tombstones!r} is not a tombstone policy of sink.mode {mode}; "
+                             f"use one of {list(allowed)} (default "
+                             f"{default_tombstones(mode, format_type)})"
+                             f"{did_you_mean(tombstones, allowed)}")
+    dlt = r.attempt(validate_table_name, source, "dead_letter_table",
+                    raw.get("dead_letter_table", "offsetflow_dead_letter")) \
+        or "offsetflow_dead_letter"
 
-    spark_raw = r.section("spark", required=False)
-    r.unknown(spark_raw, "spark.", {"master", "max_offsets_per_task", "conf", "launch",
-                                    "connect_url"})
-    spark_conf = spark_raw.get("conf") or {}
-    if not isinstance(spark_conf, Mapping):
-        raise r.err("spark.conf", "must be a mapping of Spark settings")
-    connect_url = r.string(spark_raw, "connect_url", "spark.", "sc://127.0.0.1:15002") \
-        or "sc://127.0.0.1:15002"
-    try:
-        connect_address(connect_url)
-    except ValueError as e:
-        raise r.err("spark.connect_url", str(e)) from e
-    spark = SparkConfig(
-        master=r.string(spark_raw, "master", "spark.", "local[2]") or "local[2]",
-        max_offsets_per_task=r.positive_int(spark_raw, "max_offsets_per_task", "spark.",
-                                            DEFAULT_MAX_OFFSETS_PER_TASK)
-        or DEFAULT_MAX_OFFSETS_PER_TASK,
-        conf={str(k): str(v) for k, v in spark_conf.items()},
-        launch=r.string(spark_raw, "launch", "spark.", "submit", {"submit", "connect"})
-        or "submit",
-        connect_url=connect_url,
-    )
+    spark = SparkConfig()
+    with r.guard():
+        spark = _spark(r)
 
-    quality = r.section("quality", required=False)
-    r.unknown(quality, "quality.", {"suite", "on_failure"})
-    suite = r.string(quality, "suite", "quality.")
-    q_policy = r.string(quality, "on_failure", "quality.", "fail", {"fail", "dead_letter"})
+    suite, q_policy = None, "fail"
+    with r.guard():
+        quality = r.section("quality", required=False)
+        r.unknown(quality, "quality.", section_fields("quality"))
+        suite = r.string(quality, "suite", "quality.")
+        q_policy = r.string(quality, "on_failure", "quality.", "fail",
+                            choices("quality.on_failure")) or "fail"
     if sink_type == "kafka" and q_policy == "dead_letter":
-        raise r.err("quality.on_failure", "a Kafka sink writes every staged row to its topic; "
-                                          "rows that break the suite cannot be held back. Use "
-                                          "on_failure: fail (the batch is not committed)")
+        r.fail("quality.on_failure", "a Kafka sink writes every staged row to its topic; "
+                                     "rows that break the suite cannot be held back. Use "
+                                     "on_failure: fail (the batch is not committed)")
     if sink_type == "kafka" and tombstones:
-        raise r.err("tombstones", "a Kafka sink forwards a tombstone (null value) as a "
-                                  "tombstone with its key; remove this field")
+        r.fail("tombstones", "a Kafka sink forwards a tombstone (null value) as a "
+                             "tombstone with its key; remove this field")
 
     schedule = raw.get("schedule")
     if schedule is not None and not isinstance(schedule, str):
-        raise r.err("schedule", "must be a cron expression, a preset like '@hourly', or null")
+        r.fail("schedule", "must be a cron expression, a preset like '@hourly', or null")
+        schedule = None
     retries = r.positive_int(raw, "retries", "", 2, minimum=0)
     pool = r.string(raw, "pool", "")
     desc = raw.get("description", "")
 
     return PipelineConfig(
         name=name, source_file=source, bootstrap_servers=bootstrap,
-        isolation_level=isolation or "read_committed", client=client, topics=topics,
+        isolation_level=isolation, client=client, topics=topics,
         topic_pattern=pattern, starting=starting, max_records_per_partition=per_partition,
-        max_records_per_batch=per_batch, data_loss=data_loss or "fail",
-        format_type=format_type or "json", schema=schema, transform=transform,
-        sink=SinkConfig(type=sink_type or "postgres", connection=connection or "",
-                        table=table, mode=mode or "append", key=key, conn_id=sink_conn,
+        max_records_per_batch=per_batch, data_loss=data_loss,
+        format_type=format_type, schema=schema, transform=transform,
+        sink=SinkConfig(type=sink_type, connection=connection,
+                        table=table, mode=mode, key=key, conn_id=sink_conn,
                         kafka=kafka_sink, iceberg=iceberg),
-        bad_records=bad_records or "fail", dead_letter_table=dlt, spark=spark,
+        bad_records=bad_records, dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
-        quality_suite=suite, quality_policy=q_policy or "fail", description=str(desc or ""),
+        quality_suite=suite, quality_policy=q_policy, description=str(desc or ""),
         tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn),
+    )
+
+
+def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:
+    """The `kafka` section: brokers (or a connection id), isolation level, client settings."""
+    kafka = r.section("kafka")
+    r.unknown(kafka, "kafka.", section_fields("kafka"))
+    kafka_conn = r.conn_id(kafka, "kafka.", "bootstrap_servers")
+    by_conn = kafka.get("conn_id") is not None
+    bootstrap = r.string(kafka, "bootstrap_servers", "kafka.", default=None if by_conn
+                         else "${OFFSETFLOW_KAFKA_BOOTSTRAP:-127.0.0.1:19092}") or ""
+    if r.ok("kafka.bootstrap_servers") and not bootstrap.strip() and not by_conn:
+        r.fail("kafka.bootstrap_servers", "must not be empty (or give kafka.conn_id, an "
+                                          "Airflow kafka connection)")
+    isolation = r.string(kafka, "isolation_level", "kafka.", default="read_committed",
+                         choices=choices("kafka.isolation_level")) or "read_committed"
+    client_raw = kafka.get("client") or {}
+    if not isinstance(client_raw, Mapping):
+        raise r.err("kafka.client", "must be a mapping of librdkafka settings")
+    client: dict[str, str] = {}
+    for k, v in client_raw.items():
+        fld = f"kafka.client.{k}"
+        if k in FORBIDDEN_CLIENT_KEYS:
+            r.fail(fld, "is managed by OffsetFlow (offsets live in the ledger; the reader "
+                        "assigns and seeks) and may not be set", at_key=True)
+        elif isinstance(v, (Mapping, list)):
+            r.fail(fld, "must be a scalar")
+        else:
+            client[str(k)] = r.resolve(str(v).lower() if isinstance(v, bool) else str(v), fld)
+    return bootstrap, isolation, client, kafka_conn
+
+
+def _format(r: FieldReader) -> tuple[str, dict[str, str]]:
+    """The `format` section: json with its schema (every column written is kept, so the
+    sink's checks of column names do not repeat an error of this section), or raw."""
+    fmt = r.section("format", required=False)
+    r.unknown(fmt, "format.", section_fields("format"))
+    format_type = r.string(fmt, "type", "format.", "json", choices("format.type")) or "json"
+    schema: dict[str, str] = {}
+    if not r.ok("format.type"):
+        return format_type, schema
+    if format_type == "json":
+        schema_raw = fmt.get("schema")
+        if not isinstance(schema_raw, Mapping) or not schema_raw:
+            raise r.err("format.schema", "json format needs a schema: a mapping field -> type")
+        for col, typ in schema_raw.items():
+            fld = f"format.schema.{col}"
+            t = str(typ).strip().lower()
+            if not isinstance(col, str) or not IDENT_RE.match(col):
+                r.fail(fld, f"{col!r} is not a valid column name (letters, digits and _, at "
+                            f"most 63 characters)", at_key=True)
+            elif col in RESERVED_COLUMNS:
+                r.fail(fld, f"{col!r} is a reserved source column "
+                            f"({sorted(RESERVED_COLUMNS)})", at_key=True)
+            elif t not in FIELD_TYPES and not DECIMAL_RE.match(t):
+                r.fail(fld, f"unknown type {typ!r}; use one of {sorted(FIELD_TYPES)} or "
+                            f"decimal(p,s){did_you_mean(t, FIELD_TYPES)}")
+            schema[str(col)] = t
+    elif fmt.get("schema"):
+        r.fail("format.schema", "raw format takes no schema")
+    return format_type, schema
+
+
+def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str] | None,
+                format_type: str, transform: str | None) -> tuple[str, str, tuple[str, ...]]:
+    """A table's sink (PostgreSQL, Iceberg): table, mode and upsert key. `schema`: None when
+    format.schema has errors (its columns are not checked against)."""
+    source = r.source
+    table = ""
+    if sec.get("table") is None:
+        r.fail("sink.table", "is required: a table name like 'orders' or 'raw.orders'")
+    else:
+        table = r.attempt(validate_table_name, source, "sink.table", sec["table"]) or ""
+    mode = r.string(sec, "mode", "sink.", "append", choices("sink.mode")) or "append"
+    key_raw = sec.get("key") or []
+    if isinstance(key_raw, str):
+        key_raw = [key_raw]
+    if not isinstance(key_raw, list):
+        r.fail("sink.key", "must be a column name or a list of them")
+        key_raw = []
+    key = tuple(k for i, k in enumerate(key_raw)
+                if r.attempt(validate_identifier, source, f"sink.key[{i}]", k) is not None)
+    if not r.ok("sink.mode"):
+        return table, mode, key
+    if mode == "upsert":
+        if not key_raw:
+            r.fail("sink.key", "upsert mode needs a key (one or more columns)")
+        known = set(schema or ()) | RESERVED_COLUMNS
+        for i, k in enumerate(key_raw):
+            if format_type == "json" and transform is None and schema is not None \
+                    and r.ok(f"sink.key[{i}]") and k not in known:
+                r.fail(f"sink.key[{i}]", f"{k!r} is not a column of format.schema"
+                                         f"{did_you_mean(k, known)}")
+    elif key_raw:
+        r.fail("sink.key", "a key is only used with mode: upsert")
+    return table, mode, key
+
+
+def _spark(r: FieldReader) -> SparkConfig:
+    spark_raw = r.section("spark", required=False)
+    r.unknown(spark_raw, "spark.", section_fields("spark"))
+    spark_conf = spark_raw.get("conf") or {}
+    if not isinstance(spark_conf, Mapping):
+        r.fail("spark.conf", "must be a mapping of Spark settings")
+        spark_conf = {}
+    connect_url = r.string(spark_raw, "connect_url", "spark.", "sc://127.0.0.1:15002") \
+        or "sc://127.0.0.1:15002"
+    if r.ok("spark.connect_url"):
+        try:
+            connect_address(connect_url)
+        except ValueError as e:
+            r.fail("spark.connect_url", str(e))
+    return SparkConfig(
+        master=r.string(spark_raw, "master", "spark.", "local[2]") or "local[2]",
+        max_offsets_per_task=r.positive_int(spark_raw, "max_offsets_per_task", "spark.",
+                                            DEFAULT_MAX_OFFSETS_PER_TASK)
+        or DEFAULT_MAX_OFFSETS_PER_TASK,
+        conf={str(k): str(v) for k, v in spark_conf.items()},
+        launch=r.string(spark_raw, "launch", "spark.", "submit", choices("spark.launch"))
+        or "submit",
+        connect_url=connect_url,
     )
 
 
