@@ -44,6 +44,11 @@ class ConfigError(OffsetFlowError):
         return one
 
 
+class SettingError(OffsetFlowError):
+    """A deployment setting ([offsetflow] in airflow.cfg, its environment variable) points
+    at something that is not there; names the option and how to set it."""
+
+
 class InvalidRangeError(OffsetFlowError, ValueError):
     """An OffsetRange that cannot exist (negative offsets, until < from)."""
 

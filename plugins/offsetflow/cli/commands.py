@@ -133,11 +133,11 @@ dag = pipeline_dag_for_file(__file__)
 
 def cmd_dags_sync(args: argparse.Namespace) -> int:
     """Write the thin DAG file of every pipeline that has none; remove orphans."""
-    from offsetflow.config import pipelines_dir
+    from offsetflow.config import pipeline_dags_folder, pipelines_dir
 
-    dags = Path(args.dags_dir)
-    dags.mkdir(parents=True, exist_ok=True)
     names = {p.stem for p in pipelines_dir().glob("*.yaml")}
+    dags = Path(args.dags_dir) if args.dags_dir else pipeline_dags_folder()
+    dags.mkdir(exist_ok=True)
     for name in sorted(names):
         f = dags / f"{name}.py"
         if not f.exists():
@@ -306,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dg = sub.add_parser("dags", help="DAG files").add_subparsers(dest="dags_cmd", required=True)
     sp = dg.add_parser("sync", help="write the thin DAG file of every pipeline")
-    sp.add_argument("--dags-dir", default=str(_repo_root() / "dags" / "pipelines"),
-                    help="where the DAG files go (default: %(default)s)")
+    sp.add_argument("--dags-dir", default=None,
+                    help="where the DAG files go (default: [offsetflow] pipeline_dags_folder, "
+                         "i.e. <Airflow's dags_folder>/pipelines)")
     sp.set_defaults(fn=cmd_dags_sync)
 
     for kind, help_ in (("backfill", "re-read a window into the sink or a side table"),
@@ -363,10 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("shell", choices=("bash", "zsh", "fish"), help="the shell")
     sp.set_defaults(fn=cmd_completion, offline=True)
     return p
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from offsetflow.config.iceberg_sink import (
     summary_batch,
 )
 from offsetflow.config.json_schema import pipeline_json_schema
-from offsetflow.config.loader import check_file, find_pipeline, load_pipeline, pipelines_dir
+from offsetflow.config.loader import check_file, find_pipeline, load_pipeline
 from offsetflow.config.parse import Checked, check_pipeline, parse_pipeline
 from offsetflow.config.schema import (
     DECIMAL_RE,
@@ -37,6 +37,15 @@ from offsetflow.config.schema import (
     redact_value,
     split_table_name,
 )
+from offsetflow.config.settings import (
+    SETTINGS,
+    Setting,
+    gx_root,
+    pipeline_dags_folder,
+    pipelines_dir,
+    provider_config,
+    spark_conn_id,
+)
 
 __all__ = [
     "Checked",
@@ -49,8 +58,10 @@ __all__ = [
     "NAME_RE",
     "PipelineConfig",
     "RESERVED_COLUMNS",
+    "SETTINGS",
     "SUMMARY_BATCH",
     "SUMMARY_PIPELINE",
+    "Setting",
     "SortField",
     "StartingPolicy",
     "TOPIC_RE",
@@ -61,15 +72,19 @@ __all__ = [
     "config_drift",
     "connect_address",
     "find_pipeline",
+    "gx_root",
     "layout_drift",
     "load_pipeline",
     "parse_pipeline",
+    "pipeline_dags_folder",
     "pipeline_json_schema",
     "pipelines_dir",
+    "provider_config",
     "redact_dsn",
     "redact_value",
     "resolve_identifier",
     "snapshot_summary",
+    "spark_conn_id",
     "split_table_name",
     "summary_batch",
     "validate_table_name",

@@ -10,7 +10,6 @@ the YAML; `PipelineConfig.redacted()` is what may be logged.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from offsetflow.config.schema import (
     NAME_RE,
     PipelineConfig,
 )
+from offsetflow.config.settings import pipelines_dir
 from offsetflow.errors import ConfigError
 
 
@@ -55,11 +55,6 @@ def check_file(path: str | Path, env: Mapping[str, str] | None = None, strict_en
     for found in (*errors, *checked.warnings):
         locate(found, doc.root)
     return Checked(None if errors else checked.config, errors, checked.warnings)
-
-
-def pipelines_dir() -> Path:
-    return Path(os.environ.get("OFFSETFLOW_PIPELINES_DIR")
-                or Path(__file__).resolve().parents[3] / "include" / "pipelines")
 
 
 def find_pipeline(name: str, directory: Path | None = None) -> PipelineConfig:

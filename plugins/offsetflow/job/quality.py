@@ -14,17 +14,16 @@ Row-level expectations report the source coordinates of the rows that failed, so
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offsetflow.config import gx_root
 from offsetflow.errors import OffsetFlowError
 
 log = logging.getLogger(__name__)
 
-GX_ROOT = Path(__file__).resolve().parents[3] / "include"
 DATASOURCE, ASSET, BATCH_DEFINITION = "offsetflow_batches", "staged_batch", "whole_batch"
 LEGACY_DATASOURCE = "offsetflow_stage"  # per-batch table assets, added at run time before
 COORDINATE_COLUMNS = ("topic", "partition", "offset")
@@ -133,10 +132,6 @@ def sqlalchemy_url(dsn: str) -> str:
         auth += ":" + quote(d["password"], safe="")
     host = d.get("host", "localhost") + (f":{d['port']}" if d.get("port") else "")
     return f"postgresql+psycopg2://{auth}@{host}/{quote(d.get('dbname', ''), safe='')}"
-
-
-def gx_root() -> Path:
-    return Path(os.environ.get("OFFSETFLOW_GX_ROOT") or GX_ROOT)
 
 
 def checkpoint_name(suite_name: str) -> str:

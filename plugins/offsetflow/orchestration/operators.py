@@ -29,6 +29,7 @@ from airflow.sdk import Asset, AssetAlias, BaseOperator, TaskGroup
 from airflow.sdk.exceptions import AirflowSkipException
 
 from offsetflow.config import PipelineConfig
+from offsetflow.config import spark_conn_id as config_spark_conn_id
 from offsetflow.errors import BatchStateError, RequestError
 from offsetflow.job import submit_conf
 from offsetflow.orchestration import assets, connections, tasks
@@ -37,7 +38,6 @@ from offsetflow.orchestration.hooks import OffsetFlowHook
 # the Spark application file the operators submit, inside the package, so an installed
 # OffsetFlow (wheel) finds it too (`offsetflow/spark_app/run_batch.py`)
 SPARK_JOB = str(Path(__file__).resolve().parents[1] / "spark_app" / "run_batch.py")
-SPARK_CONN_ID = os.environ.get("OFFSETFLOW_SPARK_CONN_ID", "spark_default")
 PIPELINE_FIELDS = ("pipeline", "config", "postgres_conn_id", "kafka_conn_id")
 
 
@@ -112,11 +112,12 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
     def __init__(self, *, pipeline: str | None = None, config: Mapping[str, Any] | None = None,
                  batch_ids: Any = "{{ ti.xcom_pull(task_ids='plan') }}",
                  launch: str | None = None, postgres_conn_id: str | None = None,
-                 kafka_conn_id: str | None = None, spark_conn_id: str = SPARK_CONN_ID,
+                 kafka_conn_id: str | None = None, spark_conn_id: str | None = None,
                  **kwargs: Any) -> None:
         kwargs.setdefault("application", str(SPARK_JOB))
         kwargs.setdefault("spark_binary", "spark-submit")
-        super().__init__(conn_id=spark_conn_id, **kwargs)
+        # [offsetflow] spark_conn_id unless the DAG names one
+        super().__init__(conn_id=spark_conn_id or config_spark_conn_id(), **kwargs)
         self.pipeline = pipeline
         self.config = dict(config) if config is not None else None
         self.batch_ids = batch_ids

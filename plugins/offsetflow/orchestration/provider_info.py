@@ -11,6 +11,7 @@ import importlib.util
 from typing import Any
 
 from offsetflow import __version__
+from offsetflow.config import provider_config
 
 INTEGRATION = "OffsetFlow"
 PACKAGE = "offsetflow"
@@ -79,6 +80,8 @@ def get_provider_info() -> dict[str, Any]:
         "integrations": [{"integration-name": INTEGRATION, "tags": ["software"]}],
         "plugins": [{"name": "offsetflow",
                      "plugin-class": f"{ORCHESTRATION}.plugin.OffsetFlowPlugin"}],
+        # the [offsetflow] section: `airflow config list`, airflow.cfg, AIRFLOW__OFFSETFLOW__*
+        "config": provider_config(),
     }
     for key, names in (("operators", ("operators",)), ("hooks", ("hooks",)),
                        ("sensors", ("sensors",)), ("triggers", ("triggers",))):

@@ -92,3 +92,23 @@ def test_wheel_installed_into_clean_airflow_venv_lists_provider_plugin_and_cli(
 
     cli = _run([str(venv / "bin" / "offsetflow"), "--help"], env, work)
     assert "run-batch" in cli
+
+    # the [offsetflow] section (issue 29): declared by the provider, shown by Airflow, and
+    # folders relative to Airflow's dags_folder, never inside site-packages
+    section = _run([str(venv / "bin" / "airflow"), "config", "list", "--section", "offsetflow",
+                    "--show-values"], env, work)
+    assert "pipelines_folder = {dags_folder}/../include/pipelines" in section, section
+    assert "spark_conn_id = spark_default" in section, section
+    offsetflow = str(venv / "bin" / "offsetflow")
+    p = subprocess.run([offsetflow, "dags", "sync"], capture_output=True, text=True, env=env,
+                       cwd=work, timeout=120)
+    assert p.returncode == 2, p
+    assert f"[offsetflow] pipelines_folder (airflow.cfg, AIRFLOW__OFFSETFLOW__PIPELINES_FOLDER" \
+           f" or OFFSETFLOW_PIPELINES_DIR) is {home / 'include' / 'pipelines'}, which is not a " \
+           f"folder" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (venv / "lib" / "python3.11" / "dags").exists()
+    (home / "dags").mkdir()
+    (home / "include" / "pipelines").mkdir(parents=True)
+    shutil.copy(ROOT / "include" / "pipelines" / "orders.yaml", home / "include" / "pipelines")
+    synced = _run([offsetflow, "dags", "sync"], env, work)
+    assert (home / "dags" / "pipelines" / "orders.py").is_file(), synced
