@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,8 @@ import psycopg2
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 from confluent_kafka import KafkaException
 
-from offsetflow.errors import KafkaUnavailableError
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import ConfigError, KafkaUnavailableError
 from offsetflow.plan import OpenBatchRetry, describe
 
 log = logging.getLogger(__name__)
@@ -27,33 +28,67 @@ log = logging.getLogger(__name__)
 TRANSIENT = (KafkaUnavailableError, KafkaException, psycopg2.OperationalError, OSError)
 
 
-def check_pipeline(pipeline: str) -> dict[str, int]:
+@dataclass(frozen=True)
+class PipelineRef:
+    """Which pipeline a wait is for, as the operators take it: a name in the pipelines folder
+    or an inline config, and connection ids overriding the config's. Plain values, so a
+    trigger serializes it for the triggerer."""
+    pipeline: str | None = None
+    config: Mapping[str, Any] | None = None
+    postgres_conn_id: str | None = None
+    kafka_conn_id: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.pipeline or str((self.config or {}).get("name", "inline"))
+
+    def kwargs(self) -> dict[str, Any]:
+        return {k: v for k, v in (("pipeline", self.pipeline), ("config", self.config),
+                                  ("postgres_conn_id", self.postgres_conn_id),
+                                  ("kafka_conn_id", self.kafka_conn_id)) if v is not None}
+
+    def resolve(self) -> PipelineConfig:
+        """The config with its Airflow connections resolved (blocking)."""
+        from offsetflow.orchestration.connections import resolve
+        from offsetflow.orchestration.hooks import OffsetFlowHook
+
+        # the hook applies the overrides; `resolve` asks the Task SDK, else (the triggerer,
+        # the CLI) Airflow's secrets backends and metadata DB
+        return resolve(OffsetFlowHook(
+            pipeline=self.pipeline, config=dict(self.config) if self.config is not None
+            else None, postgres_conn_id=self.postgres_conn_id,
+            kafka_conn_id=self.kafka_conn_id).load_config())
+
+
+def as_ref(pipeline: str | PipelineRef) -> PipelineRef:
+    return PipelineRef(pipeline=pipeline) if isinstance(pipeline, str) else pipeline
+
+
+def check_pipeline(pipeline: str | PipelineRef) -> dict[str, int]:
     """Offsets waiting per "topic/partition" (blocking: call it in a thread)."""
-    from offsetflow.config import find_pipeline
     from offsetflow.ops import pending_for
-    from offsetflow.orchestration.connections import resolve
 
     # a pipeline may name Airflow connections (kafka.conn_id, sink.conn_id)
-    return describe(pending_for(resolve(find_pipeline(pipeline))))
+    return describe(pending_for(as_ref(pipeline).resolve()))
 
 
-async def poll_pending(pipeline: str, min_offsets: int, poll_interval: float,
+async def poll_pending(ref: PipelineRef, min_offsets: int, poll_interval: float,
                        log_prefix: str) -> dict[str, Any]:
     """Poll until at least `min_offsets` offsets wait; returns the event payload (an
     `error` payload for failures polling cannot fix)."""
     while True:
         try:
-            pending = await asyncio.to_thread(check_pipeline, pipeline)
+            pending = await asyncio.to_thread(check_pipeline, ref)
         except TRANSIENT as e:
             log.warning("%s: could not check for new data (%s); retrying in %.0f s",
                         log_prefix, e, poll_interval)
         except Exception as e:  # noqa: BLE001 - reported to the task, which raises it
-            return {"status": "error", "pipeline": pipeline,
+            return {"status": "error", "pipeline": ref.name,
                     "message": f"{type(e).__name__}: {e}"}
         else:
             total = sum(pending.values())
             if total >= min_offsets:
-                return {"status": "data", "pipeline": pipeline, "pending": total,
+                return {"status": "data", "pipeline": ref.name, "pending": total,
                         "partitions": pending}
             log.info("%s: %d offsets waiting (need %d); next check in %.0f s", log_prefix,
                      total, min_offsets, poll_interval)
@@ -72,25 +107,24 @@ class RetryMemory:
     gone_since: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
-def open_batch_wait(pipeline: str, base_s: float, memory: RetryMemory
+def open_batch_wait(ref: PipelineRef, base_s: float, memory: RetryMemory
                     ) -> OpenBatchRetry | None:
-    """`runner.open_batch_wait` for a pipeline by name (blocking: call it in a thread)."""
-    from offsetflow.config import find_pipeline
+    """`runner.open_batch_wait` for a pipeline (blocking: call it in a thread)."""
     from offsetflow.ops import open_batch_wait as wait_for
-    from offsetflow.orchestration.connections import resolve
 
-    return wait_for(resolve(find_pipeline(pipeline)), base_s, gone_since=memory.gone_since)
+    return wait_for(ref.resolve(), base_s, gone_since=memory.gone_since)
 
 
-async def retry_due(pipeline: str, poll_interval: float, memory: RetryMemory) -> bool:
+async def retry_due(ref: PipelineRef, poll_interval: float, memory: RetryMemory) -> bool:
     """Whether the pipeline's waiting data may start a run now: not while a run of its open
     batch is alive, nor while that batch failed, or was left `running` by a run that is
     gone, less than its retry delay ago (`arrival.retry_wait`); said in the log once per
     batch, attempt count and state. A run alive for over LIVE_WARN_S is named (the sessions
     holding its lock) once an hour, with the way out. A check that fails for another reason
     than an outage lets the run start: the run then says what is wrong."""
+    pipeline = ref.name
     try:
-        retry = await asyncio.to_thread(open_batch_wait, pipeline, poll_interval, memory)
+        retry = await asyncio.to_thread(open_batch_wait, ref, poll_interval, memory)
     except TRANSIENT as e:
         log.warning("pipeline %s: could not read its open batch (%s); checking again in "
                     "%.0f s", pipeline, e, poll_interval)
@@ -132,22 +166,30 @@ async def retry_due(pipeline: str, poll_interval: float, memory: RetryMemory) ->
 
 
 class NewOffsetsTrigger(BaseTrigger):
-    """Fires once when `pipeline` has at least `min_offsets` committed offsets to read."""
+    """Fires once when a pipeline has at least `min_offsets` committed offsets to read. The
+    pipeline as the operators take it: `pipeline` (a name) or an inline `config`, and
+    `postgres_conn_id`/`kafka_conn_id` overriding the config's connections."""
 
-    def __init__(self, *, pipeline: str, poll_interval: float = 30.0,
-                 min_offsets: int = 1) -> None:
+    def __init__(self, *, pipeline: str | None = None, config: Mapping[str, Any] | None = None,
+                 postgres_conn_id: str | None = None, kafka_conn_id: str | None = None,
+                 poll_interval: float = 30.0, min_offsets: int = 1) -> None:
         super().__init__()
-        self.pipeline = pipeline
+        if (pipeline is None) == (config is None):
+            raise ConfigError(type(self).__name__, "pipeline",
+                              "give exactly one of pipeline (a name) or config (a mapping)")
+        self.ref = PipelineRef(pipeline, dict(config) if config is not None else None,
+                               postgres_conn_id, kafka_conn_id)
+        self.pipeline = self.ref.name
         self.poll_interval = float(poll_interval)
         self.min_offsets = int(min_offsets)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"pipeline": self.pipeline, "poll_interval": self.poll_interval,
+                {**self.ref.kwargs(), "poll_interval": self.poll_interval,
                  "min_offsets": self.min_offsets})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
+        payload = await poll_pending(self.ref, self.min_offsets, self.poll_interval,
                                      f"pipeline {self.pipeline}")
         yield TriggerEvent(payload)
 
@@ -169,10 +211,10 @@ class NewOffsetsEventTrigger(NewOffsetsTrigger, BaseEventTrigger):
         await asyncio.sleep(self.poll_interval)
         memory = RetryMemory()
         while True:
-            payload = await poll_pending(self.pipeline, self.min_offsets, self.poll_interval,
+            payload = await poll_pending(self.ref, self.min_offsets, self.poll_interval,
                                          f"pipeline {self.pipeline} (asset watcher)")
             if payload["status"] == "data":
-                if await retry_due(self.pipeline, self.poll_interval, memory):
+                if await retry_due(self.ref, self.poll_interval, memory):
                     yield TriggerEvent(payload)
                     return
                 await asyncio.sleep(self.poll_interval)

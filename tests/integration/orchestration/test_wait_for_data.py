@@ -97,7 +97,8 @@ def test_sensor_defers_then_completes_with_what_arrived(
     from offsetflow.orchestration.triggers import NewOffsetsTrigger
 
     sensor = OffsetFlowNewDataSensor(task_id="wait", pipeline=waiting_pipeline["name"],
-                                     poke_interval=0.5, min_offsets=4, timeout=600)
+                                     poke_interval=0.5, min_offsets=4, timeout=600,
+                                     deferrable=True)
     with pytest.raises(TaskDeferred) as deferred:
         sensor.execute({})
     assert deferred.value.method_name == "execute_complete"
@@ -123,6 +124,38 @@ def test_sensor_defers_then_completes_with_what_arrived(
     assert sensor.execute({})["pending"] == 4
 
 
+def test_sensor_and_trigger_take_an_inline_config_and_connection_ids(
+        waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the operators do (issue 29 item 4): an inline `config=` (a DAG with no pipelines
+    folder) and a `kafka_conn_id` overriding its brokers, carried through the trigger's
+    serialized form to the triggerer."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
+    from offsetflow.orchestration.triggers import NewOffsetsTrigger
+
+    raw = yaml.safe_load(waiting_pipeline["file"].read_text())
+    raw["kafka"] = {"bootstrap_servers": "127.0.0.1:1"}  # the connection must win
+    conn_id = f"wait_kafka_{unique}"
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(
+        {"conn_type": "kafka", "extra": {"bootstrap.servers": kafka_bootstrap}}))
+    monkeypatch.setenv("OFFSETFLOW_PIPELINES_DIR", "/nonexistent")  # no folder needed
+    sensor = OffsetFlowNewDataSensor(task_id="wait", config=raw, kafka_conn_id=conn_id,
+                                     poke_interval=0.5, min_offsets=2, deferrable=True)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    _, kwargs = deferred.value.trigger.serialize()
+    assert kwargs["config"] == raw and kwargs["kafka_conn_id"] == conn_id
+    assert "pipeline" not in kwargs
+    trigger = NewOffsetsTrigger(**kwargs)
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 2, f"c-{unique}", 2)
+    event = asyncio.run(asyncio.wait_for(_first_event(trigger), 30))
+    assert event.payload["status"] == "data", event.payload
+    assert event.payload["pipeline"] == waiting_pipeline["name"]
+    assert sensor.execute_complete({}, event.payload)["pending"] == 2
+
+
 def test_broken_pipeline_ends_the_wait_with_a_clear_error(
         waiting_pipeline: dict[str, Any]) -> None:
     from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
@@ -145,7 +178,7 @@ from offsetflow.orchestration.sensors import OffsetFlowNewDataSensor
 
 with DAG(dag_id="{dag_id}", schedule=None, start_date=datetime(2026, 1, 1), catchup=False):
     OffsetFlowNewDataSensor(task_id="wait", pipeline="{pipeline}", min_offsets=3,
-                            poke_interval=1, timeout=300)
+                            poke_interval=1, timeout=300, deferrable=True)
 '''
 
 
