@@ -49,6 +49,10 @@ class SettingError(OffsetFlowError):
     at something that is not there; names the option and how to set it."""
 
 
+class AirflowApiError(OffsetFlowError):
+    """Airflow's REST API refused or could not be reached (URL, HTTP status, what to set)."""
+
+
 class InvalidRangeError(OffsetFlowError, ValueError):
     """An OffsetRange that cannot exist (negative offsets, until < from)."""
 

@@ -40,6 +40,7 @@ from offsetflow.config.schema import (
 from offsetflow.config.settings import (
     SETTINGS,
     Setting,
+    airflow_conf,
     gx_root,
     pipeline_dags_folder,
     pipelines_dir,
@@ -65,6 +66,7 @@ __all__ = [
     "SortField",
     "StartingPolicy",
     "TOPIC_RE",
+    "airflow_conf",
     "catalog_properties",
     "check_file",
     "check_pipeline",

@@ -1,11 +1,18 @@
 """Replay through Airflow's REST API with a run conf, against a real `airflow standalone`
-(scheduler, LocalExecutor, spark-submit in local mode): the run succeeds and lands in the
-same replay DAG and the same ledger record as the UI form and the CLI."""
+(scheduler, LocalExecutor, spark-submit in local mode), triggered by `offsetflow replay`
+(which logs in and posts the run): the run succeeds and lands in the same replay DAG and the
+same ledger record as the UI form."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,11 +51,29 @@ def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_ds
     code, body = http("PATCH", f"{url}/api/v2/dags/offsetflow_replay", {"is_paused": False},
                       token=token)
     assert code == 200, body
-    conf = {"pipeline": s["name"], "partitions": "1", "from_offset": 10, "until_offset": 60}
-    code, run = http("POST", f"{url}/api/v2/dags/offsetflow_replay/dagRuns",
-                     {"logical_date": None, "conf": conf}, token=token)
-    assert code in (200, 201), run
-    run_id = run["dag_run_id"]
+    # `offsetflow replay` triggers the run through the REST API (issue 29 item 6): it works
+    # against a remote Airflow, logging in with the user's credentials from the environment
+    password = json.loads(Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
+                          .read_text())["admin"]
+    cli = [str(Path(sys.executable).parent / "offsetflow"), "replay", "-p", s["name"],
+           "--partitions", "1", "--from-offset", "10", "--until-offset", "60",
+           "--airflow-url", url]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")}
+    wrong = subprocess.run(cli, capture_output=True, text=True, timeout=120, env={
+        **env, "OFFSETFLOW_AIRFLOW_USERNAME": "admin", "OFFSETFLOW_AIRFLOW_PASSWORD": "nope"})
+    assert wrong.returncode == 2 and "auth/token: HTTP 401" in wrong.stderr, wrong.stderr
+    assert "nope" not in wrong.stderr + wrong.stdout
+    p = subprocess.run(cli, capture_output=True, text=True, timeout=120, env={
+        **env, "OFFSETFLOW_AIRFLOW_USERNAME": "admin", "OFFSETFLOW_AIRFLOW_PASSWORD": password})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert password not in p.stdout + p.stderr
+    m = re.search(r"triggered offsetflow_replay run (\S+) on " + re.escape(url), p.stdout)
+    assert m, p.stdout
+    run_id = m.group(1)
+    code, run = http("GET", f"{url}/api/v2/dags/offsetflow_replay/dagRuns/{run_id}",
+                     token=token)
+    assert code == 200 and run["conf"] == {"pipeline": s["name"], "partitions": "1",
+                                           "from_offset": 10, "until_offset": 60}, run
     deadline = time.monotonic() + 420
     state = None
     while time.monotonic() < deadline:
