@@ -111,11 +111,29 @@ FIELDS: dict[str, Field] = {
                           "`fail` plans nothing; `continue` skips to the earliest offset "
                           "(recorded either way)."),
     # format
-    "format.type": F("format_type", "`json`: typed columns from `schema`; `raw`: key and "
-                     "value bytes only."),
-    "format.schema": F("schema", "json: a mapping column -> type (`string`, `long`, `int`, "
-                       "`double`, `float`, `boolean`, `timestamp`, `date`, `decimal(p,s)`); "
-                       "raw takes none.", type="mapping"),
+    "format.type": F("format_type", "`json`: typed columns from `schema`; `avro`: Confluent "
+                     "wire-format Avro decoded with `schema_registry`, typed columns from "
+                     "`schema` (see Formats); `raw`: key and value bytes only."),
+    "format.schema": F("schema", "json, avro: a mapping column -> type (`string`, `long`, "
+                       "`int`, `double`, `float`, `boolean`, `timestamp`, `date`, "
+                       "`decimal(p,s)`; avro also `json` for jsonb and `uuid`); raw takes "
+                       "none.", type="mapping"),
+    "format.schema_registry.url": F("registry.url", "avro: the Confluent-compatible Schema "
+                                    "Registry (`${VAR}` allowed); writer schemas are looked "
+                                    "up by each record's schema id.",
+                                    default="required with `type: avro`"),
+    "format.schema_registry.username": F("registry.username", "avro: HTTP basic auth user "
+                                         "(with `password`)."),
+    "format.schema_registry.password": F("registry.password", "avro: HTTP basic auth "
+                                         "password; give it as `${VAR}`, it is never "
+                                         "logged."),
+    "format.schema_registry.reader_version": F("registry.reader_version", "avro: the "
+                                               "version of `<topic>-value` records are read "
+                                               "with; none: its latest, once per run.",
+                                               default="latest"),
+    "format.schema_registry.timeout_s": F("registry.timeout_s", "avro: seconds one registry "
+                                          "request may take (then retried 3 times before "
+                                          "the batch fails).", default="`10`"),
     # sink, every type
     "sink.type": F("sink.type", "Where the rows go; each has a page under Sinks."),
     "sink.conn_id": F("sink.conn_id", "An Airflow `postgres` connection (ledger, stage, "

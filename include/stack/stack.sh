@@ -12,6 +12,9 @@
 #            (a Spark standalone master + 2 workers; the packed executor environment)
 #   stack.sh kafka-cluster-start | kafka-cluster-stop | kafka-cluster-kill N | kafka-cluster-node-start N
 #            (three KRaft brokers, one controller quorum, beside the single-broker stack)
+#   stack.sh registry-start | registry-stop   (a Confluent-compatible Schema Registry for
+#            `format.type: avro`, include/stack/schema_registry.py; up starts it unless
+#            OFFSETFLOW_SCHEMA_REGISTRY=0: a stdlib Python process, ~50 ms)
 #
 # Idempotent: `up` on a running stack checks it and returns; `down` on a stopped one is a no-op.
 # Every wait has a timeout; on failure the service, its host:port and the tail of its log are
@@ -35,6 +38,7 @@ KAFKA_PORT="${OFFSETFLOW_KAFKA_PORT:-19092}"
 CONTROLLER_PORT="${OFFSETFLOW_KAFKA_CONTROLLER_PORT:-19093}"
 PG_PORT="${OFFSETFLOW_PG_PORT:-15432}"
 AIRFLOW_PORT="${OFFSETFLOW_AIRFLOW_PORT:-18080}"
+REGISTRY_PORT="${OFFSETFLOW_SCHEMA_REGISTRY_PORT:-18081}"
 PG_OS_USER="offsetflow"          # initdb refuses to run as root
 PG_USER="offsetflow"
 PG_PASSWORD="offsetflow"         # local development only
@@ -71,6 +75,8 @@ CONNECT_LOG="$CONNECT_DIR/connect.log"
 SPARK_CLUSTER_DIR="$STACK/spark-cluster"
 SPARK_ENV_DIR="$STACK/spark-env"
 KAFKA_CLUSTER_DIR="$STACK/kafka-cluster"
+REGISTRY_DIR="$STACK/schema-registry"
+REGISTRY_LOG="$REGISTRY_DIR/registry.log"
 
 log() { printf '[stack] %s\n' "$*" >&2; }
 die() { printf '[stack] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -123,6 +129,7 @@ export OFFSETFLOW_SPARK_MASTER_UI="http://127.0.0.1:$SPARK_MASTER_UI_PORT"
 export OFFSETFLOW_SPARK_ENV_ARCHIVE="$SPARK_ENV_DIR/offsetflow-env.tar.gz"
 export OFFSETFLOW_KAFKA_CLUSTER_BOOTSTRAP="127.0.0.1:$KAFKA_CLUSTER_PORT,127.0.0.1:$((KAFKA_CLUSTER_PORT + 2)),127.0.0.1:$((KAFKA_CLUSTER_PORT + 4))"
 export OFFSETFLOW_AIRFLOW_URL="http://127.0.0.1:$AIRFLOW_PORT"
+export OFFSETFLOW_SCHEMA_REGISTRY_URL="http://127.0.0.1:$REGISTRY_PORT"
 export AIRFLOW_HOME="$AIRFLOW_HOME_DIR"
 export AIRFLOW__CORE__DAGS_FOLDER="$ROOT/dags"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$ROOT/plugins"
@@ -149,7 +156,8 @@ EOF
     "OFFSETFLOW_PG_PORT=$PG_PORT" "OFFSETFLOW_AIRFLOW_PORT=$AIRFLOW_PORT" \
     "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" "OFFSETFLOW_SPARK_MASTER_PORT=$SPARK_MASTER_PORT" \
     "OFFSETFLOW_SPARK_MASTER_UI_PORT=$SPARK_MASTER_UI_PORT" "OFFSETFLOW_SPARK_WORKER_PORT=$SPARK_WORKER_PORT" \
-    "OFFSETFLOW_KAFKA_CLUSTER_PORT=$KAFKA_CLUSTER_PORT" "OFFSETFLOW_AIRFLOW=${OFFSETFLOW_AIRFLOW:-1}" > "$STACK/ports"
+    "OFFSETFLOW_KAFKA_CLUSTER_PORT=$KAFKA_CLUSTER_PORT" "OFFSETFLOW_SCHEMA_REGISTRY_PORT=$REGISTRY_PORT" \
+    "OFFSETFLOW_AIRFLOW=${OFFSETFLOW_AIRFLOW:-1}" > "$STACK/ports"
 }
 
 cmd_env() { write_env; cat "$STACK/env.sh"; }
@@ -707,6 +715,30 @@ spark_env() {
   log "executor environment packed: $out ($(du -h "$out" | cut -f1))"
 }
 
+# ---------------------------------------------------------------- schema registry
+registry_ready() { curl -fsS -m 2 "http://127.0.0.1:$REGISTRY_PORT/subjects" >/dev/null 2>&1; }
+
+registry_start() {
+  mkdir -p "$REGISTRY_DIR"
+  if pid_alive "$REGISTRY_DIR/registry.pid" && registry_ready; then
+    log "schema registry already up on 127.0.0.1:$REGISTRY_PORT"; return 0
+  fi
+  registry_stop
+  port_open "$REGISTRY_PORT" && fail_service schema-registry "127.0.0.1:$REGISTRY_PORT" "" "the port is taken by a process not started by this stack"
+  log "starting the schema registry on 127.0.0.1:$REGISTRY_PORT (schemas in $REGISTRY_DIR/schemas.json)"
+  setsid nohup "$VENV/bin/python" "$HERE/schema_registry.py" --port "$REGISTRY_PORT" \
+      --data "$REGISTRY_DIR/schemas.json" >"$REGISTRY_LOG" 2>&1 < /dev/null &
+  echo $! > "$REGISTRY_DIR/registry.pid"
+  local deadline=$((SECONDS + 15))
+  until registry_ready; do
+    pid_alive "$REGISTRY_DIR/registry.pid" || fail_service schema-registry "127.0.0.1:$REGISTRY_PORT" "$REGISTRY_LOG" "the process exited"
+    (( SECONDS < deadline )) || fail_service schema-registry "127.0.0.1:$REGISTRY_PORT" "$REGISTRY_LOG" "not answering after 15s"
+    sleep 0.1
+  done
+}
+
+registry_stop() { stop_pidfile "schema registry" "$REGISTRY_DIR/registry.pid" 10; }
+
 # ---------------------------------------------------------------- three-broker Kafka
 kafka_cluster_port() { echo "$((KAFKA_CLUSTER_PORT + 2 * ($1 - 1)))"; }
 kafka_cluster_bootstrap() { echo "127.0.0.1:$(kafka_cluster_port 1),127.0.0.1:$(kafka_cluster_port 2),127.0.0.1:$(kafka_cluster_port 3)"; }
@@ -830,6 +862,8 @@ cmd_up() {
   # the warm path the shipped pipelines take (`spark.launch: connect`): no JVM or Python
   # worker start per batch; OFFSETFLOW_CONNECT=0 leaves it out (connect-start later)
   if [[ "${OFFSETFLOW_CONNECT:-1}" != 0 ]]; then connect_start; fi
+  # format.type avro's registry: a stdlib Python process, started in well under a second
+  if [[ "${OFFSETFLOW_SCHEMA_REGISTRY:-1}" != 0 ]]; then registry_start; fi
   log "stack up in $((SECONDS - t0))s: kafka $(kafka_version) 127.0.0.1:$KAFKA_PORT, postgres 127.0.0.1:$PG_PORT; env: source .stack/env.sh"
 }
 
@@ -837,6 +871,7 @@ cmd_down() {
   spark_cluster_stop
   kafka_cluster_stop
   connect_stop
+  registry_stop
   standalone_stop
   kafka_stop
   pg_stop
@@ -848,6 +883,7 @@ cmd_status() {
   if kafka_ready; then echo "kafka     up    127.0.0.1:$KAFKA_PORT  (Apache Kafka $(kafka_version), KRaft)"; else echo "kafka     down  127.0.0.1:$KAFKA_PORT"; rc=1; fi
   if pg_ready; then echo "postgres  up    127.0.0.1:$PG_PORT"; else echo "postgres  down  127.0.0.1:$PG_PORT"; rc=1; fi
   if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then echo "connect   up    127.0.0.1:$CONNECT_PORT  (Spark Connect)"; else echo "connect   down  127.0.0.1:$CONNECT_PORT  (make up starts it unless OFFSETFLOW_CONNECT=0; stack.sh connect-start)"; fi
+  if pid_alive "$REGISTRY_DIR/registry.pid" && registry_ready; then echo "registry  up    127.0.0.1:$REGISTRY_PORT  (schema registry)"; else echo "registry  down  127.0.0.1:$REGISTRY_PORT  (stack.sh registry-start)"; fi
   if airflow_ready; then echo "airflow   up    127.0.0.1:$AIRFLOW_PORT  (standalone)"; else echo "airflow   down  127.0.0.1:$AIRFLOW_PORT  (standalone is optional: stack.sh airflow-standalone-start)"; fi
   return $rc
 }
@@ -859,6 +895,7 @@ cmd_logs() {
     postgres|pg) tail -n "$n" "$PG_LOG" ;;
     airflow) tail -n "$n" "$AIRFLOW_LOG" ;;
     connect) tail -n "$n" "$CONNECT_LOG" ;;
+    registry) tail -n "$n" "$REGISTRY_LOG" ;;
     all) for f in "$KAFKA_LOG" "$PG_LOG" "$AIRFLOW_LOG"; do
            [[ -f "$f" ]] && { echo "== $f"; tail -n 20 "$f"; }
          done; true ;;
@@ -883,6 +920,8 @@ case "${1:-}" in
   airflow-standalone-stop) standalone_stop ;;
   connect-start) connect_start ;;
   connect-stop) connect_stop ;;
+  registry-start) write_env; registry_start ;;
+  registry-stop) registry_stop ;;
   spark-cluster-start) spark_cluster_start ;;
   spark-cluster-stop) spark_cluster_stop ;;
   spark-worker-kill) spark_worker_kill "${2:-}" ;;
@@ -892,5 +931,5 @@ case "${1:-}" in
   kafka-cluster-stop) kafka_cluster_stop ;;
   kafka-cluster-kill) kafka_cluster_kill "${2:-}" ;;
   kafka-cluster-node-start) write_env; kafka_cluster_node_start "${2:?usage: kafka-cluster-node-start N}"; kafka_cluster_wait ;;
-  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect]|kafka-start|kafka-stop|kafka-kill|pg-start|pg-stop|pg-crash|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop|spark-cluster-start|spark-cluster-stop|spark-worker-kill N|spark-worker-start N|spark-env|kafka-cluster-start|kafka-cluster-stop|kafka-cluster-kill N|kafka-cluster-node-start N" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|env|logs [kafka|pg|airflow|connect|registry]|kafka-start|kafka-stop|kafka-kill|pg-start|pg-stop|pg-crash|airflow-setup|airflow-standalone-start|airflow-standalone-stop|connect-start|connect-stop|registry-start|registry-stop|spark-cluster-start|spark-cluster-stop|spark-worker-kill N|spark-worker-start N|spark-env|kafka-cluster-start|kafka-cluster-stop|kafka-cluster-kill N|kafka-cluster-node-start N" >&2; exit 2 ;;
 esac

@@ -281,6 +281,25 @@ class KafkaUnavailableError(OffsetFlowError):
     """Kafka metadata could not be fetched (broker down, unknown topic)."""
 
 
+class SchemaRegistryError(OffsetFlowError):
+    """The schema registry of an avro pipeline did not answer (down, slow, a 5xx) or refused
+    the request (credentials, a pinned reader version it lacks). Raised before a record is
+    decoded with a schema it could not get, so nothing of the batch is committed and the
+    next run reads the same ranges; the message names the registry (its URL without
+    credentials), what was asked and the way out."""
+
+    def __init__(self, url: str, what: str, reason: str, retriable: bool = True) -> None:
+        self.url = url
+        self.what = what
+        self.reason = reason
+        self.retriable = retriable
+        way_out = ("the batch was not committed; run it again once the registry answers "
+                   "(the retry reads the same ranges)" if retriable else
+                   "fix format.schema_registry (url, credentials, reader_version); the batch "
+                   "was not committed")
+        super().__init__(f"schema registry {url}: {what}: {reason}; {way_out}")
+
+
 class SparkUnavailableError(OffsetFlowError):
     """The Spark Connect server a pipeline with `spark.launch: connect` names is not there."""
 

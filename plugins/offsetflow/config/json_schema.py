@@ -14,9 +14,9 @@ from typing import Any
 
 from offsetflow.config.kafka_sink import FORBIDDEN_PRODUCER_KEYS
 from offsetflow.config.schema import (
+    AVRO_FIELD_TYPES,
     DECIMAL_RE,
     ENV_RE,
-    FIELD_TYPES,
     FORBIDDEN_CLIENT_KEYS,
     IDENT_RE,
     RESERVED_COLUMNS,
@@ -124,14 +124,15 @@ def _any_case(word: str) -> str:
 
 
 def _column_types() -> dict[str, Any]:
-    """format.schema: column -> type (the parser reads the type in any case)."""
+    """format.schema: column -> type (the parser reads the type in any case; `json` and
+    `uuid` only with format.type avro, which the parser checks)."""
     decimal = DECIMAL_RE.pattern.strip("^$").replace("decimal", _any_case("decimal"))
-    words = "|".join(_any_case(t) for t in sorted(FIELD_TYPES))
+    words = "|".join(_any_case(t) for t in sorted(AVRO_FIELD_TYPES))
     return {"type": "object", "minProperties": 1,
             "propertyNames": {"pattern": IDENT_RE.pattern,
                               "not": {"enum": sorted(RESERVED_COLUMNS)}},
             "additionalProperties": {"anyOf": [
-                {"enum": sorted(FIELD_TYPES)},
+                {"enum": sorted(AVRO_FIELD_TYPES)},
                 {"type": "string", "pattern": rf"^\s*(({words})|{decimal})\s*$"}]}}
 
 

@@ -25,6 +25,7 @@ from offsetflow.config.fields import (
 from offsetflow.config.iceberg_sink import parse_iceberg
 from offsetflow.config.kafka_sink import KAFKA_REFUSED, parse_kafka_sink
 from offsetflow.config.schema import (
+    AVRO_FIELD_TYPES,
     DECIMAL_RE,
     DEFAULT_MAX_OFFSETS_PER_TASK,
     DOTTED_RE,
@@ -37,11 +38,13 @@ from offsetflow.config.schema import (
     TOPIC_RE,
     KafkaConfig,
     PipelineConfig,
+    SchemaRegistryConfig,
     SinkConfig,
     SparkConfig,
     StartingPolicy,
     connect_address,
     default_tombstones,
+    redact_dsn,
 )
 from offsetflow.config.tables import FIELDS, choices, section_fields
 from offsetflow.errors import ConfigError
@@ -138,9 +141,10 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
 
     format_type = "json"
     schema: dict[str, str] = {}
+    registry: SchemaRegistryConfig | None = None
     schema_known = False  # format.schema is as written: columns are checked against it
     with r.guard():
-        format_type, schema = _format(r)
+        format_type, schema, registry = _format(r)
         schema_known = r.ok("format.type")
 
     transform = r.string(raw, "transform", "")
@@ -242,7 +246,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
         bad_records=bad_records, dead_letter_table=dlt, spark=spark,
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy, description=str(desc or ""),
-        tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn),
+        tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn), registry=registry,
     )
 
 
@@ -275,19 +279,23 @@ def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:
     return bootstrap, isolation, client, kafka_conn
 
 
-def _format(r: FieldReader) -> tuple[str, dict[str, str]]:
-    """The `format` section: json with its schema (every column written is kept, so the
-    sink's checks of column names do not repeat an error of this section), or raw."""
+def _format(r: FieldReader) -> tuple[str, dict[str, str], SchemaRegistryConfig | None]:
+    """The `format` section: json or avro with its schema (every column written is kept, so
+    the sink's checks of column names do not repeat an error of this section), avro with
+    its registry, or raw."""
     fmt = r.section("format", required=False)
     r.unknown(fmt, "format.", section_fields("format"))
     format_type = r.string(fmt, "type", "format.", "json", choices("format.type")) or "json"
     schema: dict[str, str] = {}
+    registry = _registry(r, fmt, format_type if r.ok("format.type") else None)
     if not r.ok("format.type"):
-        return format_type, schema
-    if format_type == "json":
+        return format_type, schema, registry
+    if format_type in ("json", "avro"):
+        types = AVRO_FIELD_TYPES if format_type == "avro" else FIELD_TYPES
         schema_raw = fmt.get("schema")
         if not isinstance(schema_raw, Mapping) or not schema_raw:
-            raise r.err("format.schema", "json format needs a schema: a mapping field -> type")
+            raise r.err("format.schema", f"{format_type} format needs a schema: a mapping "
+                                         f"field -> type (the target's columns)")
         for col, typ in schema_raw.items():
             fld = f"format.schema.{col}"
             t = str(typ).strip().lower()
@@ -297,13 +305,54 @@ def _format(r: FieldReader) -> tuple[str, dict[str, str]]:
             elif col in RESERVED_COLUMNS:
                 r.fail(fld, f"{col!r} is a reserved source column "
                             f"({sorted(RESERVED_COLUMNS)})", at_key=True)
-            elif t not in FIELD_TYPES and not DECIMAL_RE.match(t):
-                r.fail(fld, f"unknown type {typ!r}; use one of {sorted(FIELD_TYPES)} or "
-                            f"decimal(p,s){did_you_mean(t, FIELD_TYPES)}")
+            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type != "avro":
+                r.fail(fld, f"type {t!r} is for format.type avro only (the json format "
+                            f"reads flat fields); use string")
+            elif t not in types and not DECIMAL_RE.match(t):
+                r.fail(fld, f"unknown type {typ!r}; use one of {sorted(types)} or "
+                            f"decimal(p,s){did_you_mean(t, types)}")
             schema[str(col)] = t
     elif fmt.get("schema"):
         r.fail("format.schema", "raw format takes no schema")
-    return format_type, schema
+    return format_type, schema, registry
+
+
+def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
+              ) -> SchemaRegistryConfig | None:
+    """`format.schema_registry`: required by avro, refused by the other formats (its own
+    keys are checked first, so a misspelt one is named as such)."""
+    fld = "format.schema_registry"
+    sec = fmt.get("schema_registry")
+    if sec is not None and not isinstance(sec, Mapping):
+        r.fail(fld, f"must be a mapping (url, username, password, reader_version), got "
+                    f"{type(sec).__name__}")
+        return None
+    sec = sec or {}
+    r.unknown(sec, f"{fld}.", section_fields(fld))
+    if format_type is None:
+        return None
+    if format_type != "avro":
+        if sec:
+            r.fail(fld, f"is for format.type avro; {format_type} reads no registry",
+                   at_key=True)
+        return None
+    if not sec:
+        r.fail(fld, "avro format needs a schema registry: {url: http://host:8081} (writer "
+                    "schemas are looked up by the id in each record)")
+        return None
+    url = r.string(sec, "url", f"{fld}.") or ""
+    if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
+        r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
+                             f"compatible Schema Registry")
+    user = r.string(sec, "username", f"{fld}.")
+    password = r.string(sec, "password", f"{fld}.")
+    if (user is None) != (password is None):
+        r.fail(f"{fld}.{'password' if user is not None else 'username'}",
+               "basic auth needs both username and password (give each as ${VAR})")
+    version = r.positive_int(sec, "reader_version", f"{fld}.", None)
+    timeout = r.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
+    return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
+                                reader_version=version, timeout_s=timeout)
 
 
 def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str] | None,
@@ -332,7 +381,7 @@ def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str
             r.fail("sink.key", "upsert mode needs a key (one or more columns)")
         known = set(schema or ()) | RESERVED_COLUMNS
         for i, k in enumerate(key_raw):
-            if format_type == "json" and transform is None and schema is not None \
+            if format_type in ("json", "avro") and transform is None and schema is not None \
                     and r.ok(f"sink.key[{i}]") and k not in known:
                 r.fail(f"sink.key[{i}]", f"{k!r} is not a column of format.schema"
                                          f"{did_you_mean(k, known)}")
@@ -370,7 +419,7 @@ def _spark(r: FieldReader) -> SparkConfig:
 def _table_columns(format_type: str | None, schema: Mapping[str, str]) -> list[str]:
     """The target's columns without a transform: the source columns, then the schema's."""
     return ["topic", "partition", "offset", "timestamp", "timestamp_type", "key", "value",
-            "headers", *(schema if format_type == "json" else ())]
+            "headers", *(schema if format_type in ("json", "avro") else ())]
 
 
 def _utc_ms(dt: datetime) -> int:

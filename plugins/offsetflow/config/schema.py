@@ -24,6 +24,9 @@ DECIMAL_RE = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
 CONN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")  # an Airflow connection id
 
 FIELD_TYPES = {"string", "long", "int", "double", "float", "boolean", "timestamp", "date"}
+# what format.schema may also declare for Avro: `json` (a record, array or map as jsonb) and
+# `uuid` (PostgreSQL uuid); the JSON format's fast path reads neither yet
+AVRO_FIELD_TYPES = FIELD_TYPES | {"json", "uuid"}
 SECRET_HINTS = ("password", "secret", "token", "key", "credential", "sasl.jaas")
 RESERVED_COLUMNS = {"topic", "partition", "offset", "timestamp", "timestamp_type", "key",
                     "value", "headers"}
@@ -66,6 +69,20 @@ class KafkaSinkConfig:
     headers: str = "carry"  # carry | none (the offsetflow.* headers are always written)
     partitioning: str = "key"  # key | source (the source record's partition number)
     producer: Mapping[str, str] = field(default_factory=dict)  # librdkafka overrides
+
+
+@dataclass(frozen=True)
+class SchemaRegistryConfig:
+    """`format.schema_registry` (format avro): a Confluent-compatible Schema Registry. The
+    writer schema of a record is fetched by the id in its 5-byte header; the reader schema
+    is the subject `<topic>-value` at `reader_version` (None: its latest version, read
+    once per batch run). `password` is a secret: never logged (`redacted`)."""
+
+    url: str
+    username: str | None = None
+    password: str | None = None
+    reader_version: int | None = None
+    timeout_s: int = 10
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,7 @@ class PipelineConfig:
     description: str = ""
     tombstones: str = ""  # upsert: delete | dead_letter; append: dead_letter | null_row
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
+    registry: SchemaRegistryConfig | None = None  # format avro
 
     @property
     def tombstone_policy(self) -> str:
@@ -174,6 +192,10 @@ class PipelineConfig:
     def _output_relevant(self) -> dict[str, Any]:
         return {
             "format": [self.format_type, dict(self.schema)],
+            # the reader schema decides fields' defaults; not the URL or credentials (a
+            # registry that moves serves the same ids)
+            **({"reader_version": self.registry.reader_version}
+               if self.registry is not None else {}),
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
             **({"sink_iceberg": [self.sink.iceberg.identifier, *catalog_identity(
@@ -208,6 +230,10 @@ class PipelineConfig:
         d = asdict(self)
         d["client"] = {k: redact_value(k, v) for k, v in self.client.items()}
         d["sink"]["connection"] = redact_dsn(self.sink.connection)
+        if d.get("registry") and d["registry"].get("password") is not None:
+            d["registry"]["password"] = "***"
+        if d.get("registry"):
+            d["registry"]["url"] = redact_dsn(d["registry"]["url"])
         if self.sink.kafka is not None:
             d["sink"]["kafka"]["producer"] = {k: redact_value(k, v) for k, v
                                               in self.sink.kafka.producer.items()}

@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -181,12 +182,27 @@ def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
                 # another run took the batch up after this one and owns its status now
                 log.warning("batch %d: this run is stale and stops: %s", batch_id, e)
                 raise
-            msg = str(e) if isinstance(e, OffsetFlowError) else \
-                f"{type(e).__name__}: {str(e)[:2000]}"
-            _mark_failed(dsn, batch_id, msg)
+            _mark_failed(dsn, batch_id, failure_message(e))
             raise
     timings["total_s"] = round(time.monotonic() - t0, 3)
     return report
+
+
+# an OffsetFlow error a Spark task raised, as the last line of the task's traceback that
+# Spark's exception carries (a PythonException's text)
+_TASK_ERROR = re.compile(r"^offsetflow\.errors\.(\w+): (.+)$", re.MULTILINE)
+
+
+def failure_message(e: BaseException) -> str:
+    """What the ledger records of a failed run: an OffsetFlow error's own message, also when
+    a Spark task raised it (not the head of a Python traceback), else the exception."""
+    if isinstance(e, OffsetFlowError):
+        return str(e)
+    found = _TASK_ERROR.findall(str(e))
+    if found:
+        name, text = found[-1]
+        return f"{name} (in a Spark task): {text}"
+    return f"{type(e).__name__}: {str(e)[:2000]}"
 
 
 def _cores(spark: SparkSession) -> int:

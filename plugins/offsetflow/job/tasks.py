@@ -29,7 +29,11 @@ RAW_DDL = ("`topic` string, `partition` int, `offset` bigint, `timestamp` timest
            "`timestamp_type` int, `key` binary, `value` binary, "
            "`headers` array<struct<key:string,value:binary>>")
 SPARK_TYPES = {"string": "string", "long": "bigint", "int": "int", "double": "double",
-               "float": "float", "boolean": "boolean", "timestamp": "timestamp", "date": "date"}
+               "float": "float", "boolean": "boolean", "timestamp": "timestamp", "date": "date",
+               "json": "string", "uuid": "string"}
+# declared types whose PostgreSQL column is not the one of their Spark type (fused path)
+PG_TYPES = {"json": "jsonb", "uuid": "uuid"}
+TYPED_FORMATS = ("json", "avro")  # formats whose records become format.schema's columns
 
 
 def spark_ddl(cfg: PipelineConfig) -> str:
@@ -52,12 +56,48 @@ class ReadContext:
     write_dead: bool
     specs: list[dict[str, Any]]
     generation: int | None = None  # the stage generation the run stages under
+    # format avro: the registry (`source.registry_settings`) and each topic's reader schema
+    # (id, text; None: records are read with their writer schema), resolved once per run
+    registry: dict[str, Any] | None = None
+    readers: dict[str, tuple[int, str] | None] | None = None
 
     @classmethod
     def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
            generation: int | None = None) -> ReadContext:
+        registry = readers = None
+        if cfg.format_type == "avro" and cfg.registry is not None:
+            from offsetflow.source import RegistryClient, reader_schemas, registry_settings
+
+            reg = cfg.registry
+            registry = registry_settings(reg.url, reg.username, reg.password, reg.timeout_s)
+            # on the driver, before any task: a registry that is down fails the run here
+            readers = reader_schemas(RegistryClient.of(registry),
+                                     [str(s["topic"]) for s in specs], reg.reader_version)
         return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
-                   cfg.format_type, cfg.bad_records == "dead_letter", specs, generation)
+                   cfg.format_type, cfg.bad_records == "dead_letter", specs, generation,
+                   registry, readers)
+
+    def typed_schema(self) -> pa.Schema | None:
+        """The Arrow schema of the typed columns (None: raw format)."""
+        from offsetflow.source import arrow_schema
+
+        return arrow_schema(self.schema) if self.fmt in TYPED_FORMATS else None
+
+
+_DECODERS: dict[str, Any] = {}
+
+
+def avro_decoder(rc: ReadContext) -> Any:
+    """The Python worker's decoder for `rc`'s registry and reader schemas: writer schemas
+    are fetched once per id per worker (a registry's ids are immutable), not per chunk."""
+    from offsetflow.source import AvroDecoder, RegistryClient
+
+    assert rc.registry is not None and rc.readers is not None
+    key = repr((sorted(rc.registry.items()), sorted(rc.readers.items())))
+    if key not in _DECODERS:
+        _DECODERS.clear()  # another run's (other reader schemas): let it go
+        _DECODERS[key] = AvroDecoder(RegistryClient.of(rc.registry), rc.readers)
+    return _DECODERS[key]
 
 
 def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
@@ -70,10 +110,10 @@ def read_subrange(rc: ReadContext, idx: int, clock: TaskClock,
     `deserialize.tombstone_fields`). `consumer`: the task's own (`reader.range_consumer`),
     shared by the small sub-ranges it reads (a large one, or None: a consumer of its
     own for this sub-range)."""
-    from offsetflow.source import SHARED_MAX_SPAN, arrow_schema, read_range
+    from offsetflow.source import SHARED_MAX_SPAN, read_range
 
     r = OffsetRange.from_dict(rc.specs[idx])
-    typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+    typed_schema = rc.typed_schema()
     own: SubrangeBad | None = None
     sink: BadBuffer | SubrangeBad
     if bad_sink is None:
@@ -98,13 +138,18 @@ def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: O
                sink: BadBuffer | SubrangeBad, clock: TaskClock) -> pa.RecordBatch:
     """A chunk of raw records (of range `r`, or of several: `chunk.topics`) as the stage's
     rows: raw columns + typed fields; its bad records go to `sink`."""
-    from offsetflow.source import BadRecord, deserialize_json
+    from offsetflow.source import BadRecord, deserialize_avro, deserialize_json
 
     clock.count("records", len(chunk))
     typed: pa.Table | None = None
     good: list[int] | None = None
     bad: list[BadRecord] = []
-    if typed_schema is not None:
+    if typed_schema is not None and rc.fmt == "avro":
+        with clock.stage("deserialize"):
+            topics = chunk.topics if chunk.topics is not None else [r.topic] * len(chunk)
+            typed, bad, good = deserialize_avro(chunk.values, topics, rc.schema,
+                                                avro_decoder(rc))
+    elif typed_schema is not None:
         with clock.stage("deserialize"):
             typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)
     if chunk.refused:  # records the reader found unwritable (e.g. their timestamp)
@@ -132,7 +177,7 @@ def read_packed(rc: ReadContext, idxs: list[int], clock: TaskClock, bad_sink: Ba
     """A packed task's sub-ranges: the small ones (up to `SHARED_MAX_SPAN` offsets, one per
     topic-partition) all at once on the task's consumer (`reader_packed`), in chunks that
     span ranges; the others one by one (`read_subrange`)."""
-    from offsetflow.source import SHARED_MAX_SPAN, arrow_schema, read_ranges
+    from offsetflow.source import SHARED_MAX_SPAN, read_ranges
 
     small: dict[tuple[str, int], OffsetRange] = {}
     rest: list[int] = []
@@ -143,7 +188,7 @@ def read_packed(rc: ReadContext, idxs: list[int], clock: TaskClock, bad_sink: Ba
         else:
             rest.append(idx)
     if small:
-        typed_schema = arrow_schema(rc.schema) if rc.fmt == "json" else None
+        typed_schema = rc.typed_schema()
         first = next(iter(small.values()))
         chunks = iter(read_ranges(consumer, list(small.values())))
         while True:
@@ -294,6 +339,8 @@ def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
     types = [("topic", "string"), ("partition", "int"), ("offset", "bigint"),
              ("timestamp", "timestamp"), ("timestamp_type", "int"), ("key", "binary"),
              ("value", "binary"), ("headers", "array<struct<key:string,value:binary>>")]
-    if cfg.format_type == "json":
-        types += [(n, SPARK_TYPES.get(t, t)) for n, t in cfg.schema.items()]
-    return [(n, pg_type(t)) for n, t in types]
+    out = [(n, pg_type(t)) for n, t in types]
+    if cfg.format_type in TYPED_FORMATS:
+        out += [(n, PG_TYPES.get(t) or pg_type(SPARK_TYPES.get(t, t)))
+                for n, t in cfg.schema.items()]
+    return out

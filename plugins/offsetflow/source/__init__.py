@@ -5,6 +5,7 @@ Spark tasks import this package: its face stays light.
 
 from __future__ import annotations
 
+from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
 from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.lag import publish_positions
@@ -17,17 +18,23 @@ from offsetflow.source.reader import (
     range_consumer,
     read_range,
 )
+from offsetflow.source.registry import RegistryClient, registry_settings
 
 __all__ = [
+    "AvroDecoder",
     "BadRecord",
     "KafkaMetadata",
     "MAX_CHUNK_BYTES",
     "MAX_CHUNK_ROWS",
+    "RegistryClient",
     "SHARED_MAX_SPAN",
     "arrow_schema",
+    "deserialize_avro",
     "deserialize_json",
     "publish_positions",
     "range_consumer",
     "read_range",
     "read_ranges",
+    "reader_schemas",
+    "registry_settings",
 ]

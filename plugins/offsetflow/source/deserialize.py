@@ -40,7 +40,7 @@ def arrow_type(t: str) -> pa.DataType:
     return {
         "string": pa.string(), "long": pa.int64(), "int": pa.int32(), "double": pa.float64(),
         "float": pa.float32(), "boolean": pa.bool_(), "timestamp": pa.timestamp("us", tz="UTC"),
-        "date": pa.date32(),
+        "date": pa.date32(), "json": pa.string(), "uuid": pa.string(),
     }[t]
 
 
@@ -48,7 +48,7 @@ def arrow_schema(schema: Mapping[str, str]) -> pa.Schema:
     return pa.schema([pa.field(name, arrow_type(t)) for name, t in schema.items()])
 
 
-def _string(value: str) -> str:
+def text_value(value: str) -> str:
     if "\x00" in value:
         raise ValueError("contains a NUL character (\\u0000), which PostgreSQL text cannot "
                          "store")
@@ -60,7 +60,7 @@ def _string(value: str) -> str:
     return value
 
 
-def _decimal(value: Any, t: str) -> Decimal:
+def decimal_value(value: Any, t: str) -> Decimal:
     """As PostgreSQL's numeric(p,s): round to the scale (half away from zero), refuse what
     then needs more than p - s digits before the point."""
     m = DECIMAL_RE.match(t)
@@ -93,7 +93,7 @@ def _coerce(value: Any, t: str) -> Any:
     if t == "string":
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {type(value).__name__}")
-        return _string(value)
+        return text_value(value)
     if t in ("long", "int"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {value!r}")
@@ -128,7 +128,7 @@ def _coerce(value: Any, t: str) -> Any:
             return date.fromisoformat(value)
         raise ValueError(f"expected an ISO-8601 date string, got {value!r}")
     if DECIMAL_RE.match(t):
-        return _decimal(value, t)
+        return decimal_value(value, t)
     raise ValueError(f"unsupported type {t}")
 
 
@@ -232,7 +232,7 @@ def deserialize_json(values: Sequence[bytes | None], schema: Mapping[str, str],
     bad = [BadRecord(present[b.index], b.reason) for b in bad]
     good = [present[i] for i in good]
     rows = [tombstone_fields(keys[i] if keys is not None else None, schema) for i in tombs]
-    tomb_table, tomb_bad = _to_table(rows, target)
+    tomb_table, tomb_bad = rows_to_table(rows, target)
     assert not tomb_bad  # coerced values always fit
     merged = pa.concat_tables([table, tomb_table])
     indices = good + tombs
@@ -264,7 +264,7 @@ def _deserialize_values(values: Sequence[bytes | None], schema: Mapping[str, str
             good.append(i)
         except ValueError as e:
             bad.append(BadRecord(i, str(e)))
-    table, refused = _to_table(rows, target)
+    table, refused = rows_to_table(rows, target)
     if refused:  # values the checks above let through but Arrow refuses: bad, not fatal
         bad = sorted(bad + [BadRecord(good[j], why) for j, why in refused],
                      key=lambda b: b.index)
@@ -272,7 +272,7 @@ def _deserialize_values(values: Sequence[bytes | None], schema: Mapping[str, str
     return table, bad, good
 
 
-def _to_table(rows: list[dict[str, Any]], target: pa.Schema
+def rows_to_table(rows: list[dict[str, Any]], target: pa.Schema
               ) -> tuple[pa.Table, list[tuple[int, str]]]:
     """Rows to a typed table. Should a value still not fit its Arrow type, that row (by
     position in `rows`) is returned as refused with Arrow's reason instead of raising."""
@@ -291,5 +291,5 @@ def _to_table(rows: list[dict[str, Any]], target: pa.Schema
                 refused.append((j, f"field {name!r}: {e}"))
                 break
     bad = {j for j, _ in refused}
-    table, _ = _to_table([r for j, r in enumerate(rows) if j not in bad], target)
+    table, _ = rows_to_table([r for j, r in enumerate(rows) if j not in bad], target)
     return table, refused

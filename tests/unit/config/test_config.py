@@ -62,7 +62,7 @@ def test_defaults_are_safe() -> None:
          "not a valid column"),
         ({"format": {"type": "json", "schema": {"offset": "long"}}}, "format.schema.offset",
          "reserved"),
-        ({"format": {"type": "json", "schema": {"x": "uuid"}}}, "format.schema.x", "unknown type"),
+        ({"format": {"type": "json", "schema": {"x": "uuid4"}}}, "format.schema.x", "unknown type"),
         ({"format": {"type": "json"}}, "format.schema", "needs a schema"),
         ({"kafka": {"client": {"enable.auto.commit": True}}}, "kafka.client.enable.auto.commit",
          "managed by OffsetFlow"),

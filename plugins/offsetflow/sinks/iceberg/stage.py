@@ -21,7 +21,7 @@ _ARROW: dict[str, pa.DataType] = {
     "text": pa.string(), "bigint": pa.int64(), "integer": pa.int32(), "smallint": pa.int32(),
     "double precision": pa.float64(), "real": pa.float32(), "boolean": pa.bool_(),
     "timestamptz": pa.timestamp("us", tz="UTC"), "timestamp": pa.timestamp("us"),
-    "date": pa.date32(), "bytea": pa.binary(), "jsonb": pa.string(),
+    "date": pa.date32(), "bytea": pa.binary(), "jsonb": pa.string(), "uuid": pa.string(),
 }
 
 

@@ -1,0 +1,277 @@
+"""Avro values in the Confluent wire format to typed Arrow columns, in the Spark task.
+
+A value is one magic byte 0, the writer schema's 4-byte big-endian id in the registry, then
+the Avro binary payload. The writer schema is fetched by that id once (`AvroDecoder`
+caches it per id for the life of the Python worker: ids are immutable in a registry); the
+reader schema is the topic's subject `<topic>-value` at the pipeline's reader version (its
+latest when none is pinned), resolved once per batch run on the driver and shipped to the
+tasks, so every task of a run decodes with the same one. fastavro's `schemaless_reader`
+decodes a record (the per-record cost; the columns are then built in one pass).
+
+What lands is `format.schema`: each declared column takes the top-level field of that name
+(as the reader schema shapes it), converted to the declared type. Every record comes out as
+a good row or a `BadRecord` whose reason names the schema id: no magic byte, an id the
+registry does not have, a payload that does not decode (truncated, bytes left over) or a
+value that does not fit its column. A registry that does not answer is not a record's
+fault: `SchemaRegistryError` fails the batch, nothing is committed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, date, datetime, time
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+
+from offsetflow.source.deserialize import (
+    arrow_schema,
+    decimal_value,
+    rows_to_table,
+    text_value,
+)
+from offsetflow.source.json_fast import BadRecord
+from offsetflow.source.registry import RegisteredSchema, RegistryClient
+
+MAGIC = 0
+HEADER_BYTES = 5
+_ADDRESS = re.compile(r"\s*(from\s+)?<[^<>]* at 0x[0-9a-f]+>")
+
+
+def subject_of(topic: str) -> str:
+    """The value subject of a topic under Confluent's default TopicNameStrategy."""
+    return f"{topic}-value"
+
+
+def reader_schemas(client: RegistryClient, topics: Sequence[str], version: int | None
+                   ) -> dict[str, tuple[int, str] | None]:
+    """topic -> (id, text) of its reader schema; None where the subject has no schema and
+    no version is pinned (records are then read with their writer schema). A pinned
+    version the subject lacks is the config's error (SchemaRegistryError, not retriable)."""
+    from offsetflow.errors import SchemaRegistryError
+
+    out: dict[str, tuple[int, str] | None] = {}
+    for topic in dict.fromkeys(topics):
+        found = client.subject_version(subject_of(topic), version)
+        if found is None and version is not None:
+            raise SchemaRegistryError(
+                client.shown, f"subject {subject_of(topic)!r} version {version}",
+                "not found (format.schema_registry.reader_version pins a version the "
+                "subject does not have)", retriable=False)
+        if found is not None and found.schema_type != "AVRO":
+            raise SchemaRegistryError(
+                client.shown, f"subject {subject_of(topic)!r}",
+                f"holds a {found.schema_type} schema, not Avro (format.type avro)",
+                retriable=False)
+        out[topic] = None if found is None else (found.schema_id, found.schema)
+    return out
+
+
+class AvroDecoder:
+    """Decodes Confluent-framed Avro values; writer schemas cached per id."""
+
+    def __init__(self, client: RegistryClient,
+                 readers: Mapping[str, tuple[int, str] | None]) -> None:
+        import fastavro
+
+        self._fastavro = fastavro
+        self.client = client
+        self._writers: dict[int, Any] = {}  # id -> parsed schema, or the reason it is unusable
+        self._readers: dict[str, tuple[int, Any] | None] = {
+            t: None if r is None else (r[0], self._parse(r[1])) for t, r in readers.items()}
+
+    def _parse(self, text: str) -> Any:
+        return self._fastavro.parse_schema(json.loads(text))
+
+    def writer(self, schema_id: int) -> Any:
+        """The parsed writer schema of `schema_id`, or a `str`: why it cannot be used."""
+        if schema_id not in self._writers:
+            found = self.client.schema_by_id(schema_id)  # SchemaRegistryError: the batch's
+            self._writers[schema_id] = _usable(schema_id, found, self._parse)
+        return self._writers[schema_id]
+
+    def decode(self, value: bytes, topic: str) -> tuple[int | None, Any]:
+        """(schema id, the decoded datum); raises ValueError naming what is wrong."""
+        if len(value) < HEADER_BYTES or value[0] != MAGIC:
+            raise ValueError(
+                f"not in the Confluent wire format: no magic byte 0 and 4-byte schema id "
+                f"(first byte {value[:1].hex() or 'none'}, {len(value)} bytes)")
+        schema_id = int.from_bytes(value[1:HEADER_BYTES], "big")
+        writer = self.writer(schema_id)
+        if isinstance(writer, str):
+            raise _Bad(schema_id, writer)
+        reader = self._readers.get(topic)
+        buf = io.BytesIO(value)
+        buf.seek(HEADER_BYTES)
+        try:
+            datum = self._fastavro.schemaless_reader(
+                buf, writer, None if reader is None or reader[0] == schema_id else reader[1])
+        except Exception as e:  # noqa: BLE001 - any failure to decode is the record's
+            # no object addresses in a dead letter's reason: a replay writes the same one
+            why = _ADDRESS.sub("", str(e))[:200] or "truncated"
+            raise _Bad(schema_id, f"payload does not decode: {type(e).__name__}: "
+                                  f"{why}") from None
+        left = len(value) - buf.tell()
+        if left:
+            raise _Bad(schema_id, f"{left} bytes left after the record (not written with "
+                                  f"the schema its id names?)")
+        return schema_id, datum
+
+
+class _Bad(ValueError):
+    def __init__(self, schema_id: int | None, reason: str) -> None:
+        super().__init__(reason)
+        self.schema_id = schema_id
+
+
+def _usable(schema_id: int, found: RegisteredSchema | None, parse: Any) -> Any:
+    if found is None:
+        return f"unknown schema id {schema_id} (the registry has no schema with this id)"
+    if found.schema_type != "AVRO":
+        return f"schema id {schema_id} is a {found.schema_type} schema, not Avro"
+    try:
+        return parse(found.schema)
+    except Exception as e:  # noqa: BLE001 - e.g. references to other subjects
+        refs = " (schema references are not supported yet)" if found.has_references else ""
+        return f"schema id {schema_id} cannot be parsed{refs}: {e}"
+
+
+def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
+                     schema: Mapping[str, str], decoder: AvroDecoder
+                     ) -> tuple[pa.Table, list[BadRecord], list[int]]:
+    """Decode a chunk (`topics[i]`: record i's topic). Returns the good rows' table in the
+    declared schema, the bad records, and the chunk indices of the good rows. A null value
+    (a tombstone) is a good row of nulls: the tombstone policy decides its fate."""
+    target = arrow_schema(schema)
+    rows: list[dict[str, Any]] = []
+    good: list[int] = []
+    bad: list[BadRecord] = []
+    names = list(schema.items())
+    for i, v in enumerate(values):
+        if v is None:
+            rows.append(dict.fromkeys(schema))
+            good.append(i)
+            continue
+        schema_id: int | None = None
+        try:
+            schema_id, datum = decoder.decode(v, topics[i])
+            if not isinstance(datum, dict):
+                raise ValueError(f"the schema is not a record (got {type(datum).__name__}); "
+                                 f"format.schema names fields of a record")
+            row = {}
+            for name, t in names:
+                try:
+                    row[name] = avro_value(datum.get(name), t)
+                except (ValueError, TypeError, OverflowError) as e:
+                    raise ValueError(f"field {name!r}: {e}") from None
+        except ValueError as e:
+            sid = getattr(e, "schema_id", schema_id)
+            bad.append(BadRecord(i, f"schema id {sid}: {e}" if sid is not None else str(e)))
+            continue
+        rows.append(row)
+        good.append(i)
+    table, refused = rows_to_table(rows, target)
+    if refused:
+        gone = dict(refused)
+        bad = sorted(bad + [BadRecord(good[j], why) for j, why in refused],
+                     key=lambda b: b.index)
+        good = [g for j, g in enumerate(good) if j not in gone]
+    return table, bad, good
+
+
+def avro_value(v: Any, t: str) -> Any:
+    """One decoded Avro value as column type `t` (format.schema); ValueError says why not.
+    fastavro gives records and maps as dict, arrays as list, enums as str, logical types as
+    Decimal, date, datetime (UTC), time and UUID."""
+    if v is None:
+        return None
+    if t == "json":
+        return json_text(v)
+    if t == "uuid":
+        if isinstance(v, uuid.UUID):
+            return str(v)
+        if isinstance(v, str):
+            return str(uuid.UUID(v))
+        raise ValueError(f"expected a uuid, got {type(v).__name__}")
+    if t == "string":
+        if isinstance(v, uuid.UUID):
+            return str(v)
+        if not isinstance(v, str):
+            raise ValueError(f"expected a string or enum, got {type(v).__name__} (declare "
+                             f"it json for a record, array or map)")
+        return text_value(v)
+    if t in ("long", "int"):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected an integer, got {type(v).__name__}")
+        limit = 2**63 if t == "long" else 2**31
+        if not -limit <= v < limit:
+            raise ValueError(f"{v} does not fit in {t}")
+        return v
+    if t in ("double", "float"):
+        if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
+            raise ValueError(f"expected a number, got {type(v).__name__}")
+        f = float(v)
+        if t == "float" and math.isfinite(f) and abs(f) > 3.4028234663852886e38:
+            raise ValueError(f"{v} overflows float")
+        return f
+    if t == "boolean":
+        if not isinstance(v, bool):
+            raise ValueError(f"expected a boolean, got {type(v).__name__}")
+        return v
+    if t == "timestamp":
+        if not isinstance(v, datetime):
+            raise ValueError(f"expected a timestamp (timestamp-millis/micros), got "
+                             f"{type(v).__name__}")
+        return v if v.tzinfo else v.replace(tzinfo=UTC)  # local-timestamp-*: as UTC
+    if t == "date":
+        if isinstance(v, datetime) or not isinstance(v, date):
+            raise ValueError(f"expected a date, got {type(v).__name__}")
+        return v
+    if t.startswith("decimal("):
+        if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
+            raise ValueError(f"expected a decimal, got {type(v).__name__}")
+        return decimal_value(v, t)
+    raise ValueError(f"unsupported type {t}")
+
+
+# a decimal inside a json column is written as a JSON number with every digit: json.dumps
+# writes floats with float's repr, so the decimal travels as a marked string, unwrapped after
+_DECIMAL_MARK = "\x00"
+_DECIMAL_RE = re.compile(r'"\\u0000(-?[0-9]+(?:\.[0-9]+)?)\\u0000"')
+
+
+def json_text(v: Any) -> str:
+    """A record, array or map (or any value) as the JSON text of a jsonb column."""
+    text = _DECIMAL_RE.sub(r"\1", json.dumps(jsonable(v), separators=(",", ":"),
+                                             allow_nan=False, ensure_ascii=False))
+    if "\\u0000" in text:
+        raise ValueError("contains a NUL character (\\u0000), which PostgreSQL jsonb cannot "
+                         "store")
+    return text_value(text)
+
+
+def jsonable(v: Any) -> Any:
+    """A decoded Avro value as JSON: bytes/fixed as base64 (as Spark's to_json), decimals as
+    numbers' text kept exact, dates, times and timestamps in ISO-8601, UUIDs as text."""
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, (bytes, bytearray)):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, Decimal):  # a marker that `json_text` turns into a bare number
+        return f"{_DECIMAL_MARK}{format(v, 'f')}{_DECIMAL_MARK}"
+    if isinstance(v, (datetime, date, time)):
+        return v.isoformat()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{v} cannot be stored in JSON")
+    return v

@@ -1,0 +1,132 @@
+"""A small client of the Confluent Schema Registry REST API (also served by Karapace and by
+Apicurio Registry's `ccompat` API): a schema by its global id, a subject's version.
+
+Why not confluent-kafka's `SchemaRegistryClient`: the reader must tell apart "this id does
+not exist" (a record's problem: a dead letter) from "the registry did not answer" (the
+batch's problem: fail it, retriably, with nothing committed), and it runs in every Spark
+task; a few urllib calls say that exactly, with no OAuth or httpx stack to import.
+
+Secrets: the password is sent as HTTP basic auth and never appears in a message; the URL in
+messages has any `user:password@` removed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from offsetflow.config import redact_dsn
+from offsetflow.errors import SchemaRegistryError
+
+log = logging.getLogger(__name__)
+
+ACCEPT = "application/vnd.schemaregistry.v1+json, application/json"
+# a refused connection, a timeout or a 5xx is asked again after these pauses, then it is
+# the batch's error (SchemaRegistryError): a registry restarting is ridden out, one that is
+# down fails the batch in a few seconds instead of wedging its tasks
+RETRY_BACKOFF_S = (0.2, 0.5, 1.0)
+NOT_FOUND_CODES = {40401, 40402, 40403}  # subject, version, schema not found
+
+
+@dataclass(frozen=True)
+class RegisteredSchema:
+    """One schema as the registry holds it: its global id, type and text."""
+
+    schema_id: int
+    schema_type: str  # AVRO | PROTOBUF | JSON
+    schema: str
+    version: int | None = None
+    has_references: bool = False
+
+
+class RegistryClient:
+    """GETs against one registry; `None` for what it says does not exist."""
+
+    def __init__(self, url: str, username: str | None = None, password: str | None = None,
+                 timeout_s: float = 10.0, backoff: tuple[float, ...] = RETRY_BACKOFF_S
+                 ) -> None:
+        self.url = url.rstrip("/")
+        self.shown = redact_dsn(self.url)
+        self.timeout_s = timeout_s
+        self.backoff = backoff
+        self._headers = {"Accept": ACCEPT}
+        if username is not None:
+            token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
+            self._headers["Authorization"] = f"Basic {token}"
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any]) -> RegistryClient:
+        """From `registry_settings` (plain values, as shipped to the tasks)."""
+        return cls(settings["url"], settings.get("username"), settings.get("password"),
+                   float(settings.get("timeout_s") or 10))
+
+    def schema_by_id(self, schema_id: int) -> RegisteredSchema | None:
+        doc = self._get(f"/schemas/ids/{schema_id}", f"schema id {schema_id}")
+        if doc is None:
+            return None
+        return RegisteredSchema(schema_id, str(doc.get("schemaType") or "AVRO"),
+                                str(doc["schema"]), None, bool(doc.get("references")))
+
+    def subject_version(self, subject: str, version: int | None) -> RegisteredSchema | None:
+        """`version` of `subject` (None: its latest), or None when either does not exist."""
+        v = "latest" if version is None else str(version)
+        doc = self._get(f"/subjects/{urllib.parse.quote(subject, safe='')}/versions/{v}",
+                        f"subject {subject!r} version {v}")
+        if doc is None:
+            return None
+        return RegisteredSchema(int(doc["id"]), str(doc.get("schemaType") or "AVRO"),
+                                str(doc["schema"]), int(doc["version"]),
+                                bool(doc.get("references")))
+
+    def _get(self, path: str, what: str) -> dict[str, Any] | None:
+        req = urllib.request.Request(self.url + path, headers=self._headers)
+        last = ""
+        for attempt in range(len(self.backoff) + 1):
+            if attempt:
+                time.sleep(self.backoff[attempt - 1])
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return json.loads(resp.read())  # type: ignore[no-any-return]
+            except urllib.error.HTTPError as e:
+                body = _error_body(e)
+                if e.code == 404 and (body.get("error_code") in NOT_FOUND_CODES
+                                      or "error_code" not in body):
+                    return None
+                if e.code in (401, 403):
+                    raise SchemaRegistryError(self.shown, what, f"HTTP {e.code} (credentials "
+                                              f"refused: check format.schema_registry."
+                                              f"username/password)", retriable=False) from None
+                last = f"HTTP {e.code} {body.get('message') or e.reason}"
+                if e.code < 500 and e.code != 429:
+                    raise SchemaRegistryError(self.shown, what, last, retriable=False) from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                reason = getattr(e, "reason", e)
+                last = f"{type(reason).__name__}: {reason}"
+            except ValueError as e:  # not JSON: a proxy's page, say
+                last = f"the answer is not JSON ({e})"
+            log.warning("schema registry %s: %s: %s (attempt %d)", self.shown, what, last,
+                        attempt + 1)
+        raise SchemaRegistryError(self.shown, what, f"no answer after {len(self.backoff) + 1} "
+                                                    f"attempts, last: {last}")
+
+
+def _error_body(e: urllib.error.HTTPError) -> dict[str, Any]:
+    try:
+        doc = json.loads(e.read() or b"{}")
+    except (ValueError, OSError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def registry_settings(url: str, username: str | None, password: str | None,
+                      timeout_s: int) -> dict[str, Any]:
+    """The registry connection as plain values (what a Spark task receives)."""
+    return {"url": url, "username": username, "password": password, "timeout_s": timeout_s}
