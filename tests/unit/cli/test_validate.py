@@ -73,7 +73,7 @@ EXPECTED = [
     ("typo_fields", 7, 3, "source.startng", "did you mean 'starting'?"),
     ("typo_fields", 11, 1, "sink.table", "is required"),
     ("typo_fields", 13, 3, "sink.tabel", "unknown field; did you mean 'table'?"),
-    ("unknown_types", 7, 9, "format.schema.id", "unknown type 'uuid'"),
+    ("unknown_types", 7, 9, "format.schema.id", "type 'uuid' is for format.type avro only"),
     ("unknown_types", 8, 13, "format.schema.amount", "did you mean 'double'?"),
     ("unknown_types", 9, 12, "transform", "must be a dotted path"),
     ("wrong_types", 2, 10, "retries", "must be an integer >= 0, got 'two'"),
