@@ -706,7 +706,7 @@ spark_env() {
       $(grep -E "$SPARK_ENV_PACKAGES" "$ROOT/requirements.txt") >&2
   # a wheel built from a copy: a non-editable install, and no build/ or egg-info in the checkout
   mkdir -p "$SPARK_ENV_DIR/build"
-  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/plugins" "$SPARK_ENV_DIR/build/"
+  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/LICENSE" "$ROOT/plugins" "$SPARK_ENV_DIR/build/"
   uv pip install -q --python "$venv/bin/python" --compile-bytecode --no-deps "$SPARK_ENV_DIR/build" >&2
   rm -rf "$SPARK_ENV_DIR/build"
   "$VENV/bin/venv-pack" -q -p "$venv" -o "$SPARK_ENV_DIR/tmp-env.tar.gz" --force >&2 || die "venv-pack failed"
