@@ -71,3 +71,16 @@ def test_each_extra_is_declared_with_its_library_and_all_holds_every_extra() -> 
         assert any(req.startswith(library) for req in declared[extra]), declared[extra]
     m = re.fullmatch(r"offsetflow\[(.+)\]", " ".join(declared["all"]))
     assert m and set(m.group(1).split(",")) == set(declared) - {"all"}, declared["all"]
+
+
+def test_the_install_docs_name_every_extra_and_setting() -> None:
+    from offsetflow.config.settings import SETTINGS
+
+    page = (ROOT / "docs/deployment.md").read_text()
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for extra in declared:
+        assert f"`offsetflow[{extra}]`" in page, extra
+    for s in SETTINGS:
+        assert f"| `{s.option}` | `{s.default}` |" in page, s.option
+        assert s.legacy_env is None or f"`{s.legacy_env}`" in page, s.legacy_env
