@@ -688,7 +688,7 @@ spark_worker_kill() {
 # it with spark.archives=<tar.gz>#environment and spark.pyspark.python=./environment/bin/python.
 # The venv's bin/python links to this machine's Python 3.11 (venv-pack does not pack the
 # interpreter): cluster nodes need Python 3.11 at that path (or use a conda-pack/an image).
-SPARK_ENV_PACKAGES='^(confluent-kafka|pyarrow|psycopg2-binary|pyyaml|pandas|numpy|python-dateutil|pytz|tzdata|six)=='
+SPARK_ENV_PACKAGES='^(confluent-kafka|pyarrow|psycopg2-binary|pyyaml|pandas|numpy|fastavro|python-dateutil|pytz|tzdata|six)=='
 spark_env() {
   local out="$SPARK_ENV_DIR/offsetflow-env.tar.gz" venv="$SPARK_ENV_DIR/venv" want
   want="$(cd "$ROOT" && { cat requirements.txt pyproject.toml; find plugins/offsetflow -type f \

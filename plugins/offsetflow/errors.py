@@ -338,9 +338,9 @@ class LedgerVersionError(OffsetFlowError):
 
 
 class MissingExtraError(OffsetFlowError):
-    """A pipeline uses an optional part of OffsetFlow (an extra of the package: `iceberg`,
-    `quality`) whose library is not installed; names the pipeline's setting, the library and
-    the extra that brings it at the tested version."""
+    """A pipeline uses an optional part of OffsetFlow (an extra of the package: `avro`,
+    `iceberg`, `quality`; `offsetflow.extras`) whose library is not installed; names the
+    pipeline's file and setting, the library and the extra that brings it."""
 
     def __init__(self, needed_by: str, module: str, extra: str, cause: str = "") -> None:
         self.needed_by = needed_by

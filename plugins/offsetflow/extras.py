@@ -13,6 +13,7 @@ from offsetflow.errors import MissingExtraError
 
 # extra -> the module whose import proves it installed (the extra's main library)
 EXTRAS: dict[str, str] = {
+    "avro": "fastavro",
     "iceberg": "pyiceberg",
     "quality": "great_expectations",
 }
@@ -20,7 +21,7 @@ EXTRAS: dict[str, str] = {
 
 def require(extra: str, needed_by: str) -> ModuleType:
     """The extra's library, imported; `needed_by` names what asks for it (a pipeline and
-    its setting: "pipeline orders: sink.type: iceberg")."""
+    its setting: "orders.yaml: sink.type: iceberg (pipeline orders)")."""
     module = EXTRAS[extra]
     try:
         return importlib.import_module(module)

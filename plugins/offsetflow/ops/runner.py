@@ -95,11 +95,14 @@ def open_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None,
 
 
 def check_extras(cfg: PipelineConfig) -> None:
-    """The optional parts the pipeline uses are installed (its sink's library, Great
-    Expectations for a quality suite), else a MissingExtraError naming the extra: before a
-    batch is planned that no run of this install could write, and before any service is
-    reached."""
+    """The optional parts the pipeline uses are installed (its sink's library, fastavro for
+    Avro values, Great Expectations for a quality suite), else a MissingExtraError naming the
+    extra: before a batch is planned that no run of this install could write, and before any
+    service is reached. (The Spark tasks' own import of fastavro names the extra too, for
+    executors whose environment lacks it.)"""
     sink_for(cfg)  # loads the sink's package: sink.type iceberg requires offsetflow[iceberg]
+    if cfg.format_type == "avro":
+        require("avro", f"{cfg.source_file}: format.type: avro (pipeline {cfg.name})")
     if cfg.quality_suite is not None:
         require("quality", f"{cfg.source_file}: quality.suite (pipeline {cfg.name})")
 

@@ -144,7 +144,7 @@ def test_the_wheel_carries_what_it_needs(built: tuple[str, Path, Path]) -> None:
     assert f"{dist_info}/licenses/LICENSE" in names
     meta = zipfile.ZipFile(built[1]).read(f"{dist_info}/METADATA").decode()
     assert "License-Expression: Apache-2.0" in meta
-    for extra in ("iceberg", "quality", "all"):
+    for extra in ("avro", "iceberg", "quality", "statsd", "all"):
         assert f"Provides-Extra: {extra}" in meta
 
 
@@ -208,7 +208,8 @@ def test_installed_without_extras_an_iceberg_pipeline_names_the_missing_extra(
     # the base install is the tested stack (one pyspark, pandas 2) without the optional parts
     for name in ("pyspark", "pyspark-client", "pandas", "apache-airflow"):
         assert installed[name] == tested[name], name
-    assert not {"pyiceberg", "great-expectations", "statsd"} & set(installed), installed
+    assert not {"pyiceberg", "fastavro", "great-expectations", "statsd"} & set(installed), \
+        installed
 
     pipeline = bare.work / "events.yaml"
     # a PostgreSQL nobody listens on: the error must come before any service is reached

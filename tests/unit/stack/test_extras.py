@@ -63,6 +63,15 @@ def test_a_quality_suite_without_great_expectations_names_the_quality_extra() ->
                           "extra into this environment, pip install 'offsetflow[quality]'"), msg
 
 
+def test_an_avro_pipeline_without_fastavro_names_the_avro_extra() -> None:
+    msg = missing("fastavro", {"connection": "postgresql://h/db", "table": "t"},
+                  format={"type": "avro", "schema": {"a": "string"},
+                          "schema_registry": {"url": "http://127.0.0.1:1"}})
+    assert msg.startswith("p.yaml: format.type: avro (pipeline p) needs fastavro, which this "
+                          "Python cannot import: install OffsetFlow's avro extra into this "
+                          "environment, pip install 'offsetflow[avro]'"), msg
+
+
 def test_each_extra_is_declared_with_its_library_and_all_holds_every_extra() -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
