@@ -9,12 +9,15 @@ PYTEST_ARGS ?=
 
 venv: .venv/.installed
 
-.venv/.installed: requirements.txt pyproject.toml
+# the tested runtime (requirements.txt) and the repo's own tools (requirements-dev.txt: tests,
+# lint, docs, bench), then the package itself, editable. Re-runs only when one of the three
+# files changed, and then installs only what differs.
+.venv/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	@command -v uv >/dev/null || python3 -m pip install -q uv
 	@test -x $(PY) || uv venv .venv --python 3.11
 	# --compile-bytecode: machines that set PYTHONDONTWRITEBYTECODE would otherwise compile
 	# pandas, pyspark and airflow from source in every new process (Spark workers, tasks)
-	uv pip install --python $(PY) --compile-bytecode -r requirements.txt
+	uv pip install --python $(PY) --compile-bytecode -r requirements-dev.txt
 	uv pip install --python $(PY) --no-deps -e .
 	@$(PY) -c "import pyspark, sys; v = pyspark.__version__; print('pyspark', v); sys.exit(0 if v.startswith('4.') else 1)"
 	@touch $@

@@ -688,7 +688,7 @@ spark_worker_kill() {
 # it with spark.archives=<tar.gz>#environment and spark.pyspark.python=./environment/bin/python.
 # The venv's bin/python links to this machine's Python 3.11 (venv-pack does not pack the
 # interpreter): cluster nodes need Python 3.11 at that path (or use a conda-pack/an image).
-SPARK_ENV_PACKAGES='^(confluent-kafka|pyarrow|psycopg2-binary|pyyaml|pandas|numpy|python-dateutil|pytz|tzdata|six)=='
+SPARK_ENV_PACKAGES='^(confluent-kafka|pyarrow|psycopg2-binary|pyyaml|pandas|numpy|fastavro|python-dateutil|pytz|tzdata|six)=='
 spark_env() {
   local out="$SPARK_ENV_DIR/offsetflow-env.tar.gz" venv="$SPARK_ENV_DIR/venv" want
   want="$(cd "$ROOT" && { cat requirements.txt pyproject.toml; find plugins/offsetflow -type f \
@@ -706,7 +706,7 @@ spark_env() {
       $(grep -E "$SPARK_ENV_PACKAGES" "$ROOT/requirements.txt") >&2
   # a wheel built from a copy: a non-editable install, and no build/ or egg-info in the checkout
   mkdir -p "$SPARK_ENV_DIR/build"
-  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/plugins" "$SPARK_ENV_DIR/build/"
+  cp -r "$ROOT/pyproject.toml" "$ROOT/README.md" "$ROOT/LICENSE" "$ROOT/plugins" "$SPARK_ENV_DIR/build/"
   uv pip install -q --python "$venv/bin/python" --compile-bytecode --no-deps "$SPARK_ENV_DIR/build" >&2
   rm -rf "$SPARK_ENV_DIR/build"
   "$VENV/bin/venv-pack" -q -p "$venv" -o "$SPARK_ENV_DIR/tmp-env.tar.gz" --force >&2 || die "venv-pack failed"

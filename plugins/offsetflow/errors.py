@@ -335,3 +335,20 @@ class LedgerIdentityError(BatchStateError):
 class LedgerVersionError(OffsetFlowError):
     """The ledger was migrated by a newer OffsetFlow than the one running (a rollback after
     `offsetflow db upgrade`): run that version or a newer one."""
+
+
+class MissingExtraError(OffsetFlowError):
+    """A pipeline uses an optional part of OffsetFlow (an extra of the package: `avro`,
+    `iceberg`, `quality`; `offsetflow.extras`) whose library is not installed; names the
+    pipeline's file and setting, the library and the extra that brings it."""
+
+    def __init__(self, needed_by: str, module: str, extra: str, cause: str = "") -> None:
+        self.needed_by = needed_by
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"{needed_by} needs {module}, which this Python cannot import"
+            f"{f' ({cause})' if cause else ''}: install OffsetFlow's {extra} extra into "
+            f"this environment, pip install 'offsetflow[{extra}]' -c requirements.txt "
+            f"(the constraints file of the tested versions, docs/deployment.md), or "
+            f"'offsetflow[all]' for every optional part")

@@ -21,6 +21,7 @@ from typing import Any
 
 from offsetflow.config import gx_root
 from offsetflow.errors import OffsetFlowError
+from offsetflow.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +241,7 @@ def validate_stage(dsn: str, batch_id: int, suite_name: str, root: Path | None =
     """Run the suite's Checkpoint on the staged rows of `batch_id`. Reads the project config
     and writes only results (validations, Data Docs) under `uncommitted/`."""
     quiet_gx()  # before the import: importing GX logs ~200 INFO lines
-    import great_expectations as gx
+    gx = require("quality", f"quality.suite {suite_name!r}")
 
     project = root or gx_root()
     ctx = gx.get_context(mode="file", project_root_dir=str(project))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig
+from offsetflow.extras import require
 from offsetflow.ledger import Ledger, run_holders
 from offsetflow.plan import (
     OpenBatchRetry,
@@ -18,6 +19,7 @@ from offsetflow.plan import (
     plan_next,
 )
 from offsetflow.ranges import TopicPartition
+from offsetflow.sinks import sink_for
 from offsetflow.source import KafkaMetadata
 
 if TYPE_CHECKING:
@@ -92,7 +94,21 @@ def open_batch_wait(cfg: PipelineConfig, base_s: float, dsn: str | None = None,
     return open_batch_retry(batch.batch_id, status, attempts, since, holders, base_s)
 
 
+def check_extras(cfg: PipelineConfig) -> None:
+    """The optional parts the pipeline uses are installed (its sink's library, fastavro for
+    Avro values, Great Expectations for a quality suite), else a MissingExtraError naming the
+    extra: before a batch is planned that no run of this install could write, and before any
+    service is reached. (The Spark tasks' own import of fastavro names the extra too, for
+    executors whose environment lacks it.)"""
+    sink_for(cfg)  # loads the sink's package: sink.type iceberg requires offsetflow[iceberg]
+    if cfg.format_type == "avro":
+        require("avro", f"{cfg.source_file}: format.type: avro (pipeline {cfg.name})")
+    if cfg.quality_suite is not None:
+        require("quality", f"{cfg.source_file}: quality.suite (pipeline {cfg.name})")
+
+
 def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:
+    check_extras(cfg)
     with Ledger(dsn) as ledger:
         return plan_next(cfg, ledger, kafka_for(cfg), started_by=started_by)
 

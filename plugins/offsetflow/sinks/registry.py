@@ -7,18 +7,22 @@ from collections.abc import Sequence
 
 from offsetflow.commit import CommitSpec, ExternalSink
 from offsetflow.config import PipelineConfig
+from offsetflow.extras import require
 from offsetflow.sinks.base import Sink
 from offsetflow.sinks.postgres import PostgresSink
 
 
 def sink_for(cfg: PipelineConfig) -> Sink:
     """The pipeline's sink. Iceberg's and Kafka's packages are imported only for a
-    pipeline that writes there (a PostgreSQL pipeline never loads pyiceberg)."""
+    pipeline that writes there (a PostgreSQL pipeline never loads pyiceberg); pyiceberg is
+    the `iceberg` extra, so its absence is a MissingExtraError here, before anything is
+    planned or read (the sink's own imports of it are inside its functions)."""
     if cfg.sink.kafka is not None:
         from offsetflow.sinks.kafka import KafkaPipelineSink
 
         return KafkaPipelineSink(cfg)
     if cfg.sink.iceberg is not None:
+        require("iceberg", f"{cfg.source_file}: sink.type: iceberg (pipeline {cfg.name})")
         from offsetflow.sinks.iceberg import IcebergPipelineSink
 
         return IcebergPipelineSink(cfg)

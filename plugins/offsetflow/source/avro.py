@@ -31,6 +31,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from offsetflow.extras import require
 from offsetflow.source.deserialize import (
     arrow_schema,
     decimal_value,
@@ -79,9 +80,8 @@ class AvroDecoder:
 
     def __init__(self, client: RegistryClient,
                  readers: Mapping[str, tuple[int, str] | None]) -> None:
-        import fastavro
-
-        self._fastavro = fastavro
+        # in a Spark task: an executor environment without the avro extra is named as such
+        self._fastavro = require("avro", "format.type: avro (the Spark tasks decode with it)")
         self.client = client
         self._writers: dict[int, Any] = {}  # id -> parsed schema, or the reason it is unusable
         self._readers: dict[str, tuple[int, Any] | None] = {
