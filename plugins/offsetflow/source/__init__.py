@@ -8,6 +8,7 @@ from __future__ import annotations
 from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
 from offsetflow.source.json_fast import BadRecord
+from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
 from offsetflow.source.packed import read_ranges
@@ -23,6 +24,7 @@ from offsetflow.source.registry import RegistryClient, registry_settings
 __all__ = [
     "AvroDecoder",
     "BadRecord",
+    "JsonSchemaIds",
     "KafkaMetadata",
     "MAX_CHUNK_BYTES",
     "MAX_CHUNK_ROWS",
@@ -31,6 +33,7 @@ __all__ = [
     "arrow_schema",
     "deserialize_avro",
     "deserialize_json",
+    "deserialize_json_schema",
     "publish_positions",
     "range_consumer",
     "read_range",
