@@ -50,3 +50,28 @@ def encode(ser: Any, topic: str, record: Any, key: bool = False) -> bytes:
 
     field = MessageField.KEY if key else MessageField.VALUE
     return ser(record, SerializationContext(topic, field))  # type: ignore[no-any-return]
+
+
+def protobuf_serializer(url: str, message_class: Any) -> Any:
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.protobuf import ProtobufSerializer
+
+    return ProtobufSerializer(message_class, SchemaRegistryClient({"url": url}),
+                              conf={"auto.register.schemas": True,
+                                    "use.deprecated.format": False})
+
+
+def dynamic_message_classes(file_proto: Any) -> dict[str, Any]:
+    """Message classes (by name) of a FileDescriptorProto built at run time: no generated
+    code, no protoc; Google's well-known types it imports come from the installed package."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, timestamp_pb2
+    from google.protobuf.message_factory import GetMessageClass
+
+    pool = descriptor_pool.DescriptorPool()
+    for dep in file_proto.dependency:
+        assert dep == "google/protobuf/timestamp.proto", dep
+        ts = descriptor_pb2.FileDescriptorProto()
+        timestamp_pb2.DESCRIPTOR.CopyToProto(ts)
+        pool.Add(ts)
+    fd = pool.Add(file_proto)
+    return {name: GetMessageClass(d) for name, d in fd.message_types_by_name.items()}

@@ -285,9 +285,9 @@ def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:
 
 def _format(r: FieldReader
             ) -> tuple[str, dict[str, str], SchemaRegistryConfig | None, str | None]:
-    """The `format` section: json, avro or json_schema with its schema (every column written
-    is kept, so the sink's checks of column names do not repeat an error of this section),
-    avro and json_schema with their registry and optionally an Avro key, or raw."""
+    """The `format` section: json, avro, json_schema or protobuf with its schema (every column
+    written is kept, so the sink's checks of column names do not repeat an error of this
+    section), the registry formats with their registry and optionally an Avro key, or raw."""
     fmt = r.section("format", required=False)
     r.unknown(fmt, "format.", section_fields("format"))
     format_type = r.string(fmt, "type", "format.", "json", choices("format.type")) or "json"
@@ -297,7 +297,7 @@ def _format(r: FieldReader
     if not r.ok("format.type"):
         return format_type, schema, registry, key_format
     if format_type in TYPED_FORMATS:
-        types = AVRO_FIELD_TYPES if format_type == "avro" else FIELD_TYPES
+        types = AVRO_FIELD_TYPES if format_type in ("avro", "protobuf") else FIELD_TYPES
         schema_raw = fmt.get("schema")
         if not isinstance(schema_raw, Mapping) or not schema_raw:
             raise r.err("format.schema", f"{format_type} format needs a schema: a mapping "
@@ -311,9 +311,10 @@ def _format(r: FieldReader
             elif col in RESERVED_COLUMNS:
                 r.fail(fld, f"{col!r} is a reserved source column "
                             f"({sorted(RESERVED_COLUMNS)})", at_key=True)
-            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type != "avro":
-                r.fail(fld, f"type {t!r} is for format.type avro only (the json format "
-                            f"reads flat fields); use string")
+            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type not in ("avro",
+                                                                             "protobuf"):
+                r.fail(fld, f"type {t!r} is for format.type avro only, or protobuf (the "
+                            f"{format_type} format reads flat fields); use string")
             elif t not in types and not DECIMAL_RE.match(t):
                 r.fail(fld, f"unknown type {typ!r}; use one of {sorted(types)} or "
                             f"decimal(p,s){did_you_mean(t, types)}")
@@ -342,8 +343,8 @@ def _key(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None) -> str
         return None
     if format_type is not None and format_type not in REGISTRY_FORMATS:
         r.fail(fld, f"an {key_type} key is read through a schema registry: it needs "
-                    f"format.type avro or json_schema with format.schema_registry (format."
-                    f"type is {format_type})", at_key=True)
+                    f"format.type avro, json_schema or protobuf with format.schema_registry "
+                    f"(format.type is {format_type})", at_key=True)
         return None
     return key_type
 
@@ -364,8 +365,8 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
         return None
     if format_type not in REGISTRY_FORMATS:
         if sec:
-            r.fail(fld, f"is for format.type avro or json_schema; {format_type} reads no "
-                        f"registry", at_key=True)
+            r.fail(fld, f"is for format.type avro, json_schema or protobuf; {format_type} "
+                        f"reads no registry", at_key=True)
         return None
     if not sec:
         r.fail(fld, f"{format_type} format needs a schema registry: {{url: http://host:8081}}"

@@ -28,8 +28,8 @@ FIELD_TYPES = {"string", "long", "int", "double", "float", "boolean", "timestamp
 # `uuid` (PostgreSQL uuid); the JSON format's fast path reads neither yet
 AVRO_FIELD_TYPES = FIELD_TYPES | {"json", "uuid"}
 # formats whose records become format.schema's columns; those read through a schema registry
-TYPED_FORMATS = ("json", "avro", "json_schema")
-REGISTRY_FORMATS = ("avro", "json_schema")
+TYPED_FORMATS = ("json", "avro", "json_schema", "protobuf")
+REGISTRY_FORMATS = ("avro", "json_schema", "protobuf")
 SECRET_HINTS = ("password", "secret", "token", "key", "credential", "sasl.jaas")
 RESERVED_COLUMNS = {"topic", "partition", "offset", "timestamp", "timestamp_type", "key",
                     "value", "headers"}

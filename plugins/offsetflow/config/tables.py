@@ -67,7 +67,7 @@ FIELDS: dict[str, Spec] = {
     "source.max_records_per_batch": S("integer", minimum=1, nullable=True),
     "source.data_loss": _choice("fail", "continue"),
     "format": S("section", nullable=True),
-    "format.type": _choice("json", "raw", "avro", "json_schema"),
+    "format.type": _choice("json", "raw", "avro", "json_schema", "protobuf"),
     "format.schema": S("mapping", nullable=True),
     "format.key": S("section", nullable=True),
     "format.key.type": _choice("avro"),

@@ -96,7 +96,7 @@ def avro_decoder(rc: ReadContext, part: str = "value") -> Any:
     """The Python worker's decoder for `rc`'s registry and reader schemas (of the values, or
     `part` key: of the keys): writer schemas are fetched once per id per worker (a
     registry's ids are immutable), not per chunk; json_schema's id checks likewise."""
-    from offsetflow.source import AvroDecoder, JsonSchemaIds, RegistryClient
+    from offsetflow.source import AvroDecoder, JsonSchemaIds, ProtobufDecoder, RegistryClient
 
     assert rc.registry is not None
     readers = rc.key_readers if part == "key" else rc.readers
@@ -105,8 +105,12 @@ def avro_decoder(rc: ReadContext, part: str = "value") -> Any:
         if len(_DECODERS) > 8:
             _DECODERS.clear()  # other runs' (other reader schemas): let them go
         client = RegistryClient.of(rc.registry)
-        _DECODERS[key] = (JsonSchemaIds(client) if part == "value" and rc.fmt == "json_schema"
-                          else AvroDecoder(client, readers or {}))
+        if part == "value" and rc.fmt == "json_schema":
+            _DECODERS[key] = JsonSchemaIds(client)
+        elif part == "value" and rc.fmt == "protobuf":
+            _DECODERS[key] = ProtobufDecoder(client)
+        else:
+            _DECODERS[key] = AvroDecoder(client, readers or {})
     return _DECODERS[key]
 
 
@@ -153,17 +157,21 @@ def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: O
         deserialize_avro,
         deserialize_json,
         deserialize_json_schema,
+        deserialize_protobuf,
     )
 
     clock.count("records", len(chunk))
     typed: pa.Table | None = None
     good: list[int] | None = None
     bad: list[BadRecord] = []
-    if typed_schema is not None and rc.fmt in ("avro", "json_schema"):
+    if typed_schema is not None and rc.fmt in ("avro", "json_schema", "protobuf"):
         with clock.stage("deserialize"):
             topics = chunk.topics if chunk.topics is not None else [r.topic] * len(chunk)
             keyed = avro_decoder(rc, "key") if rc.key_readers is not None else None
-            decode = deserialize_avro if rc.fmt == "avro" else deserialize_json_schema
+            decoders: dict[str, Callable[..., tuple[pa.Table, list[BadRecord], list[int]]]]
+            decoders = {"avro": deserialize_avro, "json_schema": deserialize_json_schema,
+                        "protobuf": deserialize_protobuf}
+            decode = decoders[rc.fmt]
             typed, bad, good = decode(chunk.values, topics, rc.schema, avro_decoder(rc),
                                       chunk.keys, keyed)
     elif typed_schema is not None:

@@ -12,6 +12,7 @@ from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
 from offsetflow.source.packed import read_ranges
+from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf
 from offsetflow.source.reader import (
     MAX_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
@@ -28,12 +29,14 @@ __all__ = [
     "KafkaMetadata",
     "MAX_CHUNK_BYTES",
     "MAX_CHUNK_ROWS",
+    "ProtobufDecoder",
     "RegistryClient",
     "SHARED_MAX_SPAN",
     "arrow_schema",
     "deserialize_avro",
     "deserialize_json",
     "deserialize_json_schema",
+    "deserialize_protobuf",
     "publish_positions",
     "range_consumer",
     "read_range",

@@ -28,7 +28,8 @@ class FakeRegistry:
                2: RegisteredSchema(2, "AVRO", json.dumps(VALUE)),
                3: RegisteredSchema(3, "JSON", json.dumps({"type": "object"}))}
 
-    def schema_by_id(self, schema_id: int) -> RegisteredSchema | None:
+    def schema_by_id(self, schema_id: int, serialized: bool = False
+                     ) -> RegisteredSchema | None:
         return self.schemas.get(schema_id)
 
     def subject_version(self, subject: str, version: int | None) -> None:
@@ -112,3 +113,23 @@ def test_key_and_json_schema_config() -> None:
               "schema_registry": {**reg, "reader_version": 2}})
     with pytest.raises(ConfigError, match="'json' is for format.type avro only"):
         _cfg({"type": "json_schema", "schema": {"doc": "json"}, "schema_registry": reg})
+
+
+def test_protobuf_message_indexes_and_config() -> None:
+    from offsetflow.source.protobuf import ProtobufDecoder, read_varint
+
+    assert read_varint(b"\x00", 0) == (0, 1) and read_varint(b"\x02", 0) == (1, 1)
+    assert read_varint(b"\x01", 0) == (-1, 1) and read_varint(b"\xac\x02", 0) == (150, 2)
+    with pytest.raises(ValueError, match="cut short"):
+        read_varint(b"\x80", 0)
+    dec = ProtobufDecoder(FakeRegistry())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="schema id 1 is a AVRO schema, not Protobuf"):
+        dec.decode(b"\x00\x00\x00\x00\x01\x00")
+    with pytest.raises(ValueError, match="unknown schema id 9"):
+        dec.decode(b"\x00\x00\x00\x00\x09\x00")
+    pb = _cfg({"type": "protobuf", "schema": {"id": "long", "doc": "json"},
+               "schema_registry": {"url": "http://r"}})
+    assert pb.format_type == "protobuf" and pb.schema["doc"] == "json"
+    with pytest.raises(ConfigError, match="reader_version: pins an Avro reader schema"):
+        _cfg({"type": "protobuf", "schema": {"id": "long"},
+              "schema_registry": {"url": "http://r", "reader_version": 1}})
