@@ -83,12 +83,11 @@ class ProtobufDecoder:
                 indexes.append(i)
             msgs = proto.message_type
             name = proto.package
-            for depth, i in enumerate(indexes):
+            for i in indexes:
                 if not 0 <= i < len(msgs):
                     raise ValueError(f"message index {indexes} names no message of the schema")
                 name = f"{name}.{msgs[i].name}" if name else msgs[i].name
                 msgs = msgs[i].nested_type
-                del depth
             desc = pool.FindMessageTypeByName(name)
         except (ValueError, KeyError) as e:
             raise _bad(sid, str(e)) from None
