@@ -133,3 +133,26 @@ def test_protobuf_message_indexes_and_config() -> None:
     with pytest.raises(ConfigError, match="reader_version: pins an Avro reader schema"):
         _cfg({"type": "protobuf", "schema": {"id": "long"},
               "schema_registry": {"url": "http://r", "reader_version": 1}})
+
+
+class DownRegistry(FakeRegistry):
+    def schema_by_id(self, schema_id: int, serialized: bool = False) -> None:
+        from offsetflow.errors import SchemaRegistryError
+
+        raise SchemaRegistryError(self.shown, f"schema id {schema_id}", "no answer")
+
+
+def test_a_registry_outage_fails_the_chunk_never_makes_dead_letters() -> None:
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import ProtobufDecoder, deserialize_protobuf
+
+    down = DownRegistry()
+    value = b"\x00\x00\x00\x00\x03{}"
+    with pytest.raises(SchemaRegistryError):
+        deserialize_json_schema([value], ["t"], COLUMNS, JsonSchemaIds(down))  # type: ignore[arg-type]
+    with pytest.raises(SchemaRegistryError):
+        deserialize_protobuf([b"\x00\x00\x00\x00\x03\x00"], ["t"], COLUMNS,
+                             ProtobufDecoder(down))  # type: ignore[arg-type]
+    with pytest.raises(SchemaRegistryError):  # a key's writer schema is fetched the same way
+        deserialize_avro([None], ["t"], COLUMNS, _decoder(), [b"\x00\x00\x00\x00\x01\x00"],
+                         AvroDecoder(down, {"t": None}))  # type: ignore[arg-type]
