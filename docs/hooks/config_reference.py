@@ -113,25 +113,32 @@ FIELDS: dict[str, Field] = {
     # format
     "format.type": F("format_type", "`json`: typed columns from `schema`; `avro`: Confluent "
                      "wire-format Avro decoded with `schema_registry`, typed columns from "
-                     "`schema` (see Formats); `raw`: key and value bytes only."),
-    "format.schema": F("schema", "json, avro: a mapping column -> type (`string`, `long`, "
-                       "`int`, `double`, `float`, `boolean`, `timestamp`, `date`, "
-                       "`decimal(p,s)`; avro also `json` for jsonb and `uuid`); raw takes "
-                       "none.", type="mapping"),
-    "format.schema_registry.url": F("registry.url", "avro: the Confluent-compatible Schema "
-                                    "Registry (`${VAR}` allowed); writer schemas are looked "
-                                    "up by each record's schema id.",
-                                    default="required with `type: avro`"),
-    "format.schema_registry.username": F("registry.username", "avro: HTTP basic auth user "
-                                         "(with `password`)."),
-    "format.schema_registry.password": F("registry.password", "avro: HTTP basic auth "
-                                         "password; give it as `${VAR}`, it is never "
+                     "`schema`; `json_schema`: Confluent wire-format JSON (5-byte header, "
+                     "id checked in `schema_registry`) read as `json`; `protobuf`: "
+                     "Confluent wire-format Protobuf decoded with the writer schema from "
+                     "`schema_registry` (see Formats); `raw`: key and value bytes only."),
+    "format.schema": F("schema", "json, avro, json_schema, protobuf: a mapping column -> "
+                       "type (`string`, `long`, `int`, `double`, `float`, `boolean`, "
+                       "`timestamp`, `date`, `decimal(p,s)`; avro and protobuf also `json` for "
+                       "jsonb and `uuid`); raw takes none.", type="mapping"),
+    "format.key.type": F("key_format", "`avro`: each Kafka key is Confluent wire-format Avro "
+                         "(subject `<topic>-key`); its record's fields fill the `schema` "
+                         "columns of their names (upsert keys, a tombstone's delete). avro, "
+                         "json_schema and protobuf formats only.", default="none (raw key bytes)"),
+    "format.schema_registry.url": F("registry.url", "avro, json_schema, protobuf: the "
+                                    "Confluent-compatible Schema Registry (`${VAR}` allowed); writer "
+                                    "schemas are looked up by each record's schema id.",
+                                    default="required with `type: avro`, `json_schema`, `protobuf`"),
+    "format.schema_registry.username": F("registry.username", "registry formats: HTTP basic "
+                                         "auth user (with `password`)."),
+    "format.schema_registry.password": F("registry.password", "registry formats: HTTP basic "
+                                         "auth password; give it as `${VAR}`, it is never "
                                          "logged."),
     "format.schema_registry.reader_version": F("registry.reader_version", "avro: the "
                                                "version of `<topic>-value` records are read "
                                                "with; none: its latest, once per run.",
                                                default="latest"),
-    "format.schema_registry.timeout_s": F("registry.timeout_s", "avro: seconds one registry "
+    "format.schema_registry.timeout_s": F("registry.timeout_s", "seconds one registry "
                                           "request may take (then retried 3 times before "
                                           "the batch fails).", default="`10`"),
     # sink, every type

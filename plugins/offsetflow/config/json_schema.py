@@ -125,7 +125,7 @@ def _any_case(word: str) -> str:
 
 def _column_types() -> dict[str, Any]:
     """format.schema: column -> type (the parser reads the type in any case; `json` and
-    `uuid` only with format.type avro, which the parser checks)."""
+    `uuid` only with format.type avro or protobuf, which the parser checks)."""
     decimal = DECIMAL_RE.pattern.strip("^$").replace("decimal", _any_case("decimal"))
     words = "|".join(_any_case(t) for t in sorted(AVRO_FIELD_TYPES))
     return {"type": "object", "minProperties": 1,

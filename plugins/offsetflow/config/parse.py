@@ -33,9 +33,11 @@ from offsetflow.config.schema import (
     FORBIDDEN_CLIENT_KEYS,
     IDENT_RE,
     NAME_RE,
+    REGISTRY_FORMATS,
     RESERVED_COLUMNS,
     TOMBSTONE_POLICIES,
     TOPIC_RE,
+    TYPED_FORMATS,
     KafkaConfig,
     PipelineConfig,
     SchemaRegistryConfig,
@@ -142,9 +144,10 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
     format_type = "json"
     schema: dict[str, str] = {}
     registry: SchemaRegistryConfig | None = None
+    key_format: str | None = None
     schema_known = False  # format.schema is as written: columns are checked against it
     with r.guard():
-        format_type, schema, registry = _format(r)
+        format_type, schema, registry, key_format = _format(r)
         schema_known = r.ok("format.type")
 
     transform = r.string(raw, "transform", "")
@@ -247,6 +250,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy, description=str(desc or ""),
         tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn), registry=registry,
+        key_format=key_format,
     )
 
 
@@ -279,19 +283,21 @@ def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:
     return bootstrap, isolation, client, kafka_conn
 
 
-def _format(r: FieldReader) -> tuple[str, dict[str, str], SchemaRegistryConfig | None]:
-    """The `format` section: json or avro with its schema (every column written is kept, so
-    the sink's checks of column names do not repeat an error of this section), avro with
-    its registry, or raw."""
+def _format(r: FieldReader
+            ) -> tuple[str, dict[str, str], SchemaRegistryConfig | None, str | None]:
+    """The `format` section: json, avro, json_schema or protobuf with its schema (every column
+    written is kept, so the sink's checks of column names do not repeat an error of this
+    section), the registry formats with their registry and optionally an Avro key, or raw."""
     fmt = r.section("format", required=False)
     r.unknown(fmt, "format.", section_fields("format"))
     format_type = r.string(fmt, "type", "format.", "json", choices("format.type")) or "json"
     schema: dict[str, str] = {}
     registry = _registry(r, fmt, format_type if r.ok("format.type") else None)
+    key_format = _key(r, fmt, format_type if r.ok("format.type") else None)
     if not r.ok("format.type"):
-        return format_type, schema, registry
-    if format_type in ("json", "avro"):
-        types = AVRO_FIELD_TYPES if format_type == "avro" else FIELD_TYPES
+        return format_type, schema, registry, key_format
+    if format_type in TYPED_FORMATS:
+        types = AVRO_FIELD_TYPES if format_type in ("avro", "protobuf") else FIELD_TYPES
         schema_raw = fmt.get("schema")
         if not isinstance(schema_raw, Mapping) or not schema_raw:
             raise r.err("format.schema", f"{format_type} format needs a schema: a mapping "
@@ -305,16 +311,42 @@ def _format(r: FieldReader) -> tuple[str, dict[str, str], SchemaRegistryConfig |
             elif col in RESERVED_COLUMNS:
                 r.fail(fld, f"{col!r} is a reserved source column "
                             f"({sorted(RESERVED_COLUMNS)})", at_key=True)
-            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type != "avro":
-                r.fail(fld, f"type {t!r} is for format.type avro only (the json format "
-                            f"reads flat fields); use string")
+            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type not in ("avro",
+                                                                             "protobuf"):
+                r.fail(fld, f"type {t!r} is for format.type avro only, or protobuf (the "
+                            f"{format_type} format reads flat fields); use string")
             elif t not in types and not DECIMAL_RE.match(t):
                 r.fail(fld, f"unknown type {typ!r}; use one of {sorted(types)} or "
                             f"decimal(p,s){did_you_mean(t, types)}")
             schema[str(col)] = t
     elif fmt.get("schema"):
         r.fail("format.schema", "raw format takes no schema")
-    return format_type, schema, registry
+    return format_type, schema, registry, key_format
+
+
+def _key(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None) -> str | None:
+    """`format.key`: `{type: avro}` decodes each Kafka key (Confluent wire format, subject
+    `<topic>-key`) and fills format.schema's columns from its fields (upsert keys, the key
+    of a tombstone's delete). It reads through format.schema_registry."""
+    fld = "format.key"
+    sec = fmt.get("key")
+    if sec is None:
+        return None
+    if not isinstance(sec, Mapping):
+        r.fail(fld, f"must be a mapping {{type: avro}}, got {type(sec).__name__}")
+        return None
+    r.unknown(sec, f"{fld}.", section_fields(fld))
+    key_type = r.string(sec, "type", f"{fld}.", None, choices(f"{fld}.type"))
+    if key_type is None:
+        if r.ok(f"{fld}.type"):
+            r.fail(f"{fld}.type", "is required: avro (a Confluent wire-format Avro key)")
+        return None
+    if format_type is not None and format_type not in REGISTRY_FORMATS:
+        r.fail(fld, f"an {key_type} key is read through a schema registry: it needs "
+                    f"format.type avro, json_schema or protobuf with format.schema_registry "
+                    f"(format.type is {format_type})", at_key=True)
+        return None
+    return key_type
 
 
 def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
@@ -331,14 +363,14 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
     r.unknown(sec, f"{fld}.", section_fields(fld))
     if format_type is None:
         return None
-    if format_type != "avro":
+    if format_type not in REGISTRY_FORMATS:
         if sec:
-            r.fail(fld, f"is for format.type avro; {format_type} reads no registry",
-                   at_key=True)
+            r.fail(fld, f"is for format.type avro, json_schema or protobuf; {format_type} "
+                        f"reads no registry", at_key=True)
         return None
     if not sec:
-        r.fail(fld, "avro format needs a schema registry: {url: http://host:8081} (writer "
-                    "schemas are looked up by the id in each record)")
+        r.fail(fld, f"{format_type} format needs a schema registry: {{url: http://host:8081}}"
+                    f" (writer schemas are looked up by the id in each record)")
         return None
     url = r.string(sec, "url", f"{fld}.") or ""
     if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
@@ -350,6 +382,9 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
         r.fail(f"{fld}.{'password' if user is not None else 'username'}",
                "basic auth needs both username and password (give each as ${VAR})")
     version = r.positive_int(sec, "reader_version", f"{fld}.", None)
+    if version is not None and format_type != "avro":
+        r.fail(f"{fld}.reader_version", f"pins an Avro reader schema; {format_type} records "
+                                        f"are read as written (remove it)")
     timeout = r.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
     return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
                                 reader_version=version, timeout_s=timeout)
@@ -381,7 +416,7 @@ def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str
             r.fail("sink.key", "upsert mode needs a key (one or more columns)")
         known = set(schema or ()) | RESERVED_COLUMNS
         for i, k in enumerate(key_raw):
-            if format_type in ("json", "avro") and transform is None and schema is not None \
+            if format_type in TYPED_FORMATS and transform is None and schema is not None \
                     and r.ok(f"sink.key[{i}]") and k not in known:
                 r.fail(f"sink.key[{i}]", f"{k!r} is not a column of format.schema"
                                          f"{did_you_mean(k, known)}")
@@ -419,7 +454,7 @@ def _spark(r: FieldReader) -> SparkConfig:
 def _table_columns(format_type: str | None, schema: Mapping[str, str]) -> list[str]:
     """The target's columns without a transform: the source columns, then the schema's."""
     return ["topic", "partition", "offset", "timestamp", "timestamp_type", "key", "value",
-            "headers", *(schema if format_type in ("json", "avro") else ())]
+            "headers", *(schema if format_type in TYPED_FORMATS else ())]
 
 
 def _utc_ms(dt: datetime) -> int:

@@ -27,6 +27,9 @@ FIELD_TYPES = {"string", "long", "int", "double", "float", "boolean", "timestamp
 # what format.schema may also declare for Avro: `json` (a record, array or map as jsonb) and
 # `uuid` (PostgreSQL uuid); the JSON format's fast path reads neither yet
 AVRO_FIELD_TYPES = FIELD_TYPES | {"json", "uuid"}
+# formats whose records become format.schema's columns; those read through a schema registry
+TYPED_FORMATS = ("json", "avro", "json_schema", "protobuf")
+REGISTRY_FORMATS = ("avro", "json_schema", "protobuf")
 SECRET_HINTS = ("password", "secret", "token", "key", "credential", "sasl.jaas")
 RESERVED_COLUMNS = {"topic", "partition", "offset", "timestamp", "timestamp_type", "key",
                     "value", "headers"}
@@ -73,10 +76,11 @@ class KafkaSinkConfig:
 
 @dataclass(frozen=True)
 class SchemaRegistryConfig:
-    """`format.schema_registry` (format avro): a Confluent-compatible Schema Registry. The
-    writer schema of a record is fetched by the id in its 5-byte header; the reader schema
-    is the subject `<topic>-value` at `reader_version` (None: its latest version, read
-    once per batch run). `password` is a secret: never logged (`redacted`)."""
+    """`format.schema_registry` (formats avro, json_schema): a Confluent-compatible Schema
+    Registry. The writer schema of a record is fetched by the id in its 5-byte header; the
+    Avro reader schema is the subject `<topic>-value` at `reader_version` (None: its latest
+    version, read once per batch run; an Avro key: `<topic>-key`, latest). `password` is a
+    secret: never logged (`redacted`)."""
 
     url: str
     username: str | None = None
@@ -141,7 +145,7 @@ class PipelineConfig:
     max_records_per_partition: int
     max_records_per_batch: int | None
     data_loss: str  # fail | continue
-    format_type: str  # json | raw
+    format_type: str  # json | raw | avro | json_schema
     schema: Mapping[str, str]
     transform: str | None
     sink: SinkConfig
@@ -156,7 +160,8 @@ class PipelineConfig:
     description: str = ""
     tombstones: str = ""  # upsert: delete | dead_letter; append: dead_letter | null_row
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
-    registry: SchemaRegistryConfig | None = None  # format avro
+    registry: SchemaRegistryConfig | None = None  # formats avro, json_schema
+    key_format: str | None = None  # format.key.type: avro (None: the key stays raw bytes)
 
     @property
     def tombstone_policy(self) -> str:
@@ -192,6 +197,7 @@ class PipelineConfig:
     def _output_relevant(self) -> dict[str, Any]:
         return {
             "format": [self.format_type, dict(self.schema)],
+            **({"key_format": self.key_format} if self.key_format else {}),
             # the reader schema decides fields' defaults; not the URL or credentials (a
             # registry that moves serves the same ids)
             **({"reader_version": self.registry.reader_version}

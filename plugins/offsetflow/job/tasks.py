@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from offsetflow.commit import pg_type
-from offsetflow.config import DECIMAL_RE, PipelineConfig
+from offsetflow.config import DECIMAL_RE, TYPED_FORMATS, PipelineConfig
 from offsetflow.ledger import stage_part_table
 from offsetflow.ranges import OffsetRange
 from offsetflow.stage import BadBuffer, BadRows, SubrangeBad, TaskClock, binary_encoder, stage_rows
@@ -33,7 +33,6 @@ SPARK_TYPES = {"string": "string", "long": "bigint", "int": "int", "double": "do
                "json": "string", "uuid": "string"}
 # declared types whose PostgreSQL column is not the one of their Spark type (fused path)
 PG_TYPES = {"json": "jsonb", "uuid": "uuid"}
-TYPED_FORMATS = ("json", "avro")  # formats whose records become format.schema's columns
 
 
 def spark_ddl(cfg: PipelineConfig) -> str:
@@ -60,22 +59,28 @@ class ReadContext:
     # (id, text; None: records are read with their writer schema), resolved once per run
     registry: dict[str, Any] | None = None
     readers: dict[str, tuple[int, str] | None] | None = None
+    # format.key avro: each topic's `<topic>-key` reader schema (latest), as `readers`
+    key_readers: dict[str, tuple[int, str] | None] | None = None
 
     @classmethod
     def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
            generation: int | None = None) -> ReadContext:
-        registry = readers = None
-        if cfg.format_type == "avro" and cfg.registry is not None:
+        registry = readers = key_readers = None
+        if cfg.registry is not None:
             from offsetflow.source import RegistryClient, reader_schemas, registry_settings
 
             reg = cfg.registry
             registry = registry_settings(reg.url, reg.username, reg.password, reg.timeout_s)
+            topics = [str(s["topic"]) for s in specs]
             # on the driver, before any task: a registry that is down fails the run here
-            readers = reader_schemas(RegistryClient.of(registry),
-                                     [str(s["topic"]) for s in specs], reg.reader_version)
+            client = RegistryClient.of(registry)
+            if cfg.format_type == "avro":
+                readers = reader_schemas(client, topics, reg.reader_version)
+            if cfg.key_format == "avro":
+                key_readers = reader_schemas(client, topics, None, part="key")
         return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
                    cfg.format_type, cfg.bad_records == "dead_letter", specs, generation,
-                   registry, readers)
+                   registry, readers, key_readers)
 
     def typed_schema(self) -> pa.Schema | None:
         """The Arrow schema of the typed columns (None: raw format)."""
@@ -87,16 +92,25 @@ class ReadContext:
 _DECODERS: dict[str, Any] = {}
 
 
-def avro_decoder(rc: ReadContext) -> Any:
-    """The Python worker's decoder for `rc`'s registry and reader schemas: writer schemas
-    are fetched once per id per worker (a registry's ids are immutable), not per chunk."""
-    from offsetflow.source import AvroDecoder, RegistryClient
+def avro_decoder(rc: ReadContext, part: str = "value") -> Any:
+    """The Python worker's decoder for `rc`'s registry and reader schemas (of the values, or
+    `part` key: of the keys): writer schemas are fetched once per id per worker (a
+    registry's ids are immutable), not per chunk; json_schema's id checks likewise."""
+    from offsetflow.source import AvroDecoder, JsonSchemaIds, ProtobufDecoder, RegistryClient
 
-    assert rc.registry is not None and rc.readers is not None
-    key = repr((sorted(rc.registry.items()), sorted(rc.readers.items())))
+    assert rc.registry is not None
+    readers = rc.key_readers if part == "key" else rc.readers
+    key = repr((part, rc.fmt, sorted(rc.registry.items()), sorted((readers or {}).items())))
     if key not in _DECODERS:
-        _DECODERS.clear()  # another run's (other reader schemas): let it go
-        _DECODERS[key] = AvroDecoder(RegistryClient.of(rc.registry), rc.readers)
+        if len(_DECODERS) > 8:
+            _DECODERS.clear()  # other runs' (other reader schemas): let them go
+        client = RegistryClient.of(rc.registry)
+        if part == "value" and rc.fmt == "json_schema":
+            _DECODERS[key] = JsonSchemaIds(client)
+        elif part == "value" and rc.fmt == "protobuf":
+            _DECODERS[key] = ProtobufDecoder(client)
+        else:
+            _DECODERS[key] = AvroDecoder(client, readers or {})
     return _DECODERS[key]
 
 
@@ -138,17 +152,28 @@ def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: O
                sink: BadBuffer | SubrangeBad, clock: TaskClock) -> pa.RecordBatch:
     """A chunk of raw records (of range `r`, or of several: `chunk.topics`) as the stage's
     rows: raw columns + typed fields; its bad records go to `sink`."""
-    from offsetflow.source import BadRecord, deserialize_avro, deserialize_json
+    from offsetflow.source import (
+        BadRecord,
+        deserialize_avro,
+        deserialize_json,
+        deserialize_json_schema,
+        deserialize_protobuf,
+    )
 
     clock.count("records", len(chunk))
     typed: pa.Table | None = None
     good: list[int] | None = None
     bad: list[BadRecord] = []
-    if typed_schema is not None and rc.fmt == "avro":
+    if typed_schema is not None and rc.fmt in ("avro", "json_schema", "protobuf"):
         with clock.stage("deserialize"):
             topics = chunk.topics if chunk.topics is not None else [r.topic] * len(chunk)
-            typed, bad, good = deserialize_avro(chunk.values, topics, rc.schema,
-                                                avro_decoder(rc))
+            keyed = avro_decoder(rc, "key") if rc.key_readers is not None else None
+            decoders: dict[str, Callable[..., tuple[pa.Table, list[BadRecord], list[int]]]]
+            decoders = {"avro": deserialize_avro, "json_schema": deserialize_json_schema,
+                        "protobuf": deserialize_protobuf}
+            decode = decoders[rc.fmt]
+            typed, bad, good = decode(chunk.values, topics, rc.schema, avro_decoder(rc),
+                                      chunk.keys, keyed)
     elif typed_schema is not None:
         with clock.stage("deserialize"):
             typed, bad, good = deserialize_json(chunk.values, rc.schema, chunk.keys)

@@ -8,9 +8,11 @@ from __future__ import annotations
 from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
 from offsetflow.source.json_fast import BadRecord
+from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
 from offsetflow.source.packed import read_ranges
+from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf
 from offsetflow.source.reader import (
     MAX_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
@@ -23,14 +25,18 @@ from offsetflow.source.registry import RegistryClient, registry_settings
 __all__ = [
     "AvroDecoder",
     "BadRecord",
+    "JsonSchemaIds",
     "KafkaMetadata",
     "MAX_CHUNK_BYTES",
     "MAX_CHUNK_ROWS",
+    "ProtobufDecoder",
     "RegistryClient",
     "SHARED_MAX_SPAN",
     "arrow_schema",
     "deserialize_avro",
     "deserialize_json",
+    "deserialize_json_schema",
+    "deserialize_protobuf",
     "publish_positions",
     "range_consumer",
     "read_range",

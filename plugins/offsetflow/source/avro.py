@@ -46,31 +46,33 @@ HEADER_BYTES = 5
 _ADDRESS = re.compile(r"\s*(from\s+)?<[^<>]* at 0x[0-9a-f]+>")
 
 
-def subject_of(topic: str) -> str:
-    """The value subject of a topic under Confluent's default TopicNameStrategy."""
-    return f"{topic}-value"
+def subject_of(topic: str, part: str = "value") -> str:
+    """The value (or key) subject of a topic under Confluent's default TopicNameStrategy."""
+    return f"{topic}-{part}"
 
 
-def reader_schemas(client: RegistryClient, topics: Sequence[str], version: int | None
-                   ) -> dict[str, tuple[int, str] | None]:
-    """topic -> (id, text) of its reader schema; None where the subject has no schema and
-    no version is pinned (records are then read with their writer schema). A pinned
-    version the subject lacks is the config's error (SchemaRegistryError, not retriable)."""
+def reader_schemas(client: RegistryClient, topics: Sequence[str], version: int | None,
+                   part: str = "value") -> dict[str, tuple[int, str] | None]:
+    """topic -> (id, text) of its reader schema (`part`: value, or key for an Avro key);
+    None where the subject has no schema and no version is pinned (records are then read
+    with their writer schema). A pinned version the subject lacks is the config's error
+    (SchemaRegistryError, not retriable)."""
     from offsetflow.errors import SchemaRegistryError
 
     out: dict[str, tuple[int, str] | None] = {}
     for topic in dict.fromkeys(topics):
-        found = client.subject_version(subject_of(topic), version)
+        subject = subject_of(topic, part)
+        found = client.subject_version(subject, version)
         if found is None and version is not None:
             raise SchemaRegistryError(
-                client.shown, f"subject {subject_of(topic)!r} version {version}",
+                client.shown, f"subject {subject!r} version {version}",
                 "not found (format.schema_registry.reader_version pins a version the "
                 "subject does not have)", retriable=False)
         if found is not None and found.schema_type != "AVRO":
+            what = "format.type avro" if part == "value" else "format.key.type avro"
             raise SchemaRegistryError(
-                client.shown, f"subject {subject_of(topic)!r}",
-                f"holds a {found.schema_type} schema, not Avro (format.type avro)",
-                retriable=False)
+                client.shown, f"subject {subject!r}",
+                f"holds a {found.schema_type} schema, not Avro ({what})", retriable=False)
         out[topic] = None if found is None else (found.schema_id, found.schema)
     return out
 
@@ -143,37 +145,70 @@ def _usable(schema_id: int, found: RegisteredSchema | None, parse: Any) -> Any:
         return f"schema id {schema_id} cannot be parsed{refs}: {e}"
 
 
+def record_fields(datum: Any, schema: Mapping[str, str], only_present: bool = False
+                  ) -> dict[str, Any]:
+    """A decoded Avro record's top-level fields as format.schema's columns (`only_present`:
+    just the declared fields the record has, as a key's fields that fill columns)."""
+    if not isinstance(datum, dict):
+        raise ValueError(f"the schema is not a record (got {type(datum).__name__}); "
+                         f"format.schema names fields of a record")
+    row = {}
+    for name, t in schema.items():
+        if only_present and name not in datum:
+            continue
+        try:
+            row[name] = avro_value(datum.get(name), t)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"field {name!r}: {e}") from None
+    return row
+
+
+def key_fields(key: bytes | None, topic: str, schema: Mapping[str, str],
+               decoder: AvroDecoder) -> dict[str, Any]:
+    """format.key avro: the declared columns a Confluent wire-format Avro key fills (its
+    record's fields of those names; a null key fills none). ValueError (a dead letter)
+    names the key, its schema id and why."""
+    if key is None:
+        return {}
+    schema_id: int | None = None
+    try:
+        schema_id, datum = decoder.decode(key, topic)
+        return record_fields(datum, schema, only_present=True)
+    except ValueError as e:
+        sid = getattr(e, "schema_id", schema_id)
+        raise ValueError(f"key: schema id {sid}: {e}" if sid is not None
+                         else f"key: {e}") from None
+
+
 def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
-                     schema: Mapping[str, str], decoder: AvroDecoder
+                     schema: Mapping[str, str], decoder: AvroDecoder,
+                     keys: Sequence[bytes | None] | None = None,
+                     key_decoder: AvroDecoder | None = None
                      ) -> tuple[pa.Table, list[BadRecord], list[int]]:
     """Decode a chunk (`topics[i]`: record i's topic). Returns the good rows' table in the
     declared schema, the bad records, and the chunk indices of the good rows. A null value
-    (a tombstone) is a good row of nulls: the tombstone policy decides its fate."""
+    (a tombstone) is a good row of nulls: the tombstone policy decides its fate. With
+    `key_decoder` (format.key avro) the fields of each Avro key fill the columns of their
+    names, over the value's (upsert keys; a tombstone's delete key)."""
     target = arrow_schema(schema)
     rows: list[dict[str, Any]] = []
     good: list[int] = []
     bad: list[BadRecord] = []
-    names = list(schema.items())
     for i, v in enumerate(values):
-        if v is None:
-            rows.append(dict.fromkeys(schema))
-            good.append(i)
-            continue
         schema_id: int | None = None
         try:
-            schema_id, datum = decoder.decode(v, topics[i])
-            if not isinstance(datum, dict):
-                raise ValueError(f"the schema is not a record (got {type(datum).__name__}); "
-                                 f"format.schema names fields of a record")
-            row = {}
-            for name, t in names:
-                try:
-                    row[name] = avro_value(datum.get(name), t)
-                except (ValueError, TypeError, OverflowError) as e:
-                    raise ValueError(f"field {name!r}: {e}") from None
+            if v is None:
+                row: dict[str, Any] = dict.fromkeys(schema)
+            else:
+                schema_id, datum = decoder.decode(v, topics[i])
+                row = record_fields(datum, schema)
+            if key_decoder is not None and keys is not None:
+                row.update(key_fields(keys[i], topics[i], schema, key_decoder))
         except ValueError as e:
             sid = getattr(e, "schema_id", schema_id)
-            bad.append(BadRecord(i, f"schema id {sid}: {e}" if sid is not None else str(e)))
+            why = str(e)  # a key's reason names the key's schema id itself
+            bad.append(BadRecord(i, f"schema id {sid}: {why}" if sid is not None
+                                 and not why.startswith("key: ") else why))
             continue
         rows.append(row)
         good.append(i)
@@ -275,3 +310,29 @@ def jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         raise ValueError(f"{v} cannot be stored in JSON")
     return v
+
+
+def fill_keys(table: pa.Table, good: list[int], keys: Sequence[bytes | None],
+              topics: Sequence[str], schema: Mapping[str, str], key_decoder: AvroDecoder
+              ) -> tuple[pa.Table, list[BadRecord], list[int]]:
+    """format.key avro over rows another format decoded (`good`: their chunk indices): each
+    Avro key's fields fill the columns of their names; a poison key makes its record a
+    dead letter. Returns the table, the new bad records and the remaining good indices."""
+    rows = table.to_pylist()
+    kept: list[dict[str, Any]] = []
+    still: list[int] = []
+    bad: list[BadRecord] = []
+    for row, i in zip(rows, good, strict=True):
+        try:
+            row.update(key_fields(keys[i], topics[i], schema, key_decoder))
+        except ValueError as e:
+            bad.append(BadRecord(i, str(e)))
+            continue
+        kept.append(row)
+        still.append(i)
+    out, refused = rows_to_table(kept, arrow_schema(schema))
+    if refused:
+        gone = dict(refused)
+        bad += [BadRecord(still[j], why) for j, why in refused]
+        still = [g for j, g in enumerate(still) if j not in gone]
+    return out, bad, still

@@ -68,8 +68,12 @@ class RegistryClient:
         return cls(settings["url"], settings.get("username"), settings.get("password"),
                    float(settings.get("timeout_s") or 10))
 
-    def schema_by_id(self, schema_id: int) -> RegisteredSchema | None:
-        doc = self._get(f"/schemas/ids/{schema_id}", f"schema id {schema_id}")
+    def schema_by_id(self, schema_id: int, serialized: bool = False
+                     ) -> RegisteredSchema | None:
+        """`serialized`: a Protobuf schema as its base64 FileDescriptorProto (Confluent's
+        `?format=serialized`), not `.proto` text."""
+        query = "?format=serialized" if serialized else ""
+        doc = self._get(f"/schemas/ids/{schema_id}{query}", f"schema id {schema_id}")
         if doc is None:
             return None
         return RegisteredSchema(schema_id, str(doc.get("schemaType") or "AVRO"),

@@ -53,7 +53,7 @@ def test_a_single_error_reads_as_before() -> None:
     # a section that is not a mapping stops that section only
     (base(source=["orders"], spark={"launch": "x"}), ["source", "spark.launch"]),
     # a bad format type is not followed by "json format needs a schema"
-    (base(format={"type": "protobuf"}), ["format.type"]),
+    (base(format={"type": "thrift"}), ["format.type"]),
     # nor a broken schema by key columns "not in format.schema"
     (base(format={"type": "json", "schema": ["id"]},
           sink={"table": "t", "mode": "upsert", "key": ["id"]}), ["format.schema"]),
