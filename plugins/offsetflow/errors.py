@@ -281,6 +281,12 @@ class KafkaUnavailableError(OffsetFlowError):
     """Kafka metadata could not be fetched (broker down, unknown topic)."""
 
 
+class KafkaAuthError(OffsetFlowError):
+    """The brokers refused the client's credentials (SASL, OAUTHBEARER): names where the
+    settings come from (the Airflow connection, or kafka.client). Not retried: asking again
+    with the same password cannot succeed."""
+
+
 class SparkUnavailableError(OffsetFlowError):
     """The Spark Connect server a pipeline with `spark.launch: connect` names is not there."""
 
