@@ -252,11 +252,20 @@ import sys
 from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,
                                    UserScramCredentialUpsertion)
 port, user, password = sys.argv[1:]
+import time
 admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": 0})
 info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
-for f in admin.alter_user_scram_credentials(
-        [UserScramCredentialUpsertion(user, info, password.encode())]).values():
-    f.result(20)
+for attempt in range(5):  # a broker just started may not have its controller yet
+    try:
+        for f in admin.alter_user_scram_credentials(
+                [UserScramCredentialUpsertion(user, info, password.encode())]).values():
+            f.result(10)
+        break
+    except Exception as e:
+        print(f"attempt {attempt + 1}: {e}", flush=True)
+        if attempt == 4:
+            raise
+        time.sleep(1)
 EOF
 }
 
