@@ -36,6 +36,11 @@ if [[ -f "$STACK/ports" ]]; then
 fi
 KAFKA_PORT="${OFFSETFLOW_KAFKA_PORT:-19092}"
 CONTROLLER_PORT="${OFFSETFLOW_KAFKA_CONTROLLER_PORT:-19093}"
+# a second listener of the same broker: SASL_PLAINTEXT, SCRAM-SHA-512 logins only; two above
+# the plain one unless set (19094; a stack on other ports gets a free one beside its own)
+KAFKA_SASL_PORT="${OFFSETFLOW_KAFKA_SASL_PORT:-$((KAFKA_PORT + 2))}"
+KAFKA_SCRAM_USER="offsetflow"      # local development only, like PG_PASSWORD
+KAFKA_SCRAM_PASSWORD="offsetflow"
 PG_PORT="${OFFSETFLOW_PG_PORT:-15432}"
 AIRFLOW_PORT="${OFFSETFLOW_AIRFLOW_PORT:-18080}"
 REGISTRY_PORT="${OFFSETFLOW_SCHEMA_REGISTRY_PORT:-18081}"
@@ -122,6 +127,7 @@ export PYSPARK_PYTHON="$VENV/bin/python"
 export PYSPARK_DRIVER_PYTHON="$VENV/bin/python"
 export OFFSETFLOW_STACK_DIR="$STACK"
 export OFFSETFLOW_KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
+export OFFSETFLOW_KAFKA_SASL_BOOTSTRAP="127.0.0.1:$KAFKA_SASL_PORT"
 export OFFSETFLOW_PG_DSN="postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/offsetflow"
 export OFFSETFLOW_SPARK_CONNECT_URL="sc://127.0.0.1:$CONNECT_PORT"
 export OFFSETFLOW_SPARK_MASTER_URL="spark://127.0.0.1:$SPARK_MASTER_PORT"
@@ -153,6 +159,7 @@ export AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT="30"
 EOF
   mv -f "$STACK/env.sh.tmp" "$STACK/env.sh"
   printf '%s\n' "OFFSETFLOW_KAFKA_PORT=$KAFKA_PORT" "OFFSETFLOW_KAFKA_CONTROLLER_PORT=$CONTROLLER_PORT" \
+    "OFFSETFLOW_KAFKA_SASL_PORT=$KAFKA_SASL_PORT" \
     "OFFSETFLOW_PG_PORT=$PG_PORT" "OFFSETFLOW_AIRFLOW_PORT=$AIRFLOW_PORT" \
     "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" "OFFSETFLOW_SPARK_MASTER_PORT=$SPARK_MASTER_PORT" \
     "OFFSETFLOW_SPARK_MASTER_UI_PORT=$SPARK_MASTER_UI_PORT" "OFFSETFLOW_SPARK_WORKER_PORT=$SPARK_WORKER_PORT" \
@@ -218,6 +225,7 @@ kafka_start() {
   fi
   kafka_libs
   sed -e "s#@KAFKA_PORT@#$KAFKA_PORT#g" -e "s#@CONTROLLER_PORT@#$CONTROLLER_PORT#g" \
+      -e "s#@KAFKA_SASL_PORT@#$KAFKA_SASL_PORT#g" \
       -e "s#@DATA_DIR@#$KAFKA_DIR/data#g" "$HERE/kafka/server.properties.template" \
       > "$KAFKA_DIR/server.properties"
   local cp="$KAFKA_DIR/libs/*" jvm_log=(-Dlog4j2.configurationFile="$HERE/kafka/log4j2.yaml" -Dkafka.logs.dir="$KAFKA_DIR")
@@ -228,17 +236,45 @@ kafka_start() {
          -t "$KAFKA_CLUSTER_ID" -c "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/format.log" 2>&1 \
       || fail_service kafka "127.0.0.1:$KAFKA_PORT" "$KAFKA_DIR/format.log" "storage format failed"
   fi
-  if port_open "$KAFKA_PORT" || port_open "$CONTROLLER_PORT"; then
-    fail_service kafka "127.0.0.1:$KAFKA_PORT" "" "port $KAFKA_PORT or $CONTROLLER_PORT is taken by a process not started by this stack"
+  if port_open "$KAFKA_PORT" || port_open "$CONTROLLER_PORT" || port_open "$KAFKA_SASL_PORT"; then
+    fail_service kafka "127.0.0.1:$KAFKA_PORT" "" "port $KAFKA_PORT, $CONTROLLER_PORT or $KAFKA_SASL_PORT is taken by a process not started by this stack"
   fi
-  log "starting Kafka $(kafka_version) on 127.0.0.1:$KAFKA_PORT (controller 127.0.0.1:$CONTROLLER_PORT)"
+  log "starting Kafka $(kafka_version) on 127.0.0.1:$KAFKA_PORT (controller 127.0.0.1:$CONTROLLER_PORT, SASL/SCRAM 127.0.0.1:$KAFKA_SASL_PORT)"
   # shellcheck disable=SC2086
   setsid nohup java $KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true "${jvm_log[@]}" \
       -cp "$cp" kafka.Kafka "$KAFKA_DIR/server.properties" \
       >"$KAFKA_DIR/stdout.log" 2>&1 < /dev/null &
   echo $! > "$KAFKA_DIR/kafka.pid"
   kafka_wait
+  kafka_scram_user
   log "kafka ready"
+}
+
+# The SCRAM-SHA-512 login of the SASL listener (kept in the KRaft metadata log): set on every
+# start, idempotent, through the unauthenticated PLAINTEXT listener (no authorizer here), so
+# a stack formatted before the listener existed gets it too. Tests create users of their own.
+kafka_scram_user() {
+  timeout 30 "$VENV/bin/python" - "$KAFKA_PORT" "$KAFKA_SCRAM_USER" "$KAFKA_SCRAM_PASSWORD" <<'EOF' \
+      >"$KAFKA_DIR/scram.log" 2>&1 || fail_service kafka "127.0.0.1:$KAFKA_SASL_PORT" "$KAFKA_DIR/scram.log" "creating the SCRAM user failed"
+import sys
+from confluent_kafka.admin import (AdminClient, ScramCredentialInfo, ScramMechanism,
+                                   UserScramCredentialUpsertion)
+port, user, password = sys.argv[1:]
+import time
+admin = AdminClient({"bootstrap.servers": f"127.0.0.1:{port}", "log_level": 0})
+info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
+for attempt in range(5):  # a broker just started may not have its controller yet
+    try:
+        for f in admin.alter_user_scram_credentials(
+                [UserScramCredentialUpsertion(user, info, password.encode())]).values():
+            f.result(10)
+        break
+    except Exception as e:
+        print(f"attempt {attempt + 1}: {e}", flush=True)
+        if attempt == 4:
+            raise
+        time.sleep(1)
+EOF
 }
 
 stop_pidfile() {  # name pidfile [timeout]
@@ -880,7 +916,7 @@ cmd_down() {
 
 cmd_status() {
   local rc=0
-  if kafka_ready; then echo "kafka     up    127.0.0.1:$KAFKA_PORT  (Apache Kafka $(kafka_version), KRaft)"; else echo "kafka     down  127.0.0.1:$KAFKA_PORT"; rc=1; fi
+  if kafka_ready; then echo "kafka     up    127.0.0.1:$KAFKA_PORT  (Apache Kafka $(kafka_version), KRaft; SASL/SCRAM-SHA-512 on 127.0.0.1:$KAFKA_SASL_PORT)"; else echo "kafka     down  127.0.0.1:$KAFKA_PORT"; rc=1; fi
   if pg_ready; then echo "postgres  up    127.0.0.1:$PG_PORT"; else echo "postgres  down  127.0.0.1:$PG_PORT"; rc=1; fi
   if pid_alive "$CONNECT_DIR/connect.pid" && port_open "$CONNECT_PORT"; then echo "connect   up    127.0.0.1:$CONNECT_PORT  (Spark Connect)"; else echo "connect   down  127.0.0.1:$CONNECT_PORT  (make up starts it unless OFFSETFLOW_CONNECT=0; stack.sh connect-start)"; fi
   if pid_alive "$REGISTRY_DIR/registry.pid" && registry_ready; then echo "registry  up    127.0.0.1:$REGISTRY_PORT  (schema registry)"; else echo "registry  down  127.0.0.1:$REGISTRY_PORT  (stack.sh registry-start)"; fi

@@ -300,6 +300,12 @@ class SchemaRegistryError(OffsetFlowError):
         super().__init__(f"schema registry {url}: {what}: {reason}; {way_out}")
 
 
+class KafkaAuthError(OffsetFlowError):
+    """The brokers refused the client's credentials (SASL, OAUTHBEARER): names where the
+    settings come from (the Airflow connection, or kafka.client). Not retried: asking again
+    with the same password cannot succeed."""
+
+
 class SparkUnavailableError(OffsetFlowError):
     """The Spark Connect server a pipeline with `spark.launch: connect` names is not there."""
 

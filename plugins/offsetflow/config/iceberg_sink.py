@@ -72,7 +72,7 @@ class IcebergConfig:
     catalog_name: str = DEFAULT_CATALOG_NAME
     # pyiceberg catalog properties (uri, warehouse, credentials ...); the SQL catalog's `uri`
     # defaults to the sink's PostgreSQL (sink.connection) as a SQLAlchemy URL
-    properties: Mapping[str, str] = field(default_factory=dict)
+    properties: Mapping[str, str] = field(default_factory=dict, repr=False)
     namespace: str = DEFAULT_NAMESPACE
     table: str = ""
     partition_by: tuple[PartitionField, ...] = ()

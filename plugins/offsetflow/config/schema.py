@@ -71,7 +71,8 @@ class KafkaSinkConfig:
     value_column: str = "value"  # raw
     headers: str = "carry"  # carry | none (the offsetflow.* headers are always written)
     partitioning: str = "key"  # key | source (the source record's partition number)
-    producer: Mapping[str, str] = field(default_factory=dict)  # librdkafka overrides
+    # librdkafka overrides; may hold credentials, so not in the repr
+    producer: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class SchemaRegistryConfig:
 @dataclass(frozen=True)
 class SinkConfig:
     type: str
-    connection: str  # "" when only `conn_id` is given
+    connection: str = field(repr=False)  # a DSN with its password; "" with only `conn_id`
     table: str
     mode: str  # append | upsert
     key: tuple[str, ...] = ()
@@ -138,7 +139,9 @@ class PipelineConfig:
     source_file: str
     bootstrap_servers: str
     isolation_level: str
-    client: Mapping[str, str]
+    # librdkafka settings, callbacks (oauth_cb) from a connection among them; secrets, so
+    # not in the repr (an exception or a log line may show the config): see redacted()
+    client: Mapping[str, Any] = field(repr=False)
     topics: tuple[str, ...]
     topic_pattern: str | None
     starting: StartingPolicy
@@ -167,12 +170,19 @@ class PipelineConfig:
     def tombstone_policy(self) -> str:
         return self.tombstones or default_tombstones(self.sink.mode, self.format_type)
 
+    @property
+    def kafka_origin(self) -> str:
+        """Where the Kafka client settings come from, for errors that must name it."""
+        if self.kafka.conn_id:
+            return f"Airflow connection {self.kafka.conn_id!r} (kafka.conn_id)"
+        return f"kafka.client of {self.source_file}"
+
     def matches_topic(self, topic: str) -> bool:
         if self.topic_pattern is not None:
             return re.fullmatch(self.topic_pattern, topic) is not None
         return topic in self.topics
 
-    def consumer_settings(self) -> dict[str, str]:
+    def consumer_settings(self) -> dict[str, Any]:
         """librdkafka settings for every OffsetFlow consumer: no group, no auto-commit."""
         conf = dict(self.client)
         conf.update({
@@ -186,7 +196,7 @@ class PipelineConfig:
         })
         return conf
 
-    def admin_settings(self) -> dict[str, str]:
+    def admin_settings(self) -> dict[str, Any]:
         conf = {k: v for k, v in self.client.items() if not k.startswith(("fetch.", "queued."))}
         conf["bootstrap.servers"] = self.bootstrap_servers
         # librdkafka's info notes (e.g. BGQUEUE when an admin client closes) go straight to
@@ -254,8 +264,14 @@ def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
     return {k: v for k, v in asdict(sink).items() if k not in ("producer", "replay_topic")}
 
 
-def redact_value(key: str, value: str) -> str:
-    return "***" if any(h in key.lower() for h in SECRET_HINTS) else value
+def redact_value(key: str, value: Any) -> Any:
+    """A setting as it may be shown: secrets as ***, a callback (oauth_cb) by its name."""
+    if any(h in key.lower() for h in SECRET_HINTS):
+        return "***"
+    if callable(value):
+        name = getattr(value, "__qualname__", None) or type(value).__name__
+        return f"<callback {getattr(value, '__module__', None) or '?'}.{name}>"
+    return value
 
 
 def redact_dsn(dsn: str) -> str:

@@ -228,8 +228,9 @@ def _check_topic_identity(cfg: PipelineConfig, ledger: Ledger, batch: Batch) -> 
     from offsetflow.source import KafkaMetadata
 
     with ledger.transaction() as cur:
-        check_batch_topics(cur, KafkaMetadata(cfg.admin_settings(), cfg.isolation_level),
-                           batch, cfg.name)
+        kafka = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level,
+                              origin=cfg.kafka_origin)
+        check_batch_topics(cur, kafka, batch, cfg.name)
 
 
 def _quality_gate(cfg: PipelineConfig, batch: Batch, dsn: str, ledger: Ledger

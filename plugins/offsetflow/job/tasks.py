@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -44,12 +44,13 @@ def spark_ddl(cfg: PipelineConfig) -> str:
 
 @dataclass(frozen=True)
 class ReadContext:
-    """What a task needs to read one sub-range: plain values, cheap to ship to workers."""
+    """What a task needs to read one sub-range: plain values, cheap to ship to workers (and
+    a connection's librdkafka callbacks, e.g. `oauth_cb`, which pickle by reference)."""
 
     batch_id: int
-    dsn: str
+    dsn: str = field(repr=False)  # secrets: not in a traceback's or log line's repr
     pipeline: str
-    consumer_conf: dict[str, str]
+    consumer_conf: dict[str, Any] = field(repr=False)
     schema: dict[str, str]
     fmt: str
     write_dead: bool

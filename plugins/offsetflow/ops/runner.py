@@ -46,7 +46,7 @@ class CycleResult:
 
 
 def kafka_for(cfg: PipelineConfig) -> KafkaMetadata:
-    return KafkaMetadata(cfg.admin_settings(), cfg.isolation_level)
+    return KafkaMetadata(cfg.admin_settings(), cfg.isolation_level, origin=cfg.kafka_origin)
 
 
 def pending_for(cfg: PipelineConfig, dsn: str | None = None) -> dict[TopicPartition, int]:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import KafkaUnavailableError
+from offsetflow.errors import KafkaAuthError, KafkaUnavailableError
 from offsetflow.ledger import Ledger
 from offsetflow.ranges import PartitionOffsets, TopicPartition
 
@@ -87,7 +87,7 @@ def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str
                   else (r.earliest or 0) for r in rows if (r.lag or 0) > 0}
         rows = with_times(rows, k.record_timestamps(unread, cfg.consumer_settings()),
                           k.retention_ms(topics), int(time.time() * 1000))
-    except KafkaUnavailableError as e:
+    except (KafkaUnavailableError, KafkaAuthError) as e:
         kafka_error = str(e)
         rows = lag_rows(committed, offsets)
     return {

@@ -1,74 +1,133 @@
 """Airflow connections -> what a pipeline needs: a PostgreSQL DSN and librdkafka settings.
 
-A pipeline names `kafka.conn_id` (a `kafka` connection: librdkafka settings in its extra,
-as the Kafka provider keeps them) and/or `sink.conn_id` (a `postgres` connection). They are
-resolved where the pipeline runs: in an Airflow task through the Task SDK (which masks the
-password in task logs), in the CLI through Airflow's secrets backends and metadata DB.
+A pipeline names `kafka.conn_id` (a `kafka` connection) and/or `sink.conn_id` (a `postgres`
+connection). They become client settings through the providers' own hooks, so whatever the
+pinned providers support works here too:
+
+- Kafka: `KafkaBaseHook` builds the confluent-kafka config from the connection's extra,
+  resolving callbacks given as dotted paths (`oauth_cb`, `error_cb`, ...) only when
+  `[apache_kafka] callback_allowlist` lists them, and adding the OAUTHBEARER token callback of
+  Amazon MSK IAM or Google Managed Kafka when the brokers are theirs;
+- PostgreSQL: `PostgresHook` builds the connect arguments, its extra's libpq options
+  (`sslmode`, ...) and, with `"iam": true`, a token of RDS, Redshift or Azure Entra ID as the
+  password; OffsetFlow turns them into a libpq DSN (its ledger, commit and stage use one).
+
+They are resolved where the pipeline runs: in an Airflow task through the Task SDK (which
+masks the password in task logs), in the CLI and the plugin page through Airflow's secrets
+backends and metadata DB.
 
 The spark-submit driver cannot look connections up (it is not a task). The run-batch
-operator hands it the resolved values in one environment variable of the spark-submit
-process (`HANDOVER_ENV`, client/local mode): never on a command line, in Spark conf or in a
-file left on disk after a crash, and /proc/<pid>/environ is readable only by the same user.
+operator hands it what it needs in one environment variable of the spark-submit process
+(`HANDOVER_ENV`, client/local mode): the Kafka settings the hook built (or, when they hold
+callbacks, which are code, the connection's extra: the driver builds them with the same hook)
+and the PostgreSQL DSN. Never on a command line, in Spark conf or in a file left on disk after
+a crash; /proc/<pid>/environ is readable only by the same user.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 
-from offsetflow.config import FORBIDDEN_CLIENT_KEYS, PipelineConfig, redact_value
+from offsetflow.config import FORBIDDEN_CLIENT_KEYS, KafkaConfig, PipelineConfig, redact_value
 from offsetflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 HANDOVER_ENV = "OFFSETFLOW_RESOLVED_CONNECTIONS"
-# libpq keywords a `postgres` connection's extra may carry into the DSN
-LIBPQ_EXTRAS = {"sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "connect_timeout",
-                "application_name", "options", "target_session_attrs", "keepalives",
-                "keepalives_idle", "keepalives_interval", "keepalives_count", "gssencmode",
-                "channel_binding", "sslnegotiation"}
+# what PostgresHook may put in its connect arguments that is no libpq keyword
+NOT_LIBPQ = ("cursor_factory", "row_factory")
 
 Lookup = Callable[[str], Any]  # conn_id -> an Airflow Connection (host, port, extra_dejson...)
 
 
-def uses_connections(cfg: PipelineConfig) -> bool:
-    return bool(cfg.kafka.conn_id or cfg.sink.conn_id)
+@dataclass(frozen=True)
+class KafkaConnection:
+    """What the Kafka hook reads of a `kafka` connection: as the driver receives it, and a
+    copy for the hook (which resolves callbacks in the dict `extra_dejson` returns)."""
+
+    conn_id: str
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    conn_type: str = "kafka"
+
+    @property
+    def extra_dejson(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.extra))
+
+
+@functools.cache
+def _postgres_hook() -> type:
+    """PostgresHook whose connection is the one given and whose `get_conn` returns the
+    connect arguments it built (IAM token and extras included) instead of connecting."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    class ConnectArgs(PostgresHook):
+        def _create_connection(self, conn_args: dict[str, Any]) -> Any:
+            return conn_args
+
+    return ConnectArgs
+
+
+@functools.cache
+def _kafka_hook() -> type:
+    """KafkaBaseHook reading the connection it is given, whose client is the config itself
+    (the provider's own consumer and producer hooks differ from it only by `_get_client`)."""
+    from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
+
+    class ClientConfig(KafkaBaseHook):
+        def __init__(self, conn: Any) -> None:
+            super().__init__(kafka_config_id=conn.conn_id)
+            self.conn = conn
+
+        def get_connection(self, conn_id: str) -> Any:  # type: ignore[override]
+            return self.conn
+
+        def _get_client(self, config: dict[str, Any]) -> dict[str, Any]:
+            return config
+
+    return ClientConfig
 
 
 def postgres_dsn(conn: Any) -> str:
-    """libpq DSN of a `postgres` connection (schema = database, as the provider reads it)."""
+    """libpq DSN of a `postgres` connection, from PostgresHook's connect arguments (schema =
+    database, extras as libpq options, an IAM token as the password with `"iam": true`)."""
     if not conn.host:
         raise ValueError("has no host")
     if not conn.schema:
         raise ValueError("has no database (the connection's Schema field)")
-    extra = getattr(conn, "extra_dejson", None) or {}
-    opts = {k: str(v) for k, v in extra.items() if k in LIBPQ_EXTRAS}
-    return psycopg2.extensions.make_dsn(
-        host=conn.host, port=conn.port or 5432, dbname=conn.schema, user=conn.login or None,
-        password=conn.password or None, **opts)
+    args = _postgres_hook()(postgres_conn_id=conn.conn_id, connection=conn).get_conn()
+    password = args.get("password")
+    if password and password != conn.password:
+        _mask_value(str(password))  # a token the hook generated (IAM): a secret too
+    opts = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in args.items()
+            if v is not None and k not in NOT_LIBPQ}
+    try:
+        return psycopg2.extensions.make_dsn(**opts)
+    except psycopg2.ProgrammingError as e:  # an extra libpq does not know
+        raise ValueError(f"has an extra that is no libpq connection option: "
+                         f"{str(e).strip()}") from None
 
 
-def kafka_settings(conn: Any) -> dict[str, str]:
-    """librdkafka settings of a `kafka` connection (its extra, like the Kafka provider's
-    hooks). Keys OffsetFlow owns (group.id, auto-commit, ...) are dropped: offsets live in
-    the ledger and the reader assigns and seeks."""
-    extra = dict(getattr(conn, "extra_dejson", None) or {})
-    if "bootstrap.servers" not in extra and conn.host:
-        extra["bootstrap.servers"] = f"{conn.host}:{conn.port or 9092}"
-    if not extra.get("bootstrap.servers"):
-        raise ValueError("has no bootstrap.servers in its extra")
-    dropped = sorted(k for k in extra if k in FORBIDDEN_CLIENT_KEYS)
+def kafka_settings(conn: Any) -> dict[str, Any]:
+    """librdkafka settings of a `kafka` connection as the Kafka provider's hooks build them.
+    Keys OffsetFlow owns (group.id, auto-commit, ...) are dropped: offsets live in the ledger
+    and the reader assigns and seeks."""
+    snapshot = KafkaConnection(conn.conn_id, copy.deepcopy(dict(conn.extra_dejson or {})))
+    config: dict[str, Any] = dict(_kafka_hook()(snapshot).get_conn)
+    dropped = sorted(k for k in config if k in FORBIDDEN_CLIENT_KEYS)
     if dropped:
         log.info("kafka connection %s: ignoring %s (managed by OffsetFlow)", conn.conn_id,
                  dropped)
-    return {str(k): str(v).lower() if isinstance(v, bool) else str(v)
-            for k, v in extra.items() if k not in FORBIDDEN_CLIENT_KEYS}
+    return {str(k): v for k, v in config.items() if k not in FORBIDDEN_CLIENT_KEYS}
 
 
 def airflow_lookup(conn_id: str) -> Any:
@@ -93,71 +152,105 @@ def resolve(cfg: PipelineConfig, lookup: Lookup | None = None) -> PipelineConfig
     the file: the task may have overridden the file's connections (`postgres_conn_id=`),
     and the driver must read and commit where the task planned. Otherwise Airflow is
     asked for the connections the config names."""
-    values: dict[str, Any] = dict(_handed_over().get(cfg.name) or {})
-    if (cfg.kafka.conn_id and "kafka" not in values) or (cfg.sink.conn_id
-                                                         and "sink" not in values):
-        values = {**_lookup_values(cfg, lookup or airflow_lookup), **values}
+    handed = dict(_handed_over().get(cfg.name) or {})
     out = cfg
-    if "kafka" in values:
-        settings = dict(values["kafka"])
-        bootstrap = settings.pop("bootstrap.servers")
+    kafka: Any = None
+    settings: dict[str, Any] | None = None
+    if "kafka" in handed:
+        k = handed["kafka"]
+        kafka = KafkaConnection(str(k["conn_id"]), dict(k.get("extra") or {}))
+        settings = dict(k["settings"]) if "settings" in k else None
+    elif cfg.kafka.conn_id:
+        kafka = _lookup(cfg, "kafka.conn_id", cfg.kafka.conn_id, "kafka",
+                        lookup or airflow_lookup)
+    if kafka is not None:
+        if settings is None:
+            settings = _convert(cfg, "kafka.conn_id", kafka, kafka_settings)
+        bootstrap = str(settings.pop("bootstrap.servers"))
         # the pipeline's own kafka.client settings override the connection's
-        out = replace(out, bootstrap_servers=bootstrap, client={**settings, **cfg.client})
-    if "sink" in values:
-        out = replace(out, sink=replace(cfg.sink, connection=values["sink"]))
+        out = replace(out, bootstrap_servers=bootstrap, client={**settings, **cfg.client},
+                      kafka=KafkaConfig(conn_id=kafka.conn_id))
+    dsn = handed.get("sink")
+    if dsn is None and cfg.sink.conn_id:
+        conn = _lookup(cfg, "sink.conn_id", cfg.sink.conn_id, "postgres",
+                       lookup or airflow_lookup)
+        dsn = _convert(cfg, "sink.conn_id", conn, postgres_dsn)
+    if dsn is not None:
+        out = replace(out, sink=replace(out.sink, connection=str(dsn)))
     return out
 
 
-def _lookup_values(cfg: PipelineConfig, lookup: Lookup) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for fld, conn_id, convert, want in (
-            ("kafka.conn_id", cfg.kafka.conn_id, kafka_settings, "kafka"),
-            ("sink.conn_id", cfg.sink.conn_id, postgres_dsn, "postgres")):
-        if not conn_id:
-            continue
-        try:
-            conn = lookup(conn_id)
-        except Exception as e:  # noqa: BLE001 - any lookup failure is the user's to fix
-            raise ConfigError(cfg.source_file, fld, f"Airflow connection {conn_id!r} could "
-                                                    f"not be read: {e}") from None
-        if conn.conn_type not in (want, "postgresql" if want == "postgres" else want):
-            raise ConfigError(cfg.source_file, fld, f"Airflow connection {conn_id!r} is of "
-                                                    f"type {conn.conn_type!r}, not {want!r}")
-        try:
-            values[fld.split(".")[0]] = convert(conn)
-        except ValueError as e:
-            raise ConfigError(cfg.source_file, fld,
-                              f"Airflow connection {conn_id!r} {e}") from None
-        _mask(conn)
-    return values
+def _lookup(cfg: PipelineConfig, fld: str, conn_id: str, want: str, lookup: Lookup) -> Any:
+    try:
+        conn = lookup(conn_id)
+    except Exception as e:  # noqa: BLE001 - any lookup failure is the user's to fix
+        raise ConfigError(cfg.source_file, fld, f"Airflow connection {conn_id!r} could "
+                                                f"not be read: {e}") from None
+    if conn.conn_type not in (want, "postgresql" if want == "postgres" else want):
+        raise ConfigError(cfg.source_file, fld, f"Airflow connection {conn_id!r} is of "
+                                                f"type {conn.conn_type!r}, not {want!r}")
+    _mask(conn)
+    return conn
+
+
+def _convert(cfg: PipelineConfig, fld: str, conn: Any, convert: Callable[[Any], Any]) -> Any:
+    """`convert(conn)`; what the hooks refuse (a callback not allow-listed, no
+    bootstrap.servers, an IAM token that could not be made) is a ConfigError naming the
+    connection and the field, without the connection's secrets."""
+    try:
+        return convert(conn)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the hooks' own errors (ValueError, boto, ...)
+        text = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        for secret in _secrets_of(conn):
+            text = text.replace(secret, "***")
+        raise ConfigError(cfg.source_file, fld,
+                          f"Airflow connection {conn.conn_id!r}: {text}") from None
+
+
+def _secrets_of(conn: Any) -> list[str]:
+    out = [str(conn.password)] if getattr(conn, "password", None) else []
+    for k, v in (getattr(conn, "extra_dejson", None) or {}).items():
+        if isinstance(v, str) and v and redact_value(str(k), v) != v:
+            out.append(v)
+    return out
+
+
+def _mask_value(value: str) -> None:
+    try:
+        from airflow.sdk.log import mask_secret
+    except ImportError:  # pragma: no cover - Airflow is optional for the CLI
+        return
+    mask_secret(value)
 
 
 def _mask(conn: Any) -> None:
     """Airflow masks a connection's password when a task reads it; the CLI and pages do not
     log it; mask secrets in the extra too (sasl.password, ssl.key.password, ...)."""
-    try:
-        from airflow.sdk.log import mask_secret
-    except ImportError:  # pragma: no cover - Airflow is optional for the CLI
-        return
-    if conn.password:
-        mask_secret(conn.password)
-    for k, v in (getattr(conn, "extra_dejson", None) or {}).items():
-        if isinstance(v, str) and v and redact_value(str(k), v) != v:
-            mask_secret(v)
+    for secret in _secrets_of(conn):
+        _mask_value(secret)
 
 
-def handover_env(cfg: PipelineConfig) -> dict[str, str]:
-    """The environment a spark-submit driver of `cfg` needs to run without Airflow (empty
-    when the pipeline names no connection). Secret: only for the spark-submit process."""
-    if not uses_connections(cfg):
-        return {}
+def handover_env(cfg: PipelineConfig, lookup: Lookup | None = None) -> dict[str, str]:
+    """The environment a spark-submit driver of the resolved `cfg` needs to run without
+    Airflow (empty when the pipeline names no connection): the Kafka settings as the hook
+    built them here, or, when they hold callbacks (code cannot travel as JSON), the
+    connection's extra, for the driver to build them with the same hook (importing Airflow
+    costs it seconds, so only then); and the DSN as resolved here (an IAM token is made
+    once). Secret: only for the spark-submit process."""
     values: dict[str, Any] = {}
     if cfg.kafka.conn_id:
-        values["kafka"] = {**{k: v for k, v in cfg.client.items()},
-                           "bootstrap.servers": cfg.bootstrap_servers}
+        settings = {**cfg.client, "bootstrap.servers": cfg.bootstrap_servers}
+        if all(v is None or isinstance(v, str | int | float | bool) for v in settings.values()):
+            values["kafka"] = {"conn_id": cfg.kafka.conn_id, "settings": settings}
+        else:
+            conn = _lookup(cfg, "kafka.conn_id", cfg.kafka.conn_id, "kafka",
+                           lookup or airflow_lookup)
+            values["kafka"] = {"conn_id": conn.conn_id, "extra": dict(conn.extra_dejson)}
     if cfg.sink.conn_id:
         values["sink"] = cfg.sink.connection
-    return {HANDOVER_ENV: json.dumps({cfg.name: values})}
+    return {HANDOVER_ENV: json.dumps({cfg.name: values})} if values else {}
 
 
 def _handed_over(env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -138,7 +138,7 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
         with _pipeline_file(cfg, self.config) as path:
             self.application_args, self.conf, self.name, self.env_vars = submit_args(
                 cfg, path, ids, dict(self.conf or {}))
-            with _process_env(connections.handover_env(cfg)):
+            with _process_env(connections.handover_env(cfg, hook.get_connection)):
                 return super().execute(context)
 
 

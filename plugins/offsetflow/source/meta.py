@@ -19,12 +19,15 @@ from confluent_kafka import IsolationLevel, KafkaError, KafkaException, TopicCol
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
-from offsetflow.errors import KafkaUnavailableError
+from offsetflow.errors import KafkaAuthError, KafkaUnavailableError
 from offsetflow.ranges import PartitionOffsets, TopicPartition
 from offsetflow.source.retry import RetryPolicy, is_retriable
 
 log = logging.getLogger(__name__)
 ZERO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"  # Uuid(0, 0): "no topic id"
+# what librdkafka reports (through error_cb) when the brokers refuse the credentials; the
+# call itself only times out on "Broker transport failure", which is worth retrying
+AUTH_CODES = frozenset({KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED})
 T = TypeVar("T")
 
 
@@ -46,10 +49,24 @@ def _failed(where: str, e: KafkaException) -> _CallFailed:
 
 
 class KafkaMetadata:
-    def __init__(self, admin_conf: Mapping[str, str], isolation_level: str = "read_committed",
-                 timeout_s: float = 15.0, retry: RetryPolicy | None = None) -> None:
+    """`origin`: where the client settings come from (e.g. "Airflow connection 'x'"), named
+    when the brokers refuse them."""
+
+    def __init__(self, admin_conf: Mapping[str, Any], isolation_level: str = "read_committed",
+                 timeout_s: float = 15.0, retry: RetryPolicy | None = None,
+                 origin: str = "") -> None:
         self._retry = retry or RetryPolicy()
         self._conf = dict(admin_conf)
+        self._origin = origin
+        self._auth_error: KafkaError | None = None
+        user_cb = self._conf.get("error_cb")
+
+        def on_error(err: KafkaError) -> None:
+            if err.code() in AUTH_CODES:
+                self._auth_error = err
+            if callable(user_cb):  # a callback of the connection's (the provider's way)
+                user_cb(err)
+        self._conf["error_cb"] = on_error
         self._isolation = (IsolationLevel.READ_COMMITTED if isolation_level == "read_committed"
                            else IsolationLevel.READ_UNCOMMITTED)
         self._timeout = timeout_s
@@ -88,6 +105,7 @@ class KafkaMetadata:
                 failed = _failed("", e)
             except _CallFailed as e:
                 failed = e
+            self._check_auth(what)
             where = f" of {failed.where}" if failed.where else ""
             code = failed.code
             if code is None or not is_retriable(code) or \
@@ -100,6 +118,20 @@ class KafkaMetadata:
                         where, failed.error, attempt + 1, len(delays), delays[attempt])
             time.sleep(delays[attempt])
         raise AssertionError("unreachable")
+
+    def _check_auth(self, what: str) -> None:
+        """Raise KafkaAuthError if the brokers refused the credentials (error_cb is served
+        by poll: the failed call only says the transport failed)."""
+        if self._admin is not None:
+            self._admin.poll(0)
+        if self._auth_error is None:
+            return
+        origin = self._origin or "kafka.client"
+        raise KafkaAuthError(
+            f"{what} failed: Kafka at {self._conf.get('bootstrap.servers')} refused the "
+            f"credentials of {origin}: {self._auth_error.str()}. Check the SASL settings "
+            f"(sasl.mechanism, sasl.username, sasl.password, or the OAUTHBEARER callback) of "
+            f"{origin}")
 
     def _cluster(self) -> Any:
         return self._retrying("listing topics",

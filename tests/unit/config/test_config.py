@@ -255,3 +255,23 @@ def test_admin_clients_keep_librdkafka_info_notes_off_the_console() -> None:
     assert parse_pipeline(base(), "o.yaml", ENV).admin_settings()["log_level"] == "4"
     chatty = base(kafka={"bootstrap_servers": "h:1", "client": {"log_level": 7}})
     assert parse_pipeline(chatty, "o.yaml", ENV).admin_settings()["log_level"] == "7"
+
+
+@pytest.mark.parametrize("over,secret", [
+    ({}, "secret"),  # the DSN's password
+    ({"kafka": {"bootstrap_servers": "b:1", "client": {"sasl.password": "kpw-1"}}}, "kpw-1"),
+    ({"sink": {"type": "kafka", "topic": "out", "producer": {"sasl.password": "ppw-2"}}},
+     "ppw-2"),
+    ({"sink": {"type": "iceberg", "table": "ns.t",
+               "catalog": {"warehouse": "file:///tmp/lake",
+                           "properties": {"s3.secret-access-key": "ipw-3"}}}}, "ipw-3"),
+])
+def test_a_configs_repr_shows_no_credentials(over: dict[str, Any], secret: str) -> None:
+    """An exception, a log line or a test failure that shows a config shows its repr: the
+    DSN, client and producer settings and catalog properties are left out of it."""
+    from offsetflow.job.tasks import ReadContext
+
+    cfg = parse_pipeline(base(**over), "p.yaml", ENV)
+    assert secret not in repr(cfg), repr(cfg)
+    rc = ReadContext.of(cfg, 1, cfg.sink.connection or ENV["OFFSETFLOW_PG_DSN"], [])
+    assert "secret" not in repr(rc) and secret not in repr(rc)

@@ -4,7 +4,8 @@ settings, the hand-over to the spark-submit driver, asset URIs (pure; no Airflow
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg2.extensions
@@ -88,7 +89,7 @@ def test_handover_round_trip_needs_no_airflow(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
     cfg = parse_pipeline(raw(), "p.yaml", env={})
     resolved = connections.resolve(cfg, CONNS.__getitem__)
-    env = connections.handover_env(resolved)
+    env = connections.handover_env(resolved, CONNS.__getitem__)
     monkeypatch.setenv(connections.HANDOVER_ENV, env[connections.HANDOVER_ENV])
 
     def no_lookup(conn_id: str) -> Any:
@@ -104,7 +105,8 @@ def test_handover_round_trip_needs_no_airflow(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize("conns,field_,words", [
     ({}, "kafka.conn_id", "'kc' could not be read"),
     ({"kc": Conn("kc", "postgres")}, "kafka.conn_id", "type 'postgres', not 'kafka'"),
-    ({"kc": Conn("kc", "kafka")}, "kafka.conn_id", "no bootstrap.servers"),
+    ({"kc": Conn("kc", "kafka")}, "kafka.conn_id",
+     "Airflow connection 'kc': config['bootstrap.servers'] must be provided"),
     ({"kc": CONNS["kc"], "pc": Conn("pc", "postgres", host="h")}, "sink.conn_id",
      "no database"),
 ])
@@ -140,7 +142,8 @@ def test_handover_wins_over_literal_addresses_in_the_drivers_file(
     monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
     task_cfg = connections.resolve(parse_pipeline(raw(), "p.yaml", env={}), CONNS.__getitem__)
     monkeypatch.setenv(connections.HANDOVER_ENV,
-                       connections.handover_env(task_cfg)[connections.HANDOVER_ENV])
+                       connections.handover_env(task_cfg, CONNS.__getitem__)[
+                           connections.HANDOVER_ENV])
     file_cfg = parse_pipeline(raw(kafka={"bootstrap_servers": "other:1"},
                                   sink={"connection": "dbname=other", "table": "s.t"}),
                               "p.yaml", env={})
@@ -148,3 +151,149 @@ def test_handover_wins_over_literal_addresses_in_the_drivers_file(
         AssertionError("the driver must not look connections up")))
     assert driver.sink.connection == task_cfg.sink.connection
     assert driver.bootstrap_servers == "b1:9092,b2:9092"
+
+
+# -- the providers' hooks build the settings (issue 29 item 3) -------------------------------
+def token_cb(config_str: str) -> tuple[str, float]:
+    """An OAUTHBEARER callback a connection names by its dotted path."""
+    return "token", 0.0
+
+
+CALLBACK = f"{__name__}.token_cb"
+OAUTH = Conn("ko", "kafka", extra_dejson={"bootstrap.servers": "b:9092",
+                                          "security.protocol": "SASL_SSL",
+                                          "sasl.mechanism": "OAUTHBEARER", "oauth_cb": CALLBACK,
+                                          "sasl.oauthbearer.client.secret": "oauth-secret"})
+
+
+def _cfg(**over: Any) -> Any:
+    return parse_pipeline(raw(**over), "p.yaml", env={})
+
+
+def test_an_allow_listed_oauth_callback_is_resolved_here_and_in_the_driver(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Kafka provider resolves `oauth_cb` from its dotted path when `[apache_kafka]
+    callback_allowlist` lists it; the driver gets the connection's extra (a callable cannot
+    travel as JSON) and resolves it with the same hook."""
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    monkeypatch.setenv("AIRFLOW__APACHE_KAFKA__CALLBACK_ALLOWLIST", CALLBACK)
+    conns = {**CONNS, "ko": OAUTH}
+    cfg = _cfg(kafka={"conn_id": "ko"})
+    task = connections.resolve(cfg, conns.__getitem__)
+    assert task.client["oauth_cb"] is token_cb
+    assert task.consumer_settings()["oauth_cb"] is token_cb
+    env = connections.handover_env(task, conns.__getitem__)
+    assert "oauth-secret" in env[connections.HANDOVER_ENV]  # for the driver's process only
+    monkeypatch.setenv(connections.HANDOVER_ENV, env[connections.HANDOVER_ENV])
+    driver = connections.resolve(cfg, lambda conn_id: (_ for _ in ()).throw(
+        AssertionError("the driver must not look connections up")))
+    assert driver.client["oauth_cb"] is token_cb and driver.bootstrap_servers == "b:9092"
+    shown = json.dumps(driver.redacted())
+    assert f"<callback {CALLBACK}>" in shown and "oauth-secret" not in shown
+    assert "oauth-secret" not in repr(driver) and "p w'd" not in repr(driver)
+
+
+def test_a_callback_not_allow_listed_is_refused_naming_the_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    monkeypatch.delenv("AIRFLOW__APACHE_KAFKA__CALLBACK_ALLOWLIST", raising=False)
+    with pytest.raises(ConfigError) as e:
+        connections.resolve(_cfg(kafka={"conn_id": "ko"}), {**CONNS, "ko": OAUTH}.__getitem__)
+    assert e.value.field == "kafka.conn_id"
+    assert "Airflow connection 'ko'" in e.value.message
+    assert "callback_allowlist" in e.value.message and "oauth-secret" not in str(e.value)
+
+
+def test_msk_iam_brokers_get_the_providers_token_callback_or_say_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """OAUTHBEARER to Amazon MSK: the Kafka provider adds its MSK IAM token callback (here
+    the signer library is not installed: the error names the connection and the extra)."""
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    msk = Conn("msk", "kafka", extra_dejson={
+        "bootstrap.servers": "b-1.demo.abcde1.c2.kafka.eu-west-1.amazonaws.com:9098",
+        "security.protocol": "SASL_SSL", "sasl.mechanism": "OAUTHBEARER"})
+    try:
+        import aws_msk_iam_sasl_signer  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError) as e:
+            connections.resolve(_cfg(kafka={"conn_id": "msk"}), {**CONNS, "msk": msk}.__getitem__)
+        assert "'msk'" in e.value.message and "msk" in e.value.message.split(":", 1)[1]
+        assert "aws_msk_iam_sasl_signer" in e.value.message
+    else:  # pragma: no cover - with the extra installed
+        out = connections.resolve(_cfg(kafka={"conn_id": "msk"}), {**CONNS, "msk": msk}.__getitem__)
+        assert callable(out.client["oauth_cb"])
+
+
+def test_postgres_iam_token_becomes_the_dsns_password_and_is_masked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`"iam": true`: PostgresHook makes the password (an RDS/Redshift/Azure token); the DSN
+    carries it, the task's log masker knows it."""
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+    from airflow.sdk.log import redact
+
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    iam = Conn("pi", "postgres", host="db.rds", port=5432, schema="wh", login="app",
+               extra_dejson={"iam": True, "sslmode": "verify-full", "aws_conn_id": "aws_x"})
+    monkeypatch.setattr(PostgresHook, "get_iam_token",
+                        lambda self, conn: ("app", "rds-token-123", 5432))
+    out = connections.resolve(_cfg(sink={"conn_id": "pi", "table": "t"}),
+                              {**CONNS, "pi": iam}.__getitem__)
+    assert psycopg2.extensions.parse_dsn(out.sink.connection) == {
+        "host": "db.rds", "port": "5432", "dbname": "wh", "user": "app",
+        "password": "rds-token-123", "sslmode": "verify-full"}
+    assert "rds-token-123" not in str(redact(f"dsn {out.sink.connection}"))
+
+
+def test_postgres_iam_without_the_amazon_provider_says_what_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    iam = Conn("pi", "postgres", host="db.rds", schema="wh", login="app", password="pw-x",
+               extra_dejson={"iam": True})
+    try:
+        import airflow.providers.amazon  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError) as e:
+            connections.resolve(_cfg(sink={"conn_id": "pi", "table": "t"}),
+                                {**CONNS, "pi": iam}.__getitem__)
+        assert e.value.field == "sink.conn_id" and "Airflow connection 'pi'" in e.value.message
+        assert "apache-airflow-providers-amazon" in e.value.message
+        assert "pw-x" not in str(e.value)
+    else:  # pragma: no cover
+        pytest.skip("the amazon provider is installed")
+
+
+def test_an_extra_libpq_does_not_know_is_an_error_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    odd = Conn("po", "postgres", host="db", schema="wh", login="u", password="pw-y",
+               extra_dejson={"sslmod": "require"})
+    with pytest.raises(ConfigError) as e:
+        connections.resolve(_cfg(sink={"conn_id": "po", "table": "t"}),
+                            {**CONNS, "po": odd}.__getitem__)
+    assert "Airflow connection 'po'" in e.value.message and "sslmod" in e.value.message
+    assert "pw-y" not in str(e.value)
+
+
+def test_the_driver_builds_plain_settings_without_importing_airflow(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Settings without callbacks travel as they are: the spark-submit driver of a SCRAM or
+    SSL pipeline does not import Airflow (seconds per batch), only one with a callback."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    monkeypatch.setenv("AIRFLOW__APACHE_KAFKA__CALLBACK_ALLOWLIST", CALLBACK)
+    (tmp_path / "p.yaml").write_text(json.dumps(raw()))
+    probe = ("import sys; from offsetflow.config import load_pipeline; "
+             "from offsetflow.orchestration.connections import resolve; "
+             f"cfg = resolve(load_pipeline({str(tmp_path / 'p.yaml')!r})); "
+             "print(cfg.bootstrap_servers, type(cfg.client.get('oauth_cb')).__name__, "
+             "'airflow' in sys.modules)")
+    for conns, expect in (({**CONNS}, "b1:9092,b2:9092 NoneType False"),
+                          ({**CONNS, "kc": replace(OAUTH, conn_id="kc")},
+                           "b:9092 function True")):
+        task = connections.resolve(_cfg(), conns.__getitem__)
+        env = {**os.environ, **connections.handover_env(task, conns.__getitem__)}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.split("\n")[-2:] == [expect, ""], out.stderr[-3000:]

@@ -75,6 +75,9 @@ class _Admin:
         self.errors = errors
         self.calls = 0
 
+    def poll(self, timeout: float) -> int:  # serves error_cb (nothing to serve here)
+        return 0
+
     def list_offsets(self, req: Any, **_: Any) -> dict[Any, _Done]:
         err = self.errors[self.calls] if self.calls < len(self.errors) else None
         self.calls += 1
