@@ -157,6 +157,8 @@ def _window_conf(args: argparse.Namespace) -> dict[str, object]:
             conf[k] = v
     if args.dry_run:
         conf["dry_run"] = True
+    if args.allow_duplicates:
+        conf["allow_duplicates"] = True
     return conf
 
 
@@ -289,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
         if kind == "backfill":
             sp.add_argument("--target-table")
         sp.add_argument("--dry-run", action="store_true")
+        sp.add_argument("--allow-duplicates", action="store_true",
+                        help="write the window again into a Kafka sink's replay_topic that "
+                             "an earlier replay or backfill already wrote it to")
         sp.add_argument("--local", action="store_true",
                         help="run here instead of triggering the Airflow DAG")
         sp.set_defaults(fn=cmd_window)

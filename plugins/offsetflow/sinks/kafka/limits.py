@@ -15,10 +15,10 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 from psycopg2 import sql
 
-from offsetflow.commit import dead_letters_from
+from offsetflow.commit import LINEAGE_COLUMN, dead_letters_from
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
-from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger import Batch, qualified, stage_table
 from offsetflow.sinks.kafka.form import BATCH_OVERHEAD, record_limit
 from offsetflow.sinks.kafka.mark import NotProduced
 
@@ -228,6 +228,38 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
         raise StagedRowsLostError(batch.batch_id, None, f"{len(skipped)} records the "
                                                         f"Kafka transaction left out, "
                                                         f"{n} of them in the stage")
+
+
+def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
+                                batch: Batch) -> int:
+    """A replay or backfill batch's dead letters replace those that earlier replays and
+    backfills of its ranges into the same side topic (the batch's `target_table`,
+    `kafka:<topic>`) left, in the ledger's transaction, as a replay replaces its window's
+    dead letters in a table. The live batches' stay: the live topic still lacks those
+    records (a replay into a side topic does not touch it), and so do another side
+    topic's. Returns how many were removed."""
+    dl = cfg.dead_letter_table
+    if batch.kind not in ("replay", "backfill") or not dl:
+        return 0
+    cur.execute("SELECT to_regclass(%s)", (dl,))
+    row = cur.fetchone()
+    if row is None or row[0] is None:
+        return 0
+    removed = 0
+    for r in batch.ranges:
+        cur.execute(sql.SQL(
+            "DELETE FROM {dl} d USING offsetflow.batches b WHERE d.{lin} = b.batch_id "
+            "AND b.pipeline = %s AND b.target_table = %s AND b.kind IN ('replay', 'backfill') "
+            "AND b.batch_id <> %s AND d.pipeline = %s AND d.topic = %s AND d.partition = %s "
+            "AND d.\"offset\" >= %s AND d.\"offset\" < %s").format(
+                dl=qualified(dl), lin=sql.Identifier(LINEAGE_COLUMN)),
+            (batch.pipeline, batch.target_table, batch.batch_id, batch.pipeline, r.topic,
+             r.partition, r.from_offset, r.until_offset))
+        removed += cur.rowcount
+    if removed:
+        log.info("batch %d: %d dead letters of earlier %s windows into %s replaced",
+                 batch.batch_id, removed, batch.kind, batch.target_table)
+    return removed
 
 
 def note_output_partitions(cur: psycopg2.extensions.cursor, batch: Batch, topic: str,

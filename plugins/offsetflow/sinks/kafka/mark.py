@@ -172,6 +172,15 @@ def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
             f"to its live output topic {sink.topic}; writing them there again would "
             f"duplicate them (Kafka cannot delete records). Name a side topic in "
             f"sink.replay_topic and run the batch again, or abandon it")
+    planned = batch.target_table.removeprefix("kafka:")
+    if batch.target_table.startswith("kafka:") and planned != sink.replay_topic:
+        # the refusal of a window already written there compared the topic recorded here
+        raise ConfigError(
+            source_file, "sink.replay_topic",
+            f"{batch.kind} batch {batch.batch_id} was planned into side topic {planned}, but "
+            f"the config now names {sink.replay_topic}; restore sink.replay_topic to "
+            f"{planned} to run it, or abandon it and ask for the window again into "
+            f"{sink.replay_topic}")
     return sink.replay_topic
 
 

@@ -47,6 +47,7 @@ from offsetflow.sinks.kafka.form import (
 from offsetflow.sinks.kafka.limits import (
     TIMESTAMP_MARGIN_MS,
     note_output_partitions,
+    replace_window_dead_letters,
     route_not_produced,
 )
 from offsetflow.sinks.kafka.mark import (
@@ -143,6 +144,7 @@ class KafkaTopicSink(KafkaTransaction):
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  mark.group(batch))
         # the records that transaction left out go to the dead-letter table as it did
+        replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
                            stage_gone=self.stage_gone)
         if self.stage_gone:
@@ -243,6 +245,7 @@ class KafkaTopicSink(KafkaTransaction):
         self._open_txn = False
         _fault_point("kill_after_commit")
         note_output_partitions(cur, batch, topic, len(md.partitions), not by_source)
+        replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
         moved = Moved(rows=produced, dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)

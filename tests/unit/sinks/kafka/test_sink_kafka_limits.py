@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from confluent_kafka import KafkaError
 
+from offsetflow.errors import RequestError
+from offsetflow.plan import parse_request
 from offsetflow.sinks.kafka.limits import LONG_MAX, TopicSettings
 from offsetflow.sinks.kafka.mark import CommitMark, NotProduced, not_produced_in
 from offsetflow.sinks.kafka.refusals import judge, primary, refusal_error
@@ -125,3 +127,11 @@ def test_a_refusal_no_record_explains_names_the_record_and_the_setting() -> None
     msg = refusal_error(batch(), "out", [f], {}, s, 1000)
     assert "not found in the stage" in msg
 
+
+def test_allow_duplicates_is_a_flag_of_the_request() -> None:
+    base = {"pipeline": "orders", "from_offset": 0, "until_offset": 5}
+    assert not parse_request("replay", base).allow_duplicates
+    assert parse_request("replay", {**base, "allow_duplicates": "true"}).allow_duplicates
+    assert parse_request("backfill", {**base, "allow_duplicates": True}).allow_duplicates
+    with pytest.raises(RequestError, match="allow_duplicates"):
+        parse_request("replay", {**base, "allow_duplicates": "maybe"})
