@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -25,6 +27,7 @@ from offsetflow.errors import KafkaSinkError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.ops import plan_only
+from offsetflow.sinks.kafka.sink import FAULT_ENV
 from tests.tooling import chaos
 from tests.tooling.chaos import dead_letters
 from tests.tooling.topic_checker import read_topic
@@ -208,3 +211,49 @@ def test_an_output_topic_deleted_between_batches_is_refused_and_recreated_grown_
     got = read_topic(kafka_bootstrap, out)
     assert sorted(r.key or b"" for r in got) == sorted(keys) and {r.value for r in got} == {
         b"second"}
+
+
+@pytest.mark.slow
+def test_killed_after_a_commit_that_left_out_refused_records_the_next_run_routes_them(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path) -> None:
+    """A commit whose passes left out a record only the broker refused (compressed, over
+    the limit alone) and one with a refused timestamp records both in its offset metadata;
+    killed before the ledger's commit, the next run finds the commit, produces nothing again
+    and routes the same two records, each with its reason."""
+    src = make_topic("kmk-src", 2, {"message.timestamp.after.max.ms": str(7 * DAY_MS)})
+    out = make_topic("kmk-out", 2, {"max.message.bytes": "2000",
+                                    "message.timestamp.after.max.ms": "3600000"})
+    small = [(i % 2, f"k{i}".encode(), f"{i:05d}".encode() * 40, 0) for i in range(40)]
+    ahead = int(time.time() * 1000) + 3 * 3_600_000
+    coords = produce(kafka_bootstrap, src, [*small[:20], (1, b"noise", os.urandom(3000), 0),
+                                            (0, b"ahead", b"later", ahead), *small[20:]])
+    name = f"kmk_{unique}"
+    file = tmp_path / f"{name}.yaml"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [src]}, "format": {"type": "raw"},
+           "sink": {"type": "kafka", "connection": pg_dsn, "topic": out, "value_format": "raw",
+                    "producer": {"compression.type": "lz4"}},
+           "bad_records": "dead_letter", "dead_letter_table": f"{name}_dead"}
+    file.write_text(yaml.safe_dump(raw))
+    cfg = parse_pipeline(raw, str(file), {})
+    bid = planned(cfg, pg_dsn)
+    proc = chaos.run_batch_process(file, bid, tmp_path / "job.log",
+                                   env={FAULT_ENV: "kill_after_commit"})
+    try:
+        assert proc.wait(timeout=600) == -9, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            chaos.kill(proc)
+    assert status(pg_dsn, bid) != "committed"
+    assert dead_letters(pg_dsn, f"{name}_dead", name) == []
+    res = run_batch(spark, cfg, bid, pg_dsn).result
+    assert (res.status, res.rows_written, res.bad_records) == ("committed", 40, 2)
+    assert len(read_topic(kafka_bootstrap, out, "read_committed")) == 40
+    # the aborted pass's records are in the log, the committed pass's once, none again
+    assert len(read_topic(kafka_bootstrap, out, "read_uncommitted")) < 2 * 40 + 2
+    dead = {(d.topic, d.partition, d.offset): d.error
+            for d in dead_letters(pg_dsn, f"{name}_dead", name)}
+    assert set(dead) == {(src, *coords[20]), (src, *coords[21])}
+    assert "max.message.bytes" in dead[(src, *coords[20])]
+    assert "message.timestamp.after.max.ms" in dead[(src, *coords[21])]
