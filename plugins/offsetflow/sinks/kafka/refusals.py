@@ -1,9 +1,9 @@
 """What the broker refused of a Kafka sink's transaction, and why (the failure path of
 `offsetflow.sinks.kafka.sink`; nothing here runs while records are produced).
 
-A delivery report carries the failed message's partition, key, value and timestamp, but no
-headers, so `find_sources` scans the stage once more and finds each failed message's source
-record by key, value digest and timestamp. `judge` then tells a record refused for itself,
+A delivery report carries the failed message's partition, key and value, but no headers
+(nor a timestamp), so `find_sources` scans the stage once more and finds each failed
+message's source records by key and value digest. `judge` then tells a record refused for itself,
 which no run can produce as it is (over the topic's size limit alone in its record batch,
 a timestamp the topic refuses, a keyless record for a compacted topic: a `NotProduced` for
 the dead-letter table), from records refused only with the record batch they were in, and

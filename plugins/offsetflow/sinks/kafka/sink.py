@@ -12,7 +12,10 @@ Inside the commit's still-open ledger transaction, with the batch row locked:
   `write`: the stage in source order (a server-side cursor, bounded memory) is produced in
     one transaction, the batch's until_offsets go into the same transaction with
     `send_offsets_to_transaction` (KIP-98), and it commits. Output and the record of the
-    commit are visible together or not at all; the ledger's COMMIT follows.
+    commit are visible together or not at all; the ledger's COMMIT follows. The producer
+    follows the output topic's settings (`offsetflow.sinks.kafka.limits.TopicSettings`);
+    a record the broker refused for itself is found after the abort
+    (`offsetflow.sinks.kafka.refusals`) and left out of a new transaction of the attempt.
 Which names, which topic and how a row becomes a record: `offsetflow.sinks.kafka.form`; the
 producer and its transaction (open, send offsets, commit, retry, abort, fence):
 `offsetflow.sinks.kafka.txn`.
@@ -268,7 +271,7 @@ class KafkaTopicSink(KafkaTransaction):
         lo, hi = bounds or (0, 0)
         skipped: list[NotProduced] = []
         by_source = self.sink.partitioning == "source"
-        self._failed, self._failures = [], 0
+        self._failed = []
         try:
             p.begin_transaction()
         except KafkaException as e:  # a newer run fenced this one after the last pass

@@ -59,7 +59,6 @@ class KafkaTransaction:
         self._consumer: Consumer | None = None
         self._txn_id = ""
         self._failed: list[Failed] = []  # this transaction's delivery errors (`Failed`)
-        self._failures = 0
         self.settings = TopicSettings("")  # the output topic's, read by `_open`
         self.batch_bytes = PRODUCER_BATCH_BYTES  # the producer's batch.size, set by `_open`
         self._open_txn = False  # begun, neither committed nor aborted by this run
@@ -125,11 +124,9 @@ class KafkaTransaction:
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
         """Only errors are reported (delivery.report.only.error). A report carries no
-        headers: the failure path finds the source record by key, value and timestamp."""
-        if err is None:
-            return
-        self._failures += 1
-        if len(self._failed) < MAX_FAILED:
+        headers (nor, for a failed message, a timestamp): the failure path finds the source
+        record by key and value."""
+        if err is not None and len(self._failed) < MAX_FAILED:
             ts = msg.timestamp()
             self._failed.append(Failed(err.code(), err.str(), msg.partition(), msg.key(),
                                        value_digest(msg.value()), ts[1] if ts else 0))
