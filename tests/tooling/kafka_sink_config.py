@@ -18,7 +18,8 @@ def raw(**sink: Any) -> dict[str, Any]:
             "sink": {"type": "kafka", **sink}}
 
 
-def batch(bid: int = 7, kind: str = "scheduled", moves: bool = True) -> Batch:
+def batch(bid: int = 7, kind: str = "scheduled", moves: bool = True,
+          target: str = "kafka:out") -> Batch:
     return Batch(bid, "orders", kind, "running",
                  (OffsetRange("in", 0, 10, 20), OffsetRange("in", 1, 5, 5)),
-                 "kafka:out", moves_positions=moves)
+                 target, moves_positions=moves)

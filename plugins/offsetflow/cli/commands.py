@@ -159,6 +159,8 @@ def _window_conf(args: argparse.Namespace) -> dict[str, object]:
             conf[k] = v
     if args.dry_run:
         conf["dry_run"] = True
+    if args.allow_duplicates:
+        conf["allow_duplicates"] = True
     return conf
 
 
@@ -337,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="write into this table instead of the sink's own")
         sp.add_argument("--dry-run", action="store_true",
                         help="show the batches it would plan; plan and write nothing")
+        sp.add_argument("--allow-duplicates", action="store_true",
+                        help="write the window again into a Kafka sink's replay_topic that "
+                             "an earlier replay or backfill already wrote it to")
         sp.add_argument("--local", action="store_true",
                         help="run here instead of triggering the Airflow DAG")
         sp.add_argument("--airflow-url",

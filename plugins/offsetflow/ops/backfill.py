@@ -2,13 +2,15 @@
 
 Both never move the pipeline's live positions (`moves_positions = false`) and both
 *replace* what the window produced before in the target, in the commit transaction, so a
-range is never duplicated. A replay only covers offsets the pipeline already committed.
+range is never duplicated; a target that cannot replace it (a Kafka topic) refuses a
+window earlier windows already wrote there instead, unless the request allows duplicates
+(`Sink.check_window_repeat`). A replay only covers offsets the pipeline already committed.
 
 Steps of `submit_window`: resolve the window against Kafka (timestamps to offsets);
 refuse offsets that are gone from Kafka; under the pipeline lock refuse a replay, or a
 backfill into the pipeline's own table, that reaches beyond the live position (the live
-batches write those offsets), and a window that overlaps an open batch; insert one batch
-per cut, in order; commit.
+batches write those offsets), a window that overlaps an open batch, and a window the
+target already holds and cannot replace; insert one batch per cut, in order; commit.
 """
 
 from __future__ import annotations
@@ -100,12 +102,17 @@ def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
     if req.kind == "replay":
         check_replay_window(window, committed)
     refused = None
+    topic_ids = kafka.topic_ids(topics)
     try:  # a dry run shows the refusal in its report; submit_window raises it
         check_live_positions(cfg, req, window, committed)
+        with ledger.transaction() as cur:
+            sink_for(cfg).check_window_repeat(cur, req.kind, req.target_table,
+                                              window_ranges(window), topic_ids,
+                                              req.allow_duplicates)
     except RequestError as e:
         refused = str(e)
     return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone,
-                      kafka.topic_ids(topics), refused)
+                      topic_ids, refused)
 
 
 def check_live_positions(cfg: PipelineConfig, req: WindowRequest,
@@ -136,9 +143,17 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
         if overlapping:
             raise RequestError(f"the window overlaps open batch(es) {overlapping} of pipeline "
                                f"{cfg.name}; wait for them to commit or abandon them")
-        params = {"window": {f"{tp[0]}/{tp[1]}": list(w) for tp, w in wp.window.items()},
-                  "records_per_batch": wp.request.records_per_batch}
-        target = sink_for(cfg).window_target(wp.target_table)  # e.g. a Kafka side topic
+        sink = sink_for(cfg)
+        # a target that cannot replace what an earlier window wrote there (a Kafka topic)
+        sink.check_window_repeat(cur, wp.request.kind, wp.target_table,
+                                 window_ranges(wp.window), wp.topic_ids,
+                                 wp.request.allow_duplicates)
+        params: dict[str, Any] = {
+            "window": {f"{tp[0]}/{tp[1]}": list(w) for tp, w in wp.window.items()},
+            "records_per_batch": wp.request.records_per_batch}
+        if wp.request.allow_duplicates:
+            params["allow_duplicates"] = True
+        target = sink.window_target(wp.target_table)  # e.g. a Kafka side topic
         for ranges in wp.batches:
             ids.append(ledger.insert_batch(
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,

@@ -87,6 +87,9 @@ def _window_params(kind: str) -> dict[str, Param]:
                                    title="Offsets per batch"),
         "dry_run": Param(False, type="boolean", title="Dry run",
                          description="Only report the ranges and what is gone from Kafka"),
+        "allow_duplicates": Param(False, type="boolean", title="Allow duplicates",
+                                  description="Kafka sink: write the window again into a "
+                                              "replay_topic that already holds it"),
     }
     if kind == "backfill":
         params["target_table"] = Param(None, type=["null", "string"], title="Target table",

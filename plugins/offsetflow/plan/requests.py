@@ -32,6 +32,9 @@ class WindowRequest:
     records_per_batch: int = 100_000
     target_table: str | None = None  # backfill only: a side table instead of the sink
     dry_run: bool = False
+    # write the window again where an earlier window put it and it cannot be replaced
+    # (a Kafka sink's replay_topic): the user accepts the copies
+    allow_duplicates: bool = False
 
     @property
     def by_time(self) -> bool:
@@ -126,7 +129,20 @@ def parse_request(kind: str, conf: Mapping[str, Any]) -> WindowRequest:
                          partitions=partitions, from_offsets=frm, until_offsets=until,
                          from_timestamp_ms=from_ts, until_timestamp_ms=until_ts,
                          records_per_batch=rpb, target_table=str(target) if target else None,
-                         dry_run=bool(conf.get("dry_run", False)))
+                         dry_run=bool(conf.get("dry_run", False)),
+                         allow_duplicates=_flag(conf.get("allow_duplicates"),
+                                                "allow_duplicates"))
+
+
+def _flag(v: Any, name: str) -> bool:
+    if v in (None, "", False, True):
+        return bool(v)
+    s = str(v).strip().lower()
+    if s in ("true", "1", "yes"):
+        return True
+    if s in ("false", "0", "no"):
+        return False
+    raise RequestError(f"{name} must be true or false, got {v!r}")
 
 
 def resolve_window(req: WindowRequest, tps: list[TopicPartition],

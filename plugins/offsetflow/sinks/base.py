@@ -14,7 +14,7 @@ Defaults are those of a sink that writes rows into a table with the pipeline's n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import psycopg2.extensions
@@ -22,6 +22,7 @@ import psycopg2.extensions
 from offsetflow.commit import CommitSpec, ExternalSink
 from offsetflow.config import PipelineConfig, split_table_name
 from offsetflow.ledger import Batch
+from offsetflow.ranges import OffsetRange
 
 if TYPE_CHECKING:
     from offsetflow.sinks.iceberg import TaskFiles
@@ -79,6 +80,15 @@ class Sink(ABC):
     def check_window_target(self, kind: str, target_table: str | None) -> None:
         """Refuse (RequestError) a `kind` window (replay, backfill) into `target_table`
         (None: the sink's own) that this sink cannot write."""
+        return None
+
+    def check_window_repeat(self, cur: psycopg2.extensions.cursor, kind: str,
+                            target_table: str | None, ranges: Sequence[OffsetRange],
+                            topic_ids: Mapping[str, str], allow_duplicates: bool) -> None:
+        """Refuse (RequestError) a `kind` window into `target_table` (None: the sink's own)
+        that earlier windows already wrote there when the target cannot replace what they
+        wrote (a Kafka topic), unless `allow_duplicates`. A table replaces it (the commit
+        deletes the window's rows first): nothing to refuse."""
         return None
 
     def owns_table(self, name: str) -> bool:

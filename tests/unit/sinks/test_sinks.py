@@ -96,7 +96,8 @@ def test_only_an_iceberg_append_from_the_fused_path_has_the_tasks_write_files() 
 
 def test_a_kafka_replay_without_a_side_topic_is_refused_before_reading() -> None:
     sink_for(kafka()).check_before_read(batch())  # live: the live topic
-    sink_for(kafka(replay_topic="o.replay")).check_before_read(batch("replay", "kafka:x"))
+    sink_for(kafka(replay_topic="o.replay")).check_before_read(
+        batch("replay", "kafka:o.replay"))
     with pytest.raises(ConfigError, match=r"batch 7 is a replay of offsets.*sink.replay_topic"):
         sink_for(kafka()).check_before_read(batch("replay", "kafka:o"))
     for cfg in (postgres(), iceberg()):

@@ -11,6 +11,7 @@ first (`check_columns`), fetches are sized by the largest staged row (`row_bytes
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,15 @@ def record_size(key: bytes | None, value: bytes | str | None,
     (a str as its UTF-8 bytes)."""
     return (RECORD_OVERHEAD + _len(key) + _len(value)
             + sum(HEADER_OVERHEAD + len(k.encode()) + _len(v) for k, v in headers))
+
+
+def value_digest(value: bytes | str | None) -> bytes | None:
+    """A short digest of a record value as produced (a str as its UTF-8 bytes): what the
+    failure path keeps of a failed message to find its source record again."""
+    if value is None:
+        return None
+    return hashlib.blake2b(value.encode() if isinstance(value, str) else value,
+                           digest_size=16).digest()
 
 
 def _len(v: bytes | str | None) -> int:
@@ -142,18 +152,35 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
 _SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
 
 
-def row_bytes_sql(columns: Mapping[str, str], stage: sql.Composable) -> sql.Composed:
-    """The largest staged row in bytes: its text, bytea and json columns (no value is
-    detoasted: octet_length reads the stored length; jsonb its stored size) plus a fixed
-    allowance per other column. What the driver holds per row fetched is a few times that
-    (bytea arrives as hex, then bytes): `rows_per_fetch` sizes its fetches by it."""
+def stage_extent_sql(columns: Mapping[str, str], stage: sql.Composable) -> sql.Composed:
+    """One scan of the stage: the largest staged row in bytes (`row_bytes_sql`) and the
+    earliest and latest record timestamp (epoch ms, as `select_sql` gives them; NULLs when
+    the rows have none), so the sink checks timestamps per record only when some are
+    outside what the output topic takes."""
+    ts = columns.get("timestamp", "").startswith("timestamp")
+    agg = (sql.SQL("(extract(epoch FROM min(s.\"timestamp\")) * 1000)::bigint, "
+                   "(extract(epoch FROM max(s.\"timestamp\")) * 1000)::bigint")
+           if ts else sql.SQL("NULL::bigint, NULL::bigint"))
+    return sql.SQL("SELECT ({}), {} FROM {} s").format(
+        _largest_row(columns), agg, stage)
+
+
+def _largest_row(columns: Mapping[str, str]) -> sql.Composed:
     var = [(c, t) for c, t in columns.items() if t in ("text", "bytea", "json", "jsonb")]
     parts = [sql.SQL("coalesce({}(s.{}), 0)").format(
         sql.SQL("octet_length" if t in ("text", "bytea") else "pg_column_size"),
         sql.Identifier(c)) for c, t in var]
     fixed = sql.Literal(_SCALAR_BYTES * (len(columns) - len(var)))
-    return sql.SQL("SELECT coalesce(max({}), 0) + {} FROM {} s").format(
-        sql.SQL(" + ").join(parts) if parts else sql.SQL("0"), fixed, stage)
+    return sql.SQL("coalesce(max({}), 0) + {}").format(
+        sql.SQL(" + ").join(parts) if parts else sql.SQL("0"), fixed)
+
+
+def row_bytes_sql(columns: Mapping[str, str], stage: sql.Composable) -> sql.Composed:
+    """The largest staged row in bytes: its text, bytea and json columns (no value is
+    detoasted: octet_length reads the stored length; jsonb its stored size) plus a fixed
+    allowance per other column. What the driver holds per row fetched is a few times that
+    (bytea arrives as hex, then bytes): `rows_per_fetch` sizes its fetches by it."""
+    return sql.SQL("SELECT {} FROM {} s").format(_largest_row(columns), stage)
 
 
 def rows_per_fetch(max_row_bytes: int, budget_bytes: int, max_rows: int) -> int:

@@ -1,12 +1,13 @@
 """The Kafka topic sink's look-ups and routing around its transaction
-(`offsetflow.sinks.kafka.sink`): what the broker allows (the record size limit and compaction of
-the output topic, the longest transaction) and the records the topic can never take, moved
-to the dead-letter table in the ledger's transaction."""
+(`offsetflow.sinks.kafka.sink`): what the broker allows (the output topic's settings it
+enforces on produce, `TopicSettings`; the longest transaction) and the records the topic can
+never take, moved to the dead-letter table in the ledger's transaction."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg2.extensions
@@ -14,11 +15,11 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 from psycopg2 import sql
 
-from offsetflow.commit import dead_letters_from
+from offsetflow.commit import LINEAGE_COLUMN, dead_letters_from
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
-from offsetflow.ledger import Batch, stage_table
-from offsetflow.sinks.kafka.form import record_limit
+from offsetflow.ledger import Batch, qualified, stage_table
+from offsetflow.sinks.kafka.form import BATCH_OVERHEAD, record_limit
 from offsetflow.sinks.kafka.mark import NotProduced
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,9 @@ TXN_TIMEOUT_CAP_MS = 900_000
 TXN_TIMEOUT_FALLBACK_MS = 300_000
 
 
-def broker_txn_timeout_ms(cfg: PipelineConfig, batch: Batch, timeout_s: float) -> int:
+def broker_txn_timeout_ms(admin: AdminClient, batch: Batch, timeout_s: float) -> int:
     """The longest transaction the broker allows (transaction.max.timeout.ms), capped;
     a longer transaction.timeout.ms would fail init_transactions."""
-    admin = AdminClient(dict(cfg.admin_settings()))  # type: ignore[arg-type]
     try:
         brokers = sorted(admin.list_topics(timeout=timeout_s).brokers)
         res = ConfigResource("broker", str(brokers[0]))
@@ -48,25 +48,138 @@ def broker_txn_timeout_ms(cfg: PipelineConfig, batch: Batch, timeout_s: float) -
     return min(allowed, TXN_TIMEOUT_CAP_MS)
 
 
-def topic_limits(cfg: PipelineConfig, batch: Batch, topic: str, timeout_s: float
-                 ) -> tuple[int, bool]:
-    """The record size limit for `topic` and whether it is compacted (then a keyless
-    record is refused by the broker, which aborts the whole transaction)."""
-    assert cfg.sink.kafka is not None
-    producer = cfg.sink.kafka.producer
-    admin = AdminClient(dict(cfg.admin_settings()))  # type: ignore[arg-type]
+# the topic-level settings `TopicSettings` reads (their broker-level defaults included:
+# DescribeConfigs answers with the value in force)
+TOPIC_CONFIGS = ("max.message.bytes", "segment.bytes", "cleanup.policy", "compression.type",
+                 "message.timestamp.type", "message.timestamp.before.max.ms",
+                 "message.timestamp.after.max.ms", "message.timestamp.difference.max.ms",
+                 "min.insync.replicas")
+LONG_MAX = 2**63 - 1
+# the broker checks a timestamp when it appends the record, on its own clock: a record
+# this close to a bound is taken as refused (a retry later would be refused anyway)
+TIMESTAMP_MARGIN_MS = 5_000
+# the most a record batch grows when the broker compresses it into the topic's codec
+# (librdkafka sends a batch uncompressed when compression would grow it; the broker then
+# compresses it all the same), and the codec's own framing
+CODEC_GROWTH = {"gzip": 1 / 1000, "snappy": 1 / 6, "lz4": 1 / 255, "zstd": 1 / 128}
+CODEC_FRAMING = 64
+PRODUCER_BATCH_BYTES = 1_000_000  # librdkafka's default batch.size
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    """What the output topic's broker-side settings ask of what the sink produces, so that
+    none of them refuses a batch on every run: the record batch size (`max.message.bytes`,
+    and `segment.bytes`, which the broker also holds a batch to), the codec the broker
+    stores (`compression.type`: a codec other than the producer's is recompressed by the
+    broker and may grow), keyless records (`cleanup.policy=compact`), timestamps
+    (`message.timestamp.*`) and the in-sync replicas acks=all needs
+    (`min.insync.replicas`). None: not set, or the configs could not be read."""
+
+    topic: str
+    max_message_bytes: int | None = None
+    segment_bytes: int | None = None
+    compacted: bool = False
+    codec: str | None = None  # the topic's compression.type when it names one ("none")
+    log_append_time: bool = False
+    before_max_ms: int | None = None  # None: no bound
+    after_max_ms: int | None = None
+    min_insync: int | None = None
+
+    @staticmethod
+    def parse(topic: str, entries: Mapping[str, str | None]) -> TopicSettings:
+        """From DescribeConfigs' answer (name -> value)."""
+
+        def num(name: str) -> int | None:
+            v = entries.get(name)
+            try:
+                n = int(str(v))
+            except ValueError:
+                return None
+            return None if n >= LONG_MAX or n < 0 else n
+
+        diff = num("message.timestamp.difference.max.ms")  # before Kafka 4: both ways
+
+        def bound(name: str) -> int | None:
+            b = num(name)
+            return b if diff is None else diff if b is None else min(b, diff)
+
+        codec = str(entries.get("compression.type") or "producer").lower()
+        return TopicSettings(
+            topic=topic, max_message_bytes=num("max.message.bytes"),
+            segment_bytes=num("segment.bytes"),
+            compacted="compact" in str(entries.get("cleanup.policy") or ""),
+            codec=None if codec == "producer" else "none" if codec == "uncompressed" else codec,
+            log_append_time=str(entries.get("message.timestamp.type")) == "LogAppendTime",
+            before_max_ms=bound("message.timestamp.before.max.ms"),
+            after_max_ms=bound("message.timestamp.after.max.ms"),
+            min_insync=num("min.insync.replicas"))
+
+    @property
+    def batch_limit(self) -> int | None:
+        """The largest record batch the broker appends to the topic."""
+        sizes = [s for s in (self.max_message_bytes, self.segment_bytes) if s is not None]
+        return min(sizes) if sizes else None
+
+    def stored_codec(self, producer: Mapping[str, Any]) -> str:
+        """The codec the topic's batches are stored in: the topic's, else the producer's."""
+        return self.codec or str(producer.get("compression.type",
+                                              producer.get("compression.codec", "none")))
+
+    def producer_settings(self, producer: Mapping[str, Any]) -> dict[str, Any]:
+        """What the producer must use for this topic, over `sink.producer`: the topic's
+        codec (the broker would recompress into it anyway, and a batch it recompresses
+        may outgrow the limit), and `batch.size` capped so that a record batch, even
+        recompressed by the broker, fits `batch_limit` (librdkafka's batches of up to 1 MB
+        otherwise fail every run on a topic with a small max.message.bytes)."""
+        out: dict[str, Any] = {}
+        if self.codec is not None:
+            out["compression.type"] = self.codec
+        limit = self.batch_limit
+        if limit is not None:
+            cap = limit - BATCH_OVERHEAD
+            if self.codec not in (None, "none"):
+                cap = int((cap - CODEC_FRAMING) / (1 + CODEC_GROWTH.get(self.codec, 1 / 6)))
+            wanted = int(producer.get("batch.size", PRODUCER_BATCH_BYTES))
+            if wanted > cap:
+                out["batch.size"] = max(1, cap)
+        return out
+
+    def record_limit(self, producer: Mapping[str, Any]) -> int:
+        """The largest record the sink can produce (checked before producing): the
+        producer's message.max.bytes, and the topic's batch limit unless the topic stores
+        compressed batches (then the broker's answer decides; a record it refuses alone is
+        found by the failure path)."""
+        compressed = self.stored_codec(producer) != "none"
+        return record_limit(producer, None if compressed else self.batch_limit)
+
+    def timestamp_bounds(self, now_ms: int, margin_ms: int = TIMESTAMP_MARGIN_MS
+                         ) -> tuple[int, int]:
+        """The record timestamps (epoch ms) the topic takes now, `margin_ms` inside its
+        bounds; every timestamp for a LogAppendTime topic (the broker stamps its own)."""
+        if self.log_append_time:
+            return -LONG_MAX, LONG_MAX
+        lo = -LONG_MAX if self.before_max_ms is None else now_ms - self.before_max_ms + margin_ms
+        hi = LONG_MAX if self.after_max_ms is None else now_ms + self.after_max_ms - margin_ms
+        return lo, hi
+
+
+def topic_settings(admin: AdminClient, batch: Batch, topic: str, timeout_s: float
+                   ) -> TopicSettings:
+    """The output topic's settings; none known when they cannot be read (no
+    DescribeConfigs ACL, the topic not there): records are then checked against the
+    producer's limits only, and the failure path names what the broker refuses."""
     try:
         futures = admin.describe_configs([ConfigResource("topic", topic)],
                                          request_timeout=timeout_s)
         entries = next(iter(futures.values())).result(timeout=timeout_s)
-    except KafkaException as e:  # e.g. no DescribeConfigs ACL: the producer's limit
+    except KafkaException as e:
         log.warning("batch %d: cannot read the configs of %s (%s); records are checked "
                     "against the producer's message.max.bytes only", batch.batch_id,
                     topic, e)
-        return record_limit(producer, None), False
-    tmax, policy = entries.get("max.message.bytes"), entries.get("cleanup.policy")
-    limit = record_limit(producer, int(tmax.value) if tmax is not None and tmax.value else None)
-    return limit, policy is not None and "compact" in str(policy.value or "")
+        return TopicSettings(topic)
+    return TopicSettings.parse(topic, {k: entries[k].value for k in TOPIC_CONFIGS
+                                       if k in entries})
 
 
 def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
@@ -115,3 +228,61 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
         raise StagedRowsLostError(batch.batch_id, None, f"{len(skipped)} records the "
                                                         f"Kafka transaction left out, "
                                                         f"{n} of them in the stage")
+
+
+def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
+                                batch: Batch) -> int:
+    """A replay or backfill batch's dead letters replace those that earlier replays and
+    backfills of its ranges into the same side topic (the batch's `target_table`,
+    `kafka:<topic>`) left, in the ledger's transaction, as a replay replaces its window's
+    dead letters in a table. The live batches' stay: the live topic still lacks those
+    records (a replay into a side topic does not touch it), and so do another side
+    topic's. Returns how many were removed."""
+    dl = cfg.dead_letter_table
+    if batch.kind not in ("replay", "backfill") or not dl:
+        return 0
+    cur.execute("SELECT to_regclass(%s)", (dl,))
+    row = cur.fetchone()
+    if row is None or row[0] is None:
+        return 0
+    removed = 0
+    for r in batch.ranges:
+        cur.execute(sql.SQL(
+            "DELETE FROM {dl} d USING offsetflow.batches b WHERE d.{lin} = b.batch_id "
+            "AND b.pipeline = %s AND b.target_table = %s AND b.kind IN ('replay', 'backfill') "
+            "AND b.batch_id <> %s AND d.pipeline = %s AND d.topic = %s AND d.partition = %s "
+            "AND d.\"offset\" >= %s AND d.\"offset\" < %s").format(
+                dl=qualified(dl), lin=sql.Identifier(LINEAGE_COLUMN)),
+            (batch.pipeline, batch.target_table, batch.batch_id, batch.pipeline, r.topic,
+             r.partition, r.from_offset, r.until_offset))
+        removed += cur.rowcount
+    if removed:
+        log.info("batch %d: %d dead letters of earlier %s windows into %s replaced",
+                 batch.batch_id, removed, batch.kind, batch.target_table)
+    return removed
+
+
+def note_output_partitions(cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+                           partitions: int, by_key: bool) -> None:
+    """Record in the batch's params (the ledger's transaction) how many partitions the
+    output topic had when the batch wrote it, and warn when that differs from the last
+    committed batch's record: under `partitioning: key` a key's records from here on go to
+    another partition than its earlier ones (Kafka's rule for keyed topics, as the Java
+    producer does: nothing lost or doubled, but per-key order and compaction across the
+    change are gone); grown or recreated by hand, the topic is the operator's to judge."""
+    cur.execute("""SELECT batch_id, (params->'kafka_output'->>'partitions')::int
+                     FROM offsetflow.batches
+                    WHERE pipeline = %s AND status = 'committed' AND batch_id <> %s
+                      AND params->'kafka_output'->>'topic' = %s
+                    ORDER BY batch_id DESC LIMIT 1""", (batch.pipeline, batch.batch_id, topic))
+    row = cur.fetchone()
+    if row is not None and int(row[1]) != partitions:
+        log.warning("batch %d: output topic %s has %d partitions, %d when batch %d wrote it%s",
+                    batch.batch_id, topic, partitions, int(row[1]), int(row[0]),
+                    "; with partitioning: key, a key's records from this batch on go to "
+                    "another partition than its earlier ones (per-key order and compaction "
+                    "do not span the change)" if by_key else "")
+    cur.execute("""UPDATE offsetflow.batches
+                      SET params = params || jsonb_build_object('kafka_output',
+                                   jsonb_build_object('topic', %s::text, 'partitions', %s::int))
+                    WHERE batch_id = %s""", (topic, partitions, batch.batch_id))

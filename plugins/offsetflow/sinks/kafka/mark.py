@@ -18,8 +18,10 @@ does the I/O; how a staged row becomes a record is `offsetflow.sinks.kafka.form`
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from offsetflow.config import KafkaSinkConfig
 from offsetflow.errors import ConfigError, KafkaSinkError
@@ -34,23 +36,51 @@ METADATA_MAX_BYTES = 4000
 
 @dataclass(frozen=True)
 class NotProduced:
-    """A staged row the output topic can never take: over the record size limit (`size`),
-    or without a key for a compacted topic (`size` None). It goes to the dead-letter table
-    and into the commit's offset metadata, never into the topic."""
+    """A staged row the output topic can never take as it is: over the record size limit
+    (`size`; `limit` the limit it broke, when known), without a key for a compacted topic
+    (`size` None), or with a timestamp outside what the topic accepts (`timestamp`, epoch
+    ms: `message.timestamp.before.max.ms` / `after.max.ms` of a CreateTime topic). It goes
+    to the dead-letter table and into the commit's offset metadata, never into the
+    topic."""
 
     topic: str
     partition: int
     offset: int
     size: int | None
+    timestamp: int | None = None
+    limit: int | None = field(default=None, compare=False)
 
     def error(self, out: str, limit: int | None) -> str:
+        if self.timestamp is not None:
+            return timestamp_error(out, self.timestamp)
         if self.size is None:
             return (f"kafka sink: not produced to {out}: a record without a key, and {out} "
                     f"is compacted (cleanup.policy=compact), which refuses keyless records")
+        limit = self.limit or limit
         over = f" over the limit of {limit} bytes" if limit else " over the record size limit"
         return (f"kafka sink: not produced to {out}: the record is {self.size} bytes,{over} "
                 f"(the producer's message.max.bytes, sink.producer, and the topic's "
                 f"max.message.bytes)")
+
+    @property
+    def token(self) -> str:
+        """How the commit's offset metadata lists it (`not_produced_in` reads it back)."""
+        if self.timestamp is not None:
+            return f"{self.offset}:ts{self.timestamp}"
+        return f"{self.offset}:{'nullkey' if self.size is None else self.size}"
+
+
+def timestamp_error(out: str, ts: int) -> str:
+    """Why a CreateTime topic refuses a record with timestamp `ts` (epoch ms): older than
+    its message.timestamp.before.max.ms allows, or further ahead than after.max.ms."""
+    when = datetime.fromtimestamp(ts / 1000, tz=UTC).isoformat(timespec="milliseconds")
+    old = ts < time.time() * 1000
+    setting = "message.timestamp.before.max.ms" if old else "message.timestamp.after.max.ms"
+    return (f"kafka sink: not produced to {out}: the record's timestamp {when} ({ts}) is "
+            f"{'older' if old else 'further ahead'} than {out} accepts ({setting}, with "
+            f"message.timestamp.type=CreateTime: the sink copies the source timestamp); "
+            f"raise {setting} or set message.timestamp.type=LogAppendTime on {out} to take "
+            f"such records")
 
 
 def is_live(batch: Batch) -> bool:
@@ -104,8 +134,7 @@ class CommitMark:
                 base = f"{base},records={records}"
         if not skipped:
             return base
-        return f"{base} {_NOT_PRODUCED}" + ",".join(
-            f"{s.offset}:{'nullkey' if s.size is None else s.size}" for s in skipped)
+        return f"{base} {_NOT_PRODUCED}" + ",".join(s.token for s in skipped)
 
 
 # pipeline names have no blanks, Kafka topic names neither (legal: [a-zA-Z0-9._-])
@@ -143,6 +172,15 @@ def output_topic(sink: KafkaSinkConfig, batch: Batch, source_file: str) -> str:
             f"to its live output topic {sink.topic}; writing them there again would "
             f"duplicate them (Kafka cannot delete records). Name a side topic in "
             f"sink.replay_topic and run the batch again, or abandon it")
+    planned = batch.target_table.removeprefix("kafka:")
+    if batch.target_table.startswith("kafka:") and planned != sink.replay_topic:
+        # the refusal of a window already written there compared the topic recorded here
+        raise ConfigError(
+            source_file, "sink.replay_topic",
+            f"{batch.kind} batch {batch.batch_id} was planned into side topic {planned}, but "
+            f"the config now names {sink.replay_topic}; restore sink.replay_topic to "
+            f"{planned} to run it, or abandon it and ask for the window again into "
+            f"{sink.replay_topic}")
     return sink.replay_topic
 
 
@@ -246,6 +284,9 @@ def not_produced_in(batch: Batch, mark: CommitMark,
             continue
         for item in meta.not_produced.split(","):
             off, size = item.split(":")
+            if size.startswith("ts"):
+                out.append(NotProduced(topic, partition, int(off), None, int(size[2:])))
+                continue
             out.append(NotProduced(topic, partition, int(off),
                                    None if size == "nullkey" else int(size)))
     return out

@@ -1,18 +1,25 @@
 """The Kafka topic sink behind the pipeline's `Sink` interface: step 4 is `KafkaTopicSink`
 (one producer transaction per batch); a replay or backfill goes only to the side topic
-(`sink.replay_topic`), since Kafka cannot delete what the live topic holds."""
+(`sink.replay_topic`), since Kafka cannot delete what the live topic holds, and once per
+window there unless asked for again (`check_window_repeat`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
+
+import psycopg2.extensions
 
 from offsetflow.commit import CommitSpec
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import RequestError
 from offsetflow.ledger import Batch
+from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.base import Sink
-from offsetflow.sinks.kafka.mark import output_topic, replay_target
+from offsetflow.sinks.kafka.mark import BATCH_HEADER, output_topic, replay_target
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
+
+log = logging.getLogger(__name__)
 
 
 class KafkaPipelineSink(Sink):
@@ -46,6 +53,57 @@ class KafkaPipelineSink(Sink):
                                f"the live output topic {self.kafka.topic} a second time "
                                f"(Kafka cannot delete them); name a side topic in "
                                f"sink.replay_topic of {cfg.source_file}")
+
+    def check_window_repeat(self, cur: psycopg2.extensions.cursor, kind: str,
+                            target_table: str | None, ranges: Sequence[OffsetRange],
+                            topic_ids: Mapping[str, str], allow_duplicates: bool) -> None:
+        """A window that committed replays or backfills already wrote into the side topic
+        is refused there: Kafka cannot delete their records, so a read_committed consumer
+        would see the window twice. Ranges of another incarnation of a source topic (its
+        Kafka id differs) are other records, and a range that staged nothing wrote none."""
+        target = self.window_target(target_table)
+        earlier: dict[int, list[str]] = {}
+        for r in ranges:
+            cur.execute("""SELECT b.batch_id, greatest(br.from_offset, %s),
+                                  least(br.until_offset, %s)
+                             FROM offsetflow.batches b
+                             JOIN offsetflow.batch_ranges br USING (batch_id)
+                            WHERE b.pipeline = %s AND b.status = 'committed'
+                              AND b.kind IN ('replay', 'backfill') AND b.target_table = %s
+                              AND br.topic = %s AND br.partition = %s
+                              AND br.from_offset < %s AND br.until_offset > %s
+                              AND COALESCE(br.records, 1) > 0
+                              AND (br.topic_id IS NULL OR %s::text IS NULL
+                                   OR br.topic_id = %s)
+                            ORDER BY 1""",
+                        (r.from_offset, r.until_offset, self.cfg.name, target, r.topic,
+                         r.partition, r.until_offset, r.from_offset, topic_ids.get(r.topic),
+                         topic_ids.get(r.topic)))
+            for bid, lo, hi in cur.fetchall():
+                earlier.setdefault(int(bid), []).append(f"{r.topic}[{r.partition}] [{lo}, {hi})")
+        if not earlier:
+            return
+        ids = sorted(earlier)
+        which = (f"batch {ids[0]}" if len(ids) == 1 else
+                 "batches " + ", ".join(str(i) for i in ids[:10]) + (" ..." if len(ids) > 10
+                                                                      else ""))
+        what = "; ".join(earlier[ids[0]][:5])
+        topic = target.removeprefix("kafka:")
+        if allow_duplicates:
+            log.warning("pipeline %s: the %s writes offsets that %s already wrote to %s (%s) "
+                        "again, as asked (allow_duplicates)", self.cfg.name, kind, which,
+                        topic, what)
+            return
+        raise RequestError(
+            f"pipeline {self.cfg.name}: this {kind} would write records to {topic} a second "
+            f"time: {which} already wrote {what} there, and Kafka cannot delete them (a "
+            f"read_committed consumer would see them twice). Read that replay where it is "
+            f"(each record names its batch in the header {BATCH_HEADER}); or replay into "
+            f"another topic (a new sink.replay_topic in {self.cfg.source_file}; no "
+            f"--accept-config-change needed); or, to write the window there again anyway "
+            f"(consumers then see both copies, told apart by {BATCH_HEADER}; safe if {topic} "
+            f"was emptied or recreated since), ask with allow_duplicates (offsetflow {kind} "
+            f"--allow-duplicates, or the form's Allow duplicates)")
 
     def writes_live_output(self, target_table: str | None) -> bool:
         """Never: a backfill writes the side topic (`check_window_target`)."""

@@ -12,7 +12,10 @@ Inside the commit's still-open ledger transaction, with the batch row locked:
   `write`: the stage in source order (a server-side cursor, bounded memory) is produced in
     one transaction, the batch's until_offsets go into the same transaction with
     `send_offsets_to_transaction` (KIP-98), and it commits. Output and the record of the
-    commit are visible together or not at all; the ledger's COMMIT follows.
+    commit are visible together or not at all; the ledger's COMMIT follows. The producer
+    follows the output topic's settings (`offsetflow.sinks.kafka.limits.TopicSettings`);
+    a record the broker refused for itself is found after the abort
+    (`offsetflow.sinks.kafka.refusals`) and left out of a new transaction of the attempt.
 Which names, which topic and how a row becomes a record: `offsetflow.sinks.kafka.form`; the
 producer and its transaction (open, send offsets, commit, retry, abort, fence):
 `offsetflow.sinks.kafka.txn`.
@@ -40,11 +43,16 @@ from offsetflow.sinks.kafka.form import (
     check_columns,
     record_headers,
     record_size,
-    row_bytes_sql,
     rows_per_fetch,
     select_sql,
+    stage_extent_sql,
 )
-from offsetflow.sinks.kafka.limits import route_not_produced, topic_limits
+from offsetflow.sinks.kafka.limits import (
+    TIMESTAMP_MARGIN_MS,
+    note_output_partitions,
+    replace_window_dead_letters,
+    route_not_produced,
+)
 from offsetflow.sinks.kafka.mark import (
     BATCH_HEADER,
     SOURCE_HEADER,
@@ -57,6 +65,7 @@ from offsetflow.sinks.kafka.mark import (
     records_in,
     refuse_group_ahead,
 )
+from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
 from offsetflow.sinks.kafka.txn import KAFKA_TIMEOUT_S, KafkaTransaction, fence
 from offsetflow.stage import staged_per_range, staged_rows
@@ -77,6 +86,9 @@ CURSOR_ROWS = 5_000
 FETCH_BYTES = 16 * 2**20
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
+# passes of one commit attempt: each leaves out the records the broker refused for
+# themselves in the one before (found only after the transaction failed)
+MAX_PASSES = 4
 
 
 class KafkaTopicSink(KafkaTransaction):
@@ -135,6 +147,7 @@ class KafkaTopicSink(KafkaTransaction):
                  "offsets); nothing is produced again", batch.batch_id, topic,
                  mark.group(batch))
         # the records that transaction left out go to the dead-letter table as it did
+        replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
                            stage_gone=self.stage_gone)
         if self.stage_gone:
@@ -194,19 +207,80 @@ class KafkaTopicSink(KafkaTransaction):
                topic: str) -> Moved:
         p = self._producer
         assert p is not None and self._consumer is not None
-        partitions = self._partitions(batch, topic)
-        limit, compacted = topic_limits(self.cfg, batch, topic, self.timeout_s)
+        by_source = self.sink.partitioning == "source"
+        md = self._check_replicas(batch, topic, sorted({r.partition for r in batch.ranges})
+                                  if by_source else None)
+        limit = self.settings.record_limit(self.sink.producer)
+        cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
+        largest, ts_min, ts_max = cur.fetchone()  # type: ignore[misc]
+        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        # records the broker refused for themselves in an earlier pass of this attempt
+        refused: dict[tuple[str, int, int], NotProduced] = {}
+        for attempt in range(1, MAX_PASSES + 1):
+            began_ms = int(time.time() * 1000)
+            lo, hi = self.settings.timestamp_bounds(began_ms)
+            bounds = (lo, hi) if ts_min is not None and (ts_min < lo or ts_max > hi) else None
+            produced, skipped = self._produce_stage(cur, batch, topic, len(md.partitions),
+                                                    limit, int(largest), bounds, refused)
+            if produced + len(skipped) != staged:
+                self._abort(batch)
+                raise StagedRowsLostError(batch.batch_id, None,
+                                          f"the stage holds {produced + len(skipped)} rows "
+                                          f"but its markers count {staged}")
+            self._flush()
+            if not primary(self._failed):
+                break
+            self._abort(batch)
+            p.poll(0)  # the purged messages' reports, before the next pass counts its own
+            for rec in self._refused_by_broker(cur, batch, topic, int(largest), began_ms):
+                refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
+                    batch, topic, limit, rec)
+            log.warning("batch %d: the broker refused %d records of %s for themselves (pass "
+                        "%d); producing the batch again without them", batch.batch_id,
+                        len(refused), topic, attempt)
+        else:
+            raise KafkaSinkError(f"batch {batch.batch_id}: the broker still refused records "
+                                 f"of {topic} after {MAX_PASSES} passes, each leaving out "
+                                 f"those it refused before; nothing is visible")
+        self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
+        _fault_point("pause_before_commit")
+        self._commit(batch, topic, produced)
+        self._open_txn = False
+        _fault_point("kill_after_commit")
+        note_output_partitions(cur, batch, topic, len(md.partitions), not by_source)
+        replace_window_dead_letters(cur, self.cfg, batch)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
+        moved = Moved(rows=produced, dead=len(skipped))
+        move_stage_dead_letters(cur, batch, self.spec, moved)
+        return moved
+
+    def _produce_stage(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+                       partitions: int, limit: int, largest: int,
+                       bounds: tuple[int, int] | None,
+                       refused: dict[tuple[str, int, int], NotProduced]
+                       ) -> tuple[int, list[NotProduced]]:
+        """One transaction's records: the stage in source order, produced (not flushed);
+        what the topic can never take is left out, checked before producing (the size
+        limit, a keyless record for a compacted topic, a timestamp outside `bounds` when
+        some are) or refused by the broker in an earlier pass (`refused`)."""
+        p = self._producer
+        assert p is not None
         near = limit - NEAR_LIMIT_BYTES
+        compacted = self.settings.compacted
+        check_ts = bounds is not None
+        lo, hi = bounds or (0, 0)
         skipped: list[NotProduced] = []
         by_source = self.sink.partitioning == "source"
-        p.begin_transaction()
+        self._failed = []
+        try:
+            p.begin_transaction()
+        except KafkaException as e:  # a newer run fenced this one after the last pass
+            raise KafkaSinkError(f"batch {batch.batch_id}: begin_transaction failed "
+                                 f"({e.args[0].str()}); nothing of this run is visible, the "
+                                 f"next run produces the batch") from e
         self._open_txn = True
         self._txn_began = time.monotonic()
         produced = 0
-        stage = stage_table(batch.batch_id)
-        cur.execute(row_bytes_sql(self.columns, stage))
-        largest = int(cur.fetchone()[0])  # type: ignore[index]
-        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
         # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
         # encodes it as UTF-8): up to 4 bytes a character until counted exactly
         text_value = self.sink.value_format == "json"
@@ -216,7 +290,7 @@ class KafkaTopicSink(KafkaTransaction):
         produce = p.produce
         with contextlib.closing(prefetched(
                 cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
-                select_sql(self.sink, self.columns, stage),
+                select_sql(self.sink, self.columns, stage_table(batch.batch_id)),
                 rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as chunks:
             for chunk in chunks:
                 for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
@@ -226,6 +300,9 @@ class KafkaTopicSink(KafkaTransaction):
                             f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
                             f"has {partitions} partitions; add partitions to {topic} or use "
                             f"partitioning: key")
+                    if refused and (s_topic, s_part, s_off) in refused:
+                        skipped.append(refused[(s_topic, s_part, s_off)])
+                        continue
                     if key is not None:
                         key = bytes(key)
                     if value is not None and not text_value:
@@ -238,7 +315,8 @@ class KafkaTopicSink(KafkaTransaction):
                         0 if value is None else vmul * len(value))
                     try:
                         if (key is None and compacted) or (
-                                size > near and record_size(key, value, headers) > limit):
+                                size > near and record_size(key, value, headers) > limit) or (
+                                check_ts and ts and not lo <= ts <= hi):
                             raise _NotProducible
                         produce(topic, value, key, s_part if by_source else -1,
                                 timestamp=ts or 0, headers=headers)
@@ -253,30 +331,47 @@ class KafkaTopicSink(KafkaTransaction):
                                 e.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
                             raise
                         skipped.append(self._not_produced(batch, topic, limit, NotProduced(
-                            s_topic, s_part, s_off, None if key is None and compacted
-                            else record_size(key, value, headers))))
+                            s_topic, s_part, s_off,
+                            None if key is None and compacted else record_size(
+                                key, value, headers),
+                            ts if check_ts and ts and not lo <= ts <= hi else None)))
                         continue
                     produced += 1
-        if produced + len(skipped) != staged:
-            self._abort(batch)
-            raise StagedRowsLostError(batch.batch_id, None,
-                                      f"the stage holds {produced + len(skipped)} rows but "
-                                      f"its markers count {staged}")
-        p.flush(self.timeout_s)
-        if self._delivery_error is not None:
-            self._abort(batch)
+        return produced, skipped
+
+    def _flush(self) -> None:
+        """Wait for the pass's records to be delivered, but not once one failed: the
+        transaction must then be aborted, and the records queued after it wait for nothing
+        (flush would sit out its whole timeout)."""
+        p = self._producer
+        assert p is not None
+        deadline = time.monotonic() + self.timeout_s
+        while p.flush(min(1.0, max(0.0, deadline - time.monotonic()))) and not primary(
+                self._failed) and time.monotonic() < deadline:
+            continue
+
+    def _refused_by_broker(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+                           largest: int, began_ms: int) -> list[NotProduced]:
+        """After a pass whose records the broker refused (the transaction is aborted): the
+        source records refused for themselves, which the next pass leaves out; when there
+        is none, the error naming the record and the setting (`refusal_error`)."""
+        failed = primary(self._failed)
+        if not failed:  # only purged: an error of the transaction itself, reported before
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
-                                 f"({self._delivery_error}); "
+                                 f"({self._failed[0].reason}); "
                                  f"{self._timed_out() or 'the transaction was aborted'}")
-        self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
-        _fault_point("pause_before_commit")
-        self._commit(batch, topic, produced)
-        self._open_txn = False
-        _fault_point("kill_after_commit")
-        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
-        moved = Moved(rows=produced, dead=len(skipped))
-        move_stage_dead_letters(cur, batch, self.spec, moved)
-        return moved
+        found = find_sources(cur, batch, self.sink, self.columns, failed, largest)
+        now = int(time.time() * 1000)
+        # the broker checked each timestamp at some point of the pass, on its clock
+        bounds = self.settings.timestamp_bounds(
+            now, TIMESTAMP_MARGIN_MS + max(0, now - began_ms))
+        culprits = judge(found, self.settings, self.batch_bytes, bounds)
+        if culprits:
+            return culprits
+        timed_out = self._timed_out()
+        raise KafkaSinkError(timed_out and f"batch {batch.batch_id}: {timed_out}" or
+                             refusal_error(batch, topic, failed, found, self.settings,
+                                           self.batch_bytes))
 
     # --- records the output topic cannot take -----------------------------------------
 

@@ -11,15 +11,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
+from confluent_kafka.admin import AdminClient
 
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError
 from offsetflow.ledger import Batch
-from offsetflow.sinks.kafka.limits import broker_txn_timeout_ms
+from offsetflow.sinks.kafka.form import value_digest
+from offsetflow.sinks.kafka.limits import (
+    PRODUCER_BATCH_BYTES,
+    TopicSettings,
+    broker_txn_timeout_ms,
+    topic_settings,
+)
 from offsetflow.sinks.kafka.mark import METADATA_MAX_BYTES, CommitMark, NotProduced
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,11 @@ KAFKA_TIMEOUT_S = 60.0
 # driver memory for librdkafka's queue, unless sink.producer sets queue.buffering.max.kbytes
 # (its default of 1 GB would let large records pile up in the driver)
 QUEUE_KBYTES = 65_536
+# delivery reports kept for the failure path (each a key, a digest and a few numbers)
+MAX_FAILED = 10_000
+# how long a batch waits for a partition's in-sync replicas to come back up to the topic's
+# min.insync.replicas (a broker restarting) before it fails naming the setting
+ISR_WAIT_S = 30.0
 UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
                    "before the error); the next run finds the batch committed in Kafka and "
                    "completes the ledger, or writes it again if it is not")
@@ -45,26 +58,43 @@ class KafkaTransaction:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._txn_id = ""
-        self._delivery_error: str | None = None
+        self._failed: list[Failed] = []  # this transaction's delivery errors (`Failed`)
+        self.settings = TopicSettings("")  # the output topic's, read by `_open`
+        self.batch_bytes = PRODUCER_BATCH_BYTES  # the producer's batch.size, set by `_open`
         self._open_txn = False  # begun, neither committed nor aborted by this run
         self._txn_began = 0.0  # time.monotonic() at begin_transaction
         self._txn_timeout_ms = 0
         self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
 
     def _open(self, batch: Batch) -> None:
-        """Producer and group consumer; `init_transactions` fences every older attempt."""
+        """Producer and group consumer; `init_transactions` fences every older attempt.
+        The producer's batches and codec follow the output topic's settings (`_mark.topic`),
+        and it never creates the topic (a broker with auto.create.topics.enable would make
+        a deleted output topic again, empty and with its default partitions)."""
         base = self.cfg.admin_settings()
         self._txn_id = self._mark.transactional_id(batch)
+        admin = AdminClient(dict(base))  # type: ignore[arg-type]
         if not self._txn_timeout_ms:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
                                     if "transaction.timeout.ms" in self.sink.producer
-                                    else broker_txn_timeout_ms(self.cfg, batch, self.timeout_s))
+                                    else broker_txn_timeout_ms(admin, batch, self.timeout_s))
+        if self._mark.topic:
+            self.settings = topic_settings(admin, batch, self._mark.topic, self.timeout_s)
+        derived = self.settings.producer_settings(self.sink.producer)
+        for k, v in derived.items():
+            if k in self.sink.producer and str(self.sink.producer[k]) != str(v):
+                log.warning("batch %d: sink.producer.%s is %s, but the output topic %s needs "
+                            "%s (%s); using %s", batch.batch_id, k, self.sink.producer[k],
+                            self._mark.topic, v, "its compression.type" if k ==
+                            "compression.type" else "its max.message.bytes", v)
         conf: dict[str, Any] = {
             **base, "transactional.id": self._txn_id, "enable.idempotence": True,
             "linger.ms": 20, "partitioner": "murmur2_random",
             "delivery.report.only.error": True, "queue.buffering.max.kbytes": QUEUE_KBYTES,
-            "on_delivery": self._on_delivery, **self.sink.producer,
+            "on_delivery": self._on_delivery, **self.sink.producer, **derived,
+            "allow.auto.create.topics": False,
             "transaction.timeout.ms": self._txn_timeout_ms}
+        self.batch_bytes = int(conf.get("batch.size", PRODUCER_BATCH_BYTES))
         self._producer = Producer(conf)
         self._consumer = Consumer({**base, "group.id": self._mark.group(batch),
                                    "enable.auto.commit": False,
@@ -93,9 +123,13 @@ class KafkaTransaction:
                 f"transaction.max.timeout.ms)")
 
     def _on_delivery(self, err: KafkaError | None, msg: Any) -> None:
-        if err is not None and self._delivery_error is None:
-            src = dict(msg.headers() or []).get("offsetflow.source", b"?").decode()
-            self._delivery_error = f"record of source {src}: {err.str()}"
+        """Only errors are reported (delivery.report.only.error). A report carries no
+        headers (nor, for a failed message, a timestamp): the failure path finds the source
+        record by key and value."""
+        if err is not None and len(self._failed) < MAX_FAILED:
+            ts = msg.timestamp()
+            self._failed.append(Failed(err.code(), err.str(), msg.partition(), msg.key(),
+                                       value_digest(msg.value()), ts[1] if ts else 0))
 
     @staticmethod
     def _produce(p: Producer, topic: str, key: bytes | None, value: Any,
@@ -115,7 +149,8 @@ class KafkaTransaction:
                     return False
                 raise
 
-    def _partitions(self, batch: Batch, topic: str) -> int:
+    def _partitions(self, batch: Batch, topic: str) -> Any:
+        """The output topic's metadata (its partitions, their leaders and replicas)."""
         assert self._producer is not None
         try:
             md = self._producer.list_topics(topic, timeout=self.timeout_s)
@@ -127,7 +162,46 @@ class KafkaTransaction:
             why = t.error.str() if t is not None and t.error is not None else "not found"
             raise KafkaSinkError(f"batch {batch.batch_id}: output topic {topic} is not "
                                  f"usable ({why}); create it before running the pipeline")
-        return len(t.partitions)
+        return t
+
+    def _check_replicas(self, batch: Batch, topic: str, partitions: Sequence[int] | None
+                        ) -> Any:
+        """Every partition the batch writes (`partitions`; None: any) has the in-sync
+        replicas the topic's min.insync.replicas asks for (at most its replication factor:
+        the broker asks no more), else the broker refuses each write with acks=all
+        (NOT_ENOUGH_REPLICAS, which the producer retries until its timeout, on every run).
+        Replicas out of sync are waited for up to ISR_WAIT_S (a broker restarting), then
+        the batch fails naming the partition, the setting and the way out. A partition
+        without a leader is left to the producer, which waits for one. Returns the topic's
+        metadata."""
+        deadline = time.monotonic() + ISR_WAIT_S
+        while True:
+            t = self._partitions(batch, topic)
+            need = self.settings.min_insync
+            if need is None or need <= 1:
+                return t
+            short = sorted((p.id, len(p.isrs), len(p.replicas))
+                           for p in t.partitions.values()
+                           if (partitions is None or p.id in partitions) and p.leader >= 0
+                           and len(p.isrs) < min(need, len(p.replicas)))
+            if not short:
+                return t
+            pid, isr, replicas = short[0]
+            if time.monotonic() > deadline:
+                raise KafkaSinkError(
+                    f"batch {batch.batch_id}: partition {topic}[{pid}] has {isr} in-sync "
+                    f"replicas of {replicas}, fewer than the topic's min.insync.replicas="
+                    f"{need}, so the broker refuses every write to it (NOT_ENOUGH_REPLICAS: a "
+                    f"transactional producer writes with acks=all); nothing was produced "
+                    f"(waited {ISR_WAIT_S:.0f} s for them). Bring the replicas of {topic} "
+                    f"back in sync, or lower its min.insync.replicas (kafka-configs "
+                    f"--bootstrap-server <broker> --alter --entity-type topics --entity-name "
+                    f"{topic} --add-config min.insync.replicas={max(1, isr)}), then run the "
+                    f"batch again")
+            log.warning("batch %d: %s[%d] has %d in-sync replicas, fewer than its "
+                        "min.insync.replicas=%d; waiting for them", batch.batch_id, topic, pid,
+                        isr, need)
+            time.sleep(1.0)
 
     def _send_offsets(self, batch: Batch, skipped: Sequence[NotProduced],
                       per_range: dict[str, int]) -> None:
@@ -213,6 +287,19 @@ class KafkaTransaction:
         # no flush: the transaction is committed or aborted by now, and a fenced producer's
         # flush would raise over the error that says what happened
         self._producer = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A message the broker (or librdkafka) did not take, as its delivery report tells it:
+    no headers, so its source record is found again by key, value and timestamp."""
+
+    code: int
+    reason: str
+    partition: int
+    key: bytes | None
+    value: bytes | None  # `value_digest` of the value
+    timestamp: int
 
 
 def fence(cfg: PipelineConfig, txn_id: str, timeout_s: float) -> None:

@@ -167,7 +167,14 @@ def test_replay_goes_to_the_side_topic_or_is_refused() -> None:
         assert e.value.field == "sink.replay_topic"
     side = parse_pipeline(raw(topic="o", replay_topic="o.replay"), "orders.yaml", ENV)
     assert side.sink.kafka is not None
-    assert output_topic(side.sink.kafka, batch(8, "replay", moves=False), "x") == "o.replay"
+    replay = batch(8, "replay", moves=False, target="kafka:o.replay")
+    assert output_topic(side.sink.kafka, replay, "x") == "o.replay"
+    # planned into another side topic than the config names now: refused, naming both
+    # (whether the window is already there was checked against the planned one)
+    with pytest.raises(ConfigError, match=r"o\.before.*o\.replay") as e:
+        output_topic(side.sink.kafka, batch(8, "replay", moves=False, target="kafka:o.before"),
+                     "x")
+    assert e.value.field == "sink.replay_topic"
 
 
 def test_record_headers_carry_the_source_ones_and_name_batch_and_source() -> None:
