@@ -154,7 +154,8 @@ def oldest_open_batch_start(dsn: str, pipeline: str) -> datetime | None:
     return row[0] if row else None
 
 
-def kept_for_open_batches(table: Table, dsn: str) -> tuple[set[int], str]:
+def kept_for_open_batches(table: Table, dsn: str,
+                          closed: frozenset[str] = frozenset()) -> tuple[set[int], str]:
     """Snapshot ids of main's chain from the oldest ancestor that may be an open batch's,
     of any pipeline, up to the current one (a batch's retry walks this chain to find its
     snapshot, and an expired link ends the walk early, so it would append the batch
@@ -166,7 +167,9 @@ def kept_for_open_batches(table: Table, dsn: str) -> tuple[set[int], str]:
     ledger's cannot be asked: its newest snapshot on main records the writer's oldest batch
     open when it committed (`offsetflow.open-floor`), and every snapshot of that writer
     from that batch on may be open (without it, written before it was recorded: the
-    newest one)."""
+    newest one). `closed`: writers (`<ledger id>:<pipeline>`) the operator says have no
+    open batch (e.g. it no longer writes the table, so its newest snapshot would hold
+    expiry back for good)."""
     from pyiceberg.table.snapshots import ancestors_of
 
     from offsetflow.config import SUMMARY_PIPELINE
@@ -184,12 +187,13 @@ def kept_for_open_batches(table: Table, dsn: str) -> tuple[set[int], str]:
                         WHERE EXISTS (SELECT 1 FROM offsetflow.batches WHERE pipeline = p)""",
                     (named,))
         runs_here = {str(r[0]) for r in cur.fetchall()}
-    upto, why = oldest_needed([p for _, p in chain], me, open_here, runs_here)
+    upto, why = oldest_needed([p for _, p in chain], me, open_here, runs_here, closed)
     return {sid for sid, _ in chain[:upto + 1]}, why
 
 
 def oldest_needed(chain: Sequence[Mapping[str, str]], me: str,
-                  open_here: set[tuple[str, int]], runs_here: set[str]) -> tuple[int, str]:
+                  open_here: set[tuple[str, int]], runs_here: set[str],
+                  closed: frozenset[str] = frozenset()) -> tuple[int, str]:
     """The index in `chain` (main's snapshots' summaries, newest first) of the oldest one an
     open batch may need (-1: none), and why (see `kept_for_open_batches`). Pure."""
     from offsetflow.config import (
@@ -211,16 +215,21 @@ def oldest_needed(chain: Sequence[Mapping[str, str]], me: str,
                 keep_upto, why = i, f"batch {batch_id} of pipeline {pipeline} is open"
             continue
         writer = (ledger_id or "", pipeline)
+        if f"{writer[0]}:{pipeline}" in closed:
+            continue
         if writer not in floors:  # its newest snapshot: the first met
             floor = props.get(SUMMARY_OPEN_FLOOR, "")
             floors[writer] = int(floor) if floor.isdigit() else batch_id
         if batch_id >= floors[writer]:
             keep_upto, why = i, (f"batch {batch_id} of pipeline {pipeline} of another ledger "
-                                 f"({ledger_id or 'not recorded'}) may be open")
+                                 f"({ledger_id or 'not recorded'}) may be open (if that "
+                                 f"writer has no open batch, e.g. it no longer writes the "
+                                 f"table: --closed-writer {writer[0]}:{pipeline})")
     return keep_upto, why
 
 
-def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime) -> int:
+def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime,
+                     closed: frozenset[str] = frozenset()) -> int:
     """Expire snapshots older than `older_than`, but none younger than the pipeline's
     oldest open batch, nor any of main's chain from the oldest ancestor an open batch of
     any pipeline (of this ledger, or of another as the snapshots tell) may need
@@ -233,7 +242,7 @@ def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime) -> int
     table = sink_table(cfg, dsn)
     if table is None:
         return 0
-    keep, why = kept_for_open_batches(table, dsn)  # after the load (see there)
+    keep, why = kept_for_open_batches(table, dsn, closed)  # after the load (see there)
     if why:
         log.info("expiry keeps main's %d newest snapshots: %s", len(keep), why)
     keep |= {ref.snapshot_id for ref in table.metadata.refs.values()}
@@ -266,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="age of an unreferenced data file to delete; never shorter than "
                          "the longest write of any writer of the table")
     ap.add_argument("--expire-snapshots-older-than-days", type=float, default=None)
+    ap.add_argument("--closed-writer", action="append", default=[], metavar="LEDGER:PIPELINE",
+                    help="a writer of another ledger that has no open batch (it no longer "
+                         "writes the table): expiry stops keeping its newest snapshots; "
+                         "the log names the one that holds expiry back")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = load_pipeline(args.pipeline_file)
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.expire_snapshots_older_than_days is not None:
             n = expire_snapshots(cfg, args.dsn, datetime.now(UTC) - timedelta(
-                days=args.expire_snapshots_older_than_days))
+                days=args.expire_snapshots_older_than_days), frozenset(args.closed_writer))
             print(f"expired {n} snapshots")
         table = sink_table(cfg, args.dsn)
         if table is None:

@@ -17,12 +17,32 @@ import pytest
 from offsetflow.config.iceberg_sink import sqlalchemy_url
 from offsetflow.job import run_batch
 from offsetflow.ops import run_until_caught_up
+from offsetflow.sinks.iceberg.files import referenced_files
 from offsetflow.sinks.iceberg.maint import main as maint
 from tests.tooling.iceberg_case import IcebergCase
 from tests.tooling.iceberg_rows import iceberg_table
 from tests.tooling.pipeline_data import ledger_database
 
-pytestmark = pytest.mark.slow  # each test kills a job process at its commit
+
+def _died_between_the_commits(case: IcebergCase, spark: Any, batch_id: int,
+                              after: str) -> None:
+    """Run the batch and die where a killed driver would (in-process, no JVM of its own):
+    `after` "files" (the tasks' data files written and listed in their markers, no catalog
+    commit) or "iceberg" (the snapshot committed, the ledger transaction not)."""
+    from offsetflow.commit import protocol
+    from offsetflow.sinks.iceberg import commit
+
+    def die(*_: Any) -> None:
+        raise RuntimeError(f"test: died after {after}")
+
+    with pytest.MonkeyPatch.context() as m:
+        if after == "files":
+            m.setattr(commit, "_fault", lambda point: die() if point == "after-files" else None)
+        else:
+            m.setattr(protocol, "record_batch", die)
+        with pytest.raises(RuntimeError, match="test: died"):
+            run_batch(spark, case.cfg, batch_id, case.dsn)
+    assert case.batch(batch_id).status != "committed"
 
 
 @pytest.fixture
@@ -61,7 +81,8 @@ def test_expiry_for_one_pipeline_keeps_what_another_pipelines_open_batches_rely_
         unique: str, spark: Any) -> None:
     """Pipelines a, b and c write one table (one ledger). b's batch committed to Iceberg
     and its driver died before the ledger did; c's tasks wrote their data files and its
-    driver died before the catalog commit; a commits on top. Maintenance run for a (expiry
+    driver died before the catalog commit (in-process: the commit raises where a killed
+    driver stops); a commits on top. Maintenance run for a (expiry
     of everything older than now, orphans of any age) expired b's snapshot and deleted c's
     files: b's re-run appended the batch again. Now both stay: b's re-run finds its
     snapshot, c's commits the files its tasks wrote, each record once."""
@@ -75,18 +96,22 @@ def test_expiry_for_one_pipeline_keeps_what_another_pipelines_open_batches_rely_
     a.workload.mixed(300, random.Random(91))
     run_until_caught_up(a.cfg, a.dsn, spark)
     b_batch = b.planned_batch(300, seed=92)
-    assert b.job_with(b_batch, OFFSETFLOW_ICEBERG_FAULT="after-commit").wait(timeout=600) != 0
-    assert _snapshot_of(a, b.cfg.name, b_batch) and b.batch(b_batch).status != "committed"
+    _died_between_the_commits(b, spark, b_batch, "iceberg")
+    assert _snapshot_of(a, b.cfg.name, b_batch)
     c_batch = c.planned_batch(300, seed=93)
-    assert c.job_with(c_batch, OFFSETFLOW_ICEBERG_FAULT="after-files").wait(timeout=600) != 0
-    files = a.data_files()  # the table's folder: a's warehouse, c's files among them
+    before = a.data_files()  # the table's folder (a's warehouse): c's files go there too
+    _died_between_the_commits(c, spark, c_batch, "files")
+    c_files = a.data_files() - before
+    assert c_files, "c's tasks wrote no data files"
     a.workload.mixed(300, random.Random(94))  # a commits on top
     run_until_caught_up(a.cfg, a.dsn, spark)
     _expire_and_sweep(a)
     assert _snapshot_of(a, b.cfg.name, b_batch), "b's open batch's snapshot was expired"
-    assert files <= a.data_files(), "c's open batch's data files were deleted"
+    assert c_files <= a.data_files(), "c's open batch's data files were deleted"
     assert run_batch(spark, b.cfg, b_batch, b.dsn).result.status == "committed"
     assert run_batch(spark, c.cfg, c_batch, c.dsn).result.status == "committed"
+    assert {str(p) for p in c_files} <= referenced_files(iceberg_table(a.cfg, a.dsn)), \
+        "c's re-run wrote its files again instead of committing its tasks' files"
     for case in (a, b, c):
         case.assert_exactly_once()
 
@@ -95,8 +120,8 @@ def test_expiry_keeps_the_open_batch_of_a_pipeline_in_another_ledger(
         tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
         unique: str, spark: Any, other_ledger: str) -> None:
     """b writes a's table from another ledger, which a's maintenance cannot ask: b's batch
-    committed to Iceberg, its driver died before b's ledger committed, and a committed on
-    top. a's expiry expired b's snapshot and b's re-run appended the batch again. The
+    committed to Iceberg, its driver died before b's ledger committed (in-process), and a
+    committed on top. a's expiry expired b's snapshot and b's re-run appended the batch again. The
     snapshots say whose they are (the ledger's id) and which of the writer's batches were
     still open when it committed: the expiry keeps b's, b's re-run finds it."""
     (tmp_path / "a").mkdir()
@@ -107,8 +132,8 @@ def test_expiry_keeps_the_open_batch_of_a_pipeline_in_another_ledger(
     a.workload.mixed(300, random.Random(95))
     run_until_caught_up(a.cfg, a.dsn, spark)
     b_batch = b.planned_batch(300, seed=96)
-    assert b.job_with(b_batch, OFFSETFLOW_ICEBERG_FAULT="after-commit").wait(timeout=600) != 0
-    assert _snapshot_of(a, b.cfg.name, b_batch) and b.batch(b_batch).status != "committed"
+    _died_between_the_commits(b, spark, b_batch, "iceberg")
+    assert _snapshot_of(a, b.cfg.name, b_batch)
     a.workload.mixed(300, random.Random(97))
     run_until_caught_up(a.cfg, a.dsn, spark)
     _expire_and_sweep(a)

@@ -68,6 +68,10 @@ def test_expiry_keeps_another_ledgers_batches_from_its_newest_snapshots_floor() 
     assert oldest_needed([_snap("a", 9, "other", 9)], "me", set(), {"a"})[0] == 0
     # not recorded, of a pipeline this ledger never ran: its newest snapshot may be open
     assert oldest_needed([_snap("c", 9), _snap("c", 8)], "me", set(), set())[0] == 0
+    # ... unless the operator says that writer has none open (it stopped writing)
+    upto, why = oldest_needed(chain, "me", set(), {"a"})
+    assert "--closed-writer other:b" in why
+    assert oldest_needed(chain, "me", set(), {"a"}, frozenset({"other:b"})) == (-1, "")
 
 
 def test_another_ledgers_snapshot_of_the_same_pipeline_and_batch_id_is_not_found() -> None:
