@@ -26,7 +26,6 @@ from offsetflow.ops import plan_only, run_until_caught_up
 from offsetflow.sinks.iceberg.files import remove_orphan_files
 from offsetflow.sinks.iceberg.maint import main as maint
 from offsetflow.sinks.iceberg.sink import load_catalog
-from tests.tooling import chaos
 from tests.tooling.iceberg_case import IcebergCase
 from tests.tooling.iceberg_rows import iceberg_sink_rows, snapshot_batches
 from tests.tooling.pipeline_data import ledger_database
@@ -129,7 +128,6 @@ def test_a_catalog_namespace_or_table_name_changed_between_batches_is_refused(
     case.assert_exactly_once()
 
 
-@pytest.mark.slow
 def test_a_replaced_table_is_refused_until_the_operator_adopts_it(
         case: IcebergCase, spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Dropped and created again under the same name (same schema: only its table-uuid
@@ -143,7 +141,7 @@ def test_a_replaced_table_is_refused_until_the_operator_adopts_it(
     case.workload.mixed(400, random.Random(75))
     run_until_caught_up(case.cfg, case.dsn, spark)
     bid = case.planned_batch(200, seed=76)
-    assert case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit").wait(timeout=600) != 0
+    case.died_between_the_commits(spark, bid, "iceberg")
     before = case.positions()
     ident, catalog = _ident(case), _catalog(case)
     old = catalog.load_table(ident)
@@ -226,38 +224,38 @@ def test_a_renamed_table_is_refused_and_found_again_under_its_new_name(
     case.assert_exactly_once()
 
 
-@pytest.mark.slow
 def test_a_table_replaced_while_the_commit_retries_is_never_written(
-        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver (the stage path: a transform) built its append on the ledger's table;
-    the table is dropped and created again before the catalog commit. The commit asserts
-    the old table-uuid and conflicts; the retry after the refresh must not append the batch
-    into the new table: refused (the identity error, not pyiceberg's ValueError of the
-    refresh, as before), nothing moved, the new table empty."""
+    the table is dropped and created again right before the catalog commit. The commit
+    asserts the old table-uuid and conflicts; the retry after the refresh must not append
+    the batch into the new table: refused (the identity error, not pyiceberg's ValueError
+    of the refresh, as before), nothing moved, the new table empty."""
+    from offsetflow.sinks.iceberg import commit
+
     case.raw["transform"] = "tests.tooling.chaos.maybe_fail_task"  # rows pass unchanged
     case.write_config()
     case.workload.mixed(300, random.Random(82))
     run_until_caught_up(case.cfg, case.dsn, spark)
     bid = case.planned_batch(200, seed=83)
     before = case.positions()
-    flag = tmp_path / "paused"
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT=f"pause-before-commit:{flag}")
-    try:
-        chaos.wait_for(flag.exists, 300, "the driver to reach the catalog commit")
-        ident, catalog = _ident(case), _catalog(case)
-        old = catalog.load_table(ident)
-        catalog.drop_table(ident)
-        catalog.create_table(ident, schema=old.schema(), partition_spec=old.spec(),
-                             sort_order=old.sort_order(), properties=old.properties)
-    finally:
-        flag.unlink(missing_ok=True)
-    assert proc.wait(timeout=300) != 0, case.job_output()[-3000:]
+    ident, catalog = _ident(case), _catalog(case)
+
+    def replace(point: str) -> None:  # another session drops and creates the table
+        if point == "after-files" and catalog.load_table(ident).current_snapshot():
+            old = catalog.load_table(ident)
+            catalog.drop_table(ident)
+            catalog.create_table(ident, schema=old.schema(), partition_spec=old.spec(),
+                                 sort_order=old.sort_order(), properties=old.properties)
+    monkeypatch.setattr(commit, "_fault", replace)
+    with pytest.raises(OffsetFlowError) as ei:
+        run_batch(spark, case.cfg, bid, case.dsn)
+    assert ei.type.__name__ == IDENTITY_ERROR, ei.value
     assert catalog.load_table(ident).current_snapshot() is None, \
         "the batch was appended into the new table"
-    assert "is not the table the ledger's batches live in" in (case.batch(bid).error or ""), \
-        case.job_output()[-3000:]
     assert case.positions() == before
     assert case.batch(bid).status != "committed"
+    assert "is not the table the ledger's batches live in" in (case.batch(bid).error or "")
 
 
 def test_orphan_sweep_keeps_the_files_another_table_at_the_same_location_references(

@@ -24,27 +24,6 @@ from tests.tooling.iceberg_rows import iceberg_table
 from tests.tooling.pipeline_data import ledger_database
 
 
-def _died_between_the_commits(case: IcebergCase, spark: Any, batch_id: int,
-                              after: str) -> None:
-    """Run the batch and die where a killed driver would (in-process, no JVM of its own):
-    `after` "files" (the tasks' data files written and listed in their markers, no catalog
-    commit) or "iceberg" (the snapshot committed, the ledger transaction not)."""
-    from offsetflow.commit import protocol
-    from offsetflow.sinks.iceberg import commit
-
-    def die(*_: Any) -> None:
-        raise RuntimeError(f"test: died after {after}")
-
-    with pytest.MonkeyPatch.context() as m:
-        if after == "files":
-            m.setattr(commit, "_fault", lambda point: die() if point == "after-files" else None)
-        else:
-            m.setattr(protocol, "record_batch", die)
-        with pytest.raises(RuntimeError, match="test: died"):
-            run_batch(spark, case.cfg, batch_id, case.dsn)
-    assert case.batch(batch_id).status != "committed"
-
-
 @pytest.fixture
 def other_ledger(admin_dsn: str, unique: str) -> Iterator[str]:
     """A second ledger: a database of its own, migrated."""
@@ -96,11 +75,11 @@ def test_expiry_for_one_pipeline_keeps_what_another_pipelines_open_batches_rely_
     a.workload.mixed(300, random.Random(91))
     run_until_caught_up(a.cfg, a.dsn, spark)
     b_batch = b.planned_batch(300, seed=92)
-    _died_between_the_commits(b, spark, b_batch, "iceberg")
+    b.died_between_the_commits(spark, b_batch, "iceberg")
     assert _snapshot_of(a, b.cfg.name, b_batch)
     c_batch = c.planned_batch(300, seed=93)
     before = a.data_files()  # the table's folder (a's warehouse): c's files go there too
-    _died_between_the_commits(c, spark, c_batch, "files")
+    c.died_between_the_commits(spark, c_batch, "files")
     c_files = a.data_files() - before
     assert c_files, "c's tasks wrote no data files"
     a.workload.mixed(300, random.Random(94))  # a commits on top
@@ -132,7 +111,7 @@ def test_expiry_keeps_the_open_batch_of_a_pipeline_in_another_ledger(
     a.workload.mixed(300, random.Random(95))
     run_until_caught_up(a.cfg, a.dsn, spark)
     b_batch = b.planned_batch(300, seed=96)
-    _died_between_the_commits(b, spark, b_batch, "iceberg")
+    b.died_between_the_commits(spark, b_batch, "iceberg")
     assert _snapshot_of(a, b.cfg.name, b_batch)
     a.workload.mixed(300, random.Random(97))
     run_until_caught_up(a.cfg, a.dsn, spark)
