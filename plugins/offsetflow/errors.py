@@ -235,7 +235,29 @@ class IcebergTableReplacedError(StagedRowsLostError):
             f"them for table UUID {written_for}, the table is now UUID {current}. Nothing "
             f"was committed; those parts were dropped, and the next run writes them into "
             f"the table as it is then. If the new table is a mistake, restore the old one "
-            f"(register its last metadata file under {table}) before re-running the batch")
+            f"before re-running the batch: drop the new one (no purge) and register the "
+            f"old one's newest metadata file (<its location>/metadata/*.metadata.json with "
+            f"table-uuid {written_for}) under {table}")
+
+
+class IcebergTableIdentityError(OffsetFlowError):
+    """The Iceberg table the sink finds is not the table its ledger's batches live in: the
+    ledger records the table's identity (table-uuid, location, catalog, identifier, the
+    metadata of its last commit), and the table found has another one, or none (dropped,
+    renamed, replaced, registered from older metadata, rolled back past the ledger's last
+    batch, another catalog, namespace or table name). Nothing was written; the message
+    names the table, the ledger's record, what was found and the ways out: restore the
+    ledger's table (register its metadata file with the catalog again, or put the config
+    back), or `offsetflow adopt-table`, which records the table found as the pipeline's
+    and says which history stays behind."""
+
+    def __init__(self, table: str, recorded: str, found: str, way_out: str) -> None:
+        self.table = table
+        self.recorded = recorded
+        self.found = found
+        super().__init__(f"Iceberg table {table} is not the table the ledger's batches live "
+                         f"in: the ledger records {recorded}; found {found}. Nothing was "
+                         f"written. {way_out}")
 
 
 class StaleConfigError(BatchStateError):

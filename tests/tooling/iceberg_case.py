@@ -30,8 +30,11 @@ class IcebergCase(Case):
 
     def assert_exactly_once(self, expect_all: bool = True,
                             tombstones: str = "dead_letter") -> None:
+        """The table's rows of this case's topic (other pipelines may write the table
+        too) and its dead letters against everything produced."""
         cfg = self.cfg
-        rep = check(self.workload.produced.values(), iceberg_sink_rows(cfg, self.dsn),
+        rows = [r for r in iceberg_sink_rows(cfg, self.dsn) if r.topic == self.workload.topic]
+        rep = check(self.workload.produced.values(), rows,
                     self.positions(),
                     chaos.dead_letters(self.dsn, cfg.dead_letter_table, cfg.name),
                     tombstones=tombstones)
@@ -44,6 +47,30 @@ class IcebergCase(Case):
 
     def data_files(self) -> set[Path]:
         return set(self.warehouse.rglob("*.parquet"))
+
+    def died_between_the_commits(self, spark: Any, batch_id: int, after: str) -> None:
+        """Run the batch and stop where a killed driver would, in this process (no job JVM
+        of its own): `after` "files" (the tasks' data files written and listed in their
+        markers, no catalog commit) or "iceberg" (the snapshot committed, the ledger's
+        transaction not)."""
+        import pytest
+
+        from offsetflow.commit import protocol
+        from offsetflow.job import run_batch
+        from offsetflow.sinks.iceberg import commit
+
+        def die(*_: Any) -> None:
+            raise RuntimeError(f"test: died after {after}")
+
+        with pytest.MonkeyPatch.context() as m:
+            if after == "files":
+                m.setattr(commit, "_fault", lambda point: die() if point == "after-files"
+                          else None)
+            else:
+                m.setattr(protocol, "record_batch", die)
+            with pytest.raises(RuntimeError, match="test: died"):
+                run_batch(spark, self.cfg, batch_id, self.dsn)
+        assert self.batch(batch_id).status != "committed"
 
 
 def window(case: IcebergCase, spark: Any, kind: str, **conf: Any) -> list[int]:

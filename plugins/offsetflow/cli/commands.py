@@ -17,7 +17,13 @@ from pathlib import Path
 
 from offsetflow.cli.common import dsn_of, pipeline_of
 from offsetflow.cli.console import setup_logging
-from offsetflow.cli.repair import cmd_abandon, cmd_cleanup, cmd_complete, cmd_reset_position
+from offsetflow.cli.repair import (
+    cmd_abandon,
+    cmd_adopt_table,
+    cmd_cleanup,
+    cmd_complete,
+    cmd_reset_position,
+)
 from offsetflow.cli.validate import cmd_schema, cmd_validate
 from offsetflow.errors import ConfigError, OffsetFlowError
 from offsetflow.ledger import Ledger
@@ -307,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "new position (the records read again are appended beside them)")
     sp.add_argument("--reason", required=True, help=REASON)
     sp.set_defaults(fn=cmd_reset_position)
+
+    sp = with_pipeline(sub.add_parser(
+        "adopt-table", help="Iceberg sink: record the table now found as the one the "
+                            "pipeline's batches live in (it was replaced, moved or renamed "
+                            "on purpose); the batches committed before stay in the old one"))
+    sp.add_argument("--target-table", help="a backfill's target table (default: sink.table)")
+    sp.add_argument("--reason", required=True, help=REASON)
+    sp.set_defaults(fn=cmd_adopt_table)
 
     sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
         fn=cmd_cleanup)

@@ -98,6 +98,19 @@ def cmd_complete(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_adopt_table(args: argparse.Namespace) -> int:
+    """The table now found under the pipeline's sink table (or a backfill's
+    `--target-table`) becomes the one its batches live in: after a table was replaced, moved
+    to another catalog, or renamed in the config on purpose. The batches committed into the
+    table recorded before stay there; the command says which."""
+    from offsetflow.sinks import sink_for
+
+    cfg = pipeline_of(args)
+    with Ledger(dsn_of(args, cfg)) as ledger:
+        print(sink_for(cfg).adopt_target(ledger.dsn, args.target_table, args.reason))
+    return 0
+
+
 def cmd_reset_position(args: argparse.Namespace) -> int:
     """Set positions and record the topic's current Kafka id with them: after a topic was
     recreated, planning accepts only positions that carry the new id."""

@@ -37,6 +37,11 @@ SUMMARY_KIND = "offsetflow.kind"
 SUMMARY_RANGES = "offsetflow.ranges"
 SUMMARY_ROWS = "offsetflow.rows"
 SUMMARY_DEAD = "offsetflow.dead-letters"
+# the ledger that committed the batch (its identity), and the oldest batch of the pipeline
+# still open in that ledger when it did: maintenance run from another ledger cannot ask it
+# which of its batches are open, the table tells (`offsetflow.sinks.iceberg.maint`)
+SUMMARY_LEDGER = "offsetflow.ledger"
+SUMMARY_OPEN_FLOOR = "offsetflow.open-floor"
 
 
 class BatchIdentityError(OffsetFlowError):
@@ -265,6 +270,17 @@ def catalog_identity(cfg: IcebergConfig, sink_connection: str, sink_conn_id: str
     return [cfg.catalog_type, cfg.catalog_name, cfg.properties.get("warehouse", ""), where]
 
 
+def catalog_label(cfg: IcebergConfig, sink_connection: str, sink_conn_id: str | None
+                  ) -> str:
+    """Which catalog holds the sink's table, in words and without secrets, as the ledger
+    records it with the table's identity: type, name and where it lives (`catalog_identity`
+    without the warehouse, which places only tables created from now on)."""
+    ctype, name, _warehouse, where = catalog_identity(cfg, sink_connection, sink_conn_id)
+    # a SQL catalog's uri and the sink's DSN name one database alike
+    where = re.sub(r"^postgres(?:ql)?(?:\+\w+)?://", "", where)
+    return f"{ctype} catalog {name!r} at {where or '?'}"
+
+
 def _uri_identity(uri: str) -> str:
     u = urlsplit(uri)
     if not u.scheme or not u.netloc:
@@ -295,18 +311,31 @@ def catalog_properties(cfg: IcebergConfig, sink_dsn: str) -> dict[str, str]:
 
 
 def snapshot_summary(pipeline: str, batch_id: int, kind: str,
-                     ranges: Sequence[tuple[str, int, int, int]], rows: int, dead: int
+                     ranges: Sequence[tuple[str, int, int, int]], rows: int, dead: int,
+                     ledger: str | None = None, open_floor: int | None = None
                      ) -> dict[str, str]:
-    """The summary properties of a batch's snapshot (`ranges`: topic, partition, from, until)."""
-    return {SUMMARY_PIPELINE: pipeline, SUMMARY_BATCH: str(batch_id), SUMMARY_KIND: kind,
-            SUMMARY_RANGES: json.dumps([list(r) for r in ranges], separators=(",", ":")),
-            SUMMARY_ROWS: str(rows), SUMMARY_DEAD: str(dead)}
+    """The summary properties of a batch's snapshot (`ranges`: topic, partition, from, until;
+    `ledger`: the committing ledger's identity, `open_floor`: the pipeline's oldest batch
+    open in it, this one included)."""
+    out = {SUMMARY_PIPELINE: pipeline, SUMMARY_BATCH: str(batch_id), SUMMARY_KIND: kind,
+           SUMMARY_RANGES: json.dumps([list(r) for r in ranges], separators=(",", ":")),
+           SUMMARY_ROWS: str(rows), SUMMARY_DEAD: str(dead)}
+    if ledger is not None:
+        out[SUMMARY_LEDGER] = ledger
+    if open_floor is not None:
+        out[SUMMARY_OPEN_FLOOR] = str(open_floor)
+    return out
 
 
-def summary_batch(summary: Mapping[str, str], pipeline: str, batch_id: int
-                  ) -> tuple[int, int] | None:
-    """(rows, dead letters) when `summary` is the snapshot of this pipeline's batch."""
+def summary_batch(summary: Mapping[str, str], pipeline: str, batch_id: int,
+                  ledger: str | None = None) -> tuple[int, int] | None:
+    """(rows, dead letters) when `summary` is the snapshot of this pipeline's batch. With
+    `ledger`, a snapshot another ledger committed (its pipeline of the same name, whose
+    batch ids are its own) is not; one that names no ledger (written before it was
+    recorded) may be."""
     if summary.get(SUMMARY_PIPELINE) != pipeline or summary.get(SUMMARY_BATCH) != str(batch_id):
+        return None
+    if ledger is not None and summary.get(SUMMARY_LEDGER, ledger) != ledger:
         return None
     return int(summary.get(SUMMARY_ROWS, "0")), int(summary.get(SUMMARY_DEAD, "0"))
 

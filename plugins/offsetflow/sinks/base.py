@@ -21,6 +21,7 @@ import psycopg2.extensions
 
 from offsetflow.commit import CommitSpec, ExternalSink
 from offsetflow.config import PipelineConfig, split_table_name
+from offsetflow.errors import RequestError
 from offsetflow.ledger import Batch
 from offsetflow.ranges import OffsetRange
 
@@ -106,6 +107,13 @@ class Sink(ABC):
         return target_table or self.cfg.sink.table
 
     # -- repairs (offsetflow.cli.repair) -------------------------------------------------
+    def adopt_target(self, dsn: str, target_table: str | None, reason: str) -> str:
+        """`offsetflow adopt-table`: record the table now found as `target_table` (None:
+        the sink's own) as the one the pipeline's batches live in, where the sink keeps
+        such a record; returns what changed, in words. RequestError where it keeps none."""
+        raise RequestError(f"pipeline {self.cfg.name}: its sink keeps no record of which "
+                           f"table its batches live in; adopt-table is for Iceberg sinks")
+
     @abstractmethod
     def complete_from(self, dsn: str, batch: Batch) -> ExternalSink:
         """The external sink whose own record `offsetflow complete` completes `batch`

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from offsetflow.config import check_summary_ranges, summary_batch
-from offsetflow.errors import OffsetFlowError, SchemaMismatchError
+from offsetflow.errors import IcebergTableIdentityError, OffsetFlowError, SchemaMismatchError
 from offsetflow.ledger import Batch
 from offsetflow.sinks.iceberg.files import batch_file_prefix, name_files_for
 
@@ -43,20 +43,39 @@ class IcebergCommitError(OffsetFlowError):
     """The Iceberg commit kept conflicting with other writers; nothing was committed."""
 
 
-def find_batch(table: Table, batch: Batch) -> tuple[int, int] | None:
+def find_batch(table: Table, batch: Batch, ledger: str | None = None
+               ) -> tuple[int, int] | None:
     """(rows, dead letters) of this batch's snapshot among main's ancestors, or None; a
-    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError."""
+    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError.
+    `ledger`: the ledger's identity (another ledger's pipeline of the same name numbers its
+    own batches: its snapshots are not this one's)."""
+    snap = _batch_snapshot(table, batch, ledger)
+    if snap is None:
+        return None
+    summary = snap.summary.additional_properties if snap.summary else {}
+    found = summary_batch(summary, batch.pipeline, batch.batch_id, ledger)
+    assert found is not None
+    return found
+
+
+def batch_snapshot_id(table: Table, batch: Batch, ledger: str | None = None) -> int | None:
+    """The id of the batch's (newest) snapshot on main, or None."""
+    snap = _batch_snapshot(table, batch, ledger)
+    return None if snap is None else int(snap.snapshot_id)
+
+
+def _batch_snapshot(table: Table, batch: Batch, ledger: str | None) -> Any:
     from pyiceberg.table.snapshots import ancestors_of
 
     for snap in ancestors_of(table.current_snapshot(), table.metadata):
         summary = snap.summary.additional_properties if snap.summary else {}
-        found = summary_batch(summary, batch.pipeline, batch.batch_id)
-        if found is not None:  # and the very ranges: batch ids repeat when ledgers do
+        if summary_batch(summary, batch.pipeline, batch.batch_id, ledger) is not None:
+            # and the very ranges: batch ids repeat when ledgers do
             check_summary_ranges(summary, batch.pipeline, batch.batch_id,
                                  [(r.topic, r.partition, r.from_offset, r.until_offset)
                                   for r in batch.ranges],
                                  f"{snap.snapshot_id} of {'.'.join(table.name())}")
-            return found
+            return snap
     return None
 
 
@@ -79,20 +98,24 @@ def _fault(point: str) -> None:
 def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile] | None,
                     summary: dict[str, str],
                     check: Callable[[Table], None] | None = None,
-                    build: Callable[[Table], Transaction] | None = None) -> int | None:
+                    build: Callable[[Table], Transaction] | None = None,
+                    ledger: str | None = None) -> int | None:
     """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
     append `data`: rows, or data files written already (the tasks'; a retry after a
     conflict re-commits the same files, it writes none); or, with `build`, the transaction
     it makes of the table as loaded now (upsert: decided again after a conflict). Returns
     None when this call committed, else the rows of the snapshot an earlier or concurrent
     attempt committed for the batch. `check` vets the table each round (a conflict
-    refreshes it: the tasks' files must still fit its partition spec)."""
+    refreshes it: the tasks' files must still fit its partition spec). The table stays the
+    one the caller checked against the ledger (its table-uuid): a refresh that finds
+    another table under the name (dropped and created again meanwhile: the commit's own
+    AssertTableUUID is what conflicted) is IcebergTableIdentityError, never written."""
     from pyiceberg.exceptions import CommitFailedException
 
     for attempt in range(COMMIT_RETRIES):
         # the snapshot the commit asserts is the one searched here (`find` may have looked
         # at an older load of the table)
-        found = find_batch(table, batch)
+        found = find_batch(table, batch, ledger)
         if found is not None:
             return found[0]
         if check is not None:
@@ -111,13 +134,30 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
             log.warning("batch %d: Iceberg commit conflicted (%s); refreshing and looking "
                         "for the batch before retrying", batch.batch_id, e)
             time.sleep(0.2 * (attempt + 1))
-            table.refresh()  # the loop's next round looks for the batch before retrying
+            _refresh(table, batch)  # the loop's next round looks for the batch first
             continue
         _fault("after-commit")
         return None
     raise IcebergCommitError(f"batch {batch.batch_id}: the Iceberg commit to "
                              f"{'.'.join(table.name())} conflicted {COMMIT_RETRIES} times "
                              f"with other writers; nothing was committed, re-run the batch")
+
+
+def _refresh(table: Table, batch: Batch) -> None:
+    """The table as committed now; never another table under its name (pyiceberg refuses a
+    refresh to another table-uuid: said here as what it is)."""
+    checked = str(table.metadata.table_uuid)
+    try:
+        table.refresh()
+    except ValueError as e:
+        if "UUID does not match" not in str(e):
+            raise
+        name = ".".join(table.name())
+        raise IcebergTableIdentityError(
+            name, f"batch {batch.batch_id}'s commit began on table-uuid {checked}",
+            f"another table under the name after a commit conflict ({e}: dropped and "
+            f"created again meanwhile)", "The next run of the batch checks the table "
+            "against the ledger's record and names the way out") from e
 
 
 def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],

@@ -8,6 +8,10 @@ deletes only unreferenced files carrying THAT prefix: files of its dead attempts
 concurrent writer's (a compaction in flight stays unreferenced until its commit, however
 long it takes).
 
+No sweep deletes a file that another table whose metadata lies in the table's metadata
+folder references (`other_tables_files`): a table dropped without purge, with another one
+created at its location, can be registered again from its metadata.
+
 Paths are compared in one canonical form (`canonical_path`): a manifest may say
 `file:/x`, `file:///x` or `/x` for the file a listing calls `/x`. A sweep that finds
 referenced files but none of them in its listing refuses to delete anything: that is a
@@ -140,12 +144,90 @@ def _list_data_files(table: Table, dirs: Iterable[str] | None = None
                         if i.type == pafs.FileType.File and i.path.endswith(".parquet")]
 
 
-def remove_orphan_files(table: Table, older_than_s: float, prefix: str | None = None
-                        ) -> list[str]:
+def other_tables_files(table: Table) -> set[str]:
+    """Canonical paths of the data files that OTHER tables whose metadata lies in this
+    table's metadata folder reference: a table dropped without purge and another created
+    at its location (the default location of the same name), or the sink's table replaced
+    and the new one adopted. The dropped one can be registered again from its metadata, so
+    its files are not this table's orphans. Metadata files of this table (its table-uuid)
+    are told apart by reading the head of each one its metadata log does not list.
+    Raises OrphanSweepRefusedError when a metadata file cannot be read."""
+    import re
+
+    from pyarrow import fs as pafs
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+    from pyiceberg.serializers import FromInputFile
+
+    mine = str(table.metadata.table_uuid)
+    folder = posixpath.dirname(str(table.metadata_location))
+    own = {canonical_path(e.metadata_file) for e in table.metadata.metadata_log}
+    own.add(canonical_path(str(table.metadata_location)))
+    scheme, netloc, root = PyArrowFileIO.parse_location(folder)
+    filesystem = PyArrowFileIO(dict(table.io.properties)).fs_by_scheme(scheme, netloc)
+    try:
+        infos = filesystem.get_file_info(pafs.FileSelector(root))
+    except FileNotFoundError:
+        return set()
+    uuid_re = re.compile(rb'"table-uuid"\s*:\s*"([0-9A-Fa-f-]{36})"')
+    out: set[str] = set()
+    seen: set[str] = set()
+    for info in infos:
+        path = posixpath.normpath(info.path)
+        if info.type != pafs.FileType.File or not path.endswith(".metadata.json") or \
+                path in own:
+            continue
+        location = _with_scheme(scheme, netloc, path)
+        try:
+            with filesystem.open_input_stream(info.path) as f:
+                m = uuid_re.search(f.read(4096))
+            if m is not None and m.group(1).decode().lower() == mine.lower():
+                continue
+            other = FromInputFile.table_metadata(table.io.new_input(location))
+        except Exception as e:  # noqa: BLE001 - never guess: nothing is deleted
+            raise OrphanSweepRefusedError(
+                f"orphan sweep of {'.'.join(table.name())}: could not read {location} to "
+                f"tell whether another table references files at its location ({e}); "
+                f"nothing deleted") from e
+        if str(other.table_uuid) == mine:
+            continue
+        for snap in other.snapshots:
+            try:
+                manifests = snap.manifests(table.io)
+            except FileNotFoundError:  # its manifest list is gone: it cannot be read back
+                log.warning("orphan sweep of %s: snapshot %d of table %s (metadata %s) "
+                            "has lost its manifest list", ".".join(table.name()),
+                            snap.snapshot_id, other.table_uuid, location)
+                continue
+            for manifest in manifests:
+                if manifest.manifest_path in seen:
+                    continue
+                seen.add(manifest.manifest_path)
+                for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=False):
+                    out.add(canonical_path(entry.data_file.file_path))
+    if out:
+        log.info("orphan sweep of %s: %d data files at its location belong to another "
+                 "table (a dropped one's metadata lies there); kept", ".".join(table.name()),
+                 len(out))
+    return out
+
+
+def _with_scheme(scheme: str, netloc: str, path: str) -> str:
+    """A listed path as a location the table's FileIO opens."""
+    if scheme in ("", "file"):
+        return path
+    if scheme in ("hdfs", "viewfs"):
+        return f"{scheme}://{netloc}{path}"
+    return f"{scheme}://{path}"  # object stores list bucket/key
+
+
+def remove_orphan_files(table: Table, older_than_s: float, prefix: str | None = None,
+                        keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Delete data files under the table's data folder that no snapshot references, older
-    than `older_than_s` and, with `prefix`, whose name starts with it. Returns the removed
-    paths. Raises OrphanSweepRefusedError when snapshots reference files but the listing
-    holds none of them (a path spelling this code does not understand)."""
+    than `older_than_s` and, with `prefix`, whose name starts with it; never one another
+    table at its location references (`other_tables_files`), nor one in `keep` (canonical
+    paths: the open batches' files). Returns the removed paths. Raises
+    OrphanSweepRefusedError when snapshots reference files but the listing holds none of
+    them (a path spelling this code does not understand)."""
     referenced = referenced_files(table)
     filesystem, infos = _list_data_files(table)
     listed = {posixpath.normpath(i.path): i for i in infos}
@@ -157,12 +239,17 @@ def remove_orphan_files(table: Table, older_than_s: float, prefix: str | None = 
             f"{infos[0].path}); nothing deleted")
     cutoff = time.time() - older_than_s
     removed = []
+    others: set[str] | None = None
     for path, info in listed.items():
-        if path in referenced:
+        if path in referenced or path in keep:
             continue
         if prefix is not None and not posixpath.basename(path).startswith(prefix):
             continue
         if info.mtime is not None and info.mtime.timestamp() > cutoff:
+            continue
+        if others is None:  # read once, when a file would go
+            others = other_tables_files(table)
+        if path in others:
             continue
         filesystem.delete_file(info.path)
         removed.append(info.path)
@@ -208,6 +295,11 @@ def remove_batch_orphans(table: Table, batch: Batch) -> list[str]:
             f"files its snapshots added (e.g. {next(iter(added))}) is among the {len(mine)} "
             f"files listed with its prefix; nothing deleted")
     removed = [info.path for path, info in mine.items() if path not in added]
+    if removed and batch.attempts > 1:
+        # an earlier run may have committed the batch into a table replaced since (its
+        # files carry the same prefix): that table's metadata may be registered again
+        others = other_tables_files(table)
+        removed = [p for p in removed if posixpath.normpath(p) not in others]
     for path in removed:
         filesystem.delete_file(path)
     if removed:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
+import psycopg2.extensions
+
 from offsetflow.commit import CommitSpec
 from offsetflow.config import IcebergConfig, PipelineConfig, resolve_identifier
 from offsetflow.errors import BatchStateError
@@ -18,7 +20,7 @@ from offsetflow.sinks.iceberg.maint import (
     sweep_after_retry,
     sweep_batch_orphans,
 )
-from offsetflow.sinks.iceberg.sink import IcebergSink
+from offsetflow.sinks.iceberg.sink import IcebergSink, sink_of
 from offsetflow.sinks.iceberg.tasks import TaskFiles
 
 
@@ -55,9 +57,30 @@ class IcebergPipelineSink(Sink):
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> IcebergSink:
-        return IcebergSink(self.iceberg, self.cfg.sink.connection or dsn,
-                           spec or CommitSpec(columns=()), tuple(columns or ()),
-                           self.cfg.sink.table)
+        return sink_of(self.cfg, dsn, columns, spec)
+
+    def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                       columns: Sequence[tuple[str, str]]) -> None:
+        """Before anything is read: the table is the one the ledger's batches live in
+        (`sink_iceberg_identity`), or there is none and the commit may create it. A run
+        whose tasks write the data files checked it already when it loaded the table; with
+        the catalog's PostgreSQL unknown here (the ledger's), the commit checks it."""
+        if self.tasks_write_files or not self.cfg.sink.connection:
+            return
+        sink = self.external(self.cfg.sink.connection, columns)
+        try:
+            sink.check_in(cur, sink.identifier(batch))
+        finally:
+            sink.close()
+
+    def adopt_target(self, dsn: str, target_table: str | None, reason: str) -> str:
+        """`offsetflow adopt-table`: see `IcebergSink.adopt`."""
+        sink = self.external(dsn)
+        try:
+            return sink.adopt(resolve_identifier(self.iceberg, self.cfg.sink.table,
+                                                 target_table or self.cfg.sink.table), reason)
+        finally:
+            sink.close()
 
     def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
         """Data files no snapshot adds go: those of task attempts that died or lost their

@@ -3,6 +3,11 @@
 summary names the batch (`sink_iceberg_config.snapshot_summary`).
 
 Order inside the still-open ledger transaction (batch row locked):
+  0. the table found is the one the ledger's batches live in (`sink_iceberg_identity`:
+     its table-uuid, location and catalog as the ledger recorded them; the record stays
+     row-locked to the end, and this transaction moves it on to the batch's commit), else
+     IcebergTableIdentityError and nothing is written; no table is created again where
+     the ledger holds batches;
   1. `find`: the table's snapshots (ancestors of main) are searched for this batch; found ->
      an earlier attempt committed to Iceberg and died before the ledger COMMIT: the ledger is
      completed, nothing is appended again;
@@ -52,14 +57,22 @@ from offsetflow.commit import (
 )
 from offsetflow.config import (
     IcebergConfig,
+    PipelineConfig,
+    catalog_label,
     catalog_properties,
     resolve_identifier,
     snapshot_summary,
 )
 from offsetflow.errors import StagedRowsLostError
-from offsetflow.ledger import Batch, qualified, stage_table
-from offsetflow.sinks.iceberg.commit import commit_snapshot, find_batch, schema_mismatch
+from offsetflow.ledger import Batch, Ledger, ledger_identity, qualified, stage_table
+from offsetflow.sinks.iceberg.commit import (
+    batch_snapshot_id,
+    commit_snapshot,
+    find_batch,
+    schema_mismatch,
+)
 from offsetflow.sinks.iceberg.files import batch_file_prefix
+from offsetflow.sinks.iceberg.identity import OWN, Check, adopt_table, check, record_commit
 from offsetflow.sinks.iceberg.layout import layout_for_new_table, warn_layout_drift
 from offsetflow.sinks.iceberg.stage import arrow_schema, read_stage
 from offsetflow.sinks.iceberg.staged import (
@@ -83,6 +96,26 @@ def load_catalog(cfg: IcebergConfig, sink_dsn: str) -> Catalog:
     return _load(cfg.catalog_name, **catalog_properties(cfg, sink_dsn))
 
 
+def batch_identifier(iceberg: IcebergConfig, sink_table: str, batch: Batch) -> str:
+    """The table `batch` writes: a backfill's `target_table` (the pipeline's own in any
+    spelling, or another), else the pipeline's own table as configured now. A live batch or
+    a replay records `sink.table` as it was when planned: run after `sink.table` changed
+    (--accept-config-change), it goes where the config says, checked against the ledger's
+    record like any batch, never to a table named by an older config."""
+    if batch.kind != "backfill":
+        return iceberg.identifier
+    return resolve_identifier(iceberg, sink_table, batch.target_table)
+
+
+def sink_of(cfg: PipelineConfig, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
+            spec: CommitSpec | None = None) -> IcebergSink:
+    """The pipeline's sink for one commit attempt or upkeep run (`dsn`: the ledger's)."""
+    assert cfg.sink.iceberg is not None
+    return IcebergSink(cfg.sink.iceberg, cfg.sink.connection or dsn,
+                       spec or CommitSpec(columns=()), tuple(columns or ()), cfg.sink.table,
+                       ledger_dsn=dsn, pipeline=cfg.name, conn_id=cfg.sink.conn_id)
+
+
 @dataclass
 class IcebergSink:
     """An `ExternalSink` (see the module docstring)."""
@@ -92,6 +125,14 @@ class IcebergSink:
     spec: CommitSpec
     columns: Sequence[tuple[str, str]]  # stage columns and their PostgreSQL types
     table_name: str = ""  # sink.table as configured (a backfill may name another)
+    # whose table it is: the ledger (its DSN; "" the catalog's) and the pipeline ("" a bare
+    # sink of a tool or a test, whose table identity is not checked), and the sink's
+    # Airflow connection (the catalog's label names it, as the config fingerprint does)
+    ledger_dsn: str = ""
+    pipeline: str = ""
+    conn_id: str | None = None
+    ledger_id: str | None = None  # the ledger's identity, once a check has read it
+    _cur: Any = None  # the commit's transaction, from `find`/`write` on
     _catalog: Any = None
     _task_dead: int = 0  # bad records the tasks staged, of the last `route_dead_letters`
     _layout_checked: bool = False  # the table's layout was compared with the config
@@ -110,17 +151,25 @@ class IcebergSink:
         if engine is not None:
             engine.dispose()
         self._catalog = None
+        self._cur = None
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
         from pyiceberg.exceptions import NoSuchTableError
 
+        self._cur = cur  # the commit's transaction: `table` checks and records in it
+        ident = self.identifier(batch)
         try:  # not `table()`: a check made before anything is read knows no columns
-            table = self.catalog.load_table(self.identifier(batch))
+            table = self.catalog.load_table(ident)
         except NoSuchTableError:
+            table = None
+        # the table is the ledger's before its snapshots are believed (record row-locked
+        # to the commit's end: an adopt-table waits)
+        if self._check(cur, ident, table) or table is None:
             return None  # no table holds no batch; `write` creates it
-        found = find_batch(table, batch)
+        found = find_batch(table, batch, self.ledger_id)
         if found is None:
             return None
+        self._record_commit(cur, batch, table)
         moved = self.route_dead_letters(cur, batch)  # they commit with the ledger, so again
         if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
             from offsetflow.sinks.iceberg.upsert import prepare
@@ -136,10 +185,13 @@ class IcebergSink:
         self.stage_gone = True
 
     def write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int) -> Moved:
+        self._cur = cur
         if self.spec.mode == "upsert":  # merge on the key: its own module
             from offsetflow.sinks.iceberg.upsert import write_upsert
 
-            return write_upsert(self, cur, batch)
+            moved = write_upsert(self, cur, batch)
+            self._record_commit(cur, batch, self.catalog.load_table(self.identifier(batch)))
+            return moved
         if self.spec.task_files:
             return self._write_task_files(cur, batch, staged)
         moved = self.route_dead_letters(cur, batch)
@@ -148,9 +200,10 @@ class IcebergSink:
         read_s = time.monotonic() - t
         _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
         table = self.table(self.identifier(batch))
-        summary = _summary(batch, data.num_rows, moved.dead)
+        summary = self.summary(cur, batch, data.num_rows, moved.dead)
         t = time.monotonic()
-        rows = commit_snapshot(table, batch, data, summary)
+        rows = commit_snapshot(table, batch, data, summary, ledger=self.ledger_id)
+        self._record_commit(cur, batch, table)
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
                  "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
         if rows is not None:  # another attempt committed it meanwhile: its count stands
@@ -186,14 +239,16 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         check_files_table(table, files, batch.batch_id)  # not a table made again since
         check_files_exist(table, files, batch.batch_id)
-        summary = _summary(batch, files.records, moved.dead)
+        summary = self.summary(cur, batch, files.records, moved.dead)
         t = time.monotonic()
         check_files_spec(table, files, batch.batch_id)
 
         def check(t: Table) -> None:  # a conflict reloads the table: vet it again
             check_files_table(t, files, batch.batch_id)
             check_files_spec(t, files, batch.batch_id)
-        rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check)
+        rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check,
+                               ledger=self.ledger_id)
+        self._record_commit(cur, batch, table)
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
         if rows is not None:
@@ -230,18 +285,101 @@ class IcebergSink:
 
     def identifier(self, batch: Batch) -> str:
         """The pipeline's table, or the one a backfill named (`target_table`)."""
-        return resolve_identifier(self.iceberg, self.table_name, batch.target_table)
+        return batch_identifier(self.iceberg, self.table_name, batch)
+
+    def target(self, ident: str) -> str:
+        """The identity record's key of table `ident`: the pipeline's own, or a backfill's."""
+        return OWN if ident == self.iceberg.identifier else ident
 
     def table(self, ident: str) -> Table:
-        """The target table, created on first use with the configured layout."""
+        """The target table, created on first use with the configured layout; refused
+        (IcebergTableIdentityError) when it is not the table the ledger's batches live in
+        (`offsetflow.sinks.iceberg.identity`). In a commit, checked in its transaction."""
+        if self._cur is not None:
+            return self._table(self._cur, ident)
+        if not self.pipeline:  # a bare sink (a tool's or a test's): no ledger record
+            return self._table(None, ident)
+        with Ledger(self.ledger_dsn or self.sink_dsn) as ledger, ledger.transaction() as cur:
+            return self._table(cur, ident)
+
+    def existing_table(self, ident: str) -> Table | None:
+        """The target table if it exists and is the ledger's (maintenance, the checks
+        made before a run reads): never created here."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            table = self.catalog.load_table(ident)
+        except NoSuchTableError:
+            table = None
+        if self.pipeline:
+            with Ledger(self.ledger_dsn or self.sink_dsn) as ledger, \
+                    ledger.transaction() as cur:
+                self._check(cur, ident, table)
+        return table
+
+    def check_in(self, cur: psycopg2.extensions.cursor, ident: str) -> None:
+        """The table `ident` is the ledger's, or there is none and one may be created;
+        checked (and recorded) in `cur`'s transaction. Nothing is created here."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            table = self.catalog.load_table(ident)
+        except NoSuchTableError:
+            table = None
+        self._check(cur, ident, table)
+
+    def adopt(self, ident: str, reason: str) -> str:
+        """`offsetflow adopt-table`: the table now under `ident` (none: the one the next run
+        creates) becomes the one the pipeline's batches live in, in the ledger's record; the
+        recorded one goes to the record's history. Returns what changed, in words."""
+        from pyiceberg.exceptions import NoSuchTableError
+
+        try:
+            table = self.catalog.load_table(ident)
+        except NoSuchTableError:
+            table = None
+        with Ledger(self.ledger_dsn or self.sink_dsn) as ledger, ledger.transaction() as cur:
+            old, new = adopt_table(cur, self._check_of(cur, ident), table, reason)
+        now = (f"{ident} in the {self.catalog_label} (no table yet: the next run creates it)"
+               if new is None else str(new))
+        if old is None or old.table_uuid is None:
+            return f"pipeline {self.pipeline}: Iceberg table is now {now}"
+        kept = (f"the ledger's batches up to {old.last_batch_id} stay in the table recorded "
+                f"before ({old}); they are not in the adopted table (replay their windows "
+                f"into it if it must hold them)" if old.last_batch_id is not None else
+                f"no batch was committed into the table recorded before ({old})")
+        return f"pipeline {self.pipeline}: Iceberg table is now {now}; {kept}"
+
+    def _check_of(self, cur: psycopg2.extensions.cursor, ident: str) -> Check:
+        self.ledger_id = ledger_identity(cur).installation_id
+        adopt_hint = (f"offsetflow adopt-table --pipeline {self.pipeline}"
+                      + (f" --target-table {ident}" if self.target(ident) != OWN else "")
+                      + " --reason '...'")
+        return Check(self.pipeline, self.target(ident), ident, self.catalog_label,
+                     self.catalog, self.ledger_id, lambda t: resolve_identifier(
+                         self.iceberg, self.table_name, t) == ident, adopt_hint)
+
+    def _check(self, cur: psycopg2.extensions.cursor | None, ident: str,
+               table: Table | None) -> bool:
+        """`identity.check`; True when no table is there and one may be created."""
+        if cur is None or not self.pipeline:
+            return table is None
+        return check(cur, self._check_of(cur, ident), table)
+
+    @property
+    def catalog_label(self) -> str:
+        return catalog_label(self.iceberg, self.sink_dsn, self.conn_id)
+
+    def _table(self, cur: psycopg2.extensions.cursor | None, ident: str) -> Table:
         from pyiceberg.exceptions import NoSuchTableError, TableAlreadyExistsError
 
         cat = self.catalog
         try:
             loaded = cat.load_table(ident)
         except NoSuchTableError:
-            pass
-        else:
+            loaded = None
+        self._check(cur, ident, loaded)  # the ledger's table, or none and one may be made
+        if loaded is not None:
             if ident == self.iceberg.identifier and not self._layout_checked:
                 self._layout_checked = True
                 warn_layout_drift(loaded, self.iceberg)
@@ -256,10 +394,35 @@ class IcebergSink:
                                      sort_order=order, properties={
                                          "write.target-file-size-bytes":
                                              str(self.iceberg.target_file_mb << 20)})
-        except TableAlreadyExistsError:  # a concurrent run made it first
-            return cat.load_table(ident)
+        except TableAlreadyExistsError:  # a concurrent run made it first: its, if recorded
+            table = cat.load_table(ident)
+            self._check(cur, ident, table)
+            return table
         log.info("created Iceberg table %s", ident)
+        self._check(cur, ident, table)  # recorded as the pipeline's
         return table
+
+    def summary(self, cur: psycopg2.extensions.cursor, batch: Batch, rows: int, dead: int
+                ) -> dict[str, str]:
+        """The batch's snapshot summary, naming the ledger and the pipeline's oldest batch
+        still open in it (maintenance run from another ledger reads them)."""
+        cur.execute("SELECT min(batch_id) FROM offsetflow.batches WHERE pipeline = %s AND "
+                    "status IN ('planned', 'running', 'failed')", (batch.pipeline,))
+        row = cur.fetchone()
+        floor = min(int(row[0]), batch.batch_id) if row and row[0] is not None else \
+            batch.batch_id
+        return snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
+                                [(r.topic, r.partition, r.from_offset, r.until_offset)
+                                 for r in batch.ranges], rows, dead,
+                                ledger=ledger_identity(cur).installation_id, open_floor=floor)
+
+    def _record_commit(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                       table: Table) -> None:
+        """The table's metadata after the batch's catalog commit, in the ledger's
+        transaction that commits the batch."""
+        if self.pipeline:
+            record_commit(cur, self.pipeline, self.target(self.identifier(batch)), table,
+                          batch, batch_snapshot_id(table, batch, self.ledger_id))
 
 
 def _check_counts(batch: Batch, rows: int, where: str, routed: int, staged: int) -> None:
@@ -269,11 +432,3 @@ def _check_counts(batch: Batch, rows: int, where: str, routed: int, staged: int)
         raise StagedRowsLostError(batch.batch_id, None,
                                   f"{where} hold {rows} rows for Iceberg and the stage "
                                   f"{routed} dead letters, but its markers count {staged}")
-
-
-def _summary(batch: Batch, rows: int, dead: int) -> dict[str, str]:
-    return snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
-                            [(r.topic, r.partition, r.from_offset, r.until_offset)
-                             for r in batch.ranges], rows, dead)
-
-

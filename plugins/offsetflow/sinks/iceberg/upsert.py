@@ -48,7 +48,7 @@ from offsetflow.commit import (
     remember_deletions,
     stage_winners,
 )
-from offsetflow.config import IcebergConfig, snapshot_summary
+from offsetflow.config import IcebergConfig
 from offsetflow.errors import IcebergBatchOpenError, SchemaMismatchError
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sinks.iceberg.keys import COORDINATES, key_filter, key_mask, window_mask
@@ -119,7 +119,7 @@ def write_upsert(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batc
             f"upsert into a table OffsetFlow creates in that mode (a new sink.table)")
     plan = _Plan(sink, cur, batch, memory_name(sink.iceberg, ident), moved.dead)
     t = time.monotonic()
-    rows = commit_snapshot(table, batch, None, {}, build=plan.stage_into)
+    rows = commit_snapshot(table, batch, None, {}, build=plan.stage_into, ledger=sink.ledger_id)
     log.info("batch %d: upsert into Iceberg decided, written and committed in %.2f s (%d "
              "rows written, %d data files rewritten)", batch.batch_id, time.monotonic() - t,
              plan.written, plan.rewritten)
@@ -154,9 +154,7 @@ class _Plan:
         tasks = self._load_current(table)
         drop = self._decide()
         self.written = self._count_inserts()
-        summary = snapshot_summary(batch.pipeline, batch.batch_id, batch.kind,
-                                   [(r.topic, r.partition, r.from_offset, r.until_offset)
-                                    for r in batch.ranges], self.written, self.dead)
+        summary = self.sink.summary(self.cur, batch, self.written, self.dead)
         txn = table.transaction()  # its files named by the batch (`commit_snapshot`)
         commit_uuid, counter = uuid.uuid4(), itertools.count(0)
         self.rewritten = 0
