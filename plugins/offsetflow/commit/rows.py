@@ -10,6 +10,7 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.commit.dead_letters import dead_letters_from
+from offsetflow.commit.incarnations import delete_window_dead_letters
 from offsetflow.commit.spec import CommitSpec, Moved
 from offsetflow.commit.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.errors import StagedRowsLostError
@@ -75,6 +76,8 @@ def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: Commi
             " AND NOT COALESCE({tid} <> (SELECT topic_id FROM offsetflow.batch_ranges WHERE "
             "batch_id = %s AND topic = %s AND partition = %s), false)").format(
                 tid=sql.Identifier(TOPIC_ID_COLUMN))
+    if spec.dead_letter_table:  # those of the window's topic incarnation
+        delete_window_dead_letters(cur, batch, spec.dead_letter_table)
     for r in batch.ranges:
         args: tuple[object, ...] = (r.topic, r.partition, r.from_offset, r.until_offset)
         if spec.mode == "upsert":
@@ -82,9 +85,4 @@ def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: Commi
         cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
                             "AND \"offset\" >= %s AND \"offset\" < %s{}").format(
                                 qualified(batch.target_table), other_incarnation), args)
-        if spec.dead_letter_table:
-            cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
-                                "AND partition = %s AND \"offset\" >= %s "
-                                "AND \"offset\" < %s").format(
-                                    qualified(spec.dead_letter_table)),
-                        (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))
+

@@ -47,6 +47,7 @@ from offsetflow.commit import (
     CommitSpec,
     Moved,
     dead_letters_from,
+    delete_window_dead_letters,
     move_stage_dead_letters,
     route_quality_failures,
 )
@@ -57,10 +58,19 @@ from offsetflow.config import (
     snapshot_summary,
 )
 from offsetflow.errors import StagedRowsLostError
-from offsetflow.ledger import Batch, qualified, stage_table
-from offsetflow.sinks.iceberg.commit import commit_snapshot, find_batch, schema_mismatch
+from offsetflow.ledger import Batch, stage_table
+from offsetflow.sinks.iceberg.commit import (
+    commit_snapshot,
+    find_batch,
+    schema_mismatch,
+    window_of,
+)
 from offsetflow.sinks.iceberg.files import batch_file_prefix
-from offsetflow.sinks.iceberg.layout import layout_for_new_table, warn_layout_drift
+from offsetflow.sinks.iceberg.layout import (
+    check_table_layout,
+    layout_for_new_table,
+    warn_layout_drift,
+)
 from offsetflow.sinks.iceberg.stage import arrow_schema, read_stage
 from offsetflow.sinks.iceberg.staged import (
     check_files_exist,
@@ -70,6 +80,7 @@ from offsetflow.sinks.iceberg.staged import (
     staged_files,
 )
 from offsetflow.sinks.iceberg.tasks import TaskFiles
+from offsetflow.sinks.iceberg.warehouse import writing_to
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -150,7 +161,7 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         summary = _summary(batch, data.num_rows, moved.dead)
         t = time.monotonic()
-        rows = commit_snapshot(table, batch, data, summary)
+        rows = commit_snapshot(table, batch, data, summary, window=window_of(cur, batch))
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
                  "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
         if rows is not None:  # another attempt committed it meanwhile: its count stands
@@ -193,7 +204,8 @@ class IcebergSink:
         def check(t: Table) -> None:  # a conflict reloads the table: vet it again
             check_files_table(t, files, batch.batch_id)
             check_files_spec(t, files, batch.batch_id)
-        rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check)
+        rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check,
+                               window=window_of(cur, batch))
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
         if rows is not None:
@@ -207,12 +219,8 @@ class IcebergSink:
         moved = Moved()
         spec = self.spec
         dl = spec.dead_letter_table
-        if batch.kind in ("replay", "backfill") and dl:
-            for r in batch.ranges:
-                cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s AND "
-                                    "partition = %s AND \"offset\" >= %s AND \"offset\" < %s")
-                            .format(qualified(dl)), (batch.pipeline, r.topic, r.partition,
-                                                     r.from_offset, r.until_offset))
+        if batch.kind in ("replay", "backfill") and dl:  # of the window's incarnation
+            delete_window_dead_letters(cur, batch, dl)
         stage = stage_table(batch.batch_id)
         if spec.quality_routes:
             assert dl is not None
@@ -242,6 +250,7 @@ class IcebergSink:
         except NoSuchTableError:
             pass
         else:
+            check_table_layout(loaded)  # a spec this runtime cannot compute: refused
             if ident == self.iceberg.identifier and not self._layout_checked:
                 self._layout_checked = True
                 warn_layout_drift(loaded, self.iceberg)
@@ -252,10 +261,12 @@ class IcebergSink:
             columns = [*columns, (TOPIC_ID_COLUMN, "text")]
         schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(columns))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
-            table = cat.create_table(ident, schema=schema, partition_spec=spec,
-                                     sort_order=order, properties={
-                                         "write.target-file-size-bytes":
-                                             str(self.iceberg.target_file_mb << 20)})
+            with writing_to(self.iceberg.properties.get("warehouse", "?"),
+                            f"creating table {ident}", None):
+                table = cat.create_table(ident, schema=schema, partition_spec=spec,
+                                         sort_order=order, properties={
+                                             "write.target-file-size-bytes":
+                                                 str(self.iceberg.target_file_mb << 20)})
         except TableAlreadyExistsError:  # a concurrent run made it first
             return cat.load_table(ident)
         log.info("created Iceberg table %s", ident)
