@@ -106,6 +106,34 @@ def unknown_rows_error(batch: Batch, r: RangeIncarnation, where: str, rows: int,
         f"{batch.batch_id} first)")
 
 
+def refuse_other_incarnations(cur: psycopg2.extensions.cursor, batch: Batch, table: str,
+                              r: RangeIncarnation) -> None:
+    """A PostgreSQL append target holds one row per coordinates (its guard index): where a
+    window's coordinates hold rows of another (or an unknown) incarnation of the topic, the
+    window can neither keep them beside its own rows nor delete them (they are another
+    incarnation's records). Refused, naming them; nothing written."""
+    if r.mine is None:
+        return
+    lin = sql.Identifier(LINEAGE_COLUMN)
+    cur.execute(sql.SQL("SELECT count(*), array_agg(DISTINCT {lin}) FROM {t} WHERE topic = %s "
+                        "AND partition = %s AND \"offset\" >= %s AND \"offset\" < %s AND "
+                        "NOT {lin} = ANY(%s)").format(lin=lin, t=qualified(table)),
+                (r.topic, r.partition, r.from_offset, r.until_offset, list(r.mine)))
+    row = cur.fetchone()
+    if not row or not row[0]:
+        return
+    shown = sorted(row[1] or [])[:10]
+    raise WindowIncarnationError(
+        f"batch {batch.batch_id} ({batch.kind} of {r.show()}): {table} holds {row[0]} rows "
+        f"there written by batch(es) {shown} of another incarnation of {r.topic} (deleted "
+        f"and recreated) or of one the ledger does not record; an append table holds one row "
+        f"per topic, partition and offset, so the {batch.kind} can neither keep them beside "
+        f"its own nor replace them, and nothing was written. Move those rows aside first "
+        f"(e.g. INSERT INTO an archive table SELECT * FROM {table} WHERE topic = "
+        f"'{r.topic}' AND partition = {r.partition} AND _offsetflow_batch_id IN "
+        f"({', '.join(map(str, shown))}), then DELETE them), and run the batch again")
+
+
 def delete_window_dead_letters(cur: psycopg2.extensions.cursor, batch: Batch, table: str,
                                incarnations: Sequence[RangeIncarnation] | None = None
                                ) -> None:
