@@ -48,14 +48,16 @@ def _nothing_committed(case: IcebergCase, bid: int, snaps: list[int],
         batch.error or "")
 
 
-@pytest.mark.parametrize("path", ["tasks", "stage"])
+@pytest.mark.parametrize("path", ["tasks", "stage", "upsert"])
 def test_a_read_only_warehouse_at_the_commit_commits_nothing_and_names_the_way_out(
         case: IcebergCase, spark: Any, path: str) -> None:
     """The table's metadata folder read-only: the catalog commit cannot write its
-    manifests (both the tasks' files path and the driver's stage path)."""
+    manifests (the tasks' files path, the driver's stage path, the upsert's rewrite)."""
     if path == "stage":  # a transform: the driver reads the stage and writes the files
         case.raw["transform"] = "tests.tooling.chaos.maybe_fail_task"
-        case.write_config()
+    if path == "upsert":
+        case.raw["sink"].update(mode="upsert", key=["event_id"])
+    case.write_config()
     case.workload.plain(40)
     run_until_caught_up(case.cfg, case.dsn, spark)
     snaps, positions = snapshot_batches(case.cfg, case.dsn), case.positions()
