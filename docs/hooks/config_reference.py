@@ -224,6 +224,7 @@ NOT_FROM_YAML = {
     "source_file": "the file the config was loaded from",
     "sink.iceberg.namespace": "from sink.table",
     "sink.iceberg.table": "from sink.table",
+    "sink.iceberg.source_file": "the file the config was loaded from (for errors)",
 }
 
 # minimal pipelines the probes start from, one per sink type (and upsert for the modes)

@@ -380,3 +380,37 @@ class MissingExtraError(OffsetFlowError):
             f"this environment, pip install 'offsetflow[{extra}]' -c requirements.txt "
             f"(the constraints file of the tested versions, docs/deployment.md), or "
             f"'offsetflow[all]' for every optional part")
+
+
+class WindowIncarnationError(OffsetFlowError):
+    """A replay or backfill window's coordinates hold rows of a source topic incarnation
+    the ledger does not know, beside another incarnation's (the topic was deleted and
+    recreated): replacing them could delete another incarnation's rows, keeping them
+    could duplicate this one's. Nothing is written; names the rows' batches and the way
+    out."""
+
+
+class TaskReportedError(OffsetFlowError):
+    """Base of the errors a Spark task reports to the driver in its stats row instead of
+    failing: Spark would retry the task and log the traceback of every attempt, and the
+    driver would get it wrapped in Spark's exception. The driver raises it once
+    (`reported_error`). Its only argument is its message."""
+
+
+class WarehouseWriteError(TaskReportedError):
+    """The Iceberg warehouse cannot be written (read-only, full, no permission): names the
+    batch, the warehouse path, the OS error, that nothing was committed, and the way out."""
+
+
+class IcebergLayoutError(TaskReportedError):
+    """An Iceberg table's partition spec cannot be computed by this runtime (a transform
+    pyiceberg needs pyiceberg-core for), on the driver or on a Spark worker: every batch
+    would fail; names the table, the field and the way out."""
+
+
+def reported_error(kind: str, message: str) -> OffsetFlowError:
+    """The `TaskReportedError` a task reported as (class name, message)."""
+    for cls in TaskReportedError.__subclasses__():
+        if cls.__name__ == kind:
+            return cls(message)
+    return TaskReportedError(message)

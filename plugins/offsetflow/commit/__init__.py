@@ -5,6 +5,12 @@ the target, advances each position from its fence and marks the batch committed.
 from __future__ import annotations
 
 from offsetflow.commit.dead_letters import Coordinate, dead_letters_from, route_quality_failures
+from offsetflow.commit.incarnations import (
+    RangeIncarnation,
+    delete_window_dead_letters,
+    unknown_rows_error,
+    window_incarnations,
+)
 from offsetflow.commit.partwise import PartwiseCommit
 from offsetflow.commit.protocol import (
     already_committed,
@@ -41,6 +47,7 @@ __all__ = [
     "LINEAGE_COLUMN",
     "Moved",
     "PartwiseCommit",
+    "RangeIncarnation",
     "TOMBSTONE_ERROR",
     "TOPIC_ID_COLUMN",
     "WINNERS",
@@ -49,6 +56,7 @@ __all__ = [
     "commit_batch",
     "create_stage_tables",
     "dead_letters_from",
+    "delete_window_dead_letters",
     "ensure_dead_letter",
     "ensure_target",
     "fence_and_advance",
@@ -62,4 +70,6 @@ __all__ = [
     "route_quality_failures",
     "sink_holds",
     "stage_winners",
+    "unknown_rows_error",
+    "window_incarnations",
 ]

@@ -10,6 +10,11 @@ import psycopg2.extensions
 from psycopg2 import sql
 
 from offsetflow.commit.dead_letters import dead_letters_from
+from offsetflow.commit.incarnations import (
+    delete_window_dead_letters,
+    refuse_other_incarnations,
+    window_incarnations,
+)
 from offsetflow.commit.spec import CommitSpec, Moved
 from offsetflow.commit.tables import DEAD_LETTER_COLUMNS, LINEAGE_COLUMN, TOPIC_ID_COLUMN
 from offsetflow.errors import StagedRowsLostError
@@ -68,23 +73,24 @@ def move_stage_dead_letters(cur: psycopg2.extensions.cursor, batch: Batch, spec:
 def delete_range_rows(cur: psycopg2.extensions.cursor, batch: Batch, spec: CommitSpec) -> None:
     """Replay/backfill: what the ranges produced before is replaced, not duplicated. In an
     upsert target, rows of another incarnation of the topic (deleted and recreated, same
-    offsets again) are not the window's and stay."""
+    offsets again) are not the window's and stay; an append target cannot hold both at one
+    coordinate, so such rows there refuse the window (`refuse_other_incarnations`)."""
     other_incarnation: sql.Composable = sql.SQL("")
     if spec.mode == "upsert":
         other_incarnation = sql.SQL(
             " AND NOT COALESCE({tid} <> (SELECT topic_id FROM offsetflow.batch_ranges WHERE "
             "batch_id = %s AND topic = %s AND partition = %s), false)").format(
                 tid=sql.Identifier(TOPIC_ID_COLUMN))
-    for r in batch.ranges:
+    incarnations = window_incarnations(cur, batch)
+    if spec.dead_letter_table:  # those of the window's topic incarnation
+        delete_window_dead_letters(cur, batch, spec.dead_letter_table, incarnations)
+    for r, inc in zip(batch.ranges, incarnations, strict=True):
+        if spec.mode != "upsert":  # rows of another incarnation: neither kept nor deleted
+            refuse_other_incarnations(cur, batch, batch.target_table, inc)
         args: tuple[object, ...] = (r.topic, r.partition, r.from_offset, r.until_offset)
         if spec.mode == "upsert":
             args += (batch.batch_id, r.topic, r.partition)
         cur.execute(sql.SQL("DELETE FROM {} WHERE topic = %s AND partition = %s "
                             "AND \"offset\" >= %s AND \"offset\" < %s{}").format(
                                 qualified(batch.target_table), other_incarnation), args)
-        if spec.dead_letter_table:
-            cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s "
-                                "AND partition = %s AND \"offset\" >= %s "
-                                "AND \"offset\" < %s").format(
-                                    qualified(spec.dead_letter_table)),
-                        (batch.pipeline, r.topic, r.partition, r.from_offset, r.until_offset))
+

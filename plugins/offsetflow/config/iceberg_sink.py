@@ -28,6 +28,30 @@ DEFAULT_NAMESPACE = "offsetflow"
 DEFAULT_CATALOG_NAME = "offsetflow"
 # transforms Iceberg defines (`bucket` and `truncate` take a width)
 TRANSFORMS = {"identity", "year", "month", "day", "hour", "bucket", "truncate", "void"}
+# the Iceberg types each transform takes (the spec's table; a unit test holds it to
+# pyiceberg's `Transform.can_transform`): a table column's type as `column_kind` names it
+_ANY = frozenset({"string", "int", "long", "float", "double", "boolean", "timestamptz",
+                  "timestamp", "date", "binary", "decimal"})
+_TIMES = frozenset({"date", "timestamp", "timestamptz"})
+TRANSFORM_TYPES: dict[str, frozenset[str]] = {
+    "identity": _ANY, "void": _ANY,
+    "bucket": frozenset({"int", "long", "decimal", "date", "timestamp", "timestamptz",
+                         "string", "binary"}),
+    "truncate": frozenset({"int", "long", "decimal", "string", "binary"}),
+    "year": _TIMES, "month": _TIMES, "day": _TIMES,
+    "hour": frozenset({"timestamp", "timestamptz"}),
+}
+# time transforms of one column are redundant to Iceberg (Java's spec builder refuses two)
+_TIME_TRANSFORMS = ("year", "month", "day", "hour")
+MAX_WIDTH = 2**31 - 1  # bucket count and truncate width are Iceberg ints
+# the Iceberg type of a target column, by its config type (format.schema) or PostgreSQL
+# stage type: nested values land as JSON text
+_KINDS = {"string": "string", "text": "string", "jsonb": "string", "long": "long",
+          "bigint": "long", "int": "int", "integer": "int", "smallint": "int",
+          "double": "double", "double precision": "double", "float": "float",
+          "real": "float", "boolean": "boolean", "timestamp": "timestamptz",
+          "timestamptz": "timestamptz", "date": "date", "binary": "binary",
+          "bytea": "binary", "uuid": "string"}  # json, uuid: Iceberg strings
 _PARTITION_RE = re.compile(r"^\s*(?:(\w+)\(\s*(?:(\d+)\s*,\s*)?(\w+)\s*\)|(\w+))\s*$")
 _SORT_RE = re.compile(r"^\s*(\w+)(?:\s+(asc|desc))?(?:\s+nulls\s+(first|last))?\s*$", re.I)
 
@@ -50,10 +74,31 @@ class BatchIdentityError(OffsetFlowError):
     batch; neither "found" (records lost) nor "missing" (maybe written twice) is safe."""
 
 
+def column_kind(type_name: str) -> str:
+    """The Iceberg type (as `TRANSFORM_TYPES` names it) of a column of config type
+    `type_name` (format.schema's `long`, `decimal(10,2)`) or PostgreSQL stage type."""
+    t = type_name.strip().lower()
+    if t.startswith(("decimal(", "numeric(")):
+        return "decimal"
+    return _KINDS.get(t, "string")
+
+
 @dataclass(frozen=True)
 class PartitionField:
     column: str
     transform: str  # pyiceberg's spelling: identity, day, bucket[16], truncate[4]
+
+    @property
+    def base(self) -> str:
+        """The transform without its width: `bucket` of `bucket[16]`."""
+        return self.transform.split("[", 1)[0]
+
+    def spelled(self) -> str:
+        """As a config names it: `bucket(16, event_id)`, `day(timestamp)`, `partition`."""
+        if self.base == "identity":
+            return self.column
+        width = self.transform[len(self.base) + 1:-1] if "[" in self.transform else ""
+        return f"{self.base}({width + ', ' if width else ''}{self.column})"
 
     @property
     def name(self) -> str:
@@ -83,6 +128,7 @@ class IcebergConfig:
     partition_by: tuple[PartitionField, ...] = ()
     sort_by: tuple[SortField, ...] = ()
     target_file_mb: int = 128
+    source_file: str = ""  # the pipeline file, for errors naming a field of it
 
     @property
     def identifier(self) -> str:
@@ -149,13 +195,49 @@ def parse_partition_field(text: Any, source: str, fld: str) -> PartitionField:
         raise ConfigError(source, fld, f"unknown transform {transform!r}; use one of "
                                        f"{sorted(TRANSFORMS)}")
     if transform in ("bucket", "truncate"):
-        if width is None or int(width) <= 0:
-            raise ConfigError(source, fld, f"{transform} needs a positive width: "
-                                           f"{transform}(N, {column})")
+        if width is None or not 0 < int(width) <= MAX_WIDTH:
+            raise ConfigError(source, fld, f"{transform} needs a positive width (at most "
+                                           f"{MAX_WIDTH}): {transform}(N, {column})")
         return PartitionField(column, f"{transform}[{int(width)}]")
     if width is not None:
         raise ConfigError(source, fld, f"{transform} takes no width")
     return PartitionField(column, transform)
+
+
+def transform_type_error(f: PartitionField, kind: str) -> str | None:
+    """Why a transform cannot take a column of Iceberg type `kind` (`TRANSFORM_TYPES`):
+    `day` of a string or `bucket` of a double is refused before any table is made with it."""
+    if kind in TRANSFORM_TYPES[f.base]:
+        return None
+    takes = sorted(TRANSFORM_TYPES[f.base])
+    return (f"{f.spelled()!r}: {f.base} cannot partition {f.column!r}, a {kind} column; "
+            f"{f.base} takes {', '.join(takes)} columns: partition by another column or "
+            f"transform")
+
+
+def partition_spec_errors(fields: Sequence[tuple[int, PartitionField]]
+                          ) -> list[tuple[str, str]]:
+    """(field, why) of what Iceberg refuses in a spec as a whole: one field twice (one
+    partition name), and two time transforms of one column (redundant: Java's spec builder
+    refuses it). `fields`: (index in sink.partition_by, field)."""
+    out = []
+    seen: dict[str, int] = {}
+    times: dict[str, int] = {}
+    for i, f in fields:
+        fld = f"sink.partition_by[{i}]"
+        if f.name in seen:
+            out.append((fld, f"{f.spelled()!r} repeats sink.partition_by[{seen[f.name]}] "
+                             f"(partition field {f.name!r}); name each field once"))
+            continue
+        seen[f.name] = i
+        if f.base in _TIME_TRANSFORMS:
+            if f.column in times:
+                out.append((fld, f"{f.spelled()!r}: {f.column!r} is already partitioned by "
+                                 f"time in sink.partition_by[{times[f.column]}]; Iceberg "
+                                 f"takes one of year, month, day, hour per column"))
+            else:
+                times[f.column] = i
+    return out
 
 
 def parse_sort_field(text: Any, source: str, fld: str) -> SortField:
@@ -169,12 +251,13 @@ def parse_sort_field(text: Any, source: str, fld: str) -> SortField:
 
 
 def parse_iceberg(r: FieldReader, raw: Mapping[str, Any], table: str, mode: str,
-                  columns: Sequence[str] | None) -> IcebergConfig:
+                  columns: Mapping[str, str] | None) -> IcebergConfig:
     """The `sink` section's Iceberg fields (`catalog`, `partition_by`, `sort_by`,
     `target_file_mb`); `table` is `namespace.table` or `table`; `mode` append or upsert
-    (`sink.key` is checked with the other sinks'). `columns`: the columns the
-    table will have (None: a transform decides them, checked when the table is made).
-    Errors are recorded on `r` (the parser's field reader)."""
+    (`sink.key` is checked with the other sinks'). `columns`: the columns the table
+    will have and their Iceberg types (`column_kind`; None: a transform decides them,
+    checked before the table is made, `sinks.iceberg.layout`). Errors are recorded on
+    `r` (the parser's field reader)."""
     if mode not in ("append", "upsert"):
         r.fail("sink.mode", f"{mode!r}: sink.type iceberg takes mode append or upsert")
     cat = raw.get("catalog") or {}
@@ -197,6 +280,8 @@ def parse_iceberg(r: FieldReader, raw: Mapping[str, Any], table: str, mode: str,
     partition_by = _parsed(r, parse_partition_field, raw.get("partition_by"),
                            "sink.partition_by")
     sort_by = _parsed(r, parse_sort_field, raw.get("sort_by"), "sink.sort_by")
+    for fld, msg in partition_spec_errors(partition_by):
+        r.fail(fld, msg)
     if columns is not None:
         named: list[tuple[str, Sequence[tuple[int, PartitionField | SortField]]]] = [
             ("partition_by", partition_by), ("sort_by", sort_by)]
@@ -206,11 +291,17 @@ def parse_iceberg(r: FieldReader, raw: Mapping[str, Any], table: str, mode: str,
                     r.fail(f"sink.{what}[{i}]", f"{f.column!r} is not a column of the table "
                                                 f"({', '.join(columns)})"
                                                 f"{r.suggest(f.column, columns)}")
+        for i, p in partition_by:
+            refused = transform_type_error(p, columns[p.column]) if p.column in columns \
+                else None
+            if refused:
+                r.fail(f"sink.partition_by[{i}]", refused)
     mb = raw.get("target_file_mb", 128)
     if not isinstance(mb, int) or isinstance(mb, bool) or mb <= 0:
         r.fail("sink.target_file_mb", f"must be a positive integer, got {mb!r}")
     return IcebergConfig(ctype, name, props, namespace, tname,
-                         tuple(f for _, f in partition_by), tuple(f for _, f in sort_by), mb)
+                         tuple(f for _, f in partition_by), tuple(f for _, f in sort_by), mb,
+                         r.source)
 
 
 def _parsed(r: FieldReader, parse: Callable[[Any, str, str], T], v: Any, fld: str

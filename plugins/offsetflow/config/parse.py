@@ -22,7 +22,7 @@ from offsetflow.config.fields import (
     validate_identifier,
     validate_table_name,
 )
-from offsetflow.config.iceberg_sink import parse_iceberg
+from offsetflow.config.iceberg_sink import column_kind, parse_iceberg
 from offsetflow.config.kafka_sink import KAFKA_REFUSED, parse_kafka_sink
 from offsetflow.config.schema import (
     AVRO_FIELD_TYPES,
@@ -451,10 +451,14 @@ def _spark(r: FieldReader) -> SparkConfig:
     )
 
 
-def _table_columns(format_type: str | None, schema: Mapping[str, str]) -> list[str]:
-    """The target's columns without a transform: the source columns, then the schema's."""
-    return ["topic", "partition", "offset", "timestamp", "timestamp_type", "key", "value",
-            "headers", *(schema if format_type in TYPED_FORMATS else ())]
+def _table_columns(format_type: str | None, schema: Mapping[str, str]) -> dict[str, str]:
+    """The target's columns without a transform and their Iceberg types: the source
+    columns, then the schema's."""
+    source = {"topic": "string", "partition": "int", "offset": "long",
+              "timestamp": "timestamptz", "timestamp_type": "int", "key": "binary",
+              "value": "binary", "headers": "string"}  # headers: JSON text
+    return {**source, **({c: column_kind(t) for c, t in schema.items()}
+                         if format_type in TYPED_FORMATS else {})}
 
 
 def _utc_ms(dt: datetime) -> int:

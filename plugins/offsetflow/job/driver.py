@@ -53,6 +53,7 @@ from offsetflow.job.tasks import (
     make_read_and_stage,
     make_reader,
     make_writer,
+    raise_reported,
     spark_ddl,
     stage_columns,
 )
@@ -364,6 +365,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with committer if committer is not None else contextlib.nullcontext():
         t = time.monotonic()
         stats = staging.collect()
+        raise_reported(stats)  # e.g. a warehouse a task could not write: once, by name
         timings["read_stage_s"] = round(time.monotonic() - t, 3)
         skipped = sum(1 for s in stats if s["skipped"])
         log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier "

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from offsetflow.commit import pg_type
 from offsetflow.config import DECIMAL_RE, TYPED_FORMATS, PipelineConfig
+from offsetflow.errors import TaskReportedError, reported_error
 from offsetflow.ledger import stage_part_table
 from offsetflow.ranges import OffsetRange
 from offsetflow.stage import BadBuffer, BadRows, SubrangeBad, TaskClock, binary_encoder, stage_rows
@@ -269,13 +270,27 @@ def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[s
     return read
 
 
-STATS_DDL = "part int, rows bigint, skipped boolean"
+# `error_type`/`error`: a TaskReportedError the task stopped on (its part staged nothing);
+# the driver raises it once (`raise_reported`)
+STATS_DDL = "part int, rows bigint, skipped boolean, error_type string, error string"
+_STATS_SCHEMA = pa.schema([("part", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_()),
+                           ("error_type", pa.string()), ("error", pa.string())])
 
 
-def _stats_batch(part: int, stats: dict[str, Any]) -> pa.RecordBatch:
+def _stats_batch(part: int, stats: dict[str, Any],
+                 error: TaskReportedError | None = None) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist(
-        [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"])}],
-        schema=pa.schema([("part", pa.int32()), ("rows", pa.int64()), ("skipped", pa.bool_())]))
+        [{"part": part, "rows": int(stats["rows"]), "skipped": bool(stats["skipped"]),
+          "error_type": type(error).__name__ if error else None,
+          "error": str(error) if error else None}], schema=_STATS_SCHEMA)
+
+
+def raise_reported(stats: list[Any]) -> None:
+    """The error a task reported instead of failing (`TaskReportedError`), raised once
+    (the first part's: the others met the same)."""
+    for s in sorted(stats, key=lambda s: s["part"]):
+        if s["error"]:
+            raise reported_error(s["error_type"], s["error"])
 
 
 def _task_part() -> int:
@@ -327,14 +342,18 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
             shared = consumer.enter_context(range_consumer(rc.consumer_conf, shared=True))
             yield from read_packed(rc, list(_subranges(groups, batches)), clock, bad_in,
                                    shared)
-        with consumer:
-            stats = stage_rows(dsn, batch_id, part, coalesced(rows()), clock,
-                               binary_encoder(pg_types),
-                               table=stage_part_table(batch_id, part),
-                               bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
-                               generation=generation,
-                               subranges=None if groups is None else groups[part],
-                               files=None if files is None else files.writer(part))
+        try:
+            with consumer:
+                stats = stage_rows(dsn, batch_id, part, coalesced(rows()), clock,
+                                   binary_encoder(pg_types),
+                                   table=stage_part_table(batch_id, part),
+                                   bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
+                                   generation=generation,
+                                   subranges=None if groups is None else groups[part],
+                                   files=None if files is None else files.writer(part))
+        except TaskReportedError as e:  # its transaction rolled back: no marker
+            yield _stats_batch(part, {"rows": 0, "skipped": False}, e)
+            return
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage

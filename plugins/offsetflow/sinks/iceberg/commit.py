@@ -3,7 +3,8 @@ commit per batch whose snapshot summary names it, found again before every attem
 
 `commit_snapshot` looks for the batch among main's ancestors (`find_batch`) and, only if
 it is not there, appends the rows or data files (a replay or backfill first deletes its
-window by coordinates, `window_filter`) in one transaction that asserts main is still the
+window: its coordinates, and when the topic had several incarnations only the rows of
+the batches of its own, `window_of`) in one transaction that asserts main is still the
 snapshot it searched. pyiceberg's own rebase-and-retry is off for this view of the table
 (`_no_rebase`), so a conflict comes back here: the table is refreshed, the batch looked for
 again, and only then is the commit retried, at most `COMMIT_RETRIES` times.
@@ -19,12 +20,20 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import psycopg2.extensions
 import pyarrow as pa
 
+from offsetflow.commit import (
+    LINEAGE_COLUMN,
+    RangeIncarnation,
+    unknown_rows_error,
+    window_incarnations,
+)
 from offsetflow.config import check_summary_ranges, summary_batch
 from offsetflow.errors import IcebergTableIdentityError, OffsetFlowError, SchemaMismatchError
 from offsetflow.ledger import Batch
 from offsetflow.sinks.iceberg.files import batch_file_prefix, name_files_for
+from offsetflow.sinks.iceberg.warehouse import writing_to
 
 if TYPE_CHECKING:
     from pyiceberg.manifest import DataFile
@@ -99,14 +108,16 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
                     summary: dict[str, str],
                     check: Callable[[Table], None] | None = None,
                     build: Callable[[Table], Transaction] | None = None,
-                    ledger: str | None = None) -> int | None:
-    """One catalog commit: (for replay/backfill, delete the window by coordinates, then)
+                    ledger: str | None = None,
+                    window: Callable[[Table], Any] | None = None) -> int | None:
+    """One catalog commit: (for replay/backfill, delete `window`'s rows, then)
     append `data`: rows, or data files written already (the tasks'; a retry after a
     conflict re-commits the same files, it writes none); or, with `build`, the transaction
     it makes of the table as loaded now (upsert: decided again after a conflict). Returns
     None when this call committed, else the rows of the snapshot an earlier or concurrent
     attempt committed for the batch. `check` vets the table each round (a conflict
-    refreshes it: the tasks' files must still fit its partition spec). The table stays the
+    refreshes it: the tasks' files must still fit its partition spec); `window` gives a
+    replay/backfill's delete filter for the table as loaded (`window_of`). The table stays the
     one the caller checked against the ledger (its table-uuid): a refresh that finds
     another table under the name (dropped and created again meanwhile: the commit's own
     AssertTableUUID is what conflicted) is IcebergTableIdentityError, never written."""
@@ -122,14 +133,17 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
             check(table)
         _no_rebase(table)
         name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
-        if build is not None:
-            txn = build(table)
-        else:
-            assert data is not None
-            txn = _append_transaction(table, batch, data, summary)
-        _fault("after-files")
-        try:
-            txn.commit_transaction()
+        try:  # files, manifests and metadata are written before the pointer moves
+            with writing_to(table.location(), "writing the batch's files and metadata for "
+                                              "its catalog commit", batch.batch_id):
+                if build is not None:
+                    txn = build(table)
+                else:
+                    assert data is not None
+                    txn = _append_transaction(table, batch, data, summary,
+                                              None if window is None else window(table))
+                _fault("after-files")
+                txn.commit_transaction()
         except CommitFailedException as e:
             log.warning("batch %d: Iceberg commit conflicted (%s); refreshing and looking "
                         "for the batch before retrying", batch.batch_id, e)
@@ -161,12 +175,14 @@ def _refresh(table: Table, batch: Batch) -> None:
 
 
 def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
-                        summary: dict[str, str]) -> Transaction:
+                        summary: dict[str, str], window: Any) -> Transaction:
     txn = table.transaction()
     if batch.kind in ("replay", "backfill"):
+        # never by coordinates alone: they hold a recreated topic's other incarnation too
+        assert window is not None, "a replay/backfill deletes its window_of"
         with warnings.catch_warnings():  # a window with nothing before is no news
             warnings.filterwarnings("ignore", "Delete operation did not match")
-            txn.delete(window_filter(batch), snapshot_properties=summary)
+            txn.delete(window, snapshot_properties=summary)
     if not isinstance(data, pa.Table):  # an empty list still records the batch
         with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
             for f in data:
@@ -200,15 +216,62 @@ def _no_rebase(table: Table) -> None:
             update={"properties": {**props, NO_REBASE[0]: NO_REBASE[1]}})
 
 
-def window_filter(batch: Batch) -> Any:
-    """The rows a replay/backfill window produced before: its ranges' coordinates."""
+def window_filter(batch: Batch, incarnations: Sequence[RangeIncarnation] | None = None
+                  ) -> Any:
+    """The rows a replay/backfill window produced before: its ranges' coordinates (a
+    superset where its topic had several incarnations), or with `incarnations` only the
+    rows there that batches of the range's own incarnation wrote (`window_incarnations`)."""
     from pyiceberg import expressions
 
     ex: Any = expressions  # pydantic models: mypy cannot read their positional signatures
     out: Any = None
-    for r in batch.ranges:
-        term = ex.And(ex.EqualTo("topic", r.topic), ex.EqualTo("partition", r.partition),
-                      ex.GreaterThanOrEqual("offset", r.from_offset),
-                      ex.LessThan("offset", r.until_offset))
+    for r in incarnations if incarnations is not None else batch.ranges:
+        term = _coordinates(r.topic, r.partition, r.from_offset, r.until_offset)
+        mine = getattr(r, "mine", None)
+        if mine is not None:
+            term = ex.And(term, ex.In(LINEAGE_COLUMN, set(mine)))
         out = term if out is None else ex.Or(out, term)
     return out
+
+
+def _coordinates(topic: str, partition: int, lo: int, hi: int) -> Any:
+    from pyiceberg import expressions
+
+    ex: Any = expressions
+    return ex.And(ex.EqualTo("topic", topic), ex.EqualTo("partition", partition),
+                  ex.GreaterThanOrEqual("offset", lo), ex.LessThan("offset", hi))
+
+
+def window_of(cur: psycopg2.extensions.cursor, batch: Batch
+              ) -> Callable[[Table], Any] | None:
+    """A replay/backfill's delete filter, made for the table as each commit round loads
+    it (None for a live batch): the ledger says which batches of the window's topic
+    incarnation wrote its coordinates (`window_incarnations`), and a row there of a batch
+    of unknown incarnation refuses the window (`unknown_window_rows`)."""
+    if batch.kind not in ("replay", "backfill"):
+        return None
+    incarnations = window_incarnations(cur, batch)
+
+    def window(table: Table) -> Any:
+        unknown_window_rows(table, batch, incarnations)
+        return window_filter(batch, incarnations)
+    return window
+
+
+def unknown_window_rows(table: Table, batch: Batch,
+                        incarnations: Sequence[RangeIncarnation]) -> None:
+    """Raise WindowIncarnationError when a range whose topic had several incarnations
+    holds rows of a batch the ledger knows no incarnation of (or of no batch)."""
+    from pyiceberg import expressions
+
+    ex: Any = expressions
+    for r in incarnations:
+        if r.mine is None:
+            continue
+        lineage = ex.Or(ex.IsNull(LINEAGE_COLUMN), ex.NotIn(LINEAGE_COLUMN, set(r.known)))
+        rows = table.scan(row_filter=ex.And(_coordinates(r.topic, r.partition, r.from_offset,
+                                                         r.until_offset), lineage),
+                          selected_fields=(LINEAGE_COLUMN,)).to_arrow()
+        if rows.num_rows:
+            raise unknown_rows_error(batch, r, f"the Iceberg table {'.'.join(table.name())}",
+                                     rows.num_rows, rows[LINEAGE_COLUMN].to_pylist())

@@ -52,6 +52,7 @@ from offsetflow.commit import (
     CommitSpec,
     Moved,
     dead_letters_from,
+    delete_window_dead_letters,
     move_stage_dead_letters,
     route_quality_failures,
 )
@@ -64,16 +65,21 @@ from offsetflow.config import (
     snapshot_summary,
 )
 from offsetflow.errors import StagedRowsLostError
-from offsetflow.ledger import Batch, Ledger, ledger_identity, qualified, stage_table
+from offsetflow.ledger import Batch, Ledger, ledger_identity, stage_table
 from offsetflow.sinks.iceberg.commit import (
     batch_snapshot_id,
     commit_snapshot,
     find_batch,
     schema_mismatch,
+    window_of,
 )
 from offsetflow.sinks.iceberg.files import batch_file_prefix
 from offsetflow.sinks.iceberg.identity import OWN, Check, adopt_table, check, record_commit
-from offsetflow.sinks.iceberg.layout import layout_for_new_table, warn_layout_drift
+from offsetflow.sinks.iceberg.layout import (
+    check_table_layout,
+    layout_for_new_table,
+    warn_layout_drift,
+)
 from offsetflow.sinks.iceberg.stage import arrow_schema, read_stage
 from offsetflow.sinks.iceberg.staged import (
     check_files_exist,
@@ -83,6 +89,7 @@ from offsetflow.sinks.iceberg.staged import (
     staged_files,
 )
 from offsetflow.sinks.iceberg.tasks import TaskFiles
+from offsetflow.sinks.iceberg.warehouse import writing_to
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
@@ -202,7 +209,8 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         summary = self.summary(cur, batch, data.num_rows, moved.dead)
         t = time.monotonic()
-        rows = commit_snapshot(table, batch, data, summary, ledger=self.ledger_id)
+        rows = commit_snapshot(table, batch, data, summary, ledger=self.ledger_id,
+                               window=window_of(cur, batch))
         self._record_commit(cur, batch, table)
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
                  "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
@@ -247,7 +255,7 @@ class IcebergSink:
             check_files_table(t, files, batch.batch_id)
             check_files_spec(t, files, batch.batch_id)
         rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check,
-                               ledger=self.ledger_id)
+                               ledger=self.ledger_id, window=window_of(cur, batch))
         self._record_commit(cur, batch, table)
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
@@ -262,12 +270,8 @@ class IcebergSink:
         moved = Moved()
         spec = self.spec
         dl = spec.dead_letter_table
-        if batch.kind in ("replay", "backfill") and dl:
-            for r in batch.ranges:
-                cur.execute(sql.SQL("DELETE FROM {} WHERE pipeline = %s AND topic = %s AND "
-                                    "partition = %s AND \"offset\" >= %s AND \"offset\" < %s")
-                            .format(qualified(dl)), (batch.pipeline, r.topic, r.partition,
-                                                     r.from_offset, r.until_offset))
+        if batch.kind in ("replay", "backfill") and dl:  # of the window's incarnation
+            delete_window_dead_letters(cur, batch, dl)
         stage = stage_table(batch.batch_id)
         if spec.quality_routes:
             assert dl is not None
@@ -380,6 +384,7 @@ class IcebergSink:
             loaded = None
         self._check(cur, ident, loaded)  # the ledger's table, or none and one may be made
         if loaded is not None:
+            check_table_layout(loaded)  # a spec this runtime cannot compute: refused
             if ident == self.iceberg.identifier and not self._layout_checked:
                 self._layout_checked = True
                 warn_layout_drift(loaded, self.iceberg)
@@ -390,10 +395,12 @@ class IcebergSink:
             columns = [*columns, (TOPIC_ID_COLUMN, "text")]
         schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(columns))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
-            table = cat.create_table(ident, schema=schema, partition_spec=spec,
-                                     sort_order=order, properties={
-                                         "write.target-file-size-bytes":
-                                             str(self.iceberg.target_file_mb << 20)})
+            with writing_to(self.iceberg.properties.get("warehouse", "?"),
+                            f"creating table {ident}", None):
+                table = cat.create_table(ident, schema=schema, partition_spec=spec,
+                                         sort_order=order, properties={
+                                             "write.target-file-size-bytes":
+                                                 str(self.iceberg.target_file_mb << 20)})
         except TableAlreadyExistsError:  # a concurrent run made it first: its, if recorded
             table = cat.load_table(ident)
             self._check(cur, ident, table)

@@ -35,8 +35,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from offsetflow.commit import LINEAGE_COLUMN
-from offsetflow.errors import SchemaMismatchError
+from offsetflow.errors import IcebergLayoutError, SchemaMismatchError
 from offsetflow.sinks.iceberg.datafiles import encode_data_file
+from offsetflow.sinks.iceberg.layout import CORE_PIN
+from offsetflow.sinks.iceberg.warehouse import writing_to
 from offsetflow.stage import stage_form
 
 if TYPE_CHECKING:
@@ -122,7 +124,14 @@ class PartFiles:
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         """Write a raw chunk (reader columns + typed fields) to the part's files. Returns
-        (the rows written, the tombstones that go to the stage instead or None)."""
+        (the rows written, the tombstones that go to the stage instead or None). A
+        warehouse that cannot be written is a WarehouseWriteError (`writing_to`)."""
+        with writing_to(self.meta.location, f"writing part {self.part}'s data files",
+                        self.tf.batch_id):
+            return self._write_chunk(batch)
+
+    def _write_chunk(self, batch: pa.RecordBatch
+                     ) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         tombstones = None
         if self.tf.tombstones_to_stage and batch.column("value").null_count:
             is_null = pc.is_null(batch.column("value"))
@@ -133,17 +142,35 @@ class PartFiles:
             if self.spec.is_unpartitioned():
                 self._write(None, table)
             else:
-                from pyiceberg.io.pyarrow import _determine_partitions  # noqa: PLC2701 - no public API
-
-                for tp in _determine_partitions(self.spec, self.schema, table):
-                    self._write(tp.partition_key, tp.arrow_table_partition)
+                for key, rows in self._partitions(table):
+                    self._write(key, rows)
             self.rows += batch.num_rows
         return batch, tombstones
 
+    def _partitions(self, table: pa.Table) -> list[tuple[Any, pa.Table]]:
+        """The chunk split by partition value. A worker that cannot compute the spec
+        (pyiceberg-core missing here, though the driver has it) says so once, by name."""
+        from pyiceberg.exceptions import NotInstalledError
+        from pyiceberg.io.pyarrow import _determine_partitions  # noqa: PLC2701 - no public API
+
+        try:
+            return [(tp.partition_key, tp.arrow_table_partition)
+                    for tp in _determine_partitions(self.spec, self.schema, table)]
+        except NotInstalledError as e:
+            fields = ", ".join(f"{f.transform}({self.schema.find_column_name(f.source_id)})"
+                               for f in self.spec.fields)
+            raise IcebergLayoutError(
+                f"batch {self.tf.batch_id}: the Spark worker of part {self.part} cannot "
+                f"compute the partition spec of Iceberg table {self.tf.table_name} "
+                f"([{fields}]): {e}; nothing was committed. Install {CORE_PIN} where the "
+                f"Spark workers run (the driver has it), or evolve the table's spec") from None
+
     def close(self) -> list[dict[str, Any]]:
         """Close every open file; the encoded data files the part wrote."""
-        for r in self.open.values():
-            self._finish(r)
+        with writing_to(self.meta.location, f"closing part {self.part}'s data files",
+                        self.tf.batch_id):
+            for r in self.open.values():
+                self._finish(r)
         self.open.clear()
         if self.closed_early:
             log.info("part %d: %d data files closed early (more than %d partition values "

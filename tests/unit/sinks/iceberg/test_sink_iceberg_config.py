@@ -272,13 +272,13 @@ def test_catalog_secrets_stay_out_of_the_fingerprint_and_do_not_change_it() -> N
 def test_layout_drift_names_each_difference() -> None:
     from offsetflow.config import layout_drift
 
-    ice = parse_pipeline(raw(partition_by=["day(amount)", "event_id"],
+    ice = parse_pipeline(raw(partition_by=["day(timestamp)", "event_id"],
                              sort_by=["amount desc nulls first"]), "f.yaml", {}).sink.iceberg
     assert ice is not None
-    same = [("amount", "day"), ("event_id", "identity")]
+    same = [("timestamp", "day"), ("event_id", "identity")]
     assert layout_drift(ice, same, [SortField("amount", True, True)], 128 << 20) == []
     assert layout_drift(ice, same, [SortField("amount", True, True)], None) == []
     assert layout_drift(ice, [], [], 64 << 20) == [
-        "partitioned by [] but sink.partition_by says [day(amount), event_id]",
+        "partitioned by [] but sink.partition_by says [day(timestamp), event_id]",
         "sorted by [] but sink.sort_by says [amount desc nulls first]",
         "target file size 64 MB but sink.target_file_mb says 128"]
