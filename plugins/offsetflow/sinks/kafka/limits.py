@@ -237,7 +237,10 @@ def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineCo
     `kafka:<topic>`) left, in the ledger's transaction, as a replay replaces its window's
     dead letters in a table. The live batches' stay: the live topic still lacks those
     records (a replay into a side topic does not touch it), and so do another side
-    topic's. Returns how many were removed."""
+    topic's. Nor those of an earlier window of another incarnation of the source topic
+    (its ranges' Kafka ids differ, as `check_window_repeat` tells them apart): those are
+    other records, which that replay left out of the side topic. Returns how many were
+    removed."""
     dl = cfg.dead_letter_table
     if batch.kind not in ("replay", "backfill") or not dl:
         return 0
@@ -248,13 +251,21 @@ def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineCo
     removed = 0
     for r in batch.ranges:
         cur.execute(sql.SQL(
-            "DELETE FROM {dl} d USING offsetflow.batches b WHERE d.{lin} = b.batch_id "
+            "DELETE FROM {dl} d USING offsetflow.batches b, offsetflow.batch_ranges br, "
+            "offsetflow.batch_ranges cr WHERE d.{lin} = b.batch_id "
             "AND b.pipeline = %s AND b.target_table = %s AND b.kind IN ('replay', 'backfill') "
             "AND b.batch_id <> %s AND d.pipeline = %s AND d.topic = %s AND d.partition = %s "
-            "AND d.\"offset\" >= %s AND d.\"offset\" < %s").format(
+            "AND d.\"offset\" >= %s AND d.\"offset\" < %s "
+            # the same incarnation of the source topic (an unknown id: taken for the same)
+            "AND br.batch_id = b.batch_id AND br.topic = d.topic "
+            "AND br.partition = d.partition AND br.from_offset <= d.\"offset\" "
+            "AND br.until_offset > d.\"offset\" AND cr.batch_id = %s AND cr.topic = d.topic "
+            "AND cr.partition = d.partition AND cr.from_offset <= d.\"offset\" "
+            "AND cr.until_offset > d.\"offset\" AND (br.topic_id IS NULL "
+            "OR cr.topic_id IS NULL OR br.topic_id = cr.topic_id)").format(
                 dl=qualified(dl), lin=sql.Identifier(LINEAGE_COLUMN)),
             (batch.pipeline, batch.target_table, batch.batch_id, batch.pipeline, r.topic,
-             r.partition, r.from_offset, r.until_offset))
+             r.partition, r.from_offset, r.until_offset, batch.batch_id))
         removed += cur.rowcount
     if removed:
         log.info("batch %d: %d dead letters of earlier %s windows into %s replaced",
