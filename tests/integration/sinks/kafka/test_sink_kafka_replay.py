@@ -231,3 +231,36 @@ def test_a_replay_of_another_incarnation_of_the_source_topic_keeps_the_earlier_d
         cur.execute(sql.SQL("SELECT count(*) FROM {} WHERE pipeline = %s").format(
             qualified(dl)), (name,))
         assert cur.fetchone() == (1,)
+
+
+def test_a_replay_planned_before_the_refusal_existed_is_refused_when_it_runs(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, live: dict[str, Any]
+        ) -> None:
+    """The refusal of a repeated window runs when the window is planned. A replay batch
+    planned before that refusal existed (its params do not say allow_duplicates, though it
+    repeats a committed replay's window) must not write the window into the side topic a
+    second time when it runs: refused, naming the earlier batch and the ways out."""
+    import psycopg2
+
+    from offsetflow.errors import KafkaSinkError
+
+    src, name = live["src"], live["name"]
+    side = make_topic("krp-side", 2)
+    cfg = config(name, src, live["out"], side, pg_dsn, kafka_bootstrap)
+    first = replay(cfg, pg_dsn, src)
+    assert [r.result.status for r in run_batches(cfg, pg_dsn, first, spark)] == ["committed"]
+    # as planned before the refusal: the same window, no allow_duplicates in its params
+    again = replay(cfg, pg_dsn, src, allow_duplicates=True)
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("UPDATE offsetflow.batches SET params = params - 'allow_duplicates' "
+                        "WHERE batch_id = ANY(%s)", (again,))
+    finally:
+        conn.close()
+    with pytest.raises(KafkaSinkError) as e:
+        run_batch(spark, cfg, again[0], pg_dsn)
+    msg = str(e.value)
+    assert f"batch {first[0]}" in msg and side in msg and "abandon" in msg, msg
+    assert sources(kafka_bootstrap, side, "read_uncommitted") == window_sources(
+        kafka_bootstrap, src)
