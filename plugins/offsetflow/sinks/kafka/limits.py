@@ -237,7 +237,10 @@ def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineCo
     `kafka:<topic>`) left, in the ledger's transaction, as a replay replaces its window's
     dead letters in a table. The live batches' stay: the live topic still lacks those
     records (a replay into a side topic does not touch it), and so do another side
-    topic's. Returns how many were removed."""
+    topic's. Nor those of an earlier window of another incarnation of the source topic
+    (its ranges' Kafka ids differ, as `check_window_repeat` tells them apart): those are
+    other records, which that replay left out of the side topic. Returns how many were
+    removed."""
     dl = cfg.dead_letter_table
     if batch.kind not in ("replay", "backfill") or not dl:
         return 0
@@ -248,13 +251,21 @@ def replace_window_dead_letters(cur: psycopg2.extensions.cursor, cfg: PipelineCo
     removed = 0
     for r in batch.ranges:
         cur.execute(sql.SQL(
-            "DELETE FROM {dl} d USING offsetflow.batches b WHERE d.{lin} = b.batch_id "
+            "DELETE FROM {dl} d USING offsetflow.batches b, offsetflow.batch_ranges br, "
+            "offsetflow.batch_ranges cr WHERE d.{lin} = b.batch_id "
             "AND b.pipeline = %s AND b.target_table = %s AND b.kind IN ('replay', 'backfill') "
             "AND b.batch_id <> %s AND d.pipeline = %s AND d.topic = %s AND d.partition = %s "
-            "AND d.\"offset\" >= %s AND d.\"offset\" < %s").format(
+            "AND d.\"offset\" >= %s AND d.\"offset\" < %s "
+            # the same incarnation of the source topic (an unknown id: taken for the same)
+            "AND br.batch_id = b.batch_id AND br.topic = d.topic "
+            "AND br.partition = d.partition AND br.from_offset <= d.\"offset\" "
+            "AND br.until_offset > d.\"offset\" AND cr.batch_id = %s AND cr.topic = d.topic "
+            "AND cr.partition = d.partition AND cr.from_offset <= d.\"offset\" "
+            "AND cr.until_offset > d.\"offset\" AND (br.topic_id IS NULL "
+            "OR cr.topic_id IS NULL OR br.topic_id = cr.topic_id)").format(
                 dl=qualified(dl), lin=sql.Identifier(LINEAGE_COLUMN)),
             (batch.pipeline, batch.target_table, batch.batch_id, batch.pipeline, r.topic,
-             r.partition, r.from_offset, r.until_offset))
+             r.partition, r.from_offset, r.until_offset, batch.batch_id))
         removed += cur.rowcount
     if removed:
         log.info("batch %d: %d dead letters of earlier %s windows into %s replaced",
@@ -286,3 +297,42 @@ def note_output_partitions(cur: psycopg2.extensions.cursor, batch: Batch, topic:
                       SET params = params || jsonb_build_object('kafka_output',
                                    jsonb_build_object('topic', %s::text, 'partitions', %s::int))
                     WHERE batch_id = %s""", (topic, partitions, batch.batch_id))
+
+
+def refuse_window_repeat(cur: psycopg2.extensions.cursor, batch: Batch, topic: str) -> None:
+    """Before a replay or backfill batch produces: refuse it when committed replays or
+    backfills already wrote its window into the same side topic (the same incarnation of
+    the source topic, a range that staged something) and it was not planned with
+    allow_duplicates. Planning refuses such a window (`check_window_repeat`); this catches
+    a batch planned before that refusal existed, which would otherwise put the window into
+    the topic a second time (Kafka cannot delete it)."""
+    if batch.kind not in ("replay", "backfill") or batch.params.get("allow_duplicates"):
+        return
+    cur.execute("""SELECT b.batch_id, cr.topic, cr.partition,
+                          greatest(br.from_offset, cr.from_offset),
+                          least(br.until_offset, cr.until_offset)
+                     FROM offsetflow.batch_ranges cr
+                     JOIN offsetflow.batch_ranges br
+                       ON br.topic = cr.topic AND br.partition = cr.partition
+                      AND br.from_offset < cr.until_offset AND br.until_offset > cr.from_offset
+                      AND COALESCE(br.records, 1) > 0
+                      AND (br.topic_id IS NULL OR cr.topic_id IS NULL
+                           OR br.topic_id = cr.topic_id)
+                     JOIN offsetflow.batches b ON b.batch_id = br.batch_id
+                    WHERE cr.batch_id = %s AND b.batch_id <> %s AND b.pipeline = %s
+                      AND b.status = 'committed' AND b.kind IN ('replay', 'backfill')
+                      AND b.target_table = %s
+                    ORDER BY 1, 2, 3 LIMIT 5""",
+                (batch.batch_id, batch.batch_id, batch.pipeline, batch.target_table))
+    rows = cur.fetchall()
+    if not rows:
+        return
+    bid = rows[0][0]
+    what = "; ".join(f"{t}[{p}] [{lo}, {hi})" for b, t, p, lo, hi in rows if b == bid)
+    raise KafkaSinkError(
+        f"{batch.kind} batch {batch.batch_id} would write records to {topic} a second time: "
+        f"batch {bid} already wrote {what} there, and Kafka cannot delete them (the batch "
+        f"was planned before such a window was refused, and not with allow_duplicates). "
+        f"Abandon it (offsetflow abandon --batch-id {batch.batch_id}); read the window "
+        f"where batch {bid} put it, or ask for it again into another sink.replay_topic, or "
+        f"with allow_duplicates to write it there twice anyway")

@@ -50,6 +50,7 @@ from offsetflow.sinks.kafka.form import (
 from offsetflow.sinks.kafka.limits import (
     TIMESTAMP_MARGIN_MS,
     note_output_partitions,
+    refuse_window_repeat,
     replace_window_dead_letters,
     route_not_produced,
 )
@@ -193,6 +194,7 @@ class KafkaTopicSink(KafkaTransaction):
             state = (self._unfound if self._unfound is not None
                      else self._committed(batch, self._mark))
             refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
+            refuse_window_repeat(cur, batch, topic)  # a replay planned before that refusal
             return self._write(cur, batch, staged, topic)
         except BaseException:
             if self._open_txn:  # not left open: it would hold back read_committed readers

@@ -217,8 +217,9 @@ class KafkaTransaction:
                 raise KafkaSinkError(
                     f"batch {batch.batch_id}: {len(left_out)} records of {r.topic}"
                     f"[{r.partition}] cannot be produced (first: offset {left_out[0].offset}:"
-                    f" {left_out[0].error(self.sink.topic, None)}): too many to record in "
-                    f"the commit; raise the limits, or make batches smaller")
+                    f" {left_out[0].error(self._mark.topic or self.sink.topic, None)}): "
+                    f"too many to record in the commit; raise the limits, or make batches "
+                    f"smaller")
             offsets.append(KTopicPartition(r.topic, r.partition, r.until_offset,
                                            metadata=meta))
         if not offsets:

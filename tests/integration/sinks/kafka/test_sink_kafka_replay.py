@@ -187,3 +187,80 @@ def test_a_replay_killed_after_its_kafka_commit_is_completed_without_a_second_co
     dead = sorted((d.topic, d.partition, d.offset)
                   for d in dead_letters(pg_dsn, f"{name}_dead", name))
     assert dead.count(live["in_window"][0]) == 2 and len(dead) == 6
+
+
+def test_a_replay_of_another_incarnation_of_the_source_topic_keeps_the_earlier_dead_letters(
+        pg_dsn: str, kafka_bootstrap: str, unique: str) -> None:
+    """A source topic deleted and created again holds other records at the same offsets:
+    `check_window_repeat` lets a window of the new incarnation into the side topic where a
+    replay of the old one went (their Kafka ids differ). That replay's dead letters must
+    then not replace the old replay's: the old incarnation's record is not in the side topic
+    (it was left out), so its dead letter is the only trace of it."""
+    from psycopg2 import sql
+
+    from offsetflow.commit import LINEAGE_COLUMN, ensure_dead_letter
+    from offsetflow.ledger import qualified
+    from offsetflow.ranges import OffsetRange
+    from offsetflow.sinks import sink_for
+    from offsetflow.sinks.kafka.limits import replace_window_dead_letters
+
+    name, src, side = f"krpinc_{unique}", f"krpinc-src-{unique}", f"krpinc-side-{unique}"
+    cfg = config(name, src, f"krpinc-out-{unique}", side, pg_dsn, kafka_bootstrap)
+    dl = f"{name}_dead"
+    rng = [OffsetRange(src, 0, 0, WINDOW)]
+    with Ledger(pg_dsn) as ledger, ledger.transaction() as cur:
+        ids = []
+        for incarnation in ("old-topic-id", "new-topic-id"):
+            ids.append(ledger.insert_batch(
+                cur, pipeline=name, kind="replay", ranges=rng, target_table=f"kafka:{side}",
+                config_fingerprint="x", split_offsets=0, started_by="test",
+                moves_positions=False, topic_ids={src: incarnation}))
+        cur.execute("UPDATE offsetflow.batches SET status = 'committed' WHERE batch_id = %s",
+                    (ids[0],))
+        ensure_dead_letter(cur, dl)
+        cur.execute(sql.SQL("INSERT INTO {} (pipeline, topic, partition, \"offset\", error, "
+                            "stage, {}) VALUES (%s, %s, 0, 5, 'too large', 'sink', %s)"
+                            ).format(qualified(dl), sql.Identifier(LINEAGE_COLUMN)),
+                    (name, src, ids[0]))
+        # the refusal takes the new incarnation's window for other records: no repeat
+        sink_for(cfg).check_window_repeat(cur, "replay", None, rng, {src: "new-topic-id"},
+                                          False)
+        # so the new incarnation's replay commits beside it, and replaces nothing of it
+        removed = replace_window_dead_letters(cur, cfg, ledger.get_batch(ids[1], cur))
+        assert removed == 0
+        cur.execute(sql.SQL("SELECT count(*) FROM {} WHERE pipeline = %s").format(
+            qualified(dl)), (name,))
+        assert cur.fetchone() == (1,)
+
+
+def test_a_replay_planned_before_the_refusal_existed_is_refused_when_it_runs(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, live: dict[str, Any]
+        ) -> None:
+    """The refusal of a repeated window runs when the window is planned. A replay batch
+    planned before that refusal existed (its params do not say allow_duplicates, though it
+    repeats a committed replay's window) must not write the window into the side topic a
+    second time when it runs: refused, naming the earlier batch and the ways out."""
+    import psycopg2
+
+    from offsetflow.errors import KafkaSinkError
+
+    src, name = live["src"], live["name"]
+    side = make_topic("krp-side", 2)
+    cfg = config(name, src, live["out"], side, pg_dsn, kafka_bootstrap)
+    first = replay(cfg, pg_dsn, src)
+    assert [r.result.status for r in run_batches(cfg, pg_dsn, first, spark)] == ["committed"]
+    # as planned before the refusal: the same window, no allow_duplicates in its params
+    again = replay(cfg, pg_dsn, src, allow_duplicates=True)
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("UPDATE offsetflow.batches SET params = params - 'allow_duplicates' "
+                        "WHERE batch_id = ANY(%s)", (again,))
+    finally:
+        conn.close()
+    with pytest.raises(KafkaSinkError) as e:
+        run_batch(spark, cfg, again[0], pg_dsn)
+    msg = str(e.value)
+    assert f"batch {first[0]}" in msg and side in msg and "abandon" in msg, msg
+    assert sources(kafka_bootstrap, side, "read_uncommitted") == window_sources(
+        kafka_bootstrap, src)

@@ -257,3 +257,40 @@ def test_killed_after_a_commit_that_left_out_refused_records_the_next_run_routes
     assert set(dead) == {(src, *coords[20]), (src, *coords[21])}
     assert "max.message.bytes" in dead[(src, *coords[20])]
     assert "message.timestamp.after.max.ms" in dead[(src, *coords[21])]
+
+
+def test_too_many_refused_records_of_a_replay_name_its_side_topic(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A replay of records older than its side topic's message.timestamp.before.max.ms
+    leaves every one of them out; too many to list in the commit's offset metadata, the
+    batch fails. The error must name the side topic the records were refused by (whose
+    setting to raise), not the live topic, which the replay does not touch."""
+    from offsetflow.ops import kafka_for, plan_window, run_batches, submit_window
+    from offsetflow.plan import parse_request
+
+    src = make_topic("kto-src", 1)
+    out = make_topic("kto-out", 1)
+    side = make_topic("kto-side", 1, {"message.timestamp.before.max.ms": str(DAY_MS)})
+    old = int(time.time() * 1000) - 2 * DAY_MS
+    n = 300  # each is listed as "offset:ts<13 digits>" in at most 4,000 bytes
+    produce(kafka_bootstrap, src, [(0, f"k{i}".encode(), f"v{i}".encode(), old + i)
+                                   for i in range(n)])
+    name = f"kto_{unique}"
+    raw: dict[str, Any] = {
+        "name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [src], "starting": "earliest"}, "format": {"type": "raw"},
+        "sink": {"type": "kafka", "connection": pg_dsn, "topic": out, "value_format": "raw",
+                 "replay_topic": side},
+        "bad_records": "dead_letter", "dead_letter_table": f"{name}_dead"}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    assert run_batch(spark, cfg, planned(cfg, pg_dsn), pg_dsn).result.status == "committed"
+    req = parse_request("replay", {"pipeline": name, "topic": src, "from_offset": 0,
+                                   "until_offset": n})
+    with Ledger(pg_dsn) as ledger:
+        ids = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "t")
+    with pytest.raises(KafkaSinkError) as e:
+        run_batches(cfg, pg_dsn, ids, spark)
+    msg = str(e.value)
+    assert f"not produced to {side}" in msg and "too many to record" in msg, msg
+    assert f"not produced to {out}" not in msg, msg
+    assert read_topic(kafka_bootstrap, side) == []
