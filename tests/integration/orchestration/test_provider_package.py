@@ -232,3 +232,63 @@ def test_installed_without_extras_an_iceberg_pipeline_names_the_missing_extra(
         f"environment, pip install 'offsetflow[iceberg]' -c requirements.txt (the constraints "
         f"file of the tested versions, docs/deployment.md), or 'offsetflow[all]' for every "
         f"optional part"), p.stderr
+
+
+def test_installed_with_all_extras_runs_a_scheduled_dag_run_from_airflow_connections(
+        full: Install, kafka_bootstrap: str, admin_dsn: str) -> None:
+    """Issue 29's user, end to end: only Airflow config (the [offsetflow] folders, a
+    metadata database) and Connections (SCRAM Kafka, a password PostgreSQL role) set; a
+    pipeline synced from the user's folder; a scheduled DAG run by the installed Airflow
+    (`airflow dags test`, spark-submit from the installed pyspark) commits every record once,
+    and neither password shows in its output."""
+    import contextlib
+    import uuid
+
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.tooling.airflow_standalone import own_database
+    from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
+    from tests.tooling.secured_services import (
+        conn_env,
+        kafka_connection,
+        password_database,
+        scram_user,
+    )
+
+    uid = uuid.uuid4().hex[:8]
+    topic, name = f"inst-{uid}", f"inst_{uid}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    with contextlib.ExitStack() as stack:
+        stack.callback(admin.delete_topics, [topic])
+        user, kafka_pw = stack.enter_context(scram_user(kafka_bootstrap))
+        pg = stack.enter_context(password_database(admin_dsn))
+        metadata = stack.enter_context(own_database(os.environ))
+        project = full.work / f"project-{uid}"  # the user's: dags/ beside include/pipelines/
+        (project / "dags").mkdir(parents=True)
+        (project / "include" / "pipelines").mkdir(parents=True)
+        kafka_id, pg_id = f"inst_kafka_{uid}", f"inst_pg_{uid}"
+        (project / "include" / "pipelines" / f"{name}.yaml").write_text(yaml.safe_dump({
+            "name": name, "schedule": "@daily", "retries": 0, "kafka": {"conn_id": kafka_id},
+            "source": {"topics": [topic]}, "format": {"type": "json", "schema": dict(SCHEMA)},
+            "sink": {"conn_id": pg_id, "table": f"inst_{uid}"}}))
+        env = {**full.env, **dict([conn_env(kafka_id, kafka_connection(user, kafka_pw)),
+                                   conn_env(pg_id, pg.connection())]),
+               "AIRFLOW__CORE__DAGS_FOLDER": str(project / "dags"),
+               "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN":
+                   metadata["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"],
+               # the Spark workers of the installed OffsetFlow run its own Python
+               "PYSPARK_PYTHON": full.bin("python"), "PYSPARK_DRIVER_PYTHON": full.bin("python")}
+        if os.environ.get("AIRFLOW__CORE__FERNET_KEY"):  # the template's copied connections
+            env["AIRFLOW__CORE__FERNET_KEY"] = os.environ["AIRFLOW__CORE__FERNET_KEY"]
+        synced = _run([full.bin("offsetflow"), "dags", "sync"], env, full.work)
+        assert (project / "dags" / "pipelines" / f"{name}.py").is_file(), synced
+        produce_plain(kafka_bootstrap, topic, 300, f"inst{uid}", 2)
+        p = subprocess.run([full.bin("airflow"), "dags", "test", f"offsetflow_{name}"],
+                           capture_output=True, text=True, env=env, cwd=full.work, timeout=900)
+        out = p.stdout + p.stderr
+        assert p.returncode == 0, out[-6000:]
+        rows = query(pg.dsn, f"SELECT count(*), count(DISTINCT (partition, \"offset\")) "
+                             f"FROM inst_{uid}")
+        assert rows == [(300, 300)], out[-4000:]
+        assert kafka_pw not in out and pg.password not in out
