@@ -43,6 +43,16 @@ from offsetflow.source.registry import RegisteredSchema, RegistryClient
 
 MAGIC = 0
 HEADER_BYTES = 5
+
+
+def wire_schema_id(value: bytes) -> int:
+    """The schema id of a Confluent wire-format record (magic byte 0, 4-byte big-endian
+    id); ValueError saying why a record is not in that format."""
+    if len(value) < HEADER_BYTES or value[0] != MAGIC:
+        raise ValueError(
+            f"not in the Confluent wire format: no magic byte 0 and 4-byte schema id "
+            f"(first byte {value[:1].hex() or 'none'}, {len(value)} bytes)")
+    return int.from_bytes(value[1:HEADER_BYTES], "big")
 _ADDRESS = re.compile(r"\s*(from\s+)?<[^<>]* at 0x[0-9a-f]+>")
 
 
@@ -101,11 +111,7 @@ class AvroDecoder:
 
     def decode(self, value: bytes, topic: str) -> tuple[int | None, Any]:
         """(schema id, the decoded datum); raises ValueError naming what is wrong."""
-        if len(value) < HEADER_BYTES or value[0] != MAGIC:
-            raise ValueError(
-                f"not in the Confluent wire format: no magic byte 0 and 4-byte schema id "
-                f"(first byte {value[:1].hex() or 'none'}, {len(value)} bytes)")
-        schema_id = int.from_bytes(value[1:HEADER_BYTES], "big")
+        schema_id = wire_schema_id(value)
         writer = self.writer(schema_id)
         if isinstance(writer, str):
             raise _Bad(schema_id, writer)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 
-from offsetflow.source.avro import HEADER_BYTES, MAGIC, AvroDecoder, fill_keys
+from offsetflow.source.avro import HEADER_BYTES, AvroDecoder, fill_keys, wire_schema_id
 from offsetflow.source.deserialize import deserialize_json
 from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.registry import RegistryClient
@@ -57,12 +57,11 @@ def deserialize_json_schema(values: Sequence[bytes | None], topics: Sequence[str
             at.append(i)
             sids.append(None)
             continue
-        if len(v) < HEADER_BYTES or v[0] != MAGIC:
-            bad.append(BadRecord(i, f"not in the Confluent wire format: no magic byte 0 and "
-                                    f"4-byte schema id (first byte {v[:1].hex() or 'none'}, "
-                                    f"{len(v)} bytes)"))
+        try:
+            sid = wire_schema_id(v)
+        except ValueError as e:
+            bad.append(BadRecord(i, str(e)))
             continue
-        sid = int.from_bytes(v[1:HEADER_BYTES], "big")
         why = ids.check(sid)
         if why is not None:
             bad.append(BadRecord(i, f"schema id {sid}: {why}"))

@@ -21,7 +21,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from offsetflow.source.avro import HEADER_BYTES, MAGIC, AvroDecoder, avro_value, json_text
+from offsetflow.source.avro import (
+    HEADER_BYTES,
+    AvroDecoder,
+    avro_value,
+    json_text,
+    wire_schema_id,
+)
 from offsetflow.source.deserialize import arrow_schema, rows_to_table
 from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.registry import RegistryClient
@@ -66,11 +72,7 @@ class ProtobufDecoder:
         from google.protobuf.message import DecodeError
         from google.protobuf.message_factory import GetMessageClass
 
-        if len(value) < HEADER_BYTES or value[0] != MAGIC:
-            raise ValueError(
-                f"not in the Confluent wire format: no magic byte 0 and 4-byte schema id "
-                f"(first byte {value[:1].hex() or 'none'}, {len(value)} bytes)")
-        sid = int.from_bytes(value[1:HEADER_BYTES], "big")
+        sid = wire_schema_id(value)
         built = self.file(sid)
         if isinstance(built, str):
             raise _bad(sid, built)
