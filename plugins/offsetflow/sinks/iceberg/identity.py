@@ -156,9 +156,10 @@ def differences(rec: Record, now: Seen) -> list[str]:
     elif now.last_snapshot == "forked":
         out.append(f"its history does not hold the ledger's last batch {rec.last_batch_id} "
                    f"(its snapshot {rec.last_snapshot_id}, sequence number "
-                   f"{rec.last_sequence_number}): main goes back past it on another line, "
-                   f"registered from an older metadata file than {rec.metadata_location} "
-                   f"and written to since")
+                   f"{rec.last_sequence_number}): main goes back past it on another line "
+                   f"(registered from an older metadata file than {rec.metadata_location} "
+                   f"and written to since, or rolled back past it and that snapshot "
+                   f"expired)")
     elif now.last_snapshot == "off-main":
         out.append(f"main was rolled back past the ledger's last batch {rec.last_batch_id} "
                    f"(its snapshot {rec.last_snapshot_id} is no longer on main)")
