@@ -104,7 +104,7 @@ class Seen:
 
 
 def seen(table: Table, identifier: str, catalog: str, last_snapshot_id: int | None = None,
-         last_sequence_number: int | None = None) -> Seen:
+         rec: Record | None = None, ledger: str | None = None) -> Seen:
     from pyiceberg.table.snapshots import ancestors_of
 
     where = "gone"
@@ -114,16 +114,36 @@ def seen(table: Table, identifier: str, catalog: str, last_snapshot_id: int | No
             if snap.snapshot_id == last_snapshot_id:
                 where = "main"
                 break
-    elif last_snapshot_id is not None and last_sequence_number:
-        # sequence numbers fall strictly along main's chain: were the recorded snapshot an
-        # expired ancestor, the walk would end at its child (an expired link) before any
-        # snapshot at or below its number; reaching one means it never was on this chain
-        for snap in ancestors_of(table.current_snapshot(), table.metadata):
-            if (snap.sequence_number or 0) and snap.sequence_number <= last_sequence_number:
-                where = "forked"
-                break
+    elif last_snapshot_id is not None and rec is not None and _forked_past(table, rec, ledger):
+        where = "forked"
     return Seen(identifier, catalog, str(table.metadata.table_uuid), table.location(),
                 str(table.metadata_location), sequence_number(table), where)
+
+
+def _forked_past(table: Table, rec: Record, ledger: str | None) -> bool:
+    """Whether main's chain, without the recorded snapshot (not in the table), reaches an
+    earlier batch of the pipeline committed before the recorded commit (sequence number
+    not above the recorded last-sequence-number): were the recorded snapshot an expired
+    ancestor, the walk would end at its child (an expired link) before any such snapshot;
+    reaching one means main never held it (registered from older metadata and written to
+    since, or rolled back past it and that snapshot expired). Only the pipeline's own
+    snapshots count: another writer's after the recorded one may be older than the
+    recorded last-sequence-number and stay when the recorded snapshot expires."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    from offsetflow.config import SUMMARY_BATCH, SUMMARY_LEDGER, SUMMARY_PIPELINE
+
+    if not rec.last_sequence_number or rec.last_batch_id is None:
+        return False  # format v1 (no sequence numbers), or no batch recorded
+    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+        props = snap.summary.additional_properties if snap.summary else {}
+        bid = props.get(SUMMARY_BATCH, "")
+        if (snap.sequence_number or 0) and snap.sequence_number <= rec.last_sequence_number \
+                and props.get(SUMMARY_PIPELINE) == rec.pipeline and bid.isdigit() \
+                and int(bid) < rec.last_batch_id \
+                and props.get(SUMMARY_LEDGER, ledger) == ledger:
+            return True
+    return False
 
 
 def sequence_number(table: Table) -> int:
@@ -300,8 +320,7 @@ def check(cur: psycopg2.extensions.cursor, c: Check, table: Table | None) -> boo
                                  "committed into it")
             return True
         raise _missing_error(c, rec, 0, None)
-    now = seen(table, c.identifier, c.catalog_label, rec.last_snapshot_id,
-               rec.last_sequence_number)
+    now = seen(table, c.identifier, c.catalog_label, rec.last_snapshot_id, rec, c.ledger_id)
     diffs = differences(rec, now)
     if not diffs and now.identifier != rec.identifier:
         diffs = _forked(c, rec, now)
