@@ -91,7 +91,9 @@ class Seen:
     metadata_location: str
     last_sequence_number: int
     # the record's last snapshot: "main" (on main's chain), "off-main" (in the table, not on
-    # main: main was rolled back past it), "gone" (expired, or none recorded)
+    # main: main was rolled back past it), "forked" (not in the table, and main's chain
+    # reaches a snapshot as old or older by sequence number without passing it: the table
+    # went on from an older metadata file), "gone" (expired, or none recorded)
     last_snapshot: str = "gone"
 
     def __str__(self) -> str:
@@ -101,8 +103,8 @@ class Seen:
                 f"{self.last_sequence_number})")
 
 
-def seen(table: Table, identifier: str, catalog: str, last_snapshot_id: int | None = None
-         ) -> Seen:
+def seen(table: Table, identifier: str, catalog: str, last_snapshot_id: int | None = None,
+         rec: Record | None = None, ledger: str | None = None) -> Seen:
     from pyiceberg.table.snapshots import ancestors_of
 
     where = "gone"
@@ -112,8 +114,36 @@ def seen(table: Table, identifier: str, catalog: str, last_snapshot_id: int | No
             if snap.snapshot_id == last_snapshot_id:
                 where = "main"
                 break
+    elif last_snapshot_id is not None and rec is not None and _forked_past(table, rec, ledger):
+        where = "forked"
     return Seen(identifier, catalog, str(table.metadata.table_uuid), table.location(),
                 str(table.metadata_location), sequence_number(table), where)
+
+
+def _forked_past(table: Table, rec: Record, ledger: str | None) -> bool:
+    """Whether main's chain, without the recorded snapshot (not in the table), reaches an
+    earlier batch of the pipeline committed before the recorded commit (sequence number
+    not above the recorded last-sequence-number): were the recorded snapshot an expired
+    ancestor, the walk would end at its child (an expired link) before any such snapshot;
+    reaching one means main never held it (registered from older metadata and written to
+    since, or rolled back past it and that snapshot expired). Only the pipeline's own
+    snapshots count: another writer's after the recorded one may be older than the
+    recorded last-sequence-number and stay when the recorded snapshot expires."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    from offsetflow.config import SUMMARY_BATCH, SUMMARY_LEDGER, SUMMARY_PIPELINE
+
+    if not rec.last_sequence_number or rec.last_batch_id is None:
+        return False  # format v1 (no sequence numbers), or no batch recorded
+    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+        props = snap.summary.additional_properties if snap.summary else {}
+        bid = props.get(SUMMARY_BATCH, "")
+        if (snap.sequence_number or 0) and snap.sequence_number <= rec.last_sequence_number \
+                and props.get(SUMMARY_PIPELINE) == rec.pipeline and bid.isdigit() \
+                and int(bid) < rec.last_batch_id \
+                and props.get(SUMMARY_LEDGER, ledger) == ledger:
+            return True
+    return False
 
 
 def sequence_number(table: Table) -> int:
@@ -143,6 +173,13 @@ def differences(rec: Record, now: Seen) -> list[str]:
         out.append(f"its history ends before the ledger's last commit (last-sequence-number "
                    f"{now.last_sequence_number} < {rec.last_sequence_number}): registered "
                    f"from an older metadata file than {rec.metadata_location}")
+    elif now.last_snapshot == "forked":
+        out.append(f"its history does not hold the ledger's last batch {rec.last_batch_id} "
+                   f"(its snapshot {rec.last_snapshot_id}, sequence number "
+                   f"{rec.last_sequence_number}): main goes back past it on another line "
+                   f"(registered from an older metadata file than {rec.metadata_location} "
+                   f"and written to since, or rolled back past it and that snapshot "
+                   f"expired)")
     elif now.last_snapshot == "off-main":
         out.append(f"main was rolled back past the ledger's last batch {rec.last_batch_id} "
                    f"(its snapshot {rec.last_snapshot_id} is no longer on main)")
@@ -283,7 +320,7 @@ def check(cur: psycopg2.extensions.cursor, c: Check, table: Table | None) -> boo
                                  "committed into it")
             return True
         raise _missing_error(c, rec, 0, None)
-    now = seen(table, c.identifier, c.catalog_label, rec.last_snapshot_id)
+    now = seen(table, c.identifier, c.catalog_label, rec.last_snapshot_id, rec, c.ledger_id)
     diffs = differences(rec, now)
     if not diffs and now.identifier != rec.identifier:
         diffs = _forked(c, rec, now)

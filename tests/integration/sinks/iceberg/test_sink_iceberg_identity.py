@@ -282,3 +282,56 @@ def test_orphan_sweep_keeps_the_files_another_table_at_the_same_location_referen
     assert case.data_files() == files
     catalog.register_table(f"{ident}_old", old_meta)
     assert catalog.load_table(f"{ident}_old").scan().to_arrow()["offset"].to_pylist() == [1]
+
+
+def test_older_metadata_registered_then_written_past_the_ledgers_sequence_is_refused(
+        case: IcebergCase, spark: Any) -> None:
+    """Review: registered from a metadata file older than the ledger's last commit, and then
+    written by another writer until its last-sequence-number reached the ledger's again, the
+    table passed the check (the ledger's last snapshot not found was taken for expired), so
+    the run carried on without the ledger's later batches (lost from the table). The history
+    reached from main at or below the ledger's sequence number without its last snapshot is
+    a fork: refused like the older metadata it started from."""
+    case.workload.mixed(300, random.Random(81))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    ident, catalog = _ident(case), _catalog(case)
+    first = catalog.load_table(ident).metadata_location
+    case.workload.mixed(300, random.Random(82))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    latest = catalog.load_table(ident)
+    target = int(latest.metadata.last_sequence_number)
+    catalog.drop_table(ident)
+    table = catalog.register_table(ident, first)  # a restore from the wrong file
+    while int(table.metadata.last_sequence_number) < target:  # another writer goes on
+        with table.transaction() as txn, \
+                txn.update_snapshot().fast_append():
+            pass
+        table = catalog.load_table(ident)
+    case.workload.mixed(100, random.Random(83))
+    _refused(case, spark, ident, latest.metadata_location)
+    catalog.drop_table(ident)
+    catalog.register_table(ident, latest.metadata_location)
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    case.assert_exactly_once()
+
+
+def test_main_rolled_back_past_the_ledgers_batch_and_expired_is_refused(
+        case: IcebergCase, spark: Any) -> None:
+    """Review: main rolled back past the ledger's last batch is refused while that snapshot
+    is in the table (off main); once the rolled-back snapshot was expired too, it was taken
+    for an ordinary expiry and the run carried on without that batch's rows (lost). Main's
+    chain reaching an older snapshot without it is refused the same."""
+    case.workload.mixed(300, random.Random(84))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    ident, catalog = _ident(case), _catalog(case)
+    table = catalog.load_table(ident)
+    first = table.current_snapshot().snapshot_id
+    case.workload.mixed(300, random.Random(85))
+    run_until_caught_up(case.cfg, case.dsn, spark)
+    table = catalog.load_table(ident)
+    latest, second = table.metadata_location, table.current_snapshot().snapshot_id
+    table.manage_snapshots().rollback_to_snapshot(first).commit()
+    table = catalog.load_table(ident)
+    table.maintenance.expire_snapshots().by_ids([second]).commit()
+    case.workload.mixed(100, random.Random(86))
+    _refused(case, spark, ident, latest)
