@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from tests.tooling import chaos
 
 if TYPE_CHECKING:
-    from include.soak.run import Soak
+    from include.soak.run import Soak, Window
 
 log = logging.getLogger("offsetflow.soak")
 Fault = Callable[["Soak", int], None]
@@ -225,15 +225,9 @@ def tombstones(s: Soak, bid: int) -> None:
 
 
 # -- operators' runs beside the batches ---------------------------------------------------------
-@fault
-def replay(s: Soak, bid: int) -> None:
-    """`offsetflow replay` of a committed window (sometimes one replayed before, or one
-    holding a dead letter) while the live batch runs; killed mid-run half of the time, then
-    its open batches run again as Airflow's retry would."""
-    live = s.job(bid)
-    window = s.replay_window()
+def _replay(s: Soak, window: Window, kill: bool) -> None:
     proc = s.replay(*window)
-    if s.rng.random() < 0.5:
+    if kill:
         try:
             chaos.wait_for(lambda: bool(s.open_replays("running")) or proc.poll() is not None,
                            600, "the replay's batch to run")
@@ -246,8 +240,22 @@ def replay(s: Soak, bid: int) -> None:
     if proc.returncode not in (0, -9):
         s.not_injected("replay", RuntimeError(f"`offsetflow replay` rc {proc.returncode} for "
                                               f"window {window}; see jobs.log"))
-    done(live)
     s.finish_replays()
+
+
+@fault
+def replay(s: Soak, bid: int) -> None:
+    """`offsetflow replay` of a committed window (sometimes one replayed before, or one
+    holding a dead letter) while the live batch runs; killed mid-run half of the time, then
+    its open batches run again as Airflow's retry would; and half of the time the same
+    window replayed once more (a replay is idempotent per target)."""
+    live = s.job(bid)
+    window = s.replay_window()
+    _replay(s, window, kill=s.rng.random() < 0.5)
+    if s.rng.random() < 0.5:
+        s.counts["replays_repeated"] += 1
+        _replay(s, window, kill=False)
+    done(live)
 
 
 @fault
