@@ -100,7 +100,7 @@ lint: venv
 	$(PY) -m ruff check plugins dags spark_jobs include tests
 	.venv/bin/lint-imports
 	$(PY) -m mypy
-	$(PY) -m mypy include/soak.py  # a script: outside the package list in pyproject.toml
+	$(PY) -m mypy include/soak  # scripts run from the repo root: outside the package list in pyproject.toml
 
 # the documentation site (mkdocs.yml, docs/): strict, so a broken link, a config field
 # without a description or a config example that does not parse fails it
@@ -123,6 +123,8 @@ clean: down
 bench: up
 	$(ENV) $(PY) include/bench/bench.py $(BENCH_ARGS)
 
+# a soak per sink, one after the other: SOAK_SINKS (default all three), SOAK_MINUTES per sink;
 # SOAK_ARGS e.g. "--faults kill_kafka,kill_executor --seed 3"
 soak: up
-	$(ENV) $(PY) include/soak.py --minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)
+	$(ENV) $(PY) -m include.soak --sinks $${SOAK_SINKS:-postgres,iceberg,kafka} \
+		--minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)

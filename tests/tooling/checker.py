@@ -7,7 +7,7 @@ positions. The verdict:
   - every committed record below the position of its partition is delivered exactly once,
     with the same payload: a record as a target row, a tombstone where the pipeline's
     tombstone policy puts it (a dead letter today: `bad_records: dead_letter`; or a row with
-    null payload columns);
+    null payload columns), a record the target refuses as a dead letter;
   - nothing at or beyond a position is in the sink or the dead letters;
   - nothing from an aborted transaction is in either.
 """
@@ -15,7 +15,7 @@ positions. The verdict:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from offsetflow.ranges import TopicPartition
@@ -98,9 +98,12 @@ def _label(coords: Coordinates) -> str:
 def check(produced: Iterable[ProducedRecord], rows: Iterable[SinkRow],
           positions: Mapping[TopicPartition, int],
           dead_letters: Iterable[DeadLetter] = (),
-          tombstones: str = "dead_letter") -> CheckReport:
+          tombstones: str = "dead_letter",
+          refused: Collection[str] = frozenset()) -> CheckReport:
     """Judge the sink. `tombstones`: where the pipeline puts a null value ("dead_letter": a
-    dead letter at its coordinates; "row": a target row with null payload columns)."""
+    dead letter at its coordinates; "row": a target row with null payload columns).
+    `refused`: ids of records the target cannot take as they are (e.g. over a Kafka output
+    topic's record size limit), which belong in the dead letters, never in the target."""
     if tombstones not in TOMBSTONE_POLICIES:
         raise ValueError(f"tombstones must be one of {TOMBSTONE_POLICIES}, not {tombstones!r}")
     rep = CheckReport()
@@ -118,7 +121,7 @@ def check(produced: Iterable[ProducedRecord], rows: Iterable[SinkRow],
             rep.aborted_visible.append(src.record_id)
         if coords[2] >= positions.get((coords[0], coords[1]), 0):
             rep.beyond_position.append(src.record_id)
-        wants_dead = src.tombstone and tombstones == "dead_letter"
+        wants_dead = (src.tombstone and tombstones == "dead_letter") or src.record_id in refused
         if wants_dead != (where == "dead_letter"):
             rep.misrouted.append(src.record_id)
 

@@ -72,3 +72,16 @@ def test_tombstones_kept_as_null_rows() -> None:
     rep = check(produced, [row(0), null_row, SinkRow(None, None, "t", 0, 0)], {("t", 0): 2},
                 tombstones="row")
     assert rep.unknown == ["null row at t[0]@0"] and rep.duplicated == []
+
+
+def test_records_the_target_refuses_are_expected_as_dead_letters() -> None:
+    """A record over a Kafka output topic's record limit belongs in the dead letters once,
+    never in the target (`refused`)."""
+    produced = [prod(0), prod(1), prod(2)]
+    ok = check(produced, [row(0), row(2)], {("t", 0): 3}, [dead(1)], refused={"r1"})
+    assert ok.ok and ok.expected == 3, ok.explain()
+    as_row = check(produced, [row(0), row(1), row(2)], {("t", 0): 3}, refused={"r1"})
+    assert as_row.misrouted == ["r1"]
+    twice = check(produced, [row(0), row(2)], {("t", 0): 3}, [dead(1), dead(1)],
+                  refused={"r1"})
+    assert twice.duplicated == ["r1"]
