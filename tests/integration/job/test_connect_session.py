@@ -31,7 +31,7 @@ PID_FILE = STATE / "connect" / "connect.pid"
 # one scheduled DAG run's plan and run tasks (tasks.plan_task, tasks.connect_run_task)
 RUN = """
 import json, logging, os, sys, yaml
-from offsetflow.config.loader import parse_pipeline
+from offsetflow.config import parse_pipeline
 from offsetflow.orchestration.tasks import connect_run_task, plan_task
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 path = sys.argv[1]
