@@ -19,6 +19,9 @@ venv: .venv/.installed
 	# pandas, pyspark and airflow from source in every new process (Spark workers, tasks)
 	uv pip install --python $(PY) --compile-bytecode -r requirements-dev.txt
 	uv pip install --python $(PY) --no-deps -e .
+	# every install that reaches the registry unpacks and builds pyspark's sdist again (~1.8 GB
+	# a time: this registry sends no cache headers); prune keeps only the newest of each
+	uv cache prune -q
 	@$(PY) -c "import pyspark, sys; v = pyspark.__version__; print('pyspark', v); sys.exit(0 if v.startswith('4.') else 1)"
 	@touch $@
 

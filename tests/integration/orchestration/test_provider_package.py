@@ -37,7 +37,13 @@ def _uv(cmd: list[str], env: dict[str, str], cwd: Path, timeout: int = 900) -> s
     lacks something, with the registry (a minute and more of index look-ups here)."""
     p = subprocess.run([*cmd, "--offline"], capture_output=True, text=True, env=env, cwd=cwd,
                        timeout=timeout)
-    return p.stdout if p.returncode == 0 else _run(cmd, env, cwd, timeout)
+    if p.returncode == 0:
+        return p.stdout
+    out = _run(cmd, env, cwd, timeout)
+    # an install from the registry builds pyspark's sdist into a new cache entry (~1.8 GB)
+    # each time: keep only the newest, or test runs fill the disk
+    _run([cmd[0], "cache", "prune", "-q"], env, cwd, timeout)
+    return out
 
 
 def _json_rows(out: str) -> list[dict[str, object]]:
