@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -72,6 +73,7 @@ from offsetflow.errors import (
 from offsetflow.ledger import (
     Batch,
     Ledger,
+    batch_stats,
     connect,
     lock_errors,
     lock_timeout_s,
@@ -312,18 +314,42 @@ def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, 
                 ([r.topic for r in batch.ranges], [r.partition for r in batch.ranges],
                  [moved.per_range.get(f"{r.topic}/{r.partition}", 0) for r in batch.ranges],
                  batch.batch_id))
+    records = staged + task_bad_records(cur, batch.batch_id)
+    stats = commit_stats(cur, batch, records)
     cur.execute("""UPDATE offsetflow.batches
-                      SET status = 'committed', finished_at = now(), records_read = %s,
-                          rows_written = %s, bad_records = %s, error = NULL,
-                          timings = %s
+                      SET status = 'committed', finished_at = now(), committed_at = now(),
+                          records_read = %s, rows_written = %s, bad_records = %s,
+                          error = NULL, timings = %s, stats = %s
                     WHERE batch_id = %s""",
-                (staged + task_bad_records(cur, batch.batch_id), moved.rows, moved.dead,
-                 json.dumps(timings or {}), batch.batch_id))
+                (records, moved.rows, moved.dead, json.dumps(timings or {}),
+                 json.dumps(stats), batch.batch_id))
     ledger.drop_staging(cur, batch.batch_id)  # 6
     log.info("batch %d committed: %d rows into %s, %d dead letters", batch.batch_id,
              moved.rows, batch.target_table, moved.dead)
     return CommitResult(batch.batch_id, "committed", moved.rows, moved.dead,
                         dict(moved.per_range))
+
+
+def commit_stats(cur: psycopg2.extensions.cursor, batch: Batch, records: int
+                 ) -> dict[str, Any]:
+    """The batch's derived timings (`offsetflow.ledger.timing`) as of this transaction's
+    commit time (`now()`, which is also its `committed_at`). The input rate's interval is
+    the time since the previous scheduled batch of the pipeline was due."""
+    cur.execute("SELECT now(), staged_at FROM offsetflow.batches WHERE batch_id = %s",
+                (batch.batch_id,))
+    row = cur.fetchone()
+    assert row is not None
+    now, staged_at = row
+    interval_s = None
+    if batch.kind == "scheduled" and batch.due_at is not None:
+        cur.execute("""SELECT max(due_at) FROM offsetflow.batches
+                        WHERE pipeline = %s AND kind = 'scheduled' AND batch_id < %s
+                          AND due_at < %s""", (batch.pipeline, batch.batch_id, batch.due_at))
+        prev = cur.fetchone()
+        if prev is not None and prev[0] is not None:
+            interval_s = (batch.due_at - prev[0]).total_seconds()
+    return batch_stats(due_at=batch.due_at, started_at=batch.started_at, staged_at=staged_at,
+                       committed_at=now, records=records, interval_s=interval_s)
 
 
 def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch

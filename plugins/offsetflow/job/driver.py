@@ -271,6 +271,14 @@ def _record_commit_time(ledger: Ledger, batch_id: int, seconds: float) -> None:
         log.warning("batch %d: could not record its commit time: %s", batch_id, e)
 
 
+def _record_staged(ledger: Ledger, batch_id: int) -> None:
+    """When read+stage ended, for the batch's timings (informational: never fails it)."""
+    try:
+        ledger.mark_staged(batch_id)
+    except Exception as e:  # noqa: BLE001
+        log.warning("batch %d: could not record when its staging ended: %s", batch_id, e)
+
+
 def _publish_lag(cfg: PipelineConfig, ledger: Ledger) -> None:
     """Best effort: monitoring must never fail a committed batch."""
     from offsetflow.source import publish_positions
@@ -367,6 +375,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         stats = staging.collect()
         raise_reported(stats)  # e.g. a warehouse a task could not write: once, by name
         timings["read_stage_s"] = round(time.monotonic() - t, 3)
+        _record_staged(ledger, batch.batch_id)
         skipped = sum(1 for s in stats if s["skipped"])
         log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier "
                  "attempt)", batch.batch_id, sum(s["rows"] for s in stats), len(stats),
