@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg2
@@ -194,17 +195,18 @@ class Ledger(PlanningQueries):
                 raise BatchStateError(f"batch {batch_id} was abandoned and cannot run")
             cur.execute("""UPDATE offsetflow.batches
                               SET status = 'running', started_at = now(),
-                                  staged_at = NULL, attempts = attempts + 1, error = NULL
+                                  attempts = attempts + 1, error = NULL
                             WHERE batch_id = %s""", (batch_id,))
         return self.get_batch(batch_id)
 
-    def mark_staged(self, batch_id: int) -> None:
-        """Every part of the running attempt is staged (read+stage ended): the split of its
-        processing time into read+stage and commit (`offsetflow.ledger.timing`).
-        Informational, so outside the commit transaction."""
+    def clock(self) -> datetime:
+        """The ledger database's time: every time a batch keeps is on this one clock
+        (`offsetflow.ledger.timing`), wherever the driver runs."""
         with self.transaction() as cur:
-            cur.execute("UPDATE offsetflow.batches SET staged_at = now() "
-                        "WHERE batch_id = %s AND status = 'running'", (batch_id,))
+            cur.execute("SELECT clock_timestamp()")
+            row = cur.fetchone()
+        assert row is not None
+        return row[0]  # type: ignore[no-any-return]
 
     def add_timings(self, batch_id: int, timings: dict[str, float]) -> None:
         """Timings known only after the commit (its own duration), for stats and status;

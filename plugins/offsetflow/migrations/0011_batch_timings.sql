@@ -4,8 +4,10 @@
 -- due_at: the DAG run's data interval end (scheduled runs) or the trigger's time (manual
 -- runs, Airflow backfills, OffsetFlow backfills and replays); the plan time for CLI runs.
 -- due_source says which ('schedule', 'trigger', 'plan'). NULL on batches planned before 0011.
--- staged_at: the last attempt's read+stage ended (every part staged), set by the driver.
--- committed_at: the commit transaction's time (= finished_at of a committed batch).
+-- staged_at: the committing attempt's read+stage ended (every part staged; the driver reads
+-- the ledger's clock then and the commit keeps it). committed_at: the database's clock just
+-- before COMMIT (finished_at is the commit transaction's start, which a part-by-part commit
+-- opens while the tasks still read). All on the ledger database's clock except due_at.
 -- stats: the derived figures, computed in the commit transaction
 -- (offsetflow.ledger.timing.batch_stats); NULL until the batch commits.
 ALTER TABLE offsetflow.batches
