@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import datetime
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -93,8 +94,10 @@ class PartwiseCommit(Step4):
         self._finish.set()
         self._thread.join()
 
-    def finish(self, expected_parts: int) -> CommitResult:
+    def finish(self, expected_parts: int, staged_at: datetime | None = None) -> CommitResult:
+        """`staged_at`: when the last part was staged, kept with the batch's timings."""
         self._expected_parts = expected_parts
+        self.staged_at = staged_at
         self._finish.set()
         self._thread.join()
         if self._error is not None:

@@ -52,6 +52,8 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
+from datetime import datetime
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -72,6 +74,7 @@ from offsetflow.errors import (
 from offsetflow.ledger import (
     Batch,
     Ledger,
+    batch_stats,
     connect,
     lock_errors,
     lock_timeout_s,
@@ -97,6 +100,9 @@ class Step4(ABC):
     step 3). Every hook runs in the commit's transaction with the batch row locked."""
 
     scan: bool = True  # `check_staged` counts the stage itself against its markers
+    # when every part was staged (the ledger database's clock), for the batch's timings;
+    # None: not known (the commit does not depend on it)
+    staged_at: datetime | None = None
 
     def skip(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
         """Step 1 found the batch committed already: nothing moves."""
@@ -131,10 +137,11 @@ class WholeStage(Step4):
     (`move_rows`) or through an external sink (`commit_external`)."""
 
     def __init__(self, spec: CommitSpec, expected_parts: int,
-                 timings: dict[str, float] | None) -> None:
+                 timings: dict[str, float] | None, staged_at: datetime | None = None) -> None:
         self.spec = spec
         self.parts = expected_parts
         self.timings = timings
+        self.staged_at = staged_at
         self.scan = not spec.task_files  # task-written files: the sink reconciles them
 
     def before_checks(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
@@ -154,10 +161,12 @@ class WholeStage(Step4):
 
 
 def commit_batch(ledger: Ledger, batch_id: int, *, expected_parts: int, spec: CommitSpec,
-                 timings: dict[str, float] | None = None) -> CommitResult:
-    """Steps 1-6 in one transaction, step 4 on the whole stage; see the module docstring."""
-    return commit_steps(ledger, batch_id, spec, WholeStage(spec, expected_parts, timings),
-                        timings)
+                 timings: dict[str, float] | None = None,
+                 staged_at: datetime | None = None) -> CommitResult:
+    """Steps 1-6 in one transaction, step 4 on the whole stage; see the module docstring.
+    `staged_at`: when the job's last part was staged, kept with the batch's timings."""
+    return commit_steps(ledger, batch_id, spec,
+                        WholeStage(spec, expected_parts, timings, staged_at), timings)
 
 
 def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
@@ -182,7 +191,8 @@ def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
             if batch.moves_positions:  # 3
                 fence_and_advance(cur, batch)
             moved = step4.move(cur, batch, staged, per_range)  # 4
-            return record_batch(cur, ledger, batch, moved, staged, timings)  # 5, 6
+            return record_batch(cur, ledger, batch, moved, staged, timings,  # 5, 6
+                                step4.staged_at)
     except StagedRowsLostError as e:
         try:
             forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
@@ -300,7 +310,8 @@ def commit_external(cur: psycopg2.extensions.cursor, batch: Batch, sink: Externa
 
 
 def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
-                 staged: int, timings: dict[str, float] | None) -> CommitResult:
+                 staged: int, timings: dict[str, float] | None,
+                 staged_at: datetime | None = None) -> CommitResult:
     """Steps 5 and 6: per-range counts (records staged), the batch committed, the stage
     dropped; the caller's COMMIT makes it all visible at once."""
     # one statement for all ranges (a batch of 1,000 partitions: one round trip)
@@ -312,18 +323,43 @@ def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, 
                 ([r.topic for r in batch.ranges], [r.partition for r in batch.ranges],
                  [moved.per_range.get(f"{r.topic}/{r.partition}", 0) for r in batch.ranges],
                  batch.batch_id))
+    records = staged + task_bad_records(cur, batch.batch_id)
+    committed_at, stats = commit_stats(cur, batch, records, staged_at)
     cur.execute("""UPDATE offsetflow.batches
-                      SET status = 'committed', finished_at = now(), records_read = %s,
-                          rows_written = %s, bad_records = %s, error = NULL,
-                          timings = %s
+                      SET status = 'committed', finished_at = now(), committed_at = %s,
+                          staged_at = %s, records_read = %s, rows_written = %s,
+                          bad_records = %s, error = NULL, timings = %s, stats = %s
                     WHERE batch_id = %s""",
-                (staged + task_bad_records(cur, batch.batch_id), moved.rows, moved.dead,
-                 json.dumps(timings or {}), batch.batch_id))
+                (committed_at, staged_at, records, moved.rows, moved.dead,
+                 json.dumps(timings or {}), json.dumps(stats), batch.batch_id))
     ledger.drop_staging(cur, batch.batch_id)  # 6
     log.info("batch %d committed: %d rows into %s, %d dead letters", batch.batch_id,
              moved.rows, batch.target_table, moved.dead)
     return CommitResult(batch.batch_id, "committed", moved.rows, moved.dead,
                         dict(moved.per_range))
+
+
+def commit_stats(cur: psycopg2.extensions.cursor, batch: Batch, records: int,
+                 staged_at: datetime | None) -> tuple[datetime, dict[str, Any]]:
+    """The batch's commit time and derived timings (`offsetflow.ledger.timing`). The commit
+    time is the database's clock now, just before COMMIT (not `now()`, the transaction's
+    start: a part-by-part commit's transaction began while the tasks were still reading).
+    The input rate's interval is the time since the previous scheduled batch was due."""
+    cur.execute("SELECT clock_timestamp()")
+    row = cur.fetchone()
+    assert row is not None
+    now = row[0]
+    interval_s = None
+    if batch.kind == "scheduled" and batch.due_at is not None:
+        cur.execute("""SELECT max(due_at) FROM offsetflow.batches
+                        WHERE pipeline = %s AND kind = 'scheduled' AND batch_id < %s
+                          AND due_at < %s""", (batch.pipeline, batch.batch_id, batch.due_at))
+        prev = cur.fetchone()
+        if prev is not None and prev[0] is not None:
+            interval_s = (batch.due_at - prev[0]).total_seconds()
+    return now, batch_stats(due_at=batch.due_at, started_at=batch.started_at,
+                            staged_at=staged_at, committed_at=now, records=records,
+                            interval_s=interval_s)
 
 
 def _expected_positions(cur: psycopg2.extensions.cursor, batch: Batch

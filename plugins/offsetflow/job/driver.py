@@ -26,6 +26,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from offsetflow.commit import (
@@ -271,6 +272,17 @@ def _record_commit_time(ledger: Ledger, batch_id: int, seconds: float) -> None:
         log.warning("batch %d: could not record its commit time: %s", batch_id, e)
 
 
+def _ledger_time(ledger: Ledger) -> datetime | None:
+    """When read+stage ended, on the ledger's clock, for the batch's timings (the commit
+    keeps it; a part-by-part commit holds the batch row, so it cannot be written now).
+    Informational: never fails the batch."""
+    try:
+        return ledger.clock()
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not read the ledger's clock for the batch's timings: %s", e)
+        return None
+
+
 def _publish_lag(cfg: PipelineConfig, ledger: Ledger) -> None:
     """Best effort: monitoring must never fail a committed batch."""
     from offsetflow.source import publish_positions
@@ -367,6 +379,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         stats = staging.collect()
         raise_reported(stats)  # e.g. a warehouse a task could not write: once, by name
         timings["read_stage_s"] = round(time.monotonic() - t, 3)
+        staged_at = _ledger_time(ledger)
         skipped = sum(1 for s in stats if s["skipped"])
         log.info("batch %d: staged %d rows in %d parts (%d already staged by an earlier "
                  "attempt)", batch.batch_id, sum(s["rows"] for s in stats), len(stats),
@@ -390,10 +403,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         spec = dataclasses.replace(spec, external=sink.external(dsn, columns, spec))
         t = time.monotonic()
         if committer is not None:
-            result = committer.finish(expected_parts=len(stats))
+            result = committer.finish(expected_parts=len(stats), staged_at=staged_at)
         else:
             result = commit_batch(ledger, batch.batch_id, expected_parts=len(stats),
-                                  spec=spec, timings=timings)
+                                  spec=spec, timings=timings, staged_at=staged_at)
         timings["commit_s"] = round(time.monotonic() - t, 3)
     if result.status == "committed":
         _record_commit_time(ledger, batch.batch_id, timings["commit_s"])

@@ -22,13 +22,16 @@ from offsetflow.ledger.store import (
     stage_part_table,
     stage_table,
 )
+from offsetflow.ledger.timing import Due, batch_stats
 
 __all__ = [
     "Batch",
+    "Due",
     "Ledger",
     "LedgerIdentity",
     "OPEN_STATUSES",
     "adopt_identity",
+    "batch_stats",
     "connect",
     "dead_letter_stage_table",
     "hold_run_lock",

@@ -38,6 +38,12 @@ class Batch:
     quality: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
     split_offsets: int | None = None  # its ranges' split into Spark parts; None before 0003
+    # batch timings (0011, `offsetflow.ledger.timing`); None on batches planned before it
+    due_at: datetime | None = None
+    due_source: str | None = None
+    staged_at: datetime | None = None
+    committed_at: datetime | None = None
+    stats: dict[str, Any] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -51,8 +57,9 @@ class Batch:
         d = {k: getattr(self, k) for k in (
             "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
             "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
-            "error", "quality", "timings")}
-        for k in ("planned_at", "started_at", "finished_at"):
+            "error", "quality", "timings", "due_source", "stats")}
+        for k in ("planned_at", "started_at", "finished_at", "due_at", "staged_at",
+                  "committed_at"):
             v = getattr(self, k)
             d[k] = v.isoformat() if v else None
         d["ranges"] = [r.to_dict() for r in self.ranges]

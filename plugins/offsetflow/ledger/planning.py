@@ -18,6 +18,7 @@ import psycopg2.extras
 from offsetflow.errors import LockTimeoutError
 from offsetflow.ledger.batch import KINDS, OPEN_STATUSES
 from offsetflow.ledger.migrate import refuse_newer_ledger
+from offsetflow.ledger.timing import Due
 from offsetflow.ranges import DataLossGap, OffsetRange, TopicPartition
 
 
@@ -89,19 +90,24 @@ class PlanningQueries:
                      config_fingerprint: str, split_offsets: int, started_by: str,
                      moves_positions: bool = True, params: dict[str, Any] | None = None,
                      topic_ids: Mapping[str, str] | None = None,
-                     expected_positions: Mapping[TopicPartition, int] | None = None) -> int:
+                     expected_positions: Mapping[TopicPartition, int] | None = None,
+                     due: Due | None = None) -> int:
         """`config_fingerprint` and `split_offsets` are what `config_drift` compares a run's
         config with; a batch without them would look like one planned before 0003.
         `expected_positions`: the committed position a range's commit must find when it is
-        not the range's `from_offset` (a `data_loss: continue` gap); the fence uses it."""
+        not the range's `from_offset` (a `data_loss: continue` gap); the fence uses it.
+        `due`: when the batch was due (`offsetflow.ledger.timing`); None: now, the plan."""
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches
                          (pipeline, kind, status, target_table, moves_positions,
-                          config_fingerprint, started_by, params, split_offsets)
-                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s, %s) RETURNING batch_id""",
+                          config_fingerprint, started_by, params, split_offsets, due_at,
+                          due_source)
+                       VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s, %s,
+                               COALESCE(%s, now()), %s) RETURNING batch_id""",
                     (pipeline, kind, target_table, moves_positions, config_fingerprint,
-                     started_by, json.dumps(params or {}), split_offsets))
+                     started_by, json.dumps(params or {}), split_offsets,
+                     due.at if due else None, due.source if due else "plan"))
         row = cur.fetchone()
         assert row is not None
         batch_id = int(row[0])

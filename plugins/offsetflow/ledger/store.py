@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg2
@@ -101,7 +102,7 @@ class Ledger(PlanningQueries):
     _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
                    "config_fingerprint, started_by, params, planned_at, started_at, finished_at, "
                    "attempts, records_read, rows_written, bad_records, error, quality, timings, "
-                   "split_offsets")
+                   "split_offsets, due_at, due_source, staged_at, committed_at, stats")
 
     def _batches(self, cur: psycopg2.extensions.cursor, where: sql.Composable,
                  args: Sequence[Any], suffix: str = "") -> list[Batch]:
@@ -123,7 +124,8 @@ class Ledger(PlanningQueries):
                       params=r[8] or {}, planned_at=r[9], started_at=r[10], finished_at=r[11],
                       attempts=r[12], records_read=r[13], rows_written=r[14],
                       bad_records=r[15], error=r[16], quality=r[17], timings=r[18],
-                      split_offsets=r[19])
+                      split_offsets=r[19], due_at=r[20], due_source=r[21],
+                      staged_at=r[22], committed_at=r[23], stats=r[24])
                 for r in rows]
 
     def get_batch(self, batch_id: int, cur: psycopg2.extensions.cursor | None = None,
@@ -196,6 +198,15 @@ class Ledger(PlanningQueries):
                                   attempts = attempts + 1, error = NULL
                             WHERE batch_id = %s""", (batch_id,))
         return self.get_batch(batch_id)
+
+    def clock(self) -> datetime:
+        """The ledger database's time: every time a batch keeps is on this one clock
+        (`offsetflow.ledger.timing`), wherever the driver runs."""
+        with self.transaction() as cur:
+            cur.execute("SELECT clock_timestamp()")
+            row = cur.fetchone()
+        assert row is not None
+        return row[0]  # type: ignore[no-any-return]
 
     def add_timings(self, batch_id: int, timings: dict[str, float]) -> None:
         """Timings known only after the commit (its own duration), for stats and status;

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import RequestError
-from offsetflow.ledger import Ledger
+from offsetflow.ledger import Due, Ledger
 from offsetflow.plan import (
     WindowRequest,
     check_backfill_window,
@@ -130,7 +130,9 @@ def check_live_positions(cfg: PipelineConfig, req: WindowRequest,
 
 
 def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
-                  started_by: str) -> list[int]:
+                  started_by: str, due: Due | None = None) -> list[int]:
+    """`due`: when the request was made (an Airflow trigger's time); None: now. Every batch
+    of the window is due then: the later ones wait for the earlier (scheduling delay)."""
     if wp.gone:
         desc = "; ".join(f"{tp[0]}[{tp[1]}] [{lo}, {hi})" for tp, lo, hi in wp.gone)
         raise RequestError(f"the window is not (or no longer) in Kafka: {desc}")
@@ -160,7 +162,7 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
                 target_table=target,
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
                 moves_positions=False, params=params, topic_ids=wp.topic_ids,
-                split_offsets=cfg.spark.max_offsets_per_task))
+                split_offsets=cfg.spark.max_offsets_per_task, due=due))
     log.info("pipeline %s: %s of %d offsets planned as batches %s", cfg.name, wp.request.kind,
              sum(hi - lo for lo, hi in wp.window.values()), ids)
     return ids

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from offsetflow.config import PipelineConfig
 from offsetflow.extras import require
-from offsetflow.ledger import Ledger, run_holders
+from offsetflow.ledger import Due, Ledger, run_holders
 from offsetflow.plan import (
     OpenBatchRetry,
     PlanOutcome,
@@ -107,10 +107,11 @@ def check_extras(cfg: PipelineConfig) -> None:
         require("quality", f"{cfg.source_file}: quality.suite (pipeline {cfg.name})")
 
 
-def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli") -> PlanOutcome:
+def plan_only(cfg: PipelineConfig, dsn: str, started_by: str = "cli",
+              due: Due | None = None) -> PlanOutcome:
     check_extras(cfg)
     with Ledger(dsn) as ledger:
-        return plan_next(cfg, ledger, kafka_for(cfg), started_by=started_by)
+        return plan_next(cfg, ledger, kafka_for(cfg), started_by=started_by, due=due)
 
 
 def run_cycle(cfg: PipelineConfig, dsn: str, spark: SparkSession | None = None,

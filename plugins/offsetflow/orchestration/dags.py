@@ -22,6 +22,7 @@ from offsetflow.orchestration.connections import resolve
 from offsetflow.orchestration.operators import (
     OffsetFlowPublishOperator,
     OffsetFlowRunBatchOperator,
+    due_time,
     offsetflow_pipeline_tasks,
     started_by,
 )
@@ -126,7 +127,8 @@ def window_dag(kind: str) -> DAG:
             if run_conf:
                 conf.update(dict(run_conf))
             return tasks.window_task(kind, conf, started_by(ctx),
-                                     load=lambda name: resolve(find_pipeline(name)))
+                                     load=lambda name: resolve(find_pipeline(name)),
+                                     due=due_time(ctx))
 
         @task.short_circuit(task_id="has_batches")
         def has_batches(planned: dict[str, Any]) -> bool:

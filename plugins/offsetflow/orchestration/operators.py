@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ from offsetflow.config import PipelineConfig
 from offsetflow.config import spark_conn_id as config_spark_conn_id
 from offsetflow.errors import BatchStateError, RequestError
 from offsetflow.job import submit_conf
+from offsetflow.ledger import Due
 from offsetflow.orchestration import assets, connections, tasks
 from offsetflow.orchestration.hooks import OffsetFlowHook
 
@@ -44,6 +46,33 @@ PIPELINE_FIELDS = ("pipeline", "config", "postgres_conn_id", "kafka_conn_id")
 def started_by(context: Mapping[str, Any]) -> str:
     run = context.get("dag_run")
     return f"airflow:{context['dag'].dag_id}:{getattr(run, 'run_id', '?')}"
+
+
+def due_time(context: Mapping[str, Any]) -> Due:
+    """When the batch a task plans is due (its scheduling delay runs from here): a scheduled
+    run's data interval end (its logical date, run_after as fallbacks); for a run someone or
+    something triggered (manual, asset, another DAG: the backfill and replay DAGs' runs) the
+    trigger's time (run_after); for a run of Airflow's own backfill, which walks past
+    intervals, when the run started. No run (a test's context): the plan's own time."""
+    run = context.get("dag_run")
+    if run is None:
+        return Due(None, "plan")
+    kind = str(getattr(getattr(run, "run_type", None), "value", getattr(run, "run_type", "")))
+    order: tuple[str, ...]
+    if kind == "scheduled":
+        order = ("data_interval_end", "logical_date", "run_after")
+        source = "schedule"
+    elif kind == "backfill":
+        order = ("start_date", "run_after")
+        source = "trigger"
+    else:
+        order = ("run_after", "start_date", "logical_date")
+        source = "trigger"
+    for name in order:
+        at = getattr(run, name, None)
+        if isinstance(at, datetime):
+            return Due(at if at.tzinfo else at.replace(tzinfo=UTC), source)
+    return Due(None, "plan")
 
 
 def batch_id_list(value: Any) -> list[int]:
@@ -94,7 +123,8 @@ class OffsetFlowPlanOperator(_PipelineOperator):
     ui_color = "#e8f4fa"
 
     def execute(self, context: Any) -> int | None:
-        return tasks.plan_task(self.hook.pipeline_config, started_by(context))
+        return tasks.plan_task(self.hook.pipeline_config, started_by(context),
+                               due_time(context))
 
 
 class OffsetFlowRunBatchOperator(SparkSubmitOperator):

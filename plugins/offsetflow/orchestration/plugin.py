@@ -6,6 +6,9 @@ A FastAPI app mounted by Airflow's API server under ``/offsetflow``:
 - ``GET /offsetflow/api/status``           every pipeline, as JSON
 - ``GET /offsetflow/api/status/{pipeline}`` one pipeline: the same dict as
   ``offsetflow status --json``
+- ``GET /offsetflow/stats/{pipeline}``     "Streaming statistics" of one pipeline: batch
+  timings over time and as histograms, drawn with the vendored Chart.js (``static/``)
+- ``GET /offsetflow/api/stats/{pipeline}`` what that page draws, as JSON
 
 and an external view ("Browse > OffsetFlow") that shows the page inside Airflow's UI.
 
@@ -37,9 +40,11 @@ from starlette.concurrency import run_in_threadpool
 from offsetflow.config import NAME_RE, PipelineConfig, load_pipeline, pipelines_dir, redact_dsn
 from offsetflow.errors import ConfigError
 from offsetflow.orchestration.connections import resolve
+from offsetflow.orchestration.stream_stats import chart_data, stats_view
 
 URL_PREFIX = "/offsetflow"
 MAX_RECENT = 100
+MAX_STATS = 1000  # batches the statistics page may cover
 SECURITY_HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
@@ -47,6 +52,14 @@ SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
                                "img-src 'self' data:; frame-ancestors 'self'",
 }
+
+# the statistics page runs two scripts of this plugin (Chart.js and its own), nothing inline
+STATS_HEADERS = {**SECURITY_HEADERS,
+                 "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
+                                            "style-src 'unsafe-inline'; img-src 'self' data:; "
+                                            "frame-ancestors 'self'"}
+STATIC = Path(__file__).resolve().parent / "static"
+SCRIPTS = ("chart.umd.min.js", "stream_stats.js")
 
 
 # -- data -------------------------------------------------------------------------------
@@ -313,6 +326,23 @@ def page_context(statuses: list[dict[str, Any]], recent: int, now: datetime) -> 
 
 
 
+def render_stats(status: dict[str, Any], recent: int, now: datetime | None = None) -> str:
+    """The "Streaming statistics" page of one pipeline (`offsetflow.orchestration.stream_stats`)."""
+    view = stats_view(status)
+    moment = now or datetime.now(UTC)
+    return _env.get_template("offsetflow_stats.html").render(
+        v=view, charts=chart_data(view), recent=recent, now=fmt_time(moment.isoformat()),
+        prefix=_base_path() + URL_PREFIX,
+        f={"int": fmt_int, "sec": fmt_seconds, "time": fmt_time, "rate": fmt_rate})
+
+
+def fmt_rate(v: Any) -> str:
+    if v is None:
+        return "-"
+    v = float(v)
+    return f"{v:,.0f}/s" if v >= 100 else f"{v:.3g}/s"
+
+
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 _env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True, trim_blocks=True,
                    lstrip_blocks=True)
@@ -363,10 +393,44 @@ def create_app() -> FastAPI:
         st = await run_in_threadpool(_one_status, user, pipeline, recent)
         return JSONResponse(st, headers=SECURITY_HEADERS)
 
+    @app.get("/stats/{pipeline}", response_class=HTMLResponse)
+    async def stats_page(request: Request, pipeline: str,
+                         recent: int = Query(100, ge=1, le=MAX_STATS)) -> Response:
+        try:
+            user = await authenticate(request)
+        except HTTPException as e:
+            if e.status_code in (401, 403):
+                return _login_redirect(request)
+            raise
+        st = await run_in_threadpool(_one_status, user, pipeline, recent)
+        if st.get("error"):
+            raise HTTPException(503, f"pipeline {pipeline}: {st['error']}")
+        html = await run_in_threadpool(render_stats, st, recent)
+        return HTMLResponse(html, headers=STATS_HEADERS)
+
+    @app.get("/api/stats/{pipeline}")
+    async def api_stats(request: Request, pipeline: str,
+                        recent: int = Query(100, ge=1, le=MAX_STATS)) -> JSONResponse:
+        user = await authenticate(request)
+        st = await run_in_threadpool(_one_status, user, pipeline, recent)
+        if st.get("error"):
+            raise HTTPException(503, f"pipeline {pipeline}: {st['error']}")
+        view = stats_view(st)
+        return JSONResponse(json.loads(json.dumps({**view, "charts": chart_data(view)},
+                                                  default=str)), headers=SECURITY_HEADERS)
+
     @app.get("/static/icon.svg", include_in_schema=False)
     async def icon() -> Response:  # the menu icon only: no data, no login needed
         return Response(ICON, media_type="image/svg+xml",
                         headers={"Cache-Control": "public, max-age=86400"})
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def script(name: str) -> Response:  # code only: no data, no login needed
+        if name not in SCRIPTS:
+            raise HTTPException(404, "no such file")
+        return Response((STATIC / name).read_bytes(), media_type="text/javascript",
+                        headers={"Cache-Control": "public, max-age=3600",
+                                 "X-Content-Type-Options": "nosniff"})
 
     return app
 

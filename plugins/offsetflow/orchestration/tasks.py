@@ -15,7 +15,7 @@ from typing import Any
 
 from offsetflow.config import PipelineConfig, find_pipeline, redact_dsn
 from offsetflow.errors import BatchStateError, ConfigError, RequestError
-from offsetflow.ledger import Ledger
+from offsetflow.ledger import Due, Ledger
 from offsetflow.ops import kafka_for, plan_only, plan_window, submit_window
 from offsetflow.plan import parse_request
 
@@ -30,10 +30,12 @@ def _config(pipeline: str | PipelineConfig, load: Loader | None = None) -> Pipel
     return (load or find_pipeline)(pipeline)
 
 
-def plan_task(pipeline: str | PipelineConfig, started_by: str) -> int | None:
+def plan_task(pipeline: str | PipelineConfig, started_by: str,
+              due: Due | None = None) -> int | None:
+    """`due`: when the DAG run was due (`offsetflow.orchestration.operators.due_time`)."""
     cfg = _config(pipeline)
     pipeline = cfg.name
-    out = plan_only(cfg, cfg.sink.connection, started_by=started_by)
+    out = plan_only(cfg, cfg.sink.connection, started_by=started_by, due=due)
     if out.batch is None:
         log.info("pipeline %s: nothing new to read; the Spark job is skipped", pipeline)
         return None
@@ -112,7 +114,7 @@ def _publish_consumer_group(cfg: PipelineConfig, positions: Mapping[str, int]) -
 
 
 def window_task(kind: str, conf: Mapping[str, Any], started_by: str,
-                load: Loader | None = None) -> dict[str, Any]:
+                load: Loader | None = None, due: Due | None = None) -> dict[str, Any]:
     """Validate a backfill/replay form or conf, plan its batches (unless dry run)."""
     clean = {k: v for k, v in conf.items() if v not in (None, "")}
     req = parse_request(kind, clean)
@@ -127,7 +129,7 @@ def window_task(kind: str, conf: Mapping[str, Any], started_by: str,
         if req.dry_run:
             log.info("dry run: nothing was planned or read")
             return {"dry_run": True, "report": report, "batch_ids": []}
-        ids = submit_window(cfg, ledger, wp, started_by)
+        ids = submit_window(cfg, ledger, wp, started_by, due)
     return {"dry_run": False, "report": report, "batch_ids": ids}
 
 

@@ -26,7 +26,7 @@ import psycopg2.extensions
 
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import BatchStateError, DataLossError, TopicRecreatedError
-from offsetflow.ledger import Batch, Ledger
+from offsetflow.ledger import Batch, Due, Ledger
 from offsetflow.plan.planner import Plan, check_topic_identity, plan_batch
 from offsetflow.ranges import DataLossGap, split_ranges
 from offsetflow.source import KafkaMetadata
@@ -160,14 +160,16 @@ def _adopt_skipped_gaps(cur: psycopg2.extensions.cursor, ledger: Ledger,
 
 
 def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
-              started_by: str = "cli") -> PlanOutcome:
+              started_by: str = "cli", due: Due | None = None) -> PlanOutcome:
+    """`due`: when a new batch is due (an Airflow run's schedule or trigger time); None:
+    the plan's time. A re-used open batch keeps the due time it was planned with."""
     # one retry budget for all Kafka calls made while the pipeline's lock is held
     with kafka.retry_budget():
-        return _plan_next(cfg, ledger, kafka, started_by)
+        return _plan_next(cfg, ledger, kafka, started_by, due)
 
 
 def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
-               started_by: str) -> PlanOutcome:
+               started_by: str, due: Due | None) -> PlanOutcome:
     pending_error: DataLossError | None = None
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1
@@ -249,6 +251,7 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                 target_table=cfg.sink.table, config_fingerprint=cfg.fingerprint(),
                 split_offsets=cfg.spark.max_offsets_per_task,
                 started_by=started_by, topic_ids=topic_ids, params={"lag_at_plan": lag},
+                due=due,
                 # a range that skips a data-loss gap starts above its position: the fence
                 # expects the position it was planned from, so it can still commit
                 expected_positions={tp: committed[tp] for tp in (r.topic_partition

@@ -29,6 +29,13 @@ def test_scheduled_run_commits_a_batch_and_empty_run_skips_spark(
         positions = ledger.positions(p["name"])
     assert [(b.kind, b.status) for b in batches] == [("scheduled", "committed")]
     assert batches[0].started_by.startswith(f"airflow:offsetflow_{p['name']}")
+    # its timings (issue 31): due when the run was triggered (`dags test`: a manual run),
+    # derived in the spark-submit driver's commit
+    b = batches[0]
+    assert b.due_source == "trigger" and b.due_at is not None and b.stats is not None
+    assert b.due_at <= b.started_at <= b.staged_at <= b.committed_at
+    assert b.stats["total_delay_s"] == pytest.approx(
+        b.stats["scheduling_delay_s"] + b.stats["processing_s"], abs=0.002)
     assert positions == {(p["topic"], 0): 300, (p["topic"], 1): 300}
     assert query(pg_dsn, f"SELECT count(*) FROM {p['table']}")[0][0] == 600
 
@@ -56,6 +63,13 @@ def test_backfill_window_commits_backfill_batches_without_moving_position(
         assert ledger.positions(p["name"]) == {}
     assert {b.kind for b in batches} == {"backfill"} and len(batches) == 3
     assert all(b.status == "committed" and not b.moves_positions for b in batches)
+    # one request, one due time (the trigger's): each batch waits for the ones before it
+    assert len({b.due_at for b in batches}) == 1 and {b.due_source for b in batches} == \
+        {"trigger"}
+    waits = [b.stats["scheduling_delay_s"] for b in sorted(batches, key=lambda b: b.batch_id)
+             if b.stats is not None]
+    assert len(waits) == 3 and waits == sorted(waits) and waits[0] < waits[-1]
+    assert all(b.stats is not None and b.stats["input_rate"] is None for b in batches)
     rows = query(pg_dsn, f"SELECT partition, \"offset\" FROM {side}")
     assert sorted(rows) == sorted((pt, o) for pt in (0, 1) for o in range(150))
 

@@ -304,3 +304,144 @@ def test_plugin_page_and_api_show_lag_and_batches_behind_login(
             anon.close()
         finally:
             browser.close()
+
+
+# -- Streaming statistics (issue 31 items 1, 2) ------------------------------------------
+def _scheduled(at_s_ago: float = 0.2) -> dict[str, Any]:
+    """The context an Airflow scheduled run gives its plan task: what `due_time` reads."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    return {"dag_run": SimpleNamespace(
+        run_type="scheduled", run_after=None, logical_date=None,
+        data_interval_end=datetime.now(UTC) - timedelta(seconds=at_s_ago))}
+
+
+def test_streaming_statistics_page_charts_every_metric_of_50_batches(
+        ui_server: dict[str, Any], pg_dsn: str, kafka_bootstrap: str,
+        make_topic: Callable[..., str], spark: Any, unique: str) -> None:
+    """50+ real batches (plan task with an Airflow run's due time, Spark run, commit) of one
+    pipeline, one of them failing on a bad record and committed on its second attempt, and
+    a replay: the page draws a non-empty timeline and histogram per metric, and one batch's
+    figures on the page are the ledger's."""
+    from confluent_kafka import Producer
+    from playwright.sync_api import expect, sync_playwright
+
+    from offsetflow.errors import OffsetFlowError
+    from offsetflow.job import run_batch
+    from offsetflow.ledger import Ledger
+    from offsetflow.orchestration.operators import due_time
+    from offsetflow.orchestration.plugin import fmt_seconds
+    from offsetflow.orchestration.tasks import plan_task, window_task
+
+    topic = make_topic("stats", 2)
+    produce_plain(kafka_bootstrap, topic, 200, f"st{unique}", 2)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    p.produce(topic, b"{not json", partition=0)  # offset 100 of partition 0
+    assert p.flush(30) == 0
+    produce_plain(kafka_bootstrap, topic, 316, f"st{unique}", 2, start_seq=200)
+    name = f"stats_{unique}"
+    doc = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [topic], "max_records_per_partition": 5},
+           "format": {"type": "json", "schema": dict(SCHEMA)},
+           "sink": {"connection": pg_dsn, "table": f"stats_{unique}"}, "bad_records": "fail"}
+    f = ui_server["pipelines"] / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    cfg = load_pipeline(f)
+
+    failed = None
+    while (bid := plan_task(cfg, "test", due_time(_scheduled()))) is not None:
+        try:
+            run_batch(spark, cfg, bid, pg_dsn)
+        except OffsetFlowError as e:  # the bad record: the batch fails and stays open
+            assert failed is None and f"{topic}[0]@100" in str(e), e
+            failed = bid
+            f.write_text(yaml.safe_dump({**doc, "bad_records": "dead_letter"}))
+            cfg = load_pipeline(f)
+            run_batch(spark, cfg, bid, pg_dsn, accept_config_change=True)  # 2nd attempt
+    assert failed is not None
+    manual = {"dag_run": _scheduled()["dag_run"]}
+    manual["dag_run"].run_type = "manual"
+    manual["dag_run"].run_after = manual["dag_run"].data_interval_end
+    window = window_task("replay", {"pipeline": name, "topic": topic, "from_offset": 10,
+                                    "until_offset": 20}, "test", load=lambda _: cfg,
+                         due=due_time(manual))
+    (replay,) = window["batch_ids"]
+    run_batch(spark, cfg, replay, pg_dsn)
+
+    with Ledger(pg_dsn) as ledger:
+        batches = ledger.recent_batches(name, 200)
+        retried = ledger.get_batch(failed)
+    assert len(batches) >= 50 and all(b.status == "committed" for b in batches)
+    assert retried.attempts == 2 and retried.stats is not None
+    assert {b.due_source for b in batches} == {"schedule", "trigger"}
+    assert ledger.get_batch(replay).due_source == "trigger"
+    s = retried.stats
+    assert s["total_delay_s"] == pytest.approx(s["scheduling_delay_s"] + s["processing_s"],
+                                               abs=0.002)
+    assert s["input_rate"] > 0 and s["processing_rate"] > 0
+
+    password = ui_server["wait"]()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            ctx = browser.new_context(viewport={"width": 1500, "height": 1200})
+            page = ctx.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(f"{URL}/offsetflow/stats/{name}", timeout=60_000)
+            page.wait_for_url("**/auth/login**", timeout=60_000)
+            page.fill("input[name=username]", "admin")
+            page.fill("input[name=password]", password)
+            page.click("button[type=submit]")
+            page.wait_for_url(f"**/offsetflow/stats/{name}", timeout=60_000)
+            expect(page.locator("body[data-charts-ready=true]")).to_have_count(1,
+                                                                              timeout=30_000)
+            drawn = page.evaluate("""() => [...document.querySelectorAll('canvas')].map(c => {
+                const ch = Chart.getChart(c);
+                return [c.id, ch.data.datasets[0].data.filter(v => v !== null).length,
+                        ch.data.datasets[0].data.reduce((a, v) => a + (v || 0), 0)];
+            })""")
+            assert not errors, errors
+            assert len(drawn) == 10, drawn  # 5 metrics x (timeline, histogram)
+            counts = {cid: (n, total) for cid, n, total in drawn}
+            for cid, (n, total) in counts.items():
+                assert n > 0 and total > 0, (cid, n, total)
+            # a histogram counts the batches its timeline shows
+            for m in ("input_rate", "scheduling_delay_s", "processing_s", "total_delay_s",
+                      "processing_rate"):
+                assert counts[f"histogram-{m}"][1] == counts[f"timeline-{m}"][0], m
+            assert counts["timeline-processing_s"][0] == len(batches)
+            assert counts["timeline-input_rate"][0] == len(batches) - 2  # first, replay
+
+            # one batch: the page's figures are the ledger's
+            row = page.locator(f"tr.batch[data-batch-id='{failed}']")
+            expect(row).to_have_count(1)
+            assert row.get_attribute("data-attempts") == "2"
+            for key, cell in (("scheduling_delay_s", "scheduling-delay"),
+                              ("processing_s", "processing"),
+                              ("total_delay_s", "total-delay")):
+                assert float(row.get_attribute(f"data-{key.replace('_', '-')}")) == s[key]
+                assert row.locator(f"td.{cell}").inner_text() == fmt_seconds(s[key])
+            assert row.locator("td.records").inner_text() == f"{retried.records_read:,}"
+            assert float(row.get_attribute("data-input-rate")) == s["input_rate"]
+            assert row.locator(".split .read").count() == 1
+            expect(page.locator(f"tr.window[data-batch-id='{replay}']")).to_contain_text(
+                "replay")
+            expect(page.locator(f"tr.window[data-batch-id='{failed}']")).to_contain_text(
+                "2 attempts")
+            expect(page.locator("table.partitions tr.partition")).to_have_count(2)
+            assert pg_dsn not in page.content()
+            page.screenshot(path=str(SHOTS / "stream_stats.png"), full_page=True)
+
+            # inside Airflow's UI: Browse > OffsetFlow, then the pipeline's statistics link
+            page.goto(f"{URL}/plugin/offsetflow", timeout=60_000)
+            frame = page.frame_locator("iframe[title='OffsetFlow']")
+            frame.locator(f"section[data-pipeline='{name}'] a.stats-link").click()
+            expect(frame.locator("body[data-charts-ready=true]")).to_have_count(
+                1, timeout=60_000)
+            page.screenshot(path=str(SHOTS / "stream_stats_in_airflow.png"))
+        finally:
+            browser.close()

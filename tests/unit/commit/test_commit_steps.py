@@ -70,7 +70,7 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return state["staged"], {"t/0": state["staged"]}
 
     def record_batch(cur: Any, ledger: Any, b: Batch, moved: Moved, staged: int,
-                     timings: Any) -> CommitResult:
+                     timings: Any, staged_at: Any = None) -> CommitResult:
         calls.append("record_batch")
         return CommitResult(b.batch_id, "committed", moved.rows, moved.dead,
                             dict(moved.per_range))
