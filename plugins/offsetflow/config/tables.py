@@ -71,6 +71,7 @@ FIELDS: dict[str, Spec] = {
     "format.schema": S("mapping", nullable=True),
     "format.key": S("section", nullable=True),
     "format.key.type": _choice("avro"),
+    "format.schema_evolution": _choice("add_columns", "fail"),
     "format.schema_registry": S("section", nullable=True),
     "format.schema_registry.url": S("string", nullable=True, env=True),
     "format.schema_registry.username": S("string", nullable=True, env=True),

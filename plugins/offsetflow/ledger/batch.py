@@ -38,6 +38,9 @@ class Batch:
     quality: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
     split_offsets: int | None = None  # its ranges' split into Spark parts; None before 0003
+    # registry formats, once committed: {"readers": {topic: id}, "writers": {topic: {id:
+    # [partition, first offset]}}} (migration 0013)
+    schemas: dict[str, Any] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -51,7 +54,7 @@ class Batch:
         d = {k: getattr(self, k) for k in (
             "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
             "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
-            "error", "quality", "timings")}
+            "error", "quality", "timings", "schemas")}
         for k in ("planned_at", "started_at", "finished_at"):
             v = getattr(self, k)
             d[k] = v.isoformat() if v else None

@@ -101,7 +101,7 @@ class Ledger(PlanningQueries):
     _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
                    "config_fingerprint, started_by, params, planned_at, started_at, finished_at, "
                    "attempts, records_read, rows_written, bad_records, error, quality, timings, "
-                   "split_offsets")
+                   "split_offsets, schemas")
 
     def _batches(self, cur: psycopg2.extensions.cursor, where: sql.Composable,
                  args: Sequence[Any], suffix: str = "") -> list[Batch]:
@@ -123,7 +123,7 @@ class Ledger(PlanningQueries):
                       params=r[8] or {}, planned_at=r[9], started_at=r[10], finished_at=r[11],
                       attempts=r[12], records_read=r[13], rows_written=r[14],
                       bad_records=r[15], error=r[16], quality=r[17], timings=r[18],
-                      split_offsets=r[19])
+                      split_offsets=r[19], schemas=r[20])
                 for r in rows]
 
     def get_batch(self, batch_id: int, cur: psycopg2.extensions.cursor | None = None,
@@ -145,6 +145,17 @@ class Ledger(PlanningQueries):
         found = self._batches(cur, sql.SQL("pipeline = %s AND kind = %s AND status = ANY(%s)"),
                               (pipeline, kind, list(OPEN_STATUSES)), "LIMIT 1")
         return found[0] if found else None
+
+    def last_schemas(self, pipeline: str) -> dict[str, Any] | None:
+        """The schema ids the pipeline's last committed batch that recorded any read
+        (`batches.schemas`: readers and writers per topic), or None."""
+        with self.transaction() as cur:
+            cur.execute("""SELECT schemas FROM offsetflow.batches
+                            WHERE pipeline = %s AND status = 'committed'
+                              AND schemas IS NOT NULL
+                            ORDER BY batch_id DESC LIMIT 1""", (pipeline,))
+            row = cur.fetchone()
+        return None if row is None else row[0]  # type: ignore[no-any-return]
 
     def recent_batches(self, pipeline: str, limit: int = 20) -> list[Batch]:
         with self.transaction() as cur:

@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg2.extensions
 import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg2 import sql
 
 from offsetflow.errors import StaleStageError
@@ -85,7 +86,8 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
                table: sql.Composed | None = None, bad: BadRows | None = None,
                bad_in: BadBuffer | None = None, generation: int | None = None,
-               subranges: Sequence[int] | None = None, files: Any = None) -> dict[str, Any]:
+               subranges: Sequence[int] | None = None, files: Any = None,
+               schema_ids: bool = False) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
@@ -99,6 +101,9 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
     sub-ranges of the batch's split the part reads (fused path), recorded in its marker.
     `files`: the rows go to Iceberg data files instead (`sink_iceberg_tasks.PartFiles`;
     what it leaves, tombstones routed by policy, is staged), listed in the marker.
+    `schema_ids` (the registry formats): the marker names the writer schema ids the reader
+    noted in `bad_in` (`note_schema_ids`: of every record read, dead letters too) with the
+    first offset of each, per topic/partition (`markers.staged_schema_ids`).
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
@@ -150,9 +155,12 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
             clock.count("rows", rows)
             data_files = None if files is None else json.dumps(files.close())
             cur.execute("""UPDATE offsetflow.staged_parts
-                              SET rows_staged = %s, per_partition = %s, data_files = %s
+                              SET rows_staged = %s, per_partition = %s, data_files = %s,
+                                  schema_ids = %s
                             WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
-                        (rows, json.dumps(per_tp), data_files, batch_id, part))
+                        (rows, json.dumps(per_tp), data_files,
+                         json.dumps(bad_in.schema_ids) if schema_ids and bad_in is not None
+                         else None, batch_id, part))
             if refused:
                 assert bad is not None
                 if bad.write_rows:
@@ -178,6 +186,26 @@ def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
             acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
         else:
             acc[k] = [n, lo, hi]
+
+
+def note_schema_ids(table: pa.Table, acc: dict[str, dict[str, int]]) -> None:
+    """Into `acc` ("topic/partition" -> schema id -> first offset): the writer schema id of
+    each record of `table` (columns topic, partition, offset, value) whose value is in the
+    Confluent wire format (magic byte 0, a 4-byte id); vectorised, once per chunk."""
+    value = table.column("value")
+    keep = pc.and_(pc.greater_equal(pc.binary_length(value), 5),
+                   pc.equal(pc.binary_slice(value, 0, 1), b"\x00"))
+    t = table.filter(pc.fill_null(keep, False))
+    if not t.num_rows:
+        return
+    t = t.set_column(t.schema.get_field_index("value"), "value",
+                     pc.binary_slice(t.column("value"), 1, 5))
+    g = t.group_by(["topic", "partition", "value"]).aggregate([("offset", "min")])
+    for topic, p, header, first in zip(*(g.column(c).to_pylist() for c in (
+            "topic", "partition", "value", "offset_min")), strict=True):
+        sid = str(int.from_bytes(header, "big"))
+        mine = acc.setdefault(f"{topic}/{p}", {})
+        mine[sid] = min(mine.get(sid, first), first)
 
 
 class SubrangeBad:

@@ -1,0 +1,8 @@
+-- Schema evolution (issue 30): which registry schema ids each batch read. A task records in
+-- its part's marker, per topic/partition, each writer schema id of the rows it staged with
+-- the first offset of that id (read from the 5-byte header of the staged value); the commit
+-- records in the batch row, in its own transaction, each topic's reader schema id and the
+-- writer ids of all parts. `offsetflow status` and the lag page show them per batch; the
+-- driver checks a batch's schema changes against them before anything is committed.
+ALTER TABLE offsetflow.staged_parts ADD COLUMN schema_ids jsonb;
+ALTER TABLE offsetflow.batches ADD COLUMN schemas jsonb;
