@@ -136,6 +136,10 @@ FIELDS: dict[str, Field] = {
                                     "Confluent-compatible Schema Registry (`${VAR}` allowed); writer "
                                     "schemas are looked up by each record's schema id.",
                                     default="required with `type: avro`, `json_schema`, `protobuf`"),
+    "format.schema_registry.conn_id": F("registry.conn_id", "registry formats: an Airflow "
+                                        "`http` connection instead of `url`, `username` and "
+                                        "`password` (host with scheme, port, login, "
+                                        "password), read where the pipeline runs."),
     "format.schema_registry.username": F("registry.username", "registry formats: HTTP basic "
                                          "auth user (with `password`)."),
     "format.schema_registry.password": F("registry.password", "registry formats: HTTP basic "

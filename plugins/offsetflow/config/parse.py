@@ -401,8 +401,14 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
         r.fail(fld, f"{format_type} format needs a schema registry: {{url: http://host:8081}}"
                     f" (writer schemas are looked up by the id in each record)")
         return None
+    conn_id = r.conn_id(sec, f"{fld}.", "url")
+    if conn_id is not None:
+        for secret in ("username", "password"):
+            if sec.get(secret) is not None:
+                r.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
+                                          f"password) or {fld}.{secret}, not both")
     url = r.string(sec, "url", f"{fld}.") or ""
-    if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
+    if conn_id is None and r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
         r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
                              f"compatible Schema Registry")
     user = r.string(sec, "username", f"{fld}.")
@@ -416,7 +422,7 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
                                         f"are read as written (remove it)")
     timeout = r.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
     return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
-                                reader_version=version, timeout_s=timeout)
+                                reader_version=version, timeout_s=timeout, conn_id=conn_id)
 
 
 def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str] | None,

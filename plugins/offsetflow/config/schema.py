@@ -85,9 +85,12 @@ class SchemaRegistryConfig:
 
     url: str
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     reader_version: int | None = None
     timeout_s: int = 10
+    # an Airflow `http` connection (host with scheme and port, login, password): the URL
+    # and credentials are filled in where the pipeline runs (`orchestration.connections`)
+    conn_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ FIELDS: dict[str, Spec] = {
     "format.schema_evolution": _choice("add_columns", "fail"),
     "format.schema_registry": S("section", nullable=True),
     "format.schema_registry.url": S("string", nullable=True, env=True),
+    "format.schema_registry.conn_id": S("string", pattern=CONN_ID_RE.pattern, nullable=True,
+                                        env=True),
     "format.schema_registry.username": S("string", nullable=True, env=True),
     "format.schema_registry.password": S("string", nullable=True, env=True),
     "format.schema_registry.reader_version": S("integer", minimum=1, nullable=True),

@@ -48,7 +48,7 @@ from offsetflow.errors import (
     StaleConfigError,
     StaleStageError,
 )
-from offsetflow.job.evolution import check_schema_changes
+from offsetflow.job.evolution import check_schema_changes, pinned_readers
 from offsetflow.job.tasks import (
     STATS_DDL,
     ReadContext,
@@ -324,9 +324,12 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     groups = list(packing.groups)
     n = max(len(groups), 1)
     ids = spark.range(0, len(groups), 1, n)
+    # the reader schemas the batch's first run resolved, for every run of it
+    pinned = pinned_readers(cfg, ledger, batch.batch_id, specs)
     if cfg.transform:
-        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups),
-                            spark_ddl(cfg))
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
+        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups,
+                                        rc), spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
         missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
         if missing:
@@ -341,7 +344,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     else:
         # the reader schemas, resolved once for the run; under schema evolution their
         # fields beyond format.schema are columns too (`ReadContext.added`)
-        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation)
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
         columns = stage_columns(cfg, rc.schema)
         added = rc.added(dict(cfg.schema))
         # an Iceberg append: the tasks write the table's data files (the table is loaded,

@@ -14,6 +14,7 @@ moves.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from offsetflow.config import PipelineConfig
@@ -21,6 +22,8 @@ from offsetflow.errors import SchemaEvolutionError
 from offsetflow.job.tasks import ReadContext
 from offsetflow.ledger import Ledger
 from offsetflow.stage import staged_schema_ids
+
+log = logging.getLogger(__name__)
 
 
 def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
@@ -61,6 +64,46 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
                     client.version_in(old, subject_of(topic)),
                     client.version_in(new, subject_of(topic)),
                     reader is not None and reader[0] == new))
+
+
+def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
+                   specs: list[dict[str, Any]]) -> dict[str, tuple[int, str] | None] | None:
+    """Avro: each topic's value reader schema (id, text) for this run of the batch: the
+    ones its first run resolved (pinned in the ledger), so a version registered between a
+    failed run and its retry changes neither the columns nor how the records decode (the
+    retry reuses what the first run staged). None for other formats."""
+    if cfg.registry is None or cfg.format_type != "avro":
+        return None
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import RegistryClient, reader_schemas, registry_settings
+
+    reg = cfg.registry
+    client = RegistryClient.of(registry_settings(reg.url, reg.username, reg.password,
+                                                 reg.timeout_s))
+    latest = reader_schemas(client, [str(s["topic"]) for s in specs], reg.reader_version)
+    ids = {t: None if r is None else r[0] for t, r in latest.items()}
+    pinned = ledger.pin_reader_schemas(batch_id, ids)
+    out: dict[str, tuple[int, str] | None] = {}
+    for topic, now in latest.items():
+        want = pinned.get(topic, ids[topic])
+        if want == ids[topic]:
+            out[topic] = now
+            continue
+        log.info("batch %d: topic %s is read with reader schema id %s, pinned by the "
+                 "batch's first run (the subject's latest is now %s)", batch_id, topic,
+                 want, ids[topic])
+        if want is None:
+            out[topic] = None
+            continue
+        found = client.schema_by_id(int(want))
+        if found is None:
+            raise SchemaRegistryError(
+                client.shown, f"schema id {want}", "the reader schema this batch's first run "
+                f"read {topic} with is gone from the registry (run the batch with "
+                f"--accept-config-change after a config change, or abandon it)",
+                retriable=False)
+        out[topic] = (int(want), found.schema)
+    return out
 
 
 def _earlier_ids(before: dict[str, Any], topic: str) -> set[int]:

@@ -74,7 +74,10 @@ class ReadContext:
 
     @classmethod
     def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-           generation: int | None = None) -> ReadContext:
+           generation: int | None = None,
+           pinned: dict[str, tuple[int, str] | None] | None = None) -> ReadContext:
+        """`pinned`: the batch's value reader schemas, pinned by its first run
+        (`job.evolution.pinned_readers`); None: resolved here (the subject's latest)."""
         registry = readers = key_readers = None
         if cfg.registry is not None:
             from offsetflow.source import RegistryClient, reader_schemas, registry_settings
@@ -85,7 +88,8 @@ class ReadContext:
             # on the driver, before any task: a registry that is down fails the run here
             client = RegistryClient.of(registry)
             if cfg.format_type == "avro":
-                readers = reader_schemas(client, topics, reg.reader_version)
+                readers = pinned if pinned is not None \
+                    else reader_schemas(client, topics, reg.reader_version)
             if cfg.key_format == "avro":
                 key_readers = reader_schemas(client, topics, None, part="key")
         schema = dict(cfg.schema)
@@ -314,11 +318,14 @@ def _subranges(groups: list[tuple[int, ...]] | None, ids: Iterator[pa.RecordBatc
 
 
 def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-                generation: int | None = None, groups: list[tuple[int, ...]] | None = None
+                generation: int | None = None, groups: list[tuple[int, ...]] | None = None,
+                rc: ReadContext | None = None
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """DataFrame path (a transform is configured): rows go to Spark for the transform.
-    `groups`: the sub-ranges each task id reads (`offsetflow.stage.packing`), else one each."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
+    `groups`: the sub-ranges each task id reads (`offsetflow.stage.packing`), else one each.
+    `rc`: the run's read context, when the driver built it (pinned reader schemas)."""
+    if rc is None:
+        rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from offsetflow.source import range_consumer

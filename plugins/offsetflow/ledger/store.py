@@ -146,6 +146,18 @@ class Ledger(PlanningQueries):
                               (pipeline, kind, list(OPEN_STATUSES)), "LIMIT 1")
         return found[0] if found else None
 
+    def pin_reader_schemas(self, batch_id: int, ids: dict[str, int | None]
+                           ) -> dict[str, int | None]:
+        """The reader schema ids of the batch's first run (`ids`, when this is it), in one
+        statement: two runs at once pin the same ones."""
+        with self.transaction() as cur:
+            cur.execute("""UPDATE offsetflow.batches
+                              SET reader_schemas = COALESCE(reader_schemas, %s::jsonb)
+                            WHERE batch_id = %s RETURNING reader_schemas""",
+                        (json.dumps(ids), batch_id))
+            row = cur.fetchone()
+        return dict(row[0]) if row and row[0] is not None else dict(ids)
+
     def last_schemas(self, pipeline: str) -> dict[str, Any] | None:
         """The schema ids the pipeline's last committed batch that recorded any read
         (`batches.schemas`: readers and writers per topic), or None."""
@@ -235,8 +247,9 @@ class Ledger(PlanningQueries):
             if not b.is_open:
                 raise BatchStateError(f"batch {batch_id} is {b.status}; its config is final")
             self.drop_staging(cur, batch_id)
+            # the reader schemas are resolved again with the new config (migration 0013)
             cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s, "
-                        "split_offsets = %s WHERE batch_id = %s",
+                        "split_offsets = %s, reader_schemas = NULL WHERE batch_id = %s",
                         (fingerprint, split_offsets, batch_id))
 
     def abandon(self, batch_id: int, reason: str,

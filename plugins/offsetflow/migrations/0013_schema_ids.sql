@@ -6,3 +6,8 @@
 -- driver checks a batch's schema changes against them before anything is committed.
 ALTER TABLE offsetflow.staged_parts ADD COLUMN schema_ids jsonb;
 ALTER TABLE offsetflow.batches ADD COLUMN schemas jsonb;
+-- The reader schema ids a batch's first run resolved (topic -> id, null: the writer's),
+-- pinned for every later run of the batch: a version registered between a failed run and
+-- its retry neither changes the columns nor mixes with the stage the first run left.
+-- Cleared when the batch adopts a changed config (its stage is dropped then too).
+ALTER TABLE offsetflow.batches ADD COLUMN reader_schemas jsonb;

@@ -5,9 +5,10 @@ One topic, one pipeline (add_columns), batches in order (a module fixture):
   1. schema v1 only: the table gets v1's undeclared field as a column;
   2. v1 and v2 records in one batch (v2 adds two fields with defaults and widens one): its
      job is killed inside its commit, after the ALTER TABLE and before COMMIT; nothing is
-     visible (no column, no row, no position), and the retry commits both versions' rows
-     once with the columns added (and widened) in its own transaction; the ledger records
-     the reader and writer schema ids of the batch;
+     visible (no column, no row, no position); a version registered before the retry is
+     not read (the batch's reader was pinned by its first run), and the retry commits both
+     versions' rows once with the columns added (and widened) in its own transaction; the
+     ledger records the reader and writer schema ids of the batch;
   3. v3 narrows a field: the batch stops with SchemaEvolutionError naming the ids, their
      versions and the first offset of v3; nothing written, positions unmoved.
 A second pipeline on the same topic with `schema_evolution: fail` stops on v1 -> v2.
@@ -27,7 +28,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from offsetflow.config import load_pipeline
-from offsetflow.errors import SchemaEvolutionError
+from offsetflow.errors import SchemaEvolutionError, SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.ops import format_status, pipeline_status, plan_only
@@ -42,6 +43,8 @@ V2 = {**V1, "fields": [
     {"name": "qty", "type": "long"},  # widened
     {"name": "coupon", "type": ["null", "string"], "default": None},
     {"name": "tags", "type": {"type": "array", "items": "string"}, "default": []}]}
+V2B = {**V1, "fields": [*V2["fields"], {"name": "late", "type": ["null", "long"],
+                                        "default": None}]}
 V3 = {**V1, "fields": [*V2["fields"][:1], {"name": "qty", "type": "int"},  # narrowed
                        *V2["fields"][2:]]}
 PARTITIONS = 2
@@ -53,6 +56,13 @@ def _serializer(url: str, schema: dict[str, Any]) -> Any:
 
     return AvroSerializer(SchemaRegistryClient({"url": url}), json.dumps(schema),
                           conf={"auto.register.schemas": True})
+
+
+def _register(url: str, topic: str, schema: dict[str, Any]) -> int:
+    from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+    return int(SchemaRegistryClient({"url": url}).register_schema(
+        f"{topic}-value", Schema(json.dumps(schema), "AVRO")))
 
 
 def _produce(bootstrap: str, url: str, topic: str, schema: dict[str, Any],
@@ -169,10 +179,14 @@ def test_new_schema_mid_batch_killed_between_alter_and_commit_then_commits_once(
     assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 6
     assert _positions(pg_dsn, name) == before
 
+    # a version registered between the kill and the retry does not change what the batch
+    # reads: its first run pinned the reader schema (the stage it left is reused as is)
+    _register(url, topic, V2B)
     again = run_batch(spark, cfg, bid, pg_dsn)
     assert again.result.status == "committed", again.result
     cols = _columns(pg_dsn, name)
     assert (cols["qty"], cols["coupon"], cols["tags"]) == ("bigint", "text", "jsonb")
+    assert "late" not in cols
     rows = {r[0]: r[1:] for r in query(
         pg_dsn, f"SELECT order_id, qty, coupon, tags, _offsetflow_batch_id FROM {name}")}
     assert sorted(rows) == list(range(16))  # 0 lost
@@ -212,7 +226,7 @@ def test_narrowed_type_stops_the_batch_naming_ids_versions_and_first_offset(
     with pytest.raises(SchemaEvolutionError) as e:
         run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
     msg = str(e.value)
-    assert f"schema id {v3} (version 3 of {topic}-value) cannot follow schema id " \
+    assert f"schema id {v3} (version 4 of {topic}-value) cannot follow schema id " \
            f"{evolving['v2']} (version 2 of {topic}-value)" in msg, msg
     assert "field 'qty' changed from long to int (not a widening)" in msg, msg
     assert f"its first record in the batch is {topic}[0]@8" in msg, msg
@@ -247,3 +261,26 @@ def test_fail_policy_stops_on_an_added_field(evolving: dict[str, Any], pg_dsn: s
     # the table may exist (created empty before the read), but holds nothing
     if row and row[0]:
         assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 0
+
+
+def test_a_column_added_by_hand_with_another_type_is_refused_before_reading(
+        evolving: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
+    name = f"evohand_{uuid.uuid4().hex[:8]}"
+    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
+        cur.execute(f"""CREATE TABLE {name} (topic text, partition int, "offset" bigint,
+                        "timestamp" timestamptz, timestamp_type int, key bytea, value bytea,
+                        headers jsonb, order_id bigint, coupon bigint,
+                        _offsetflow_batch_id bigint NOT NULL)""")
+    conn.close()
+    path = _pipeline(evolving["tmp"], name, evolving["topic"], pg_dsn, kafka_bootstrap,
+                     evolving["url"], "add_columns")
+    cfg = load_pipeline(path)
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    with pytest.raises(SchemaMismatchError) as e:
+        run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    assert f"target table {name} has column 'coupon' of type bigint, but the reader " \
+           f"schema's field 'coupon' needs text" in str(e.value), e.value
+    assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 0
+    assert "tags" not in _columns(pg_dsn, name)  # nothing of the evolution applied
+    assert set(_positions(pg_dsn, name).values()) <= {0}

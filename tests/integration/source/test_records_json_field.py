@@ -28,8 +28,8 @@ DOCS: list[bytes] = [
 def test_json_fields_land_as_jsonb_value_by_value(spark: Any, pg_dsn: str,
                                                   kafka_bootstrap: str) -> None:
     topic = f"jsonf-{uuid.uuid4().hex[:8]}"
-    AdminClient({"bootstrap.servers": kafka_bootstrap}).create_topics(
-        [NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})  # alive until created
+    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
     p = Producer({"bootstrap.servers": kafka_bootstrap})
     for v in DOCS:
         p.produce(topic, v)
