@@ -266,8 +266,8 @@ def test_fail_policy_stops_on_an_added_field(evolving: dict[str, Any], pg_dsn: s
 def test_a_column_added_by_hand_with_another_type_is_refused_before_reading(
         evolving: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
     name = f"evohand_{uuid.uuid4().hex[:8]}"
-    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
-        cur.execute(f"""CREATE TABLE {name} (topic text, partition int, "offset" bigint,
+    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:  # public: the sink's schema
+        cur.execute(f"""CREATE TABLE public.{name} (topic text, partition int, "offset" bigint,
                         "timestamp" timestamptz, timestamp_type int, key bytea, value bytea,
                         headers jsonb, order_id bigint, coupon bigint,
                         _offsetflow_batch_id bigint NOT NULL)""")
@@ -281,6 +281,6 @@ def test_a_column_added_by_hand_with_another_type_is_refused_before_reading(
         run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
     assert f"target table {name} has column 'coupon' of type bigint, but the reader " \
            f"schema's field 'coupon' needs text" in str(e.value), e.value
-    assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 0
+    assert query(pg_dsn, f"SELECT count(*) FROM public.{name}")[0][0] == 0
     assert "tags" not in _columns(pg_dsn, name)  # nothing of the evolution applied
     assert set(_positions(pg_dsn, name).values()) <= {0}
