@@ -220,14 +220,8 @@ def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: O
     clock.count("records", len(chunk))
     if rc.registry is not None and isinstance(sink, BadBuffer):
         with clock.stage("deserialize"):  # every record's writer schema id, for the ledger
-            n = len(chunk)
-            note_schema_ids(pa.table({
-                "topic": pa.array([r.topic] * n if chunk.topics is None else chunk.topics,
-                                  pa.string()),
-                "partition": pa.array([r.partition] * n if chunk.partitions is None
-                                      else chunk.partitions, pa.int32()),
-                "offset": pa.array(chunk.offsets, pa.int64()),
-                "value": pa.array(chunk.values, pa.binary())}), sink.schema_ids)
+            note_schema_ids(sink.schema_ids, chunk.values, chunk.offsets, r.topic,
+                            r.partition, chunk.topics, chunk.partitions)
     typed: pa.Table | None = None
     good: list[int] | None = None
     bad: list[BadRecord] = []

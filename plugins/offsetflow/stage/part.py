@@ -188,23 +188,43 @@ def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
             acc[k] = [n, lo, hi]
 
 
-def note_schema_ids(table: pa.Table, acc: dict[str, dict[str, int]]) -> None:
+def note_schema_ids(acc: dict[str, dict[str, int]], values: Sequence[bytes | None],
+                    offsets: Sequence[int], topic: str, partition: int,
+                    topics: Sequence[str] | None = None,
+                    partitions: Sequence[int] | None = None) -> None:
     """Into `acc` ("topic/partition" -> schema id -> first offset): the writer schema id of
-    each record of `table` (columns topic, partition, offset, value) whose value is in the
-    Confluent wire format (magic byte 0, a 4-byte id); vectorised, once per chunk."""
-    value = table.column("value")
-    keep = pc.and_(pc.greater_equal(pc.binary_length(value), 5),
-                   pc.equal(pc.binary_slice(value, 0, 1), b"\x00"))
-    t = table.filter(pc.fill_null(keep, False))
+    each record whose value is in the Confluent wire format (magic byte 0, a 4-byte id).
+    A chunk of one range (`topics` None: all of `topic`[`partition`], offsets ascending):
+    its 5-byte headers in one Python pass (measured 2x faster than through Arrow, which
+    copies the values first); a packed chunk of several ranges: grouped in Arrow."""
+    if topics is None and partitions is None:
+        heads = [v[:5] if v is not None else b"" for v in values]
+        mine = acc.setdefault(f"{topic}/{partition}", {})
+        for h in set(heads):
+            if len(h) == 5 and h[0] == 0:
+                sid = str(int.from_bytes(h[1:], "big"))
+                first = int(offsets[heads.index(h)])
+                mine[sid] = min(mine.get(sid, first), first)
+        if not mine:
+            del acc[f"{topic}/{partition}"]
+        return
+    n = len(values)
+    head = pc.binary_slice(pa.array(values, pa.binary()), 0, 5)
+    keep = pc.and_(pc.equal(pc.binary_length(head), 5),
+                   pc.equal(pc.binary_slice(head, 0, 1), b"\x00"))
+    t = pa.table({
+        "topic": pa.array([topic] * n if topics is None else topics, pa.string()),
+        "partition": pa.array([partition] * n if partitions is None else partitions,
+                              pa.int32()),
+        "offset": pa.array(offsets, pa.int64()),
+        "value": pc.binary_slice(head, 1, 5)}).filter(pc.fill_null(keep, False))
     if not t.num_rows:
         return
-    t = t.set_column(t.schema.get_field_index("value"), "value",
-                     pc.binary_slice(t.column("value"), 1, 5))
     g = t.group_by(["topic", "partition", "value"]).aggregate([("offset", "min")])
-    for topic, p, header, first in zip(*(g.column(c).to_pylist() for c in (
+    for tp_topic, p, header, first in zip(*(g.column(c).to_pylist() for c in (
             "topic", "partition", "value", "offset_min")), strict=True):
         sid = str(int.from_bytes(header, "big"))
-        mine = acc.setdefault(f"{topic}/{p}", {})
+        mine = acc.setdefault(f"{tp_topic}/{p}", {})
         mine[sid] = min(mine.get(sid, first), first)
 
 

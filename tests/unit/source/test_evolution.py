@@ -76,3 +76,20 @@ def test_pending_columns_add_widen_fit_or_refuse() -> None:
                                                   "schema's field 'c' needs bigint"):
         pending_columns("t", have, [("c", "bigint")])
     assert pending_columns("t", {"at": "timestamp with time zone"}, [("at", "timestamptz")]) == []
+
+
+def test_schema_ids_noted_per_partition_with_their_first_offset() -> None:
+    from offsetflow.stage import note_schema_ids
+
+    def v(sid: int) -> bytes:
+        return b"\x00" + sid.to_bytes(4, "big") + b"payload"
+
+    values = [v(7), None, b'{"not": "wire"}', v(9), v(7), b"\x00\x00"]
+    acc: dict[str, dict[str, int]] = {}
+    note_schema_ids(acc, values, [10, 11, 12, 13, 14, 15], "t", 0)  # one range
+    note_schema_ids(acc, [v(9)], [3], "t", 0)  # a later chunk: an earlier offset wins
+    assert acc == {"t/0": {"7": 10, "9": 3}}
+    packed: dict[str, dict[str, int]] = {}  # several ranges in one chunk
+    note_schema_ids(packed, values, [10, 11, 12, 13, 14, 15], "t", 0,
+                    ["t", "t", "u", "u", "t", "u"], [0, 0, 1, 1, 0, 1])
+    assert packed == {"t/0": {"7": 10}, "u/1": {"9": 13}}
