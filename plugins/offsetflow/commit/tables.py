@@ -192,6 +192,12 @@ def evolve_target(cur: psycopg2.extensions.cursor, table: str,
     if not have:
         raise SchemaMismatchError(f"target table {table} does not exist at the commit (it "
                                   f"was dropped while the batch ran); run the batch again")
+    if not pending_columns(table, have, columns):
+        return []  # the usual case: no lock beyond the rows' own
+    # the lock ALTER takes anyway, first: a commit that added them meanwhile (its lock
+    # waited for here) is seen by the next statement, so nothing is altered twice
+    cur.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(qualified(table)))
+    have = target_column_types(cur, table)
     done = []
     for name, t, how in pending_columns(table, have, columns):
         if how == "add":
