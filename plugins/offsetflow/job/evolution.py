@@ -147,10 +147,12 @@ def _message(cfg: PipelineConfig, topic: str, old: int, new: int, why: list[str]
         out = ("format.schema_evolution is fail: declare the change in format.schema (and "
                "run with --accept-config-change), or set schema_evolution: add_columns")
     else:
-        out = ("register a compatible version of the schema (a default for an added field, "
-               "a widening instead of a narrowing) for the producers, or remove "
-               "format.schema_evolution and run with --accept-config-change (records are "
-               "then read as format.schema declares; those that cannot be are dead letters)")
+        out = ("records already written keep their schema id, so for this batch: remove "
+               "format.schema_evolution and run it with --accept-config-change (records "
+               "are then read as format.schema declares; those that cannot be are dead "
+               "letters), or abandon it; and register a compatible version for the "
+               "producers (a default for an added field, a widening instead of a "
+               "narrowing) so later batches do not stop")
     return (f"pipeline {cfg.name}: topic {topic}: {named(new, v_new)} cannot follow "
             f"{named(old, v_old)}: {'; '.join(why)}; {where}. Nothing of the batch was "
             f"written and no position moved; {out}")

@@ -10,7 +10,8 @@ One topic, one pipeline (add_columns), batches in order (a module fixture):
      versions' rows once with the columns added (and widened) in its own transaction; the
      ledger records the reader and writer schema ids of the batch;
   3. v3 narrows a field: the batch stops with SchemaEvolutionError naming the ids, their
-     versions and the first offset of v3; nothing written, positions unmoved.
+     versions and the first offset of v3; nothing written, positions unmoved; the way out
+     it names (schema_evolution removed, the config change accepted) commits it once.
 A second pipeline on the same topic with `schema_evolution: fail` stops on v1 -> v2.
 """
 
@@ -235,6 +236,18 @@ def test_narrowed_type_stops_the_batch_naming_ids_versions_and_first_offset(
     with Ledger(pg_dsn) as ledger:
         batch = ledger.get_batch(planned.batch.batch_id)
     assert batch.status == "failed" and "cannot follow" in (batch.error or "")
+    # the way out the error names: without schema_evolution, accepting the config change,
+    # the batch commits once (the declared columns only; the evolved ones stay NULL)
+    raw = yaml.safe_load(evolving["path"].read_text())
+    del raw["format"]["schema_evolution"]
+    plain = evolving["tmp"] / f"{name}_plain.yaml"
+    plain.write_text(yaml.safe_dump(raw))
+    out = run_batch(spark, load_pipeline(plain), planned.batch.batch_id, pg_dsn,
+                    accept_config_change=True)
+    assert out.result.status == "committed", out.result
+    assert sorted(r[0] for r in query(pg_dsn, f"SELECT order_id FROM {name}")) == \
+        list(range(18))
+    assert query(pg_dsn, f"SELECT qty FROM {name} WHERE order_id = 16") == [(None,)]
 
 
 def test_fail_policy_stops_on_an_added_field(evolving: dict[str, Any], pg_dsn: str,
