@@ -93,3 +93,33 @@ def test_schema_ids_noted_per_partition_with_their_first_offset() -> None:
     note_schema_ids(packed, values, [10, 11, 12, 13, 14, 15], "t", 0,
                     ["t", "t", "u", "u", "t", "u"], [0, 0, 1, 1, 0, 1])
     assert packed == {"t/0": {"7": 10}, "u/1": {"9": 13}}
+
+
+def _pipeline(**over: Any) -> Any:
+    from offsetflow.config import parse_pipeline
+
+    raw: dict[str, Any] = {
+        "name": "p", "kafka": {}, "source": {"topics": ["t"]},
+        "format": {"type": "avro", "schema": {"id": "long"}, "schema_evolution": "add_columns",
+                   "schema_registry": {"url": "http://r:8081"}},
+        "sink": {"table": "t"}}
+    for k, v in over.items():
+        raw[k] = {**raw[k], **v} if isinstance(v, dict) and k in raw else v
+    return parse_pipeline(raw, "p.yaml", {"OFFSETFLOW_PG_DSN": "postgresql://x@y/z"})
+
+
+def test_schema_evolution_config_where_it_is_built_and_in_the_fingerprint() -> None:
+    from offsetflow.errors import ConfigError
+
+    cfg = _pipeline()
+    assert cfg.schema_evolution == "add_columns"
+    assert _pipeline(format={"schema_evolution": "fail"}).fingerprint() != cfg.fingerprint()
+    assert _pipeline(format={"schema_evolution": None}).schema_evolution is None
+    for over, words in [
+        ({"format": {"schema_evolution": "add"}}, "format.schema_evolution"),
+        ({"format": {"type": "json", "schema_registry": None}}, "is for format.type avro"),
+        ({"sink": {"type": "iceberg"}}, "built for sink.type postgres only"),
+        ({"transform": "pkg.mod.fn"}, "does not work with a transform yet"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            _pipeline(**over)
