@@ -119,16 +119,27 @@ FIELDS: dict[str, Field] = {
                      "`schema_registry` (see Formats); `raw`: key and value bytes only."),
     "format.schema": F("schema", "json, avro, json_schema, protobuf: a mapping column -> "
                        "type (`string`, `long`, `int`, `double`, `float`, `boolean`, "
-                       "`timestamp`, `date`, `decimal(p,s)`; avro and protobuf also `json` for "
-                       "jsonb and `uuid`); raw takes none.", type="mapping"),
+                       "`timestamp`, `date`, `decimal(p,s)`, `json` for a nested value as jsonb; "
+                       "avro and protobuf also `uuid`); raw takes none.", type="mapping"),
     "format.key.type": F("key_format", "`avro`: each Kafka key is Confluent wire-format Avro "
                          "(subject `<topic>-key`); its record's fields fill the `schema` "
                          "columns of their names (upsert keys, a tombstone's delete). avro, "
                          "json_schema and protobuf formats only.", default="none (raw key bytes)"),
+    "format.schema_evolution": F("schema_evolution", "avro into PostgreSQL: `add_columns`: "
+                                 "the reader schema's fields `schema` does not declare "
+                                 "become columns, added in the commit's transaction; "
+                                 "`fail`: a batch holding a schema change stops. Either way "
+                                 "an incompatible change stops the batch (see Formats, "
+                                 "Schema evolution).", sinks=("postgres",),
+                                 default="none (the `schema` columns only)"),
     "format.schema_registry.url": F("registry.url", "avro, json_schema, protobuf: the "
                                     "Confluent-compatible Schema Registry (`${VAR}` allowed); writer "
                                     "schemas are looked up by each record's schema id.",
                                     default="required with `type: avro`, `json_schema`, `protobuf`"),
+    "format.schema_registry.conn_id": F("registry.conn_id", "registry formats: an Airflow "
+                                        "`http` connection instead of `url`, `username` and "
+                                        "`password` (host with scheme, port, login, "
+                                        "password), read where the pipeline runs."),
     "format.schema_registry.username": F("registry.username", "registry formats: HTTP basic "
                                          "auth user (with `password`)."),
     "format.schema_registry.password": F("registry.password", "registry formats: HTTP basic "

@@ -143,6 +143,14 @@ class Handler(BaseHTTPRequestHandler):
             return 200, ["AVRO", "JSON", "PROTOBUF"]
         if path.startswith("/config"):
             return 200, {"compatibilityLevel": "BACKWARD"}
+        m = re.fullmatch(r"/schemas/ids/(\d+)/versions", path)
+        if m:  # the subjects and versions that hold this id (Confluent's API)
+            sid = int(m.group(1))
+            if sid not in store.schemas:
+                return _error(404, 40403, "Schema not found")
+            return 200, [{"subject": subj, "version": i + 1}
+                         for subj, ids in sorted(store.subjects.items())
+                         for i, x in enumerate(ids) if x == sid]
         m = re.fullmatch(r"/schemas/ids/(\d+)(/schema)?", path)
         if m:
             s = store.schemas.get(int(m.group(1)))

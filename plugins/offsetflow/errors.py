@@ -295,6 +295,15 @@ class SchemaMismatchError(OffsetFlowError):
     """The existing target table cannot hold the batch's columns."""
 
 
+class SchemaEvolutionError(OffsetFlowError):
+    """A batch under `format.schema_evolution` holds a schema change it must not apply: an
+    incompatible one (a type narrowed, a required field removed, a field added without a
+    default), or under `fail` any change that adds a column. Raised after the ranges are
+    read and before anything is committed (positions unmoved); the message names the
+    topic, both schema ids with their versions, the first offset of the new schema and the
+    way out. Every retry of the batch stops the same way until the way out is taken."""
+
+
 class RequestError(OffsetFlowError):
     """A backfill or replay request (form, conf or CLI) is invalid; nothing was started."""
 

@@ -6,6 +6,9 @@ while the batch is still being read (its hooks say what it does between the step
   1. `lock_batch`: lock the batch row, waiting at most `lock_timeout_s` (else
      `CommitLockTimeoutError` naming the holder); already committed -> no-op, say so;
      abandoned, or its config changed since this run took it up (`check_config`) -> refuse;
+     under `format.schema_evolution: add_columns`, the evolved columns the target lacks
+     are added (or widened) here (`evolve_target`), so they commit with the rows and
+     positions or not at all;
   2. `lock_stage` (`WholeStage`; `PartwiseCommit` moves parts as they come instead, see
      there): the stage in SHARE mode, so no late writer (a zombie task) adds rows after
      the checks that step 4 would read; `check_layout`: every marker is of the
@@ -33,7 +36,8 @@ while the batch is still being read (its hooks say what it does between the step
      the sink's commit but before COMMIT below leaves the batch open, and its retry finds
      the record instead of writing again. A zombie whose lock is gone is the sink's to
      refuse (its own fencing: a producer epoch, a snapshot-parent check);
-  5. `record_batch`: per-range counts, the batch marked committed;
+  5. `record_batch`: per-range counts, the batch marked committed (with the schema ids
+     it read, registry formats);
   6. `drop_stage`; COMMIT. Any failure before COMMIT leaves nothing visible, dead letters
      included: a retry routes the same rows again, once.
 
@@ -52,6 +56,7 @@ from __future__ import annotations
 import json
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -63,6 +68,7 @@ from psycopg2 import sql
 from offsetflow.commit.dead_letters import route_quality_failures
 from offsetflow.commit.rows import append_part, delete_range_rows, move_stage_dead_letters
 from offsetflow.commit.spec import CommitResult, CommitSpec, ExternalSink, Moved
+from offsetflow.commit.tables import evolve_target
 from offsetflow.commit.upsert import apply_upsert
 from offsetflow.errors import (
     BatchStateError,
@@ -87,6 +93,7 @@ from offsetflow.stage import (
     forget_parts,
     lock_stage,
     staged_per_range,
+    staged_schema_ids,
     task_bad_records,
 )
 
@@ -182,6 +189,11 @@ def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
                 step4.skip(cur, batch)
                 return already_committed(batch)
             check_config(batch, spec)
+            if spec.add_columns and spec.external is None:
+                evolved = evolve_target(cur, batch.target_table, spec.add_columns)
+                if evolved:
+                    log.info("batch %d: %s: %s (in the commit's transaction)",
+                             batch.batch_id, batch.target_table, ", ".join(evolved))
             step4.before_checks(cur, batch)
             check_layout(cur, batch, spec.stage_generation, spec.subrange_parts)  # 2
             step4.before_count(cur, batch)
@@ -192,7 +204,7 @@ def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
                 fence_and_advance(cur, batch)
             moved = step4.move(cur, batch, staged, per_range)  # 4
             return record_batch(cur, ledger, batch, moved, staged, timings,  # 5, 6
-                                step4.staged_at)
+                                step4.staged_at, spec.readers)
     except StagedRowsLostError as e:
         try:
             forget_parts(ledger.dsn, batch_id, e.parts, spec.stage_generation)
@@ -311,9 +323,11 @@ def commit_external(cur: psycopg2.extensions.cursor, batch: Batch, sink: Externa
 
 def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, moved: Moved,
                  staged: int, timings: dict[str, float] | None,
-                 staged_at: datetime | None = None) -> CommitResult:
+                 staged_at: datetime | None = None,
+                 readers: Mapping[str, int | None] | None = None) -> CommitResult:
     """Steps 5 and 6: per-range counts (records staged), the batch committed, the stage
-    dropped; the caller's COMMIT makes it all visible at once."""
+    dropped; the caller's COMMIT makes it all visible at once. `readers` (registry
+    formats): with the writer schema ids the markers name, the batch's `schemas`."""
     # one statement for all ranges (a batch of 1,000 partitions: one round trip)
     cur.execute("""UPDATE offsetflow.batch_ranges br SET records = n.records
                      FROM unnest(%s::text[], %s::int[], %s::bigint[])
@@ -332,6 +346,11 @@ def record_batch(cur: psycopg2.extensions.cursor, ledger: Ledger, batch: Batch, 
                     WHERE batch_id = %s""",
                 (committed_at, staged_at, records, moved.rows, moved.dead,
                  json.dumps(timings or {}), json.dumps(stats), batch.batch_id))
+    if readers is not None:
+        cur.execute("UPDATE offsetflow.batches SET schemas = %s WHERE batch_id = %s",
+                    (json.dumps({"readers": dict(readers),
+                                 "writers": staged_schema_ids(cur, batch.batch_id)}),
+                     batch.batch_id))
     ledger.drop_staging(cur, batch.batch_id)  # 6
     log.info("batch %d committed: %d rows into %s, %d dead letters", batch.batch_id,
              moved.rows, batch.target_table, moved.dead)

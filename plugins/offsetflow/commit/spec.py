@@ -73,6 +73,12 @@ class CommitSpec:
     # only tombstones routed by policy): the sink reconciles the markers, the stage is not
     # counted against them (`sinks.task_data_files`)
     task_files: bool = False
+    # format.schema_evolution: the evolved columns (name, PostgreSQL type) step 1's end adds
+    # to the target or widens in the commit's transaction (`tables.evolve_target`)
+    add_columns: tuple[tuple[str, str], ...] = ()
+    # the registry formats: each topic's reader schema id this run decoded with (None: the
+    # writer's), recorded with the writer ids the markers name (`batches.schemas`)
+    readers: Mapping[str, int | None] | None = None
 
     @property
     def routes_tombstones(self) -> bool:

@@ -130,9 +130,97 @@ def _ddl_lock(cur: psycopg2.extensions.cursor) -> None:
     cur.execute("SELECT pg_advisory_xact_lock(hashtext('offsetflow:ddl'))")
 
 
+# a column PostgreSQL can widen in place for `format.schema_evolution` (int -> long, ...):
+# every value of the old type fits the new one
+_WIDENS = {("integer", "bigint"), ("integer", "double precision"),
+           ("bigint", "double precision"), ("real", "double precision")}
+_CANONICAL = {"timestamptz": "timestamp with time zone", "timestamp": "timestamp without "
+              "time zone", "int": "integer", "float8": "double precision", "float4": "real"}
+
+
+def canonical_pg_type(t: str) -> str:
+    """A column type as PostgreSQL's format_type() names it (numeric(10,2), text, ...)."""
+    t = t.strip().lower()
+    return _CANONICAL.get(t, t)
+
+
+def target_column_types(cur: psycopg2.extensions.cursor, table: str) -> dict[str, str]:
+    """column -> its type as format_type() names it; {} when the table does not exist."""
+    cur.execute("SELECT to_regclass(%s)", (qualified(table).as_string(cur),))
+    row = cur.fetchone()
+    if not row or row[0] is None:
+        return {}
+    cur.execute("""SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute
+                    WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped""",
+                (qualified(table).as_string(cur),))
+    return {str(n): str(t) for n, t in cur.fetchall()}
+
+
+def pending_columns(table: str, have: dict[str, str], columns: Sequence[tuple[str, str]]
+                    ) -> list[tuple[str, str, str]]:
+    """What the target lacks of the evolved `columns` (name, PostgreSQL type): (name, type,
+    `add` | `widen`). A column that exists with a type it cannot widen in place (added by
+    hand, or by an earlier schema with another type) is SchemaMismatchError."""
+    out = []
+    for name, t in columns:
+        want = canonical_pg_type(t)
+        got = have.get(name)
+        if got is None:
+            out.append((name, t, "add"))
+        elif got != want:
+            if (got, want) in _WIDENS:
+                out.append((name, t, "widen"))
+            elif (want, got) not in _WIDENS:  # already wider: the values fit
+                raise SchemaMismatchError(
+                    f"target table {table} has column {name!r} of type {got}, but the "
+                    f"reader schema's field {name!r} needs {want} (format.schema_evolution "
+                    f"cannot change it in place); rename or drop the column, or declare "
+                    f"{name} in format.schema with a type that fits {got}")
+    return out
+
+
+def evolve_target(cur: psycopg2.extensions.cursor, table: str,
+                  columns: Sequence[tuple[str, str]]) -> list[str]:
+    """In the commit's transaction: add the evolved `columns` the target lacks (ALTER TABLE
+    ... ADD COLUMN, nullable: a catalog-only change) and widen those of a narrower type
+    (ALTER COLUMN ... TYPE), so they become visible with the batch's rows and positions or
+    not at all. Identifiers are quoted; the types come from the Avro type mapping only.
+    Checked again after the DDL: a run that added the column first (its lock waited for)
+    or a hand-made column of another type is caught here, before a row moves. Returns what
+    changed, in words."""
+    have = target_column_types(cur, table)
+    if not have:
+        raise SchemaMismatchError(f"target table {table} does not exist at the commit (it "
+                                  f"was dropped while the batch ran); run the batch again")
+    if not pending_columns(table, have, columns):
+        return []  # the usual case: no lock beyond the rows' own
+    # the lock ALTER takes anyway, first: a commit that added them meanwhile (its lock
+    # waited for here) is seen by the next statement, so nothing is altered twice
+    cur.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(qualified(table)))
+    have = target_column_types(cur, table)
+    done = []
+    for name, t, how in pending_columns(table, have, columns):
+        if how == "add":
+            cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                qualified(table), sql.Identifier(name), sql.SQL(t)))
+        else:
+            cur.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
+                qualified(table), sql.Identifier(name), sql.SQL(t)))
+        done.append(f"{how} {name} {t}")
+    if done:
+        left = pending_columns(table, target_column_types(cur, table), columns)
+        if left:
+            raise SchemaMismatchError(f"target table {table}: columns {left} still differ "
+                                      f"after the schema evolution's DDL; run the batch again")
+    return done
+
+
 def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence[tuple[str, str]],
-                  mode: str, key: Sequence[str]) -> None:
-    """Create the target if missing (with lineage column and indexes) or check it fits."""
+                  mode: str, key: Sequence[str], evolved: Sequence[str] = ()) -> bool:
+    """Create the target if missing (with lineage column and indexes) or check it fits.
+    `evolved`: columns of `columns` that `format.schema_evolution` adds, which an existing
+    target may lack (the commit adds them, `evolve_target`). Returns whether the commit
+    has DDL to do (an evolved column missing or narrower)."""
     _ddl_lock(cur)
     schema = table.split(".")[0] if "." in table else "public"
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
@@ -151,8 +239,10 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
                 sql.Identifier(index_name(table, "coords_idx")), qualified(table), coords))
         # append: one source record -> at most one row, a second copy cannot be inserted
         _ensure_guard(cur, table, mode, key)
-        return
-    missing = [c for c, _ in columns if c not in have]
+        return False
+    pending = pending_columns(table, target_column_types(cur, table),
+                              [c for c in columns if c[0] in set(evolved)])
+    missing = [c for c, _ in columns if c not in have and c not in set(evolved)]
     if LINEAGE_COLUMN not in have:
         missing.append(LINEAGE_COLUMN)
     if missing:
@@ -165,6 +255,7 @@ def ensure_target(cur: psycopg2.extensions.cursor, table: str, columns: Sequence
         cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} text").format(
             qualified(table), sql.Identifier(TOPIC_ID_COLUMN)))
     _ensure_guard(cur, table, mode, key)
+    return bool(pending)
 
 
 def ensure_dead_letter(cur: psycopg2.extensions.cursor, table: str) -> None:

@@ -197,6 +197,8 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
                     None if transform or not schema_known
                     else _table_columns(format_type, schema))
 
+    evolution = _schema_evolution(r, raw, format_type if schema_known else None,
+                                  sink_type, transform)
     bad_records = r.string(raw, "bad_records", "", "fail", choices("bad_records")) or "fail"
     tombstones = r.string(raw, "tombstones", "") or ""
     allowed = TOMBSTONE_POLICIES[mode]
@@ -250,8 +252,33 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy, description=str(desc or ""),
         tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn), registry=registry,
-        key_format=key_format,
+        key_format=key_format, schema_evolution=evolution,
     )
+
+
+def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str | None,
+                      sink_type: str, transform: str | None) -> str | None:
+    """`format.schema_evolution`: add_columns | fail (None: format.schema's columns only,
+    other fields of the records ignored). Avro values into PostgreSQL on the fused path:
+    the reader schema decides the added columns there, and the commit adds them in its
+    own transaction."""
+    fmt = raw.get("format")
+    fld = "format.schema_evolution"
+    if not isinstance(fmt, Mapping) or fmt.get("schema_evolution") is None:
+        return None
+    value = r.string(fmt, "schema_evolution", "format.", None, choices(fld))
+    if value is None or not r.ok(fld) or format_type is None:
+        return None
+    if format_type != "avro":
+        r.fail(fld, f"is for format.type avro (its reader schema decides the columns); "
+                    f"format.type is {format_type}")
+    elif sink_type != "postgres":
+        r.fail(fld, f"is built for sink.type postgres only (its commit adds the columns in "
+                    f"the transaction of the rows); sink.type is {sink_type}")
+    elif transform:
+        r.fail(fld, "does not work with a transform yet (the transform decides the columns); "
+                    "remove one of them")
+    return value
 
 
 def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:
@@ -297,7 +324,9 @@ def _format(r: FieldReader
     if not r.ok("format.type"):
         return format_type, schema, registry, key_format
     if format_type in TYPED_FORMATS:
-        types = AVRO_FIELD_TYPES if format_type in ("avro", "protobuf") else FIELD_TYPES
+        # `json` (any JSON value as jsonb) for every typed format; `uuid` for the binary ones
+        types = AVRO_FIELD_TYPES if format_type in ("avro", "protobuf") \
+            else FIELD_TYPES | {"json"}
         schema_raw = fmt.get("schema")
         if not isinstance(schema_raw, Mapping) or not schema_raw:
             raise r.err("format.schema", f"{format_type} format needs a schema: a mapping "
@@ -311,8 +340,8 @@ def _format(r: FieldReader
             elif col in RESERVED_COLUMNS:
                 r.fail(fld, f"{col!r} is a reserved source column "
                             f"({sorted(RESERVED_COLUMNS)})", at_key=True)
-            elif t in AVRO_FIELD_TYPES - FIELD_TYPES and format_type not in ("avro",
-                                                                             "protobuf"):
+            elif t in AVRO_FIELD_TYPES - FIELD_TYPES - {"json"} \
+                    and format_type not in ("avro", "protobuf"):
                 r.fail(fld, f"type {t!r} is for format.type avro only, or protobuf (the "
                             f"{format_type} format reads flat fields); use string")
             elif t not in types and not DECIMAL_RE.match(t):
@@ -372,8 +401,14 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
         r.fail(fld, f"{format_type} format needs a schema registry: {{url: http://host:8081}}"
                     f" (writer schemas are looked up by the id in each record)")
         return None
+    conn_id = r.conn_id(sec, f"{fld}.", "url")
+    if conn_id is not None:
+        for secret in ("username", "password"):
+            if sec.get(secret) is not None:
+                r.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
+                                          f"password) or {fld}.{secret}, not both")
     url = r.string(sec, "url", f"{fld}.") or ""
-    if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
+    if conn_id is None and r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
         r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
                              f"compatible Schema Registry")
     user = r.string(sec, "username", f"{fld}.")
@@ -387,7 +422,7 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
                                         f"are read as written (remove it)")
     timeout = r.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
     return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
-                                reader_version=version, timeout_s=timeout)
+                                reader_version=version, timeout_s=timeout, conn_id=conn_id)
 
 
 def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str] | None,

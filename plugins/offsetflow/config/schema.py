@@ -85,9 +85,12 @@ class SchemaRegistryConfig:
 
     url: str
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     reader_version: int | None = None
     timeout_s: int = 10
+    # an Airflow `http` connection (host with scheme and port, login, password): the URL
+    # and credentials are filled in where the pipeline runs (`orchestration.connections`)
+    conn_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,8 @@ class PipelineConfig:
     kafka: KafkaConfig = field(default_factory=KafkaConfig)
     registry: SchemaRegistryConfig | None = None  # formats avro, json_schema
     key_format: str | None = None  # format.key.type: avro (None: the key stays raw bytes)
+    # format.schema_evolution: add_columns | fail (None: format.schema's columns only)
+    schema_evolution: str | None = None
 
     @property
     def tombstone_policy(self) -> str:
@@ -212,6 +217,7 @@ class PipelineConfig:
             # registry that moves serves the same ids)
             **({"reader_version": self.registry.reader_version}
                if self.registry is not None else {}),
+            **({"schema_evolution": self.schema_evolution} if self.schema_evolution else {}),
             "transform": self.transform,
             "sink": [self.sink.table, self.sink.mode, list(self.sink.key)],
             **({"sink_iceberg": [self.sink.iceberg.identifier, *catalog_identity(

@@ -49,8 +49,10 @@ from offsetflow.errors import (
     StaleConfigError,
     StaleStageError,
 )
+from offsetflow.job.evolution import check_schema_changes, pinned_readers
 from offsetflow.job.tasks import (
     STATS_DDL,
+    ReadContext,
     make_read_and_stage,
     make_reader,
     make_writer,
@@ -317,6 +319,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     with ledger.transaction() as cur:
         check_fence(cur, batch)  # a stale batch stops here, before it reads anything
     fused = not cfg.transform
+    rc: ReadContext | None = None
+    added: dict[str, str] = {}
+    ddl = False
     # claimed with the config and split this run checked (a transform run, whose parts are
     # Spark's partitions, starts its own generation): a run that rebuilds the stage after
     # this point makes this run a zombie, whose markers the commit refuses
@@ -331,9 +336,12 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     groups = list(packing.groups)
     n = max(len(groups), 1)
     ids = spark.range(0, len(groups), 1, n)
+    # the reader schemas the batch's first run resolved, for every run of it
+    pinned = pinned_readers(cfg, ledger, batch.batch_id, specs)
     if cfg.transform:
-        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups),
-                            spark_ddl(cfg))
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
+        df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups,
+                                        rc), spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
         missing = [c for c in ("topic", "partition", "offset") if c not in df.columns]
         if missing:
@@ -346,15 +354,21 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                         BadRows(cfg.name, cfg.bad_records == "dead_letter"), generation),
             STATS_DDL)
     else:
-        columns = stage_columns(cfg)
+        # the reader schemas, resolved once for the run; under schema evolution their
+        # fields beyond format.schema are columns too (`ReadContext.added`)
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
+        columns = stage_columns(cfg, rc.schema)
+        added = rc.added(dict(cfg.schema))
         # an Iceberg append: the tasks write the table's data files (the table is loaded,
         # or created, here: they need its schema and partition spec)
         files = sink.task_files(dsn, batch, columns)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
-                                                     generation, groups, files), STATS_DDL)
+                                                     generation, groups, files, rc),
+                                 STATS_DDL)
     sink.check_before_read(batch)  # refused before anything is read, not at the commit
     with connect_ctx(dsn) as cur:
-        sink.prepare_target(cur, batch, columns)  # a PostgreSQL sink's table
+        # a PostgreSQL sink's table; True: the commit adds or widens evolved columns
+        ddl = sink.prepare_target(cur, batch, columns, tuple(added))
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
         ensure_dead_letter(cur, cfg.dead_letter_table)
@@ -362,15 +376,18 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
     # append without a quality gate: the commit moves parts while later ones are read
-    # (an external sink commits the whole batch in step 4: never part by part)
-    partwise = fused and not cfg.quality_suite and sink.commits_partwise
+    # (an external sink commits the whole batch in step 4: never part by part), unless
+    # the commit alters the target: its lock would then be held for the whole read
+    partwise = fused and not cfg.quality_suite and sink.commits_partwise and not ddl
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
                       dead_letter_table=cfg.dead_letter_table,
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused,
-                      task_files=sink.tasks_write_files)
+                      task_files=sink.tasks_write_files,
+                      add_columns=tuple((c, t) for c, t in columns if c in added),
+                      readers=None if rc is None else rc.reader_ids)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
         timings=timings, spec=spec) if partwise else None
@@ -385,6 +402,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                  "attempt)", batch.batch_id, sum(s["rows"] for s in stats), len(stats),
                  skipped)
 
+        if rc is not None:  # before the bad records: a schema change explains them
+            check_schema_changes(cfg, rc, ledger, batch.batch_id)
         bad_count, samples = bad_record_summary(ledger, batch.batch_id)
         if bad_count and cfg.bad_records == "fail":
             first = samples[0]

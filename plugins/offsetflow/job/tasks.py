@@ -21,7 +21,15 @@ from offsetflow.config import DECIMAL_RE, TYPED_FORMATS, PipelineConfig
 from offsetflow.errors import TaskReportedError, reported_error
 from offsetflow.ledger import stage_part_table
 from offsetflow.ranges import OffsetRange
-from offsetflow.stage import BadBuffer, BadRows, SubrangeBad, TaskClock, binary_encoder, stage_rows
+from offsetflow.stage import (
+    BadBuffer,
+    BadRows,
+    SubrangeBad,
+    TaskClock,
+    binary_encoder,
+    note_schema_ids,
+    stage_rows,
+)
 
 if TYPE_CHECKING:
     from offsetflow.sinks.iceberg import TaskFiles
@@ -66,7 +74,10 @@ class ReadContext:
 
     @classmethod
     def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-           generation: int | None = None) -> ReadContext:
+           generation: int | None = None,
+           pinned: dict[str, tuple[int, str] | None] | None = None) -> ReadContext:
+        """`pinned`: the batch's value reader schemas, pinned by its first run
+        (`job.evolution.pinned_readers`); None: resolved here (the subject's latest)."""
         registry = readers = key_readers = None
         if cfg.registry is not None:
             from offsetflow.source import RegistryClient, reader_schemas, registry_settings
@@ -77,18 +88,62 @@ class ReadContext:
             # on the driver, before any task: a registry that is down fails the run here
             client = RegistryClient.of(registry)
             if cfg.format_type == "avro":
-                readers = reader_schemas(client, topics, reg.reader_version)
+                readers = pinned if pinned is not None \
+                    else reader_schemas(client, topics, reg.reader_version)
             if cfg.key_format == "avro":
                 key_readers = reader_schemas(client, topics, None, part="key")
-        return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), dict(cfg.schema),
+        schema = dict(cfg.schema)
+        if cfg.schema_evolution == "add_columns" and readers:
+            schema.update(added_columns(cfg, readers))
+        return cls(batch_id, dsn, cfg.name, cfg.consumer_settings(), schema,
                    cfg.format_type, cfg.bad_records == "dead_letter", specs, generation,
                    registry, readers, key_readers)
+
+    @property
+    def reader_ids(self) -> dict[str, int | None] | None:
+        """Each topic's reader schema id (None: read with the writer's); None for formats
+        without a registry."""
+        if self.registry is None:
+            return None
+        return {t: None if r is None else r[0] for t, r in (self.readers or {}).items()}
+
+    def added(self, declared: dict[str, str]) -> dict[str, str]:
+        """The columns schema evolution adds to `declared` (format.schema)."""
+        return {c: t for c, t in self.schema.items() if c not in declared}
 
     def typed_schema(self) -> pa.Schema | None:
         """The Arrow schema of the typed columns (None: raw format)."""
         from offsetflow.source import arrow_schema
 
         return arrow_schema(self.schema) if self.fmt in TYPED_FORMATS else None
+
+
+def added_columns(cfg: PipelineConfig, readers: dict[str, tuple[int, str] | None]
+                  ) -> dict[str, str]:
+    """format.schema_evolution add_columns: the reader schemas' top-level fields that
+    format.schema does not declare, as columns (name -> format.schema type); the batch
+    stops (SchemaEvolutionError) on a field that cannot become one."""
+    from offsetflow.config import IDENT_RE, RESERVED_COLUMNS
+    from offsetflow.errors import SchemaEvolutionError
+    from offsetflow.source import evolved_columns
+
+    try:
+        added = evolved_columns({t: None if r is None else r[1] for t, r in readers.items()},
+                                cfg.schema, RESERVED_COLUMNS)
+        for name, t in added.items():
+            if not IDENT_RE.match(name) or name.startswith("_offsetflow"):
+                raise ValueError(f"field {name!r} is not a column name OffsetFlow adds "
+                                 f"(letters, digits and _, at most 63 characters)")
+            if t.startswith("decimal(") and not DECIMAL_RE.match(t):
+                raise ValueError(f"field {name!r}: {t} is not a decimal(p,s) type")
+    except ValueError as e:
+        ids = {t: r[0] for t, r in readers.items() if r is not None}
+        raise SchemaEvolutionError(
+            f"pipeline {cfg.name}: the reader schema (ids {ids}) cannot add columns: {e}; "
+            f"declare the field in format.schema, or pin "
+            f"format.schema_registry.reader_version to an earlier version; nothing was "
+            f"read or committed") from None
+    return added
 
 
 _DECODERS: dict[str, Any] = {}
@@ -163,6 +218,10 @@ def chunk_rows(rc: ReadContext, typed_schema: pa.Schema | None, chunk: Any, r: O
     )
 
     clock.count("records", len(chunk))
+    if rc.registry is not None and isinstance(sink, BadBuffer):
+        with clock.stage("deserialize"):  # every record's writer schema id, for the ledger
+            note_schema_ids(sink.schema_ids, chunk.values, chunk.offsets, r.topic,
+                            r.partition, chunk.topics, chunk.partitions)
     typed: pa.Table | None = None
     good: list[int] | None = None
     bad: list[BadRecord] = []
@@ -253,11 +312,14 @@ def _subranges(groups: list[tuple[int, ...]] | None, ids: Iterator[pa.RecordBatc
 
 
 def make_reader(cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
-                generation: int | None = None, groups: list[tuple[int, ...]] | None = None
+                generation: int | None = None, groups: list[tuple[int, ...]] | None = None,
+                rc: ReadContext | None = None
                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """DataFrame path (a transform is configured): rows go to Spark for the transform.
-    `groups`: the sub-ranges each task id reads (`offsetflow.stage.packing`), else one each."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
+    `groups`: the sub-ranges each task id reads (`offsetflow.stage.packing`), else one each.
+    `rc`: the run's read context, when the driver built it (pinned reader schemas)."""
+    if rc is None:
+        rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from offsetflow.source import range_consumer
@@ -317,7 +379,7 @@ def make_writer(dsn: str, batch_id: int, bad: BadRows, generation: int | None = 
 def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                         specs: list[dict[str, Any]], generation: int | None = None,
                         groups: list[tuple[int, ...]] | None = None,
-                        files: TaskFiles | None = None
+                        files: TaskFiles | None = None, rc: ReadContext | None = None
                         ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
     """Fused path (no transform): each task reads its sub-ranges (`groups[part]`, packed by
     `offsetflow.stage.packing`; without `groups`, the sub-range its id names) with one consumer
@@ -325,9 +387,13 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
     back. Spark schedules, retries and spreads the tasks; the stage marker, which names the
     sub-ranges, still makes a retried task stage nothing twice. With `files` (an Iceberg
     append, `sinks.task_data_files`) the task writes its rows as the table's data files
-    and lists them in that marker instead (`offsetflow.sinks.iceberg.tasks`)."""
-    rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
-    pg_types = [t for _, t in stage_columns(cfg)]
+    and lists them in that marker instead (`offsetflow.sinks.iceberg.tasks`). `rc`: the
+    run's read context, when the driver built it already (its reader schemas decide the
+    stage's columns under schema evolution)."""
+    if rc is None:
+        rc = ReadContext.of(cfg, batch_id, dsn, specs, generation)
+    pg_types = [t for _, t in stage_columns(cfg, rc.schema)]
+    ids = rc.registry is not None
 
     def read_and_stage(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from offsetflow.source import range_consumer
@@ -350,7 +416,8 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                                    bad=BadRows(rc.pipeline, rc.write_dead), bad_in=bad_in,
                                    generation=generation,
                                    subranges=None if groups is None else groups[part],
-                                   files=None if files is None else files.writer(part))
+                                   files=None if files is None else files.writer(part),
+                                   schema_ids=ids)
         except TaskReportedError as e:  # its transaction rolled back: no marker
             yield _stats_batch(part, {"rows": 0, "skipped": False}, e)
             return
@@ -379,13 +446,15 @@ def coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
 
 
-def stage_columns(cfg: PipelineConfig) -> list[tuple[str, str]]:
-    """Stage/target columns of the fused path, from the config alone (no Spark analysis)."""
+def stage_columns(cfg: PipelineConfig, schema: dict[str, str] | None = None
+                  ) -> list[tuple[str, str]]:
+    """Stage/target columns of the fused path, from the config alone (no Spark analysis);
+    `schema`: format.schema with the columns schema evolution adds (`ReadContext.schema`)."""
     types = [("topic", "string"), ("partition", "int"), ("offset", "bigint"),
              ("timestamp", "timestamp"), ("timestamp_type", "int"), ("key", "binary"),
              ("value", "binary"), ("headers", "array<struct<key:string,value:binary>>")]
     out = [(n, pg_type(t)) for n, t in types]
     if cfg.format_type in TYPED_FORMATS:
         out += [(n, PG_TYPES.get(t) or pg_type(SPARK_TYPES.get(t, t)))
-                for n, t in cfg.schema.items()]
+                for n, t in (cfg.schema if schema is None else schema).items()]
     return out

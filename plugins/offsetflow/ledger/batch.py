@@ -44,6 +44,9 @@ class Batch:
     staged_at: datetime | None = None
     committed_at: datetime | None = None
     stats: dict[str, Any] | None = None
+    # registry formats, once committed: {"readers": {topic: id}, "writers": {topic: {id:
+    # [partition, first offset]}}} (migration 0013)
+    schemas: dict[str, Any] | None = None
 
     @property
     def is_open(self) -> bool:
@@ -57,7 +60,7 @@ class Batch:
         d = {k: getattr(self, k) for k in (
             "batch_id", "pipeline", "kind", "status", "target_table", "moves_positions",
             "started_by", "params", "attempts", "records_read", "rows_written", "bad_records",
-            "error", "quality", "timings", "due_source", "stats")}
+            "error", "quality", "timings", "due_source", "stats", "schemas")}
         for k in ("planned_at", "started_at", "finished_at", "due_at", "staged_at",
                   "committed_at"):
             v = getattr(self, k)

@@ -102,7 +102,7 @@ class Ledger(PlanningQueries):
     _BATCH_COLS = ("batch_id, pipeline, kind, status, target_table, moves_positions, "
                    "config_fingerprint, started_by, params, planned_at, started_at, finished_at, "
                    "attempts, records_read, rows_written, bad_records, error, quality, timings, "
-                   "split_offsets, due_at, due_source, staged_at, committed_at, stats")
+                   "split_offsets, due_at, due_source, staged_at, committed_at, stats, schemas")
 
     def _batches(self, cur: psycopg2.extensions.cursor, where: sql.Composable,
                  args: Sequence[Any], suffix: str = "") -> list[Batch]:
@@ -125,7 +125,7 @@ class Ledger(PlanningQueries):
                       attempts=r[12], records_read=r[13], rows_written=r[14],
                       bad_records=r[15], error=r[16], quality=r[17], timings=r[18],
                       split_offsets=r[19], due_at=r[20], due_source=r[21],
-                      staged_at=r[22], committed_at=r[23], stats=r[24])
+                      staged_at=r[22], committed_at=r[23], stats=r[24], schemas=r[25])
                 for r in rows]
 
     def get_batch(self, batch_id: int, cur: psycopg2.extensions.cursor | None = None,
@@ -147,6 +147,29 @@ class Ledger(PlanningQueries):
         found = self._batches(cur, sql.SQL("pipeline = %s AND kind = %s AND status = ANY(%s)"),
                               (pipeline, kind, list(OPEN_STATUSES)), "LIMIT 1")
         return found[0] if found else None
+
+    def pin_reader_schemas(self, batch_id: int, ids: dict[str, int | None]
+                           ) -> dict[str, int | None]:
+        """The reader schema ids of the batch's first run (`ids`, when this is it), in one
+        statement: two runs at once pin the same ones."""
+        with self.transaction() as cur:
+            cur.execute("""UPDATE offsetflow.batches
+                              SET reader_schemas = COALESCE(reader_schemas, %s::jsonb)
+                            WHERE batch_id = %s RETURNING reader_schemas""",
+                        (json.dumps(ids), batch_id))
+            row = cur.fetchone()
+        return dict(row[0]) if row and row[0] is not None else dict(ids)
+
+    def last_schemas(self, pipeline: str) -> dict[str, Any] | None:
+        """The schema ids the pipeline's last committed batch that recorded any read
+        (`batches.schemas`: readers and writers per topic), or None."""
+        with self.transaction() as cur:
+            cur.execute("""SELECT schemas FROM offsetflow.batches
+                            WHERE pipeline = %s AND status = 'committed'
+                              AND schemas IS NOT NULL
+                            ORDER BY batch_id DESC LIMIT 1""", (pipeline,))
+            row = cur.fetchone()
+        return None if row is None else row[0]  # type: ignore[no-any-return]
 
     def recent_batches(self, pipeline: str, limit: int = 20) -> list[Batch]:
         with self.transaction() as cur:
@@ -235,8 +258,9 @@ class Ledger(PlanningQueries):
             if not b.is_open:
                 raise BatchStateError(f"batch {batch_id} is {b.status}; its config is final")
             self.drop_staging(cur, batch_id)
+            # the reader schemas are resolved again with the new config (migration 0013)
             cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s, "
-                        "split_offsets = %s WHERE batch_id = %s",
+                        "split_offsets = %s, reader_schemas = NULL WHERE batch_id = %s",
                         (fingerprint, split_offsets, batch_id))
 
     def abandon(self, batch_id: int, reason: str,

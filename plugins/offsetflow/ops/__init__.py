@@ -15,7 +15,7 @@ from offsetflow.ops.runner import (
     plan_only,
     run_until_caught_up,
 )
-from offsetflow.ops.status import format_status, pipeline_status
+from offsetflow.ops.status import format_status, pipeline_status, schema_summary
 
 __all__ = [
     "CycleResult",
@@ -30,6 +30,7 @@ __all__ = [
     "reset_positions",
     "run_batches",
     "run_until_caught_up",
+    "schema_summary",
     "submit_window",
     "unreadable_in",
 ]

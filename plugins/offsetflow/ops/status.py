@@ -118,7 +118,24 @@ def format_status(st: Mapping[str, Any]) -> str:
         lines.append(f"    #{b['batch_id']:<6}{b['kind']:<10}{b['status']:<10}"
                      f"offsets {span:<9}rows {_n(b['rows_written']):<9}"
                      f"{(b['error'] or '')[:80]}")
+        if b.get("schemas"):
+            lines.append(f"{'':<11}schemas {schema_summary(b['schemas'])}")
     return "\n".join(lines)
+
+
+def schema_summary(schemas: Mapping[str, Any]) -> str:
+    """A batch's schema ids in one line: `topic: read as 5, written 3 (from [0]@0), 5
+    (from [1]@12)` per topic (reader id; each writer id with its first record)."""
+    readers = schemas.get("readers") or {}
+    writers = schemas.get("writers") or {}
+    parts = []
+    for topic in sorted(set(readers) | set(writers)):
+        w = ", ".join(f"{sid} (from [{at[0]}]@{at[1]})" for sid, at in sorted(
+            (writers.get(topic) or {}).items(), key=lambda kv: int(kv[0])))
+        r = readers.get(topic)
+        parts.append(f"{topic}: read as {r if r is not None else 'writer'}, written "
+                     f"{w or '-'}")
+    return "; ".join(parts)
 
 
 def _n(v: int | None) -> str:

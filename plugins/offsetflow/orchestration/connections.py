@@ -1,7 +1,10 @@
-"""Airflow connections -> what a pipeline needs: a PostgreSQL DSN and librdkafka settings.
+"""Airflow connections -> what a pipeline needs: a PostgreSQL DSN, librdkafka settings
+and a schema registry.
 
-A pipeline names `kafka.conn_id` (a `kafka` connection) and/or `sink.conn_id` (a `postgres`
-connection). They become client settings through the providers' own hooks, so whatever the
+A pipeline names `kafka.conn_id` (a `kafka` connection), `sink.conn_id` (a `postgres`
+connection) and/or `format.schema_registry.conn_id` (an `http` connection: URL from host,
+scheme and port, basic auth from login and password; `registry_of`). Kafka's and
+PostgreSQL's become client settings through the providers' own hooks, so whatever the
 pinned providers support works here too:
 
 - Kafka: `KafkaBaseHook` builds the confluent-kafka config from the connection's extra,
@@ -177,7 +180,36 @@ def resolve(cfg: PipelineConfig, lookup: Lookup | None = None) -> PipelineConfig
         dsn = _convert(cfg, "sink.conn_id", conn, postgres_dsn)
     if dsn is not None:
         out = replace(out, sink=replace(out.sink, connection=str(dsn)))
+    reg = cfg.registry
+    if reg is not None and reg.conn_id:
+        fld = "format.schema_registry.conn_id"
+        found = handed.get("registry")
+        if found is None:
+            conn = _lookup(cfg, fld, reg.conn_id, "http", lookup or airflow_lookup)
+            found = _convert(cfg, fld, conn, registry_of)
+        out = replace(out, registry=replace(reg, url=str(found["url"]),
+                                            username=found.get("username"),
+                                            password=found.get("password")))
     return out
+
+
+def registry_of(conn: Any) -> dict[str, Any]:
+    """A schema registry from an Airflow `http` connection: the URL from its host (with a
+    scheme, or the connection's schema field as one, http by default) and port, basic auth
+    from its login and password."""
+    host = str(conn.host or "").strip().rstrip("/")
+    if not host:
+        raise ValueError("has no host (the schema registry's URL, e.g. https://sr:8081)")
+    url = host if "://" in host else f"{conn.schema or 'http'}://{host}"
+    scheme, _, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if conn.port and ":" not in netloc.rsplit("@", 1)[-1]:
+        netloc = f"{netloc}:{int(conn.port)}"
+    if scheme not in ("http", "https"):
+        raise ValueError(f"scheme {scheme!r} is not http or https")
+    return {"url": f"{scheme}://{netloc}{slash}{path}".rstrip("/"),
+            "username": conn.login or None,
+            "password": conn.password if conn.login else None}
 
 
 def _lookup(cfg: PipelineConfig, fld: str, conn_id: str, want: str, lookup: Lookup) -> Any:
@@ -250,6 +282,9 @@ def handover_env(cfg: PipelineConfig, lookup: Lookup | None = None) -> dict[str,
             values["kafka"] = {"conn_id": conn.conn_id, "extra": dict(conn.extra_dejson)}
     if cfg.sink.conn_id:
         values["sink"] = cfg.sink.connection
+    if cfg.registry is not None and cfg.registry.conn_id:
+        values["registry"] = {"url": cfg.registry.url, "username": cfg.registry.username,
+                              "password": cfg.registry.password}
     return {HANDOVER_ENV: json.dumps({cfg.name: values})} if values else {}
 
 

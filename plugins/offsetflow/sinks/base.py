@@ -53,10 +53,12 @@ class Sink(ABC):
         return None
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                       columns: Sequence[tuple[str, str]]) -> None:
+                       columns: Sequence[tuple[str, str]], evolved: Sequence[str] = ()
+                       ) -> bool:
         """Before staging: the target the commit writes into exists (in the ledger's
-        database), with `columns`."""
-        return None
+        database), with `columns` (but `evolved`: format.schema_evolution's, which the
+        commit adds). Returns whether the commit alters the target."""
+        return False
 
     @property
     def commits_partwise(self) -> bool:

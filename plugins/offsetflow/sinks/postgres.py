@@ -18,10 +18,13 @@ class PostgresSink(Sink):
     """`sink.type: postgres`: append, or upsert on `sink.key`."""
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                       columns: Sequence[tuple[str, str]]) -> None:
+                       columns: Sequence[tuple[str, str]], evolved: Sequence[str] = ()
+                       ) -> bool:
         """The batch's target table (the pipeline's, or the one a backfill named), created
-        with its lineage column and indexes, or checked to fit."""
-        ensure_target(cur, batch.target_table, columns, self.cfg.sink.mode, self.cfg.sink.key)
+        with its lineage column and indexes, or checked to fit; the `evolved` columns an
+        existing table lacks are the commit's to add (in its transaction)."""
+        return ensure_target(cur, batch.target_table, columns, self.cfg.sink.mode,
+                             self.cfg.sink.key, evolved)
 
     @property
     def commits_partwise(self) -> bool:

@@ -5,8 +5,9 @@ Spark tasks import this package: its face stays light.
 
 from __future__ import annotations
 
-from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas
+from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas, subject_of
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
+from offsetflow.source.evolution import evolved_columns, incompatibilities, schema_fields
 from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
@@ -37,10 +38,14 @@ __all__ = [
     "deserialize_json",
     "deserialize_json_schema",
     "deserialize_protobuf",
+    "evolved_columns",
+    "incompatibilities",
     "publish_positions",
     "range_consumer",
     "read_range",
     "read_ranges",
     "reader_schemas",
     "registry_settings",
+    "schema_fields",
+    "subject_of",
 ]

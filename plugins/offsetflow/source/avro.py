@@ -18,14 +18,13 @@ fault: `SchemaRegistryError` fails the batch, nothing is committed.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
 
@@ -35,6 +34,7 @@ from offsetflow.extras import require
 from offsetflow.source.deserialize import (
     arrow_schema,
     decimal_value,
+    json_text,
     rows_to_table,
     text_value,
 )
@@ -280,42 +280,6 @@ def avro_value(v: Any, t: str) -> Any:
             raise ValueError(f"expected a decimal, got {type(v).__name__}")
         return decimal_value(v, t)
     raise ValueError(f"unsupported type {t}")
-
-
-# a decimal inside a json column is written as a JSON number with every digit: json.dumps
-# writes floats with float's repr, so the decimal travels as a marked string, unwrapped after
-_DECIMAL_MARK = "\x00"
-_DECIMAL_RE = re.compile(r'"\\u0000(-?[0-9]+(?:\.[0-9]+)?)\\u0000"')
-
-
-def json_text(v: Any) -> str:
-    """A record, array or map (or any value) as the JSON text of a jsonb column."""
-    text = _DECIMAL_RE.sub(r"\1", json.dumps(jsonable(v), separators=(",", ":"),
-                                             allow_nan=False, ensure_ascii=False))
-    if "\\u0000" in text:
-        raise ValueError("contains a NUL character (\\u0000), which PostgreSQL jsonb cannot "
-                         "store")
-    return text_value(text)
-
-
-def jsonable(v: Any) -> Any:
-    """A decoded Avro value as JSON: bytes/fixed as base64 (as Spark's to_json), decimals as
-    numbers' text kept exact, dates, times and timestamps in ISO-8601, UUIDs as text."""
-    if isinstance(v, dict):
-        return {str(k): jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [jsonable(x) for x in v]
-    if isinstance(v, (bytes, bytearray)):
-        return base64.b64encode(bytes(v)).decode("ascii")
-    if isinstance(v, Decimal):  # a marker that `json_text` turns into a bare number
-        return f"{_DECIMAL_MARK}{format(v, 'f')}{_DECIMAL_MARK}"
-    if isinstance(v, (datetime, date, time)):
-        return v.isoformat()
-    if isinstance(v, uuid.UUID):
-        return str(v)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"{v} cannot be stored in JSON")
-    return v
 
 
 def fill_keys(table: pa.Table, good: list[int], keys: Sequence[bytes | None],

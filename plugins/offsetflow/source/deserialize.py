@@ -15,10 +15,14 @@ fills when the key is a JSON object with fields of the schema's names.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import math
+import re
+import uuid
 from collections.abc import Mapping, Sequence
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, time
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from typing import Any
 
@@ -86,6 +90,42 @@ def decimal_value(value: Any, t: str) -> Decimal:
     return q
 
 
+# a decimal inside a json column is written as a JSON number with every digit: json.dumps
+# writes floats with float's repr, so the decimal travels as a marked string, unwrapped after
+_DECIMAL_MARK = "\x00"
+_DECIMAL_RE = re.compile(r'"\\u0000(-?[0-9]+(?:\.[0-9]+)?)\\u0000"')
+
+
+def json_text(v: Any) -> str:
+    """A record, array or map (or any value) as the JSON text of a jsonb column."""
+    text = _DECIMAL_RE.sub(r"\1", json.dumps(jsonable(v), separators=(",", ":"),
+                                             allow_nan=False, ensure_ascii=False))
+    if "\\u0000" in text:
+        raise ValueError("contains a NUL character (\\u0000), which PostgreSQL jsonb cannot "
+                         "store")
+    return text_value(text)
+
+
+def jsonable(v: Any) -> Any:
+    """A decoded Avro value as JSON: bytes/fixed as base64 (as Spark's to_json), decimals as
+    numbers' text kept exact, dates, times and timestamps in ISO-8601, UUIDs as text."""
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, (bytes, bytearray)):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, Decimal):  # a marker that `json_text` turns into a bare number
+        return f"{_DECIMAL_MARK}{format(v, 'f')}{_DECIMAL_MARK}"
+    if isinstance(v, (datetime, date, time)):
+        return v.isoformat()
+    if isinstance(v, uuid.UUID):
+        return str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{v} cannot be stored in JSON")
+    return v
+
+
 def _coerce(value: Any, t: str) -> Any:
     """Check/convert one JSON value to the declared type; raise ValueError with why."""
     if value is None:
@@ -118,6 +158,8 @@ def _coerce(value: Any, t: str) -> Any:
         if not isinstance(value, bool):
             raise ValueError(f"expected true/false, got {value!r}")
         return value
+    if t == "json":  # any JSON value, nested or not, as the text of a jsonb column
+        return json_text(value)
     if t == "timestamp":
         if isinstance(value, str):
             dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -245,11 +287,11 @@ def _deserialize_values(values: Sequence[bytes | None], schema: Mapping[str, str
     """Fast path for the chunk; if it has a record the fast path cannot take, halve it
     and try again, so only pieces of `SLOW_PATH_ROWS` around such records are parsed in
     Python (both paths give the same result for every record)."""
-    if values:
+    if values and "json" not in schema.values():  # a nested value: only Python keeps its text
         fast = parse_fast(values, target)
         if fast is not None:
             return fast
-    if len(values) > SLOW_PATH_ROWS:
+    if len(values) > SLOW_PATH_ROWS and "json" not in schema.values():
         mid = len(values) // 2
         t1, b1, g1 = _deserialize_values(values[:mid], schema, target)
         t2, b2, g2 = _deserialize_values(values[mid:], schema, target)

@@ -79,6 +79,14 @@ class RegistryClient:
         return RegisteredSchema(schema_id, str(doc.get("schemaType") or "AVRO"),
                                 str(doc["schema"]), None, bool(doc.get("references")))
 
+    def version_in(self, schema_id: int, subject: str) -> int | None:
+        """The version `schema_id` has in `subject` (its first), or None where it has none
+        (for messages: "schema id 7 (version 2)")."""
+        doc = self._get(f"/schemas/ids/{schema_id}/versions", f"schema id {schema_id} versions")
+        found = [int(d["version"]) for d in (doc or []) if isinstance(d, dict)
+                 and d.get("subject") == subject]
+        return min(found) if found else None
+
     def subject_version(self, subject: str, version: int | None) -> RegisteredSchema | None:
         """`version` of `subject` (None: its latest), or None when either does not exist."""
         v = "latest" if version is None else str(version)
@@ -90,7 +98,7 @@ class RegistryClient:
                                 str(doc["schema"]), int(doc["version"]),
                                 bool(doc.get("references")))
 
-    def _get(self, path: str, what: str) -> dict[str, Any] | None:
+    def _get(self, path: str, what: str) -> Any:
         req = urllib.request.Request(self.url + path, headers=self._headers)
         last = ""
         for attempt in range(len(self.backoff) + 1):
@@ -98,7 +106,7 @@ class RegistryClient:
                 time.sleep(self.backoff[attempt - 1])
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                    return json.loads(resp.read())  # type: ignore[no-any-return]
+                    return json.loads(resp.read())
             except urllib.error.HTTPError as e:
                 body = _error_body(e)
                 if e.code == 404 and (body.get("error_code") in NOT_FOUND_CODES

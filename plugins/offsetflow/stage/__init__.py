@@ -12,11 +12,12 @@ from offsetflow.stage.markers import (
     bad_record_summary,
     staged_per_range,
     staged_rows,
+    staged_schema_ids,
     task_bad_records,
 )
 from offsetflow.stage.metrics import TaskClock
 from offsetflow.stage.packing import Packing, pack, task_count
-from offsetflow.stage.part import SubrangeBad, stage_rows
+from offsetflow.stage.part import SubrangeBad, note_schema_ids, stage_rows
 from offsetflow.stage.payload import binary_encoder, csv_bytes
 from offsetflow.stage.reset import (
     check_layout,
@@ -48,8 +49,10 @@ __all__ = [
     "pack",
     "stage_form",
     "stage_generation",
+    "note_schema_ids",
     "stage_rows",
     "staged_per_range",
+    "staged_schema_ids",
     "staged_rows",
     "table_exists",
     "task_bad_records",

@@ -60,6 +60,9 @@ class BadBuffer:
     transaction (`stage_rows(bad_in=...)`): one chunk's at a time."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
+    # the registry formats: "topic/partition" -> writer schema id -> its first offset, of
+    # every record read (dead letters too), for the part's marker (`stage_rows`)
+    schema_ids: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, rows: Sequence[dict[str, Any]]) -> None:
         self.rows.extend(rows)

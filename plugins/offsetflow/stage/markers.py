@@ -46,3 +46,23 @@ def staged_rows(cur: psycopg2.extensions.cursor, batch_id: int) -> int:
                     WHERE batch_id = %s AND kind = 'rows'""", (batch_id,))
     row = cur.fetchone()
     return int(row[0]) if row else 0
+
+
+def staged_schema_ids(cur: psycopg2.extensions.cursor, batch_id: int
+                      ) -> dict[str, dict[str, list[int]]]:
+    """The writer schema ids of the batch's staged rows, merged over its markers: topic ->
+    schema id (as text) -> [partition, offset] of its first record (the lowest offset;
+    across partitions, the lowest partition's). Empty when no marker names any."""
+    cur.execute("""SELECT schema_ids FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows' AND schema_ids IS NOT NULL""",
+                (batch_id,))
+    out: dict[str, dict[str, list[int]]] = {}
+    for (per_tp,) in cur.fetchall():
+        for tp, ids in (per_tp or {}).items():
+            topic, _, p = tp.rpartition("/")
+            mine = out.setdefault(topic, {})
+            for sid, first in ids.items():
+                at = [int(p), int(first)]
+                if sid not in mine or at < mine[sid]:
+                    mine[sid] = at
+    return out

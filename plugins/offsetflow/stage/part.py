@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg2.extensions
 import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg2 import sql
 
 from offsetflow.errors import StaleStageError
@@ -85,7 +86,8 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                clock: TaskClock | None = None, encode: Encoder = csv_encoder,
                table: sql.Composed | None = None, bad: BadRows | None = None,
                bad_in: BadBuffer | None = None, generation: int | None = None,
-               subranges: Sequence[int] | None = None, files: Any = None) -> dict[str, Any]:
+               subranges: Sequence[int] | None = None, files: Any = None,
+               schema_ids: bool = False) -> dict[str, Any]:
     """Stage one Spark partition's rows in one transaction with its marker.
 
     `encode` turns a batch into a COPY payload: `csv_encoder` for batches already in stage
@@ -99,6 +101,9 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
     sub-ranges of the batch's split the part reads (fused path), recorded in its marker.
     `files`: the rows go to Iceberg data files instead (`sink_iceberg_tasks.PartFiles`;
     what it leaves, tombstones routed by policy, is staged), listed in the marker.
+    `schema_ids` (the registry formats): the marker names the writer schema ids the reader
+    noted in `bad_in` (`note_schema_ids`: of every record read, dead letters too) with the
+    first offset of each, per topic/partition (`markers.staged_schema_ids`).
     Returns the per-part stats; a part staged by an earlier attempt is not written again.
     """
     into = table if table is not None else stage_table(batch_id)
@@ -150,9 +155,12 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
             clock.count("rows", rows)
             data_files = None if files is None else json.dumps(files.close())
             cur.execute("""UPDATE offsetflow.staged_parts
-                              SET rows_staged = %s, per_partition = %s, data_files = %s
+                              SET rows_staged = %s, per_partition = %s, data_files = %s,
+                                  schema_ids = %s
                             WHERE batch_id = %s AND kind = 'rows' AND part = %s AND chunk = 0""",
-                        (rows, json.dumps(per_tp), data_files, batch_id, part))
+                        (rows, json.dumps(per_tp), data_files,
+                         json.dumps(bad_in.schema_ids) if schema_ids and bad_in is not None
+                         else None, batch_id, part))
             if refused:
                 assert bad is not None
                 if bad.write_rows:
@@ -178,6 +186,46 @@ def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
             acc[k] = [c[0] + n, min(c[1], lo), max(c[2], hi)]
         else:
             acc[k] = [n, lo, hi]
+
+
+def note_schema_ids(acc: dict[str, dict[str, int]], values: Sequence[bytes | None],
+                    offsets: Sequence[int], topic: str, partition: int,
+                    topics: Sequence[str] | None = None,
+                    partitions: Sequence[int] | None = None) -> None:
+    """Into `acc` ("topic/partition" -> schema id -> first offset): the writer schema id of
+    each record whose value is in the Confluent wire format (magic byte 0, a 4-byte id).
+    A chunk of one range (`topics` None: all of `topic`[`partition`], offsets ascending):
+    its 5-byte headers in one Python pass (measured 2x faster than through Arrow, which
+    copies the values first); a packed chunk of several ranges: grouped in Arrow."""
+    if topics is None and partitions is None:
+        heads = [v[:5] if v is not None else b"" for v in values]
+        mine = acc.setdefault(f"{topic}/{partition}", {})
+        for h in set(heads):
+            if len(h) == 5 and h[0] == 0:
+                sid = str(int.from_bytes(h[1:], "big"))
+                first = int(offsets[heads.index(h)])
+                mine[sid] = min(mine.get(sid, first), first)
+        if not mine:
+            del acc[f"{topic}/{partition}"]
+        return
+    n = len(values)
+    head = pc.binary_slice(pa.array(values, pa.binary()), 0, 5)
+    keep = pc.and_(pc.equal(pc.binary_length(head), 5),
+                   pc.equal(pc.binary_slice(head, 0, 1), b"\x00"))
+    t = pa.table({
+        "topic": pa.array([topic] * n if topics is None else topics, pa.string()),
+        "partition": pa.array([partition] * n if partitions is None else partitions,
+                              pa.int32()),
+        "offset": pa.array(offsets, pa.int64()),
+        "value": pc.binary_slice(head, 1, 5)}).filter(pc.fill_null(keep, False))
+    if not t.num_rows:
+        return
+    g = t.group_by(["topic", "partition", "value"]).aggregate([("offset", "min")])
+    for tp_topic, p, header, first in zip(*(g.column(c).to_pylist() for c in (
+            "topic", "partition", "value", "offset_min")), strict=True):
+        sid = str(int.from_bytes(header, "big"))
+        mine = acc.setdefault(f"{tp_topic}/{p}", {})
+        mine[sid] = min(mine.get(sid, first), first)
 
 
 class SubrangeBad:

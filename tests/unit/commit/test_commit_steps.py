@@ -70,14 +70,15 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return state["staged"], {"t/0": state["staged"]}
 
     def record_batch(cur: Any, ledger: Any, b: Batch, moved: Moved, staged: int,
-                     timings: Any, staged_at: Any = None) -> CommitResult:
-        calls.append("record_batch")
+                     timings: Any, staged_at: Any = None, readers: Any = None) -> CommitResult:
+        calls.append("record_batch" if readers is None else f"record_batch(readers={readers})")
         return CommitResult(b.batch_id, "committed", moved.rows, moved.dead,
                             dict(moved.per_range))
 
     monkeypatch.setattr(protocol, "lock_errors", lambda *a: contextlib.nullcontext())
     monkeypatch.setattr(protocol, "lock_batch", rec("lock_batch", lambda: state["batch"]))
     monkeypatch.setattr(protocol, "check_config", rec("check_config"))
+    monkeypatch.setattr(protocol, "evolve_target", rec("evolve_target", lambda: ["add c"]))
     monkeypatch.setattr(protocol, "lock_stage", rec("lock_stage"))
     monkeypatch.setattr(protocol, "check_layout", rec("check_layout"))
     monkeypatch.setattr(protocol, "check_staged", check_staged)
@@ -98,6 +99,19 @@ def test_commit_batch_checks_everything_then_moves_the_whole_stage(
                               "check_staged(expected=3, scan=True)", "fence_and_advance",
                               "move_rows", "record_batch", "COMMIT"]
     assert result.records_per_range == {"t/0": STAGED}  # the markers' split
+
+
+def test_schema_evolution_alters_the_target_first_in_the_commits_transaction(
+        steps: dict[str, Any]) -> None:
+    """format.schema_evolution: the evolved columns are added right after step 1, before
+    any row moves, and the reader ids recorded at step 5, all before the one COMMIT."""
+    commit_batch(FakeLedger(steps["calls"]), 7, expected_parts=3,  # type: ignore[arg-type]
+                 spec=CommitSpec(columns=("a", "c"), add_columns=(("c", "text"),),
+                                 readers={"t": 5}))
+    assert steps["calls"] == ["lock_batch", "check_config", "evolve_target", "lock_stage",
+                              "check_layout", "check_staged(expected=3, scan=True)",
+                              "fence_and_advance", "move_rows",
+                              "record_batch(readers={'t': 5})", "COMMIT"]
 
 
 @pytest.mark.parametrize(("spec", "step4", "scan"), [

@@ -297,3 +297,58 @@ def test_the_driver_builds_plain_settings_without_importing_airflow(
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.stdout.split("\n")[-2:] == [expect, ""], out.stderr[-3000:]
+
+
+def test_schema_registry_from_an_http_connection_is_resolved_masked_and_handed_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    masked: list[str] = []
+    monkeypatch.setattr(connections, "_mask_value", masked.append)
+    conns = {**CONNS, "sr": Conn("sr", "http", host="sr.example", port=8081, schema="https",
+                                 login="svc", password="sr-s3cret")}
+    d = raw(format={"type": "avro", "schema": {"id": "long"},
+                    "schema_registry": {"conn_id": "sr", "reader_version": 2}})
+    cfg = parse_pipeline(d, "p.yaml", env={})
+    assert cfg.registry is not None and cfg.registry.conn_id == "sr" and cfg.registry.url == ""
+    out = connections.resolve(cfg, conns.__getitem__)
+    assert out.registry is not None
+    assert (out.registry.url, out.registry.username, out.registry.password,
+            out.registry.reader_version) == ("https://sr.example:8081", "svc", "sr-s3cret", 2)
+    assert "sr-s3cret" in masked  # Airflow masks it in task logs
+    assert "sr-s3cret" not in repr(out) and "sr-s3cret" not in json.dumps(out.redacted(),
+                                                                          default=str)
+    assert out.fingerprint() == cfg.fingerprint()
+    env = connections.handover_env(out, conns.__getitem__)
+    monkeypatch.setenv(connections.HANDOVER_ENV, env[connections.HANDOVER_ENV])
+
+    def no_lookup(conn_id: str) -> Any:
+        raise AssertionError("the driver must not look connections up")
+
+    assert connections.resolve(cfg, no_lookup) == out
+    # a host with its scheme and port as written; no login: no basic auth
+    assert connections.registry_of(Conn("x", "http", host="http://sr:18081/", port=9)) == {
+        "url": "http://sr:18081", "username": None, "password": None}
+
+
+@pytest.mark.parametrize("registry,field_,words", [
+    ({"conn_id": "sr", "url": "http://x"}, "format.schema_registry.url", "not both"),
+    ({"conn_id": "sr", "password": "p", "username": "u"}, "format.schema_registry.username",
+     "not both"),
+    ({"conn_id": "s r"}, "format.schema_registry.conn_id", "not an Airflow connection id"),
+])
+def test_schema_registry_conn_id_refusals(registry: dict[str, Any], field_: str,
+                                          words: str) -> None:
+    d = raw(format={"type": "avro", "schema": {"id": "long"}, "schema_registry": registry})
+    with pytest.raises(ConfigError) as e:
+        parse_pipeline(d, "p.yaml", env={})
+    assert e.value.field == field_ and words in e.value.message, e.value
+
+
+def test_schema_registry_connection_of_another_type_is_refused_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    d = raw(format={"type": "avro", "schema": {"id": "long"},
+                    "schema_registry": {"conn_id": "pc"}})
+    with pytest.raises(ConfigError) as e:
+        connections.resolve(parse_pipeline(d, "p.yaml", env={}), CONNS.__getitem__)
+    assert e.value.field == "format.schema_registry.conn_id" and "not 'http'" in e.value.message

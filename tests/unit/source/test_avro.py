@@ -79,8 +79,9 @@ def test_avro_config_needs_a_registry_and_keeps_its_password_secret() -> None:
         _cfg({"type": "avro", "schema": {"id": "long"}})
     with pytest.raises(ConfigError, match="is for format.type avro"):
         _cfg({"type": "json", "schema": {"id": "long"}, "schema_registry": {"url": "http://r"}})
-    with pytest.raises(ConfigError, match="'json' is for format.type avro only"):
-        _cfg({"type": "json", "schema": {"doc": "json"}})
+    with pytest.raises(ConfigError, match="'uuid' is for format.type avro only"):
+        _cfg({"type": "json", "schema": {"doc": "uuid"}})
+    assert _cfg({"type": "json", "schema": {"doc": "json"}}).schema == {"doc": "json"}
     with pytest.raises(ConfigError, match="basic auth needs both"):
         _cfg({"type": "avro", "schema": {"id": "long"},
               "schema_registry": {"url": "http://r", "username": "u"}})

@@ -111,8 +111,8 @@ def test_key_and_json_schema_config() -> None:
     with pytest.raises(ConfigError, match="reader_version: pins an Avro reader schema"):
         _cfg({"type": "json_schema", "schema": {"id": "long"},
               "schema_registry": {**reg, "reader_version": 2}})
-    with pytest.raises(ConfigError, match="'json' is for format.type avro only"):
-        _cfg({"type": "json_schema", "schema": {"doc": "json"}, "schema_registry": reg})
+    with pytest.raises(ConfigError, match="'uuid' is for format.type avro only"):
+        _cfg({"type": "json_schema", "schema": {"doc": "uuid"}, "schema_registry": reg})
 
 
 def test_protobuf_message_indexes_and_config() -> None:

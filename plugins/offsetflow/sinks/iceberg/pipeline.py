@@ -60,18 +60,20 @@ class IcebergPipelineSink(Sink):
         return sink_of(self.cfg, dsn, columns, spec)
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                       columns: Sequence[tuple[str, str]]) -> None:
+                       columns: Sequence[tuple[str, str]], evolved: Sequence[str] = ()
+                       ) -> bool:
         """Before anything is read: the table is the one the ledger's batches live in
         (`sink_iceberg_identity`), or there is none and the commit may create it. A run
         whose tasks write the data files checked it already when it loaded the table; with
         the catalog's PostgreSQL unknown here (the ledger's), the commit checks it."""
         if self.tasks_write_files or not self.cfg.sink.connection:
-            return
+            return False
         sink = self.external(self.cfg.sink.connection, columns)
         try:
             sink.check_in(cur, sink.identifier(batch))
         finally:
             sink.close()
+        return False
 
     def adopt_target(self, dsn: str, target_table: str | None, reason: str) -> str:
         """`offsetflow adopt-table`: see `IcebergSink.adopt`."""

@@ -1,0 +1,158 @@
+"""`format.schema_evolution` on the driver: after the tasks staged a batch and before its
+commit, check the schema changes the batch holds (`check_schema_changes`).
+
+The chain checked per topic, in the order the registry gave the ids: the schema ids the
+pipeline's last committed batch read (its reader and writers, from the ledger), the writer
+ids the batch's markers name, and (add_columns) this run's reader schema, whose fields are
+the columns. Each schema must follow the one before (`source.incompatibilities`); under
+`fail`, a writer schema whose fields differ from the one before stops the batch too. A stop
+raises `SchemaEvolutionError` naming the topic, both ids with their versions in the subject,
+and the first offset of the new schema; it is raised before the commit transaction opens
+(or, for a part-wise append, before it commits), so nothing is written and no position
+moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from offsetflow.config import PipelineConfig
+from offsetflow.errors import SchemaEvolutionError
+from offsetflow.job.tasks import ReadContext
+from offsetflow.ledger import Ledger
+from offsetflow.stage import staged_schema_ids
+
+log = logging.getLogger(__name__)
+
+
+def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
+                         batch_id: int) -> None:
+    """Raise SchemaEvolutionError when the batch holds a change its policy refuses."""
+    if cfg.schema_evolution is None or rc.registry is None or cfg.format_type != "avro":
+        return
+    from offsetflow.source import RegistryClient, incompatibilities, schema_fields, subject_of
+
+    with ledger.transaction() as cur:
+        writers = staged_schema_ids(cur, batch_id)
+    before = ledger.last_schemas(cfg.name) or {}
+    client = RegistryClient.of(rc.registry)
+    readers = rc.readers or {}
+    for topic in sorted(set(writers) | {t for t, r in readers.items() if r is not None}):
+        firsts: dict[int, list[int]] = {int(k): v for k, v in writers.get(topic, {}).items()}
+        earlier = _earlier_ids(before, topic)
+        reader = readers.get(topic)
+        chain = set(firsts) | set(earlier)
+        if cfg.schema_evolution == "add_columns" and reader is not None:
+            chain.add(reader[0])
+        texts: dict[int, str] = {}
+        for sid in sorted(chain):
+            found = client.schema_by_id(sid)
+            # an id the registry lacks or of another type: its records are dead letters
+            if found is not None and found.schema_type == "AVRO":
+                texts[sid] = found.schema
+        ids = sorted(texts)
+        # the ids the last batch read are checked only as the start of the chain
+        start = max((i for i in ids if i in earlier), default=None)
+        ids = [i for i in ids if i not in earlier or i == start]
+        for old, new in zip(ids, ids[1:], strict=False):
+            why = _refused(cfg.schema_evolution, texts[old], texts[new], incompatibilities,
+                           schema_fields, new in firsts)
+            if why:
+                raise SchemaEvolutionError(_message(
+                    cfg, topic, old, new, why, firsts.get(new),
+                    client.version_in(old, subject_of(topic)),
+                    client.version_in(new, subject_of(topic)),
+                    reader is not None and reader[0] == new))
+
+
+def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
+                   specs: list[dict[str, Any]]) -> dict[str, tuple[int, str] | None] | None:
+    """Avro: each topic's value reader schema (id, text) for this run of the batch: the
+    ones its first run resolved (pinned in the ledger), so a version registered between a
+    failed run and its retry changes neither the columns nor how the records decode (the
+    retry reuses what the first run staged). None for other formats."""
+    if cfg.registry is None or cfg.format_type != "avro":
+        return None
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import RegistryClient, reader_schemas, registry_settings
+
+    reg = cfg.registry
+    client = RegistryClient.of(registry_settings(reg.url, reg.username, reg.password,
+                                                 reg.timeout_s))
+    latest = reader_schemas(client, [str(s["topic"]) for s in specs], reg.reader_version)
+    ids = {t: None if r is None else r[0] for t, r in latest.items()}
+    pinned = ledger.pin_reader_schemas(batch_id, ids)
+    out: dict[str, tuple[int, str] | None] = {}
+    for topic, now in latest.items():
+        want = pinned.get(topic, ids[topic])
+        if want == ids[topic]:
+            out[topic] = now
+            continue
+        log.info("batch %d: topic %s is read with reader schema id %s, pinned by the "
+                 "batch's first run (the subject's latest is now %s)", batch_id, topic,
+                 want, ids[topic])
+        if want is None:
+            out[topic] = None
+            continue
+        found = client.schema_by_id(int(want))
+        if found is None:
+            raise SchemaRegistryError(
+                client.shown, f"schema id {want}", "the reader schema this batch's first run "
+                f"read {topic} with is gone from the registry (run the batch with "
+                f"--accept-config-change after a config change, or abandon it)",
+                retriable=False)
+        out[topic] = (int(want), found.schema)
+    return out
+
+
+def _earlier_ids(before: dict[str, Any], topic: str) -> set[int]:
+    ids = {int(k) for k in (before.get("writers") or {}).get(topic, {})}
+    r = (before.get("readers") or {}).get(topic)
+    if r is not None:
+        ids.add(int(r))
+    return ids
+
+
+def _refused(policy: str, old: str, new: str, incompatibilities: Any, schema_fields: Any,
+             in_batch: bool) -> list[str]:
+    why: list[str] = incompatibilities(old, new)
+    if why or policy != "fail" or not in_batch:
+        return why
+    o, n = schema_fields(old), schema_fields(new)
+    added = [f for f in n if f not in o]
+    removed = [f for f in o if f not in n]
+    changed = [f for f in n if f in o and n[f].base != o[f].base]
+    return ([f"fields added {added}"] if added else []) + \
+        ([f"fields removed {removed}"] if removed else []) + \
+        ([f"field types changed {changed}"] if changed else [])
+
+
+def _message(cfg: PipelineConfig, topic: str, old: int, new: int, why: list[str],
+             first: list[int] | None, v_old: int | None, v_new: int | None,
+             is_reader: bool) -> str:
+    def named(sid: int, v: int | None) -> str:
+        return f"schema id {sid} (version {v} of {topic}-value)" if v is not None \
+            else f"schema id {sid} (not a version of {topic}-value)"
+
+    where = (f"its first record in the batch is {topic}[{first[0]}]@{first[1]}"
+             if first is not None else
+             "no record of the batch was written with it (it is the reader schema, the "
+             "subject's latest" + (" pinned version" if cfg.registry and
+                                   cfg.registry.reader_version else "") + ")"
+             if is_reader else "no record of the batch was written with it")
+    if cfg.schema_evolution == "fail" and not any("not a widening" in w or "removed" in w
+                                                    or "without a default" in w
+                                                    or "null" in w for w in why):
+        out = ("format.schema_evolution is fail: declare the change in format.schema (and "
+               "run with --accept-config-change), or set schema_evolution: add_columns")
+    else:
+        out = ("records already written keep their schema id, so for this batch: remove "
+               "format.schema_evolution and run it with --accept-config-change (records "
+               "are then read as format.schema declares; those that cannot be are dead "
+               "letters), or abandon it; and register a compatible version for the "
+               "producers (a default for an added field, a widening instead of a "
+               "narrowing) so later batches do not stop")
+    return (f"pipeline {cfg.name}: topic {topic}: {named(new, v_new)} cannot follow "
+            f"{named(old, v_old)}: {'; '.join(why)}; {where}. Nothing of the batch was "
+            f"written and no position moved; {out}")
