@@ -156,7 +156,8 @@ def cmd_dags_sync(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window_conf(args: argparse.Namespace) -> dict[str, object]:
+def window_conf(args: argparse.Namespace) -> dict[str, object]:
+    """A backfill/replay command line as the DAG run conf (and the request) it becomes."""
     conf: dict[str, object] = {"pipeline": args.pipeline}
     for k in ("topic", "partitions", "from_offset", "until_offset", "from_timestamp",
               "until_timestamp", "records_per_batch", "target_table"):
@@ -175,7 +176,7 @@ def _window_conf(args: argparse.Namespace) -> dict[str, object]:
 def cmd_window(args: argparse.Namespace) -> int:
     """Backfill/replay: trigger the Airflow DAG through its REST API (default), or run
     here with --local."""
-    conf = _window_conf(args)
+    conf = window_conf(args)
     kind = args.command
     if not args.local:
         from offsetflow.cli.airflow_api import connect

@@ -144,12 +144,22 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
         totals[change] += int(n)
         per_range.setdefault(f"{topic}/{partition}", {k: 0 for k in totals})[change] = int(n)
         if change in samples:
-            samples[change] = (samples[change] + list(rows or []))[:sample]
+            samples[change] = (samples[change] + [_with_changed_columns(r) for r in rows or []]
+                               )[:sample]
     return {"totals": totals | {"staged_rows": totals["added"] + totals["changed"]
                                 + totals["same"],
                                 "live_rows": totals["removed"] + totals["changed"]
                                 + totals["same"]},
             "per_range": per_range, "samples": samples, "columns": columns}
+
+
+def _with_changed_columns(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample row with the columns whose values differ between live and staged."""
+    live, staged = sample.get("live") or {}, sample.get("staged") or {}
+    if live and staged:
+        sample["changed_columns"] = sorted(k for k in set(live) | set(staged)
+                                           if live.get(k) != staged.get(k))
+    return sample
 
 
 def publish_shadow(cur: psycopg2.extensions.cursor, batches: Sequence[Batch], live: str,

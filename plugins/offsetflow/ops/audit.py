@@ -276,8 +276,14 @@ def format_audit(out: Mapping[str, Any]) -> str:
                          f"={c['same']}")
         for change, rows in diff["samples"].items():
             for row in rows[:3]:
-                lines.append(f"    sample {change} @{row['offset']}: live={row['live']} "
-                             f"staged={row['staged']}")
+                cols = row.get("changed_columns")
+                if cols:  # only what differs
+                    lines.append(f"    sample {change} @{row['offset']}: " + ", ".join(
+                        f"{c}: {row['live'].get(c)!r} -> {row['staged'].get(c)!r}"
+                        for c in cols))
+                else:
+                    lines.append(f"    sample {change} @{row['offset']}: "
+                                 f"{row['live'] or row['staged']}")
         q = diff.get("quality") or {}
         lines.append("  quality: " + ("no suite" if q.get("suite") is None else
                                       "passed" if q.get("passed") else "FAILED"))

@@ -171,6 +171,7 @@ def test_audit_stages_beside_live_diffs_and_publishes_like_a_direct_replay(
                                                     "same": 37}
     assert [s["offset"] for s in diff["samples"]["changed"]] == [lo, lo + 1]
     assert diff["samples"]["changed"][0]["live"]["amount"] == -1
+    assert diff["samples"]["changed"][0]["changed_columns"] == ["amount"]
     assert diff["samples"]["removed"][0]["staged"] is None
     assert diff["quality"]["suite"] is None
     assert out["status"] == "audited" and out["audited_by"] == "alice"
@@ -339,3 +340,16 @@ def test_discard_leaves_no_trace_and_a_dropped_or_renamed_live_table_refuses_pub
     pair.replay(pair.a, lo, hi, spark, audit=False)
     assert query(pair.dsn, f"SELECT count(*), count(*) FILTER (WHERE amount < 0) FROM {table} "
                            f"WHERE \"offset\" >= {lo} AND \"offset\" < {hi}") == [(20, 0)]
+
+
+def test_discard_of_a_window_still_staging_abandons_its_batches(pair: Pair, spark: Any
+                                                                ) -> None:
+    ids = pair.replay(pair.a, 40, 50, spark, audit=True, run=False)  # planned, not run
+    out = show_audit(pair.a, pair.dsn, ids[0])
+    assert out["status"] == "staging" and "run-batch" in out["next"]
+    with pytest.raises(AuditStateError, match="is staging"):
+        publish_audit(pair.a, pair.dsn, ids[0])
+    assert discard_audit(pair.a, pair.dsn, ids[-1])["changed"] is True  # any batch names it
+    with Ledger(pair.dsn) as ledger:
+        assert {ledger.get_batch(b).status for b in ids} == {"abandoned"}
+    assert pair.audit_row(ids[0])["status"] == "discarded"

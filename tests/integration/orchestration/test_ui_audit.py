@@ -140,6 +140,7 @@ def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
             changed = page.locator("tr.sample[data-change=changed]")
             expect(changed).to_have_count(2)
             expect(changed.first).to_contain_text("-1")
+            expect(changed.first.locator("td.cols")).to_have_text("amount")
             expect(page.locator("#quality")).to_have_text("no quality suite")
             expect(page.get_by_role("button", name="Discard")).to_be_visible()
             page.screenshot(path=str(SHOTS / "audit_page.png"), full_page=True)
