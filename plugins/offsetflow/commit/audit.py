@@ -113,44 +113,66 @@ def live_digest(cur: psycopg2.extensions.cursor, live: str,
 def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
                 ranges: Sequence[Mapping[str, Any]], sample: int = 10) -> dict[str, Any]:
     """Rows added (only in the shadow), removed (only live) and changed (both, another
-    content) at the window's coordinates: totals, per range, and up to `sample` of each."""
+    content) at the window's coordinates: totals, per range, and up to `sample` of each.
+    One pass over each side compares row hashes; only the sampled rows are read whole."""
     columns = data_columns(cur, shadow)
     lw, largs = _window_filter(ranges, "l")
     sw, sargs = _window_filter(ranges, "s")
     coords = sql.SQL("topic, partition, \"offset\"")
     q = sql.SQL("""
-        WITH l AS (SELECT topic, partition, "offset", {lh} AS h, to_jsonb(l) - {lin} AS row
-                     FROM {live} l WHERE {lw}),
-             s AS (SELECT topic, partition, "offset", {sh} AS h, to_jsonb(s) - {lin} AS row
-                     FROM {shadow} s WHERE {sw}),
-             d AS (SELECT COALESCE(s.topic, l.topic) AS topic,
-                          COALESCE(s.partition, l.partition) AS partition,
-                          COALESCE(s."offset", l."offset") AS "offset",
-                          CASE WHEN l.h IS NULL THEN 'added' WHEN s.h IS NULL THEN 'removed'
-                               WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change,
-                          l.row AS live_row, s.row AS staged_row
-                     FROM s FULL JOIN l USING ({coords}))
-        SELECT topic, partition, change, count(*),
-               (array_agg(jsonb_build_object('offset', "offset", 'live', live_row,
-                                             'staged', staged_row) ORDER BY "offset"))[1:%s]
-          FROM d GROUP BY 1, 2, 3 ORDER BY 1, 2, 3""").format(
-        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s"), lin=sql.Literal(LINEAGE_COLUMN),
-        live=qualified(live), shadow=qualified(shadow), lw=lw, sw=sw, coords=coords)
+        WITH l AS (SELECT topic, partition, "offset", {lh} AS h FROM {live} l WHERE {lw}),
+             s AS (SELECT topic, partition, "offset", {sh} AS h FROM {shadow} s WHERE {sw}),
+             d AS MATERIALIZED (
+                 SELECT topic, partition, "offset",
+                        CASE WHEN l.h IS NULL THEN 'added' WHEN s.h IS NULL THEN 'removed'
+                             WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change
+                   FROM s FULL JOIN l USING ({coords}))
+        SELECT topic, partition, change, count(*), NULL::bigint FROM d GROUP BY 1, 2, 3
+        UNION ALL
+        SELECT topic, partition, change, NULL, "offset" FROM (
+            SELECT d.*, row_number() OVER (PARTITION BY change
+                                           ORDER BY topic, partition, "offset") AS rn
+              FROM d WHERE change <> 'same') x WHERE rn <= %s""").format(
+        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s"), live=qualified(live),
+        shadow=qualified(shadow), lw=lw, sw=sw, coords=coords)
     cur.execute(q, [*largs, *sargs, sample])
     totals = {"added": 0, "removed": 0, "changed": 0, "same": 0}
     per_range: dict[str, dict[str, int]] = {}
+    picked: list[tuple[str, str, int, int]] = []
+    for topic, partition, change, n, offset in cur.fetchall():
+        if offset is None:
+            totals[change] += int(n)
+            per_range.setdefault(f"{topic}/{partition}", {k: 0 for k in totals})[change] = int(n)
+        else:
+            picked.append((change, topic, int(partition), int(offset)))
+    picked.sort()
+    live_rows = _rows_at(cur, live, [p[1:] for p in picked])
+    staged_rows = _rows_at(cur, shadow, [p[1:] for p in picked])
     samples: dict[str, list[Any]] = {"added": [], "removed": [], "changed": []}
-    for topic, partition, change, n, rows in cur.fetchall():
-        totals[change] += int(n)
-        per_range.setdefault(f"{topic}/{partition}", {k: 0 for k in totals})[change] = int(n)
-        if change in samples:
-            samples[change] = (samples[change] + [_with_changed_columns(r) for r in rows or []]
-                               )[:sample]
+    for change, topic, partition, offset in picked:
+        samples[change].append(_with_changed_columns({
+            "topic": topic, "partition": partition, "offset": offset,
+            "live": live_rows.get((topic, partition, offset)),
+            "staged": staged_rows.get((topic, partition, offset))}))
     return {"totals": totals | {"staged_rows": totals["added"] + totals["changed"]
                                 + totals["same"],
                                 "live_rows": totals["removed"] + totals["changed"]
                                 + totals["same"]},
             "per_range": per_range, "samples": samples, "columns": columns}
+
+
+def _rows_at(cur: psycopg2.extensions.cursor, table: str,
+             at: Sequence[tuple[str, int, int]]) -> dict[tuple[str, int, int], Any]:
+    """The rows of `table` at these coordinates, as JSON without the lineage column."""
+    if not at:
+        return {}
+    cur.execute(sql.SQL("""SELECT t.topic, t.partition, t."offset", to_jsonb(t) - %s
+                             FROM {} t JOIN unnest(%s::text[], %s::int[], %s::bigint[])
+                                  AS c(topic, partition, "offset")
+                               ON t.topic = c.topic AND t.partition = c.partition
+                              AND t."offset" = c."offset" """).format(qualified(table)),
+                (LINEAGE_COLUMN, [a[0] for a in at], [a[1] for a in at], [a[2] for a in at]))
+    return {(t, int(p), int(o)): row for t, p, o, row in cur.fetchall()}
 
 
 def _with_changed_columns(sample: dict[str, Any]) -> dict[str, Any]:

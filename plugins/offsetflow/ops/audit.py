@@ -72,9 +72,18 @@ def window_ranges_json(batches_ranges: Sequence[Any]) -> list[dict[str, Any]]:
              "until_offset": r.until_offset} for r in batches_ranges]
 
 
+def has_audits(cur: psycopg2.extensions.cursor) -> bool:
+    cur.execute("SELECT to_regclass('offsetflow.audits') IS NOT NULL")
+    row = cur.fetchone()
+    return bool(row and row[0])
+
+
 def open_audits_overlapping(cur: psycopg2.extensions.cursor, pipeline: str, target: str,
                             ranges: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Open audits of `pipeline` into `target` whose window overlaps `ranges`."""
+    """Open audits of `pipeline` into `target` whose window overlaps `ranges` (none in a
+    ledger not upgraded to migration 0014 yet: windows without --audit still work there)."""
+    if not has_audits(cur):
+        return []
     cur.execute(f"SELECT {COLUMNS} FROM offsetflow.audits WHERE pipeline = %s "  # noqa: S608
                 f"AND target_table = %s AND status = ANY(%s)",
                 (pipeline, target, list(OPEN_AUDIT_STATUSES)))
@@ -98,6 +107,9 @@ def open_audit(cur: psycopg2.extensions.cursor, cfg: PipelineConfig, kind: str, 
                started_by: str) -> Audit:
     """In `submit_window`'s transaction (the pipeline lock held): the window's batches are
     pointed at the shadow instead of the live `target`, and the audit row recorded."""
+    if not has_audits(cur):
+        raise RequestError("the ledger has no audits table yet (migration 0014): run "
+                           "`offsetflow db upgrade`, then the window with --audit again")
     audit_id = batch_ids[0]
     shadow, shadow_dl = sink_for(cfg).audit_shadows(cur, target, audit_id)
     params = {"audit_id": audit_id, "live_table": target, "shadow_table": shadow,
