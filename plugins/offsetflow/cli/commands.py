@@ -228,7 +228,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2, default=str) if args.json else format_audit(out))
         return 0
     if args.audit_cmd == "publish":
-        res = publish_audit(cfg, dsn, args.audit_id, by=by, reason=args.reason)
+        res = publish_audit(cfg, dsn, args.audit_id, by=by, reason=args.reason,
+                            max_changes=args.if_within)
         print(f"audit {res['audit_id']}: " + (
             f"published {res['rows']} rows into {res['target_table']}" if res["changed"]
             else "already published; nothing to do"))
@@ -425,6 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help="print it as JSON")
         else:
             sp.add_argument("--reason", help=REASON)
+        if verb == "publish":
+            sp.add_argument("--if-within", type=int, metavar="N",
+                            help="publish only if the diff adds, removes and changes at most "
+                                 "N rows in all and the quality suite (if any) passed; else "
+                                 "refuse (exit 2) and leave the audit for a human")
         sp.set_defaults(fn=cmd_audit)
 
     sp = sub.add_parser(

@@ -216,12 +216,33 @@ def describe(audit: Audit, batches: Sequence[Batch]) -> dict[str, Any]:
     return out
 
 
+def check_within(audit: Audit, max_changes: int) -> None:
+    """Publishing without a human: only when the recorded diff changes at most
+    `max_changes` rows (added + removed + changed) and the quality suite, if any, passed."""
+    diff = audit.audit or {}
+    t = diff.get("totals") or {}
+    changes = sum(int(t.get(k, 0)) for k in ("added", "removed", "changed"))
+    quality = diff.get("quality") or {}
+    if quality.get("suite") is not None and not quality.get("passed"):
+        raise AuditStateError(f"audit {audit.audit_id}: its quality suite failed; not "
+                              f"published automatically (see `offsetflow audit show "
+                              f"{audit.audit_id}`, then publish or discard it by hand)")
+    if changes > max_changes:
+        raise AuditStateError(
+            f"audit {audit.audit_id}: its diff changes {changes} rows ({t.get('added')} added, "
+            f"{t.get('removed')} removed, {t.get('changed')} changed), more than the "
+            f"{max_changes} allowed; not published automatically (see `offsetflow audit "
+            f"show {audit.audit_id}`, then publish or discard it by hand)")
+
+
 def publish_audit(cfg: PipelineConfig, dsn: str, audit_or_batch_id: int, by: str = "cli",
-                  reason: str | None = None) -> dict[str, Any]:
+                  reason: str | None = None, max_changes: int | None = None
+                  ) -> dict[str, Any]:
     """One transaction: the audit row locked, the live window replaced from the shadow (the
     sink's `publish_audit`: refused if the live window changed since the diff), the
     batches recorded as written into the live table, the shadows dropped, the audit
-    published. Publishing a published audit changes nothing."""
+    published. Publishing a published audit changes nothing. With `max_changes`, only
+    within those limits (`check_within`)."""
     with Ledger(dsn) as ledger, ledger.transaction() as cur:
         audit = _lock(cur, audit_or_batch_id)
         if audit.status == "published":
@@ -236,6 +257,8 @@ def publish_audit(cfg: PipelineConfig, dsn: str, audit_or_batch_id: int, by: str
             raise AuditStateError(
                 f"audit {audit.audit_id} is {audit.status}: nobody has seen its diff yet; "
                 f"run `offsetflow audit show {audit.audit_id}` first, then publish")
+        if max_changes is not None:
+            check_within(audit, max_changes)
         batches = _batches(ledger, cur, audit)
         rows = sink_for(cfg).publish_audit(cur, audit, batches)
         cur.execute("UPDATE offsetflow.batches SET target_table = %s WHERE batch_id = ANY(%s)",

@@ -353,3 +353,19 @@ def test_discard_of_a_window_still_staging_abandons_its_batches(pair: Pair, spar
     with Ledger(pair.dsn) as ledger:
         assert {ledger.get_batch(b).status for b in ids} == {"abandoned"}
     assert pair.audit_row(ids[0])["status"] == "discarded"
+
+
+def test_publish_if_within_limits_publishes_only_a_small_enough_diff(pair: Pair, spark: Any
+                                                                    ) -> None:
+    pair.damage(30, 40)  # 3 rows gone, 2 changed: 5 changes
+    [audit_id] = pair.replay(pair.a, 30, 40, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)
+    before = pair.rows(pair.a)
+    with pytest.raises(AuditStateError, match=r"changes 5 rows \(3 added, 0 removed, 2 "
+                                              r"changed\), more than the 4 allowed"):
+        publish_audit(pair.a, pair.dsn, audit_id, by="cron", max_changes=4)
+    assert pair.rows(pair.a) == before
+    assert publish_audit(pair.a, pair.dsn, audit_id, by="cron", max_changes=5)["changed"]
+    assert query(pair.dsn, f"SELECT count(*), count(*) FILTER (WHERE amount < 0) FROM "
+                           f"{pair.a.sink.table} WHERE \"offset\" >= 30 AND "
+                           f"\"offset\" < 40") == [(20, 0)]
