@@ -126,11 +126,15 @@ def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_context(viewport={"width": 1400, "height": 1100}).new_page()
-            page.goto(f"{URL}/offsetflow/audit/{name}/{audit_id}", timeout=60_000)
+            page.goto(f"{URL}/offsetflow/", timeout=60_000)
             page.wait_for_url("**/auth/login**", timeout=60_000)  # behind Airflow's login
             page.fill("input[name=username]", "admin")
             page.fill("input[name=password]", password)
             page.click("button[type=submit]")
+            page.wait_for_url("**/offsetflow/", timeout=60_000)
+            # the status page's batch row links to its audit
+            page.locator(f"section[data-pipeline='{name}'] a.audit-link",
+                         has_text=f"audit {audit_id}").first.click()
             page.wait_for_url(f"**/offsetflow/audit/{name}/{audit_id}", timeout=60_000)
             expect(page.locator("#status")).to_have_text("audited", timeout=60_000)
             summary = page.locator("#diff-summary")
