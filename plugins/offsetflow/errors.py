@@ -399,6 +399,18 @@ class WindowIncarnationError(OffsetFlowError):
     out."""
 
 
+class AuditStateError(OffsetFlowError):
+    """An audited window (`offsetflow audit`) is in a state that forbids the action: publish
+    of a discarded audit, publish before the diff was made, a shadow or live table gone.
+    Names the audit, its state and the way out."""
+
+
+class AuditConflictError(AuditStateError):
+    """Publish refused: the live rows at the audited window's coordinates changed since the
+    diff the operator saw (another replay or backfill committed there); the way out is a
+    fresh diff (`offsetflow audit show --refresh`), then publish again."""
+
+
 class TaskReportedError(OffsetFlowError):
     """Base of the errors a Spark task reports to the driver in its stats row instead of
     failing: Spark would retry the task and log the traceback of every attempt, and the

@@ -156,7 +156,8 @@ def cmd_dags_sync(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window_conf(args: argparse.Namespace) -> dict[str, object]:
+def window_conf(args: argparse.Namespace) -> dict[str, object]:
+    """A backfill/replay command line as the DAG run conf (and the request) it becomes."""
     conf: dict[str, object] = {"pipeline": args.pipeline}
     for k in ("topic", "partitions", "from_offset", "until_offset", "from_timestamp",
               "until_timestamp", "records_per_batch", "target_table"):
@@ -167,13 +168,15 @@ def _window_conf(args: argparse.Namespace) -> dict[str, object]:
         conf["dry_run"] = True
     if args.allow_duplicates:
         conf["allow_duplicates"] = True
+    if getattr(args, "audit", False):
+        conf["audit"] = True
     return conf
 
 
 def cmd_window(args: argparse.Namespace) -> int:
     """Backfill/replay: trigger the Airflow DAG through its REST API (default), or run
     here with --local."""
-    conf = _window_conf(args)
+    conf = window_conf(args)
     kind = args.command
     if not args.local:
         from offsetflow.cli.airflow_api import connect
@@ -198,6 +201,42 @@ def cmd_window(args: argparse.Namespace) -> int:
         cfg = pipeline_of(args)
         for rep in run_batches(cfg, dsn_of(args, cfg), planned["batch_ids"]):
             print(rep.result.message)
+        if args.audit:
+            from offsetflow.ops import format_audit, show_audit
+
+            print(format_audit(show_audit(cfg, dsn_of(args, cfg), planned["batch_ids"][0],
+                                          by=f"cli:{kind}")))
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """`audit show|publish|discard BATCH`: an audited window (`offsetflow.ops.audit`)."""
+    from offsetflow.ops import (
+        audit_pipeline,
+        discard_audit,
+        format_audit,
+        publish_audit,
+        show_audit,
+    )
+
+    dsn = dsn_of(args)
+    cfg = pipeline_of(args if args.pipeline or args.pipeline_file else argparse.Namespace(
+        pipeline=audit_pipeline(dsn, args.audit_id)))
+    by = args.by
+    if args.audit_cmd == "show":
+        out = show_audit(cfg, dsn, args.audit_id, by=by, refresh=args.refresh)
+        print(json.dumps(out, indent=2, default=str) if args.json else format_audit(out))
+        return 0
+    if args.audit_cmd == "publish":
+        res = publish_audit(cfg, dsn, args.audit_id, by=by, reason=args.reason,
+                            max_changes=args.if_within)
+        print(f"audit {res['audit_id']}: " + (
+            f"published {res['rows']} rows into {res['target_table']}" if res["changed"]
+            else "already published; nothing to do"))
+        return 0
+    res = discard_audit(cfg, dsn, args.audit_id, by=by, reason=args.reason)
+    print(f"audit {res['audit_id']}: " + ("discarded (shadow dropped, live table untouched)"
+                                          if res["changed"] else "already discarded"))
     return 0
 
 
@@ -356,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--allow-duplicates", action="store_true",
                         help="write the window again into a Kafka sink's replay_topic that "
                              "an earlier replay or backfill already wrote it to")
+        sp.add_argument("--audit", action="store_true",
+                        help="write the window to a shadow table beside the live one, diff "
+                             "it, and publish or discard it later (`offsetflow audit`); "
+                             "PostgreSQL sinks in append mode")
         sp.add_argument("--local", action="store_true",
                         help="run here instead of triggering the Airflow DAG")
         sp.add_argument("--airflow-url",
@@ -364,6 +407,31 @@ def build_parser() -> argparse.ArgumentParser:
                              "credentials from OFFSETFLOW_AIRFLOW_TOKEN, or "
                              "OFFSETFLOW_AIRFLOW_USERNAME and OFFSETFLOW_AIRFLOW_PASSWORD")
         sp.set_defaults(fn=cmd_window)
+
+    au = sub.add_parser("audit", help="an audited replay/backfill: show its diff, publish or "
+                                      "discard it").add_subparsers(dest="audit_cmd",
+                                                                   required=True)
+    for verb, help_ in (("show", "the diff against the live table and the quality results"),
+                        ("publish", "replace the live window by the audited one, atomically"),
+                        ("discard", "drop the shadow; the live table stays as it is")):
+        sp = au.add_parser(verb, help=help_)
+        sp.add_argument("audit_id", type=int, metavar="BATCH",
+                        help="the audit id (the window's first batch id) or any batch of it")
+        sp.add_argument("--by", default="cli", help="who, recorded in the audit's history")
+        sp.add_argument("--pipeline", help="its pipeline (default: the audit's, found by name)")
+        sp.add_argument("--pipeline-file", help="path of its pipeline YAML")
+        if verb == "show":
+            sp.add_argument("--refresh", action="store_true",
+                            help="diff again against the live table as it is now")
+            sp.add_argument("--json", action="store_true", help="print it as JSON")
+        else:
+            sp.add_argument("--reason", help=REASON)
+        if verb == "publish":
+            sp.add_argument("--if-within", type=int, metavar="N",
+                            help="publish only if the diff adds, removes and changes at most "
+                                 "N rows in all and the quality suite (if any) passed; else "
+                                 "refuse (exit 2) and leave the audit for a human")
+        sp.set_defaults(fn=cmd_audit)
 
     sp = sub.add_parser(
         "validate", help="check pipeline files offline: every error, with line and column",

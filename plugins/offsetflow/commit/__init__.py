@@ -4,6 +4,15 @@ the target, advances each position from its fence and marks the batch committed.
 
 from __future__ import annotations
 
+from offsetflow.commit.audit import (
+    OPEN_AUDIT_STATUSES,
+    Audit,
+    diff_window,
+    live_digest,
+    publish_shadow,
+    shadow_name,
+    table_exists,
+)
 from offsetflow.commit.dead_letters import Coordinate, dead_letters_from, route_quality_failures
 from offsetflow.commit.incarnations import (
     RangeIncarnation,
@@ -40,6 +49,13 @@ from offsetflow.commit.upsert import (
 )
 
 __all__ = [
+    "Audit",
+    "OPEN_AUDIT_STATUSES",
+    "diff_window",
+    "live_digest",
+    "publish_shadow",
+    "shadow_name",
+    "table_exists",
     "CommitResult",
     "CommitSpec",
     "Coordinate",

@@ -366,12 +366,13 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                                                      generation, groups, files, rc),
                                  STATS_DDL)
     sink.check_before_read(batch)  # refused before anything is read, not at the commit
+    dead_letters = batch.dead_letters_into(cfg.dead_letter_table)  # an audit's: its shadow
     with connect_ctx(dsn) as cur:
         # a PostgreSQL sink's table; True: the commit adds or widens evolved columns
         ddl = sink.prepare_target(cur, batch, columns, tuple(added))
         # every pipeline may route rows there in its commit: bad records, quality
         # failures, upsert rows without a key, tombstones
-        ensure_dead_letter(cur, cfg.dead_letter_table)
+        ensure_dead_letter(cur, dead_letters)
     create_stage_tables(dsn, batch.batch_id, columns, parts=n if fused else 0)
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
@@ -381,7 +382,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     partwise = fused and not cfg.quality_suite and sink.commits_partwise and not ddl
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
                       key=tuple(cfg.sink.key), tombstones=cfg.tombstone_policy,
-                      dead_letter_table=cfg.dead_letter_table,
+                      dead_letter_table=dead_letters,
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused,
@@ -389,7 +390,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       add_columns=tuple((c, t) for c, t in columns if c in added),
                       readers=None if rc is None else rc.reader_ids)
     committer = PartwiseCommit(
-        dsn, batch, columns=spec.columns, parts=n, dead_letter_table=cfg.dead_letter_table,
+        dsn, batch, columns=spec.columns, parts=n, dead_letter_table=dead_letters,
         timings=timings, spec=spec) if partwise else None
     with committer if committer is not None else contextlib.nullcontext():
         t = time.monotonic()

@@ -53,6 +53,20 @@ class Batch:
         return self.status in OPEN_STATUSES
 
     @property
+    def audit_id(self) -> int | None:
+        """The audited window (`offsetflow.ops.audit`) this batch stages, if any."""
+        audit = self.params.get("audit")
+        return int(audit["audit_id"]) if isinstance(audit, dict) else None
+
+    def dead_letters_into(self, table: str) -> str:
+        """Where this batch's dead letters go: the pipeline's `table`, or the shadow of it
+        an audited window writes instead (published with the rows)."""
+        audit = self.params.get("audit")
+        if isinstance(audit, dict) and audit.get("shadow_dead_letter_table"):
+            return str(audit["shadow_dead_letter_table"])
+        return table
+
+    @property
     def offset_span(self) -> int:
         return sum(r.span for r in self.ranges)
 

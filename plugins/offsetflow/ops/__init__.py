@@ -4,6 +4,13 @@ reset positions, complete a batch an external sink holds.
 
 from __future__ import annotations
 
+from offsetflow.ops.audit import (
+    audit_pipeline,
+    discard_audit,
+    format_audit,
+    publish_audit,
+    show_audit,
+)
 from offsetflow.ops.backfill import plan_window, run_batches, submit_window
 from offsetflow.ops.complete import complete_from_sink, unreadable_in
 from offsetflow.ops.positions import reset_positions
@@ -19,6 +26,11 @@ from offsetflow.ops.status import format_status, pipeline_status, schema_summary
 
 __all__ = [
     "CycleResult",
+    "audit_pipeline",
+    "discard_audit",
+    "format_audit",
+    "publish_audit",
+    "show_audit",
     "complete_from_sink",
     "format_status",
     "kafka_for",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import RequestError
 from offsetflow.ledger import Due, Ledger
+from offsetflow.ops.audit import open_audit, refuse_open_audit_overlap, window_ranges_json
 from offsetflow.plan import (
     WindowRequest,
     check_backfill_window,
@@ -69,7 +70,10 @@ class WindowPlan:
                                  "until_offset": hi} for tp, lo, hi in self.gone],
             "note": "offset counts are an upper bound on records: transaction markers, "
                     "aborted and compacted records take offsets too",
-        } | ({"refused": self.refused} if self.refused else {})
+        } | ({"refused": self.refused} if self.refused else {}) | (
+            {"audit": "the window is written to a shadow table beside the live one, then "
+                      "diffed; publish or discard it with `offsetflow audit`"}
+            if self.request.audit else {})
 
 
 def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
@@ -109,6 +113,11 @@ def plan_window(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             sink_for(cfg).check_window_repeat(cur, req.kind, req.target_table,
                                               window_ranges(window), topic_ids,
                                               req.allow_duplicates)
+            target = sink_for(cfg).window_target(req.target_table)
+            refuse_open_audit_overlap(cur, cfg.name, target,
+                                      window_ranges_json(window_ranges(window)))
+            if req.audit:  # a sink or mode that cannot audit
+                sink_for(cfg).audit_shadows(cur, target, 0)
     except RequestError as e:
         refused = str(e)
     return WindowPlan(req, window, cut_window(window, req.records_per_batch), gone,
@@ -156,6 +165,10 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
         if wp.request.allow_duplicates:
             params["allow_duplicates"] = True
         target = sink.window_target(wp.target_table)  # e.g. a Kafka side topic
+        window = window_ranges_json(window_ranges(wp.window))
+        # an open audit of these coordinates: its diff would go stale, or two audits
+        # would publish one window
+        refuse_open_audit_overlap(cur, cfg.name, target, window)
         for ranges in wp.batches:
             ids.append(ledger.insert_batch(
                 cur, pipeline=cfg.name, kind=wp.request.kind, ranges=ranges,
@@ -163,6 +176,8 @@ def submit_window(cfg: PipelineConfig, ledger: Ledger, wp: WindowPlan,
                 config_fingerprint=cfg.fingerprint(), started_by=started_by,
                 moves_positions=False, params=params, topic_ids=wp.topic_ids,
                 split_offsets=cfg.spark.max_offsets_per_task, due=due))
+        if wp.request.audit and ids:  # into a shadow beside `target`, published later
+            open_audit(cur, cfg, wp.request.kind, target, ids, window, started_by)
     log.info("pipeline %s: %s of %d offsets planned as batches %s", cfg.name, wp.request.kind,
              sum(hi - lo for lo, hi in wp.window.values()), ids)
     return ids

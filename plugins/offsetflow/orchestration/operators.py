@@ -262,6 +262,10 @@ class OffsetFlowPublishOperator(_PipelineOperator):
         out = tasks.publish_task(cfg, batch_id_list(self.batch_ids))
         self._published = (cfg, [int(b["batch_id"]) for b in out["batches"]])
         for fig in out["batches"]:
+            if fig.get("audit_id") is not None:  # in a shadow: nothing is live until publish
+                self.log.info("batch %s is staged for audit %s; no asset event until it is "
+                              "published", fig["batch_id"], fig["audit_id"])
+                continue
             uri = assets.target_uris(cfg, fig["target_table"])  # a table, or a topic
             context["outlet_events"][self.alias].add(
                 Asset(uri), extra=assets.batch_extra(cfg, fig))

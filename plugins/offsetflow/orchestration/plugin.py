@@ -9,6 +9,9 @@ A FastAPI app mounted by Airflow's API server under ``/offsetflow``:
 - ``GET /offsetflow/stats/{pipeline}``     "Streaming statistics" of one pipeline: batch
   timings over time and as histograms, drawn with the vendored Chart.js (``static/``)
 - ``GET /offsetflow/api/stats/{pipeline}`` what that page draws, as JSON
+- ``GET /offsetflow/audit/{pipeline}/{id}``  an audited window: its diff, sample rows, quality
+  result, and (for the DAG's editors) publish and discard buttons, which post to
+  ``/offsetflow/audit/{pipeline}/{id}/publish|discard`` (same-origin form posts only)
 
 and an external view ("Browse > OffsetFlow") that shows the page inside Airflow's UI.
 
@@ -143,6 +146,15 @@ def can_read(user: Any, pipeline: str) -> bool:
 
     return bool(get_auth_manager().is_authorized_dag(
         method="GET", details=DagDetails(id=f"offsetflow_{pipeline}"), user=user))
+
+
+def can_edit(user: Any, pipeline: str) -> bool:
+    """Publishing or discarding an audited window is for whoever may edit its DAG."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    return bool(get_auth_manager().is_authorized_dag(
+        method="PUT", details=DagDetails(id=f"offsetflow_{pipeline}"), user=user))
 
 
 def _visible(user: Any) -> list[PipelineEntry]:
@@ -357,6 +369,65 @@ def render_page(statuses: list[dict[str, Any]], recent: int = 10,
     return template.render(**page_context(statuses, recent, now or datetime.now(UTC)))
 
 
+# -- audit before publish (offsetflow.ops.audit) ------------------------------------------
+def _audit_entry(user: Any, pipeline: str) -> PipelineEntry:
+    if not NAME_RE.match(pipeline):
+        raise HTTPException(404, f"{pipeline!r} is not a pipeline name")
+    entry = next((e for e in load_entries() if e.name == pipeline), None)
+    if entry is None or entry.cfg is None:
+        raise HTTPException(404, f"no loadable pipeline named {pipeline!r}")
+    if not can_read(user, pipeline):
+        raise HTTPException(403, f"not allowed to read DAG offsetflow_{pipeline}")
+    return entry
+
+
+def _user_name(user: Any) -> str:
+    get_name = getattr(user, "get_name", None)
+    return f"airflow:{get_name() if callable(get_name) else 'user'}"
+
+
+def audit_page(user: Any, pipeline: str, audit_id: int, action: str | None = None
+               ) -> tuple[int, str]:
+    """The audit page (the diff is made on the first view, as `offsetflow audit show`),
+    after `action` (publish, discard) when given: (HTTP status, HTML)."""
+    from offsetflow.errors import OffsetFlowError
+    from offsetflow.ops import discard_audit, publish_audit, show_audit
+
+    entry = _audit_entry(user, pipeline)
+    cfg = entry.cfg
+    assert cfg is not None
+    by = _user_name(user)
+    message, error, status = None, False, 200
+    try:
+        if action is not None:
+            if not can_edit(user, pipeline):
+                raise HTTPException(403, f"not allowed to edit DAG offsetflow_{pipeline}")
+            act = publish_audit if action == "publish" else discard_audit
+            res = act(cfg, cfg.sink.connection, audit_id, by=by, reason="Airflow UI")
+            message = (f"audit {audit_id} {res['status']}" if res["changed"]
+                       else f"audit {audit_id} was {res['status']} already")
+        out = show_audit(cfg, cfg.sink.connection, audit_id, by=by)
+    except OffsetFlowError as e:
+        message, error, status = _clean(str(e), cfg), True, 409
+        try:
+            out = show_audit(cfg, cfg.sink.connection, audit_id, by=by)
+        except OffsetFlowError as again:
+            raise HTTPException(404, _clean(str(again), cfg)) from again
+    if out["pipeline"] != pipeline:
+        raise HTTPException(404, f"audit {audit_id} is not of pipeline {pipeline}")
+    html = _env.get_template("offsetflow_audit.html").render(
+        a=out, diff=out.get("diff"), message=message, error=error,
+        can_edit=can_edit(user, pipeline), prefix=_base_path() + URL_PREFIX)
+    return status, html
+
+
+def same_origin(request: Request) -> bool:
+    """A form post from this server's own pages (the session cookie would let any other
+    site's form post here too)."""
+    origin = request.headers.get("origin") or request.headers.get("referer") or ""
+    return bool(origin) and urlparse(origin).netloc == request.url.netloc
+
+
 # -- the FastAPI app ---------------------------------------------------------------------
 ICON = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24" fill="none" '
         'stroke="#017cee" stroke-width="2" stroke-linecap="round" stroke-linejoin="round">'
@@ -421,6 +492,28 @@ def create_app() -> FastAPI:
         view = stats_view(st)
         return JSONResponse(json.loads(json.dumps({**view, "charts": chart_data(view)},
                                                   default=str)), headers=SECURITY_HEADERS)
+
+    @app.get("/audit/{pipeline}/{audit_id}", response_class=HTMLResponse)
+    async def audit(request: Request, pipeline: str, audit_id: int) -> Response:
+        try:
+            user = await authenticate(request)
+        except HTTPException as e:
+            if e.status_code in (401, 403):
+                return _login_redirect(request)
+            raise
+        status, html = await run_in_threadpool(audit_page, user, pipeline, audit_id)
+        return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+
+    @app.post("/audit/{pipeline}/{audit_id}/{action}", response_class=HTMLResponse)
+    async def audit_action(request: Request, pipeline: str, audit_id: int,
+                           action: str) -> Response:
+        user = await authenticate(request)
+        if action not in ("publish", "discard"):
+            raise HTTPException(404, f"no action {action!r} (publish or discard)")
+        if not same_origin(request):
+            raise HTTPException(403, "cross-site form post refused")
+        status, html = await run_in_threadpool(audit_page, user, pipeline, audit_id, action)
+        return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
 
     @app.get("/static/icon.svg", include_in_schema=False)
     async def icon() -> Response:  # the menu icon only: no data, no login needed

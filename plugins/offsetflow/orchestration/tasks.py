@@ -86,6 +86,7 @@ def publish_task(pipeline: str | PipelineConfig,
                    "records_read": b.records_read, "rows_written": b.rows_written,
                    "bad_records": b.bad_records, "offsets": b.offset_span,
                    "timings": b.timings, "error": b.error, "target_table": b.target_table,
+                   "audit_id": b.audit_id,
                    "ranges": [{"topic": r.topic, "partition": r.partition,
                                "from_offset": r.from_offset, "until_offset": r.until_offset}
                               for r in b.ranges]}

@@ -35,6 +35,9 @@ class WindowRequest:
     # write the window again where an earlier window put it and it cannot be replaced
     # (a Kafka sink's replay_topic): the user accepts the copies
     allow_duplicates: bool = False
+    # write the window into a shadow beside the live target, to be diffed and then
+    # published or discarded (`offsetflow.ops.audit`); the live target is untouched
+    audit: bool = False
 
     @property
     def by_time(self) -> bool:
@@ -131,7 +134,8 @@ def parse_request(kind: str, conf: Mapping[str, Any]) -> WindowRequest:
                          records_per_batch=rpb, target_table=str(target) if target else None,
                          dry_run=bool(conf.get("dry_run", False)),
                          allow_duplicates=_flag(conf.get("allow_duplicates"),
-                                                "allow_duplicates"))
+                                                "allow_duplicates"),
+                         audit=_flag(conf.get("audit"), "audit"))
 
 
 def _flag(v: Any, name: str) -> bool:

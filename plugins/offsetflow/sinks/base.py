@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg2.extensions
 
-from offsetflow.commit import CommitSpec, ExternalSink
+from offsetflow.commit import Audit, CommitSpec, ExternalSink
 from offsetflow.config import PipelineConfig, split_table_name
 from offsetflow.errors import RequestError
 from offsetflow.ledger import Batch
@@ -107,6 +107,34 @@ class Sink(ABC):
         """What a replay or backfill batch records as its target (assets and lineage
         name it)."""
         return target_table or self.cfg.sink.table
+
+    # -- audit before publish (offsetflow.ops.audit) --------------------------------------
+    def audit_shadows(self, cur: psycopg2.extensions.cursor, target: str, audit_id: int
+                      ) -> tuple[str, str | None]:
+        """Where an audited window into `target` (the live table) is written instead: the
+        shadow table and the shadow dead-letter table; RequestError where this sink cannot
+        audit a window."""
+        raise RequestError(
+            f"pipeline {self.cfg.name}: --audit is not available for sink.type "
+            f"{self.cfg.sink.type} yet (PostgreSQL sinks only); run the window without "
+            f"--audit, or into a side table (backfill --target-table) to inspect it first")
+
+    def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
+                   ) -> tuple[dict[str, Any], str]:
+        """The staged window against the live rows at its coordinates, and the digest of
+        those live rows that publish checks again."""
+        raise RequestError(f"pipeline {self.cfg.name}: its sink cannot audit a window")
+
+    def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
+                      batches: Sequence[Batch]) -> int:
+        """Make the live target what a direct replay of `batches` would have made, from
+        the shadow, in `cur`'s transaction; refuse (AuditConflictError) when the live rows
+        of the window changed since the diff. Returns the rows published."""
+        raise RequestError(f"pipeline {self.cfg.name}: its sink cannot audit a window")
+
+    def discard_audit(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
+        """Drop what the audited window staged, in `cur`'s transaction (idempotent)."""
+        return None
 
     # -- repairs (offsetflow.cli.repair) -------------------------------------------------
     def adopt_target(self, dsn: str, target_table: str | None, reason: str) -> str:

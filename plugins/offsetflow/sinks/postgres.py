@@ -5,12 +5,24 @@ no separate sink to commit, find or sweep."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import psycopg2.extensions
+from psycopg2 import sql
 
-from offsetflow.commit import CommitSpec, ExternalSink, ensure_target
-from offsetflow.errors import BatchStateError
-from offsetflow.ledger import Batch
+from offsetflow.commit import (
+    Audit,
+    CommitSpec,
+    ExternalSink,
+    diff_window,
+    ensure_target,
+    live_digest,
+    publish_shadow,
+    shadow_name,
+    table_exists,
+)
+from offsetflow.errors import AuditConflictError, AuditStateError, BatchStateError, RequestError
+from offsetflow.ledger import Batch, qualified
 from offsetflow.sinks.base import Sink
 
 
@@ -48,3 +60,64 @@ class PostgresSink(Sink):
         """The pipeline's table in append mode; upsert rows cannot collide: a recreated
         topic's records replace its old incarnation's (`offsetflow.commit.upsert`)."""
         return self.cfg.sink.table if self.cfg.sink.mode == "append" else None
+
+    # -- audit before publish: a shadow table beside the live one --------------------------
+    def audit_shadows(self, cur: psycopg2.extensions.cursor, target: str, audit_id: int
+                      ) -> tuple[str, str | None]:
+        """`<table>__audit_<id>` beside the live table, and the same beside the dead-letter
+        table. Append mode only: an upsert replay's result depends on the live rows of its
+        keys outside the window, which a shadow does not hold."""
+        if self.cfg.sink.mode != "append":
+            raise RequestError(
+                f"pipeline {self.cfg.name}: --audit is for sink.mode append so far (an upsert "
+                f"replay keeps or replaces live rows outside the window by key); run the "
+                f"replay without --audit")
+        if not table_exists(cur, target):
+            raise RequestError(
+                f"--audit compares the window with the live table {target}, which does not "
+                f"exist; run the window without --audit")
+        return (shadow_name(target, audit_id),
+                shadow_name(self.cfg.dead_letter_table, audit_id))
+
+    def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
+                   ) -> tuple[dict[str, Any], str]:
+        self.check_audit_tables(cur, audit)
+        return (diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges),
+                live_digest(cur, audit.target_table, audit.ranges))
+
+    def check_audit_tables(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
+        """Both the live table and the shadow are where the audit left them."""
+        for table, what, way_out in (
+                (audit.target_table, "live table", "recreate or rename it back, or discard "
+                                                    "the audit"),
+                (audit.shadow_table, "shadow table", "discard the audit and run the window "
+                                                     "with --audit again")):
+            if not table_exists(cur, table):
+                raise AuditStateError(f"audit {audit.audit_id}: its {what} {table} is gone "
+                                      f"(dropped or renamed); {way_out}")
+
+    def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
+                      batches: Sequence[Batch]) -> int:
+        """Under a lock that stops every other writer of the live table (a live commit waits
+        for the publish), the window's live rows are checked to be those the diff saw,
+        then replaced from the shadow; the shadows are dropped in the same transaction."""
+        self.check_audit_tables(cur, audit)
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
+            qualified(audit.target_table)))
+        now = live_digest(cur, audit.target_table, audit.ranges)
+        if now != audit.live_digest:
+            raise AuditConflictError(
+                f"audit {audit.audit_id}: the live rows of {audit.target_table} in its window "
+                f"changed since the diff (another replay or backfill committed there); "
+                f"nothing is published. Run `offsetflow audit show {audit.audit_id} "
+                f"--refresh` to diff against the live table as it is now, then publish")
+        spec = CommitSpec(columns=(), mode="append", dead_letter_table=audit.dead_letter_table)
+        rows = publish_shadow(cur, batches, audit.target_table, audit.shadow_table, spec,
+                              audit.shadow_dead_letter_table)
+        self.discard_audit(cur, audit)
+        return rows
+
+    def discard_audit(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
+        for table in (audit.shadow_table, audit.shadow_dead_letter_table):
+            if table:
+                cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(qualified(table)))

@@ -87,3 +87,19 @@ def test_completion_completes_subcommands_and_options(tmp_path: Path) -> None:
     assert complete("offsetflow val") == ["validate "]
     assert "--env-strict" in complete("offsetflow validate --")
     assert complete("offsetflow completion z") == ["zsh "]
+
+
+def test_audit_flag_and_verbs_parse() -> None:
+    """`--audit` reaches the window's conf; `audit show|publish|discard BATCH` parse."""
+    from offsetflow.cli.commands import window_conf
+
+    args = build_parser().parse_args(["replay", "-p", "orders", "--from-offset", "0",
+                                      "--until-offset", "5", "--audit", "--local"])
+    assert window_conf(args)["audit"] is True
+    args = build_parser().parse_args(["replay", "-p", "orders", "--from-offset", "0",
+                                      "--until-offset", "5"])
+    assert "audit" not in window_conf(args)
+    args = build_parser().parse_args(["audit", "publish", "42", "--reason", "fix"])
+    assert (args.audit_cmd, args.audit_id, args.reason, args.by) == ("publish", 42, "fix", "cli")
+    args = build_parser().parse_args(["audit", "show", "42", "--refresh", "--json"])
+    assert args.refresh and args.json

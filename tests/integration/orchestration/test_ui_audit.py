@@ -1,0 +1,163 @@
+"""The audit page of the OffsetFlow Airflow plugin (issue 33), in headless Chromium behind
+Airflow's login: an audited replay's diff summary, per-partition counts, sample rows and
+quality result, and its publish button, clicked: the live table is then what the replay
+makes, and the ledger says who published it.
+
+Only Airflow's API server is started (as in test_ui_plugin.py), on a metadata database of
+the tests' own (`airflow_test_env`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from offsetflow.config import load_pipeline
+from offsetflow.ledger import Ledger
+from offsetflow.ops import kafka_for, plan_window, run_batches, run_until_caught_up, submit_window
+from offsetflow.plan import parse_request
+from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
+
+pytestmark = pytest.mark.slow  # Airflow's API server and headless Chromium
+
+ROOT = Path(__file__).resolve().parents[3]
+# beside the stack's own Airflow port (18080 by default: 18091; a helper's block: BASE+91)
+PORT = int(os.environ.get("OFFSETFLOW_AIRFLOW_PORT", "18080")) + 11
+URL = f"http://127.0.0.1:{PORT}"
+SHOTS = ROOT / "test-output" / "ui"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+
+
+def health() -> int:
+    try:
+        with urllib.request.urlopen(f"{URL}/api/v2/monitor/health", timeout=5) as r:
+            return int(r.status)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory: pytest.TempPathFactory, airflow_test_env: dict[str, str]
+               ) -> Iterator[dict[str, Any]]:
+    if not airflow_test_env:
+        pytest.skip("no Airflow metadata database of the stack (source .stack/env.sh)")
+    base = tmp_path_factory.mktemp("ui_audit")
+    pipelines = base / "pipelines"
+    pipelines.mkdir()
+    assert health() == 0, f"port {PORT} is already in use"
+    env = {**os.environ, **airflow_test_env, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
+           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+           "AIRFLOW__API__PORT": str(PORT), "AIRFLOW__API__BASE_URL": URL,
+           "AIRFLOW__API__WORKERS": "1",
+           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{URL}/execution/"}
+    log_path = base / "api-server.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(["airflow", "api-server", "--port", str(PORT)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=base)
+
+    def wait() -> None:
+        deadline = time.monotonic() + 180
+        while health() != 200:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, "the API server did not become healthy"
+            time.sleep(1)
+
+    try:
+        yield {"pipelines": pipelines, "wait": wait, "log": log_path}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
+        api_server: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    topic = f"uiaudit-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(timeout=30)
+    produce_plain(kafka_bootstrap, topic, 40, "ui", 2)
+    name = f"uiaudit_{uuid.uuid4().hex[:8]}"
+    f = api_server["pipelines"] / f"{name}.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [topic], "starting": "earliest"},
+        "format": {"type": "json", "schema": dict(SCHEMA)},
+        "sink": {"connection": pg_dsn, "table": name}}))
+    cfg = load_pipeline(f)
+    run_until_caught_up(cfg, pg_dsn, spark)
+    query(pg_dsn, f"UPDATE {name} SET amount = -1 WHERE partition = 0 AND \"offset\" < 2")
+    query(pg_dsn, f"DELETE FROM {name} WHERE partition = 1 AND \"offset\" = 3")
+    req = parse_request("replay", {"pipeline": name, "from_offset": 0, "until_offset": 10,
+                                   "audit": True})
+    with Ledger(pg_dsn) as ledger:
+        [audit_id] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req),
+                                   "test")
+    run_batches(cfg, pg_dsn, [audit_id], spark)
+    api_server["wait"]()
+    pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
+    password = str(yaml.safe_load(pw_file.read_text())["admin"])
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(viewport={"width": 1400, "height": 1100}).new_page()
+            page.goto(f"{URL}/offsetflow/", timeout=60_000)
+            page.wait_for_url("**/auth/login**", timeout=60_000)  # behind Airflow's login
+            page.fill("input[name=username]", "admin")
+            page.fill("input[name=password]", password)
+            page.click("button[type=submit]")
+            page.wait_for_url("**/offsetflow/", timeout=60_000)
+            # the status page's batch row links to its audit
+            page.locator(f"section[data-pipeline='{name}'] a.audit-link",
+                         has_text=f"audit {audit_id}").first.click()
+            page.wait_for_url(f"**/offsetflow/audit/{name}/{audit_id}", timeout=60_000)
+            expect(page.locator("#status")).to_have_text("audited", timeout=60_000)
+            summary = page.locator("#diff-summary")
+            for change, n in (("added", 1), ("removed", 0), ("changed", 2), ("same", 17)):
+                expect(summary.locator(f"td[data-change={change}]")).to_have_text(str(n))
+            expect(page.locator("#per-range")).to_contain_text(f"{topic}/0")
+            changed = page.locator("tr.sample[data-change=changed]")
+            expect(changed).to_have_count(2)
+            expect(changed.first).to_contain_text("-1")
+            expect(changed.first.locator("td.cols")).to_have_text("amount")
+            expect(page.locator("#quality")).to_have_text("no quality suite")
+            expect(page.get_by_role("button", name="Discard")).to_be_visible()
+            page.screenshot(path=str(SHOTS / "audit_page.png"), full_page=True)
+            page.get_by_role("button", name="Publish").click()
+            expect(page.locator("#status")).to_have_text("published", timeout=60_000)
+            expect(page.locator("#message")).to_have_text(f"audit {audit_id} published")
+            expect(page.get_by_role("button", name="Publish")).to_have_count(0)
+            page.screenshot(path=str(SHOTS / "audit_published.png"), full_page=True)
+        finally:
+            browser.close()
+    assert query(pg_dsn, f"SELECT count(*), count(*) FILTER (WHERE amount < 0) FROM {name} "
+                         f"WHERE \"offset\" < 10") == [(20, 0)]
+    [(status, closed_by)] = query(pg_dsn, "SELECT status, closed_by FROM offsetflow.audits "
+                                          "WHERE audit_id = %s", (audit_id,))
+    assert (status, closed_by) == ("published", "airflow:admin")
+    admin.delete_topics([topic])
