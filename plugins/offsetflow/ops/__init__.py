@@ -15,10 +15,11 @@ from offsetflow.ops.runner import (
     plan_only,
     run_until_caught_up,
 )
-from offsetflow.ops.status import format_status, pipeline_status
+from offsetflow.ops.status import Unread, format_status, pipeline_status, unread_now
 
 __all__ = [
     "CycleResult",
+    "Unread",
     "complete_from_sink",
     "format_status",
     "kafka_for",
@@ -31,5 +32,6 @@ __all__ = [
     "run_batches",
     "run_until_caught_up",
     "submit_window",
+    "unread_now",
     "unreadable_in",
 ]

@@ -133,6 +133,11 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
         if not ids:
             _skip_unless_a_batch_is_open(hook, self.batch_ids)
         cfg = hook.pipeline_config
+        self._offsetflow_run = (cfg, ids)  # for lineage
+        return tasks.observed_run(cfg, ids, lambda: self._execute(cfg, hook, ids, context))
+
+    def _execute(self, cfg: PipelineConfig, hook: OffsetFlowHook, ids: list[int],
+                 context: Any) -> Any:
         if (self.launch or cfg.spark.launch) == "connect":
             return tasks.connect_run_task(cfg, ids)
         with _pipeline_file(cfg, self.config) as path:

@@ -7,8 +7,6 @@ own Stats with the right names and values."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,44 +15,9 @@ import pytest
 
 from tests.tooling.airflow_dags import dags_test
 from tests.tooling.pipeline_data import SCHEMA, produce_plain
+from tests.tooling.statsd_listener import StatsdListener
 
 pytestmark = pytest.mark.slow  # Airflow runs the pipeline's DAG with a Spark job
-
-
-class StatsdListener:
-    """Collects StatsD datagrams ("name:value|type") sent to 127.0.0.1:<port>."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.5)
-        self.port = self.sock.getsockname()[1]
-        self.lines: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            self.lines += data.decode().splitlines()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-    def values(self, name: str) -> list[tuple[float, str]]:
-        out = []
-        for line in self.lines:
-            stat, _, rest = line.partition(":")
-            if stat == name:
-                value, _, kind = rest.partition("|")
-                out.append((float(value), kind.split("|")[0]))
-        return out
 
 
 def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
