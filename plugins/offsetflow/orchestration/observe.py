@@ -1,6 +1,6 @@
-"""What the tasks report for monitoring: after a publish, lineage (Kafka topics in, the
-target out) to Airflow's hook-level lineage collector, which the OpenLineage provider turns
-into the task's OpenLineage inputs/outputs, and the batches' stats; on every plan and every
+"""What the tasks report for monitoring: the run task's OpenLineage (topics in, targets out
+with row counts, the batches and their offset ranges as a run facet: `batch_lineage`); after
+a publish the batches' stats; on every plan and every
 failed run, the lag, oldest-unread age and failure counters (`pipeline_metrics`), so a
 failing pipeline's lag keeps moving. Monitoring never fails a task: errors are logged as
 warnings.
@@ -15,9 +15,12 @@ from offsetflow.config import PipelineConfig
 from offsetflow.ledger import Ledger
 from offsetflow.ops import unread_now
 from offsetflow.orchestration.lineage import (
+    BATCH_FACET,
     DatasetName,
+    batch_run_facet,
+    openlineage_dataset,
+    openlineage_output,
     pipeline_datasets,
-    record_schema_extra,
 )
 from offsetflow.orchestration.pipeline_metrics import (
     Metric,
@@ -32,42 +35,53 @@ from offsetflow.plan import PlanOutcome
 log = logging.getLogger(__name__)
 
 
-class PipelineLineageContext:
-    """What the collector files the assets under (it hashes the object's identity)."""
-
-    def __init__(self, pipeline: str) -> None:
-        self.pipeline = pipeline
-
-
 def datasets_of(cfg: PipelineConfig, batch_ids: list[int]
                 ) -> tuple[list[DatasetName], list[DatasetName]]:
     """Topics the batches read and the tables they wrote (a backfill may use a side table)."""
+    inputs, outputs, _ = batch_lineage_parts(cfg, batch_ids)
+    return inputs, [d for d, _ in outputs]
+
+
+def batch_lineage_parts(cfg: PipelineConfig, batch_ids: list[int]
+                        ) -> tuple[list[DatasetName], list[tuple[DatasetName, int]],
+                                   list[dict[str, Any]]]:
+    """(input topics, output targets with the rows the committed batches wrote there, the
+    batches as the `offsetflow_batch` run facet lists them)."""
     topics: dict[str, None] = {}
-    tables: dict[str, None] = {}
+    rows: dict[str, int] = {}
+    facet: list[dict[str, Any]] = []
     with Ledger(cfg.sink.connection) as ledger:
         for bid in batch_ids:
             b = ledger.get_batch(bid)
             topics.update((r.topic, None) for r in b.ranges)
-            tables[b.target_table or cfg.sink.table] = None
-    inputs, outputs = pipeline_datasets(cfg, list(topics) or None)
-    if tables:
-        outputs = [pipeline_datasets(cfg, list(topics) or None, t)[1][0] for t in tables]
-    return inputs, outputs
+            target = b.target_table or cfg.sink.table
+            rows[target] = rows.get(target, 0) + (
+                int(b.rows_written or 0) if b.status == "committed" else 0)
+            facet.append({"batch_id": b.batch_id, "kind": b.kind, "status": b.status,
+                          "attempts": b.attempts, "records_read": b.records_read,
+                          "rows_written": b.rows_written,
+                          "ranges": [{"topic": r.topic, "partition": r.partition,
+                                      "from_offset": r.from_offset,
+                                      "until_offset": r.until_offset} for r in b.ranges]})
+    inputs, _ = pipeline_datasets(cfg, list(topics) or None)
+    outputs = [(pipeline_datasets(cfg, list(topics) or None, t)[1][0], n)
+               for t, n in rows.items()]
+    return inputs, outputs, facet
 
 
-def report_lineage(cfg: PipelineConfig, batch_ids: list[int]) -> None:
-    from airflow.providers.common.compat.lineage.hook import get_hook_lineage_collector
+def batch_lineage(cfg: PipelineConfig, batch_ids: list[int], complete: bool) -> Any:
+    """The run task's OpenLineage: the topics it read (with the record schema), the targets
+    it wrote (with `outputStatistics` once complete) and the `offsetflow_batch` run facet
+    (batch ids and offset ranges). On failure the provider adds the error."""
+    from airflow.providers.openlineage.extractors import OperatorLineage
 
-    inputs, outputs = datasets_of(cfg, batch_ids)
-    collector = get_hook_lineage_collector()
-    ctx = PipelineLineageContext(cfg.name)
-    for d in inputs:
-        collector.add_input_asset(context=ctx, uri=d.uri,  # type: ignore[arg-type]
-                                  asset_extra=record_schema_extra(cfg) or None)
-    for d in outputs:
-        collector.add_output_asset(context=ctx, uri=d.uri)  # type: ignore[arg-type]
-    log.info("lineage of %s: %s -> %s", cfg.name, [d.uri for d in inputs],
-             [d.uri for d in outputs])
+    inputs, outputs, batches = batch_lineage_parts(cfg, batch_ids)
+    schema = dict(cfg.schema) if cfg.schema else None
+    return OperatorLineage(
+        inputs=[openlineage_dataset(d.namespace, d.name, schema) for d in inputs],
+        outputs=[openlineage_output(d.namespace, d.name, n if complete else None)
+                 for d, n in outputs],
+        run_facets={BATCH_FACET: batch_run_facet(cfg.name, batches)})
 
 
 def send(cfg: PipelineConfig, metrics: list[Metric]) -> None:
@@ -129,8 +143,4 @@ def report_published(cfg: PipelineConfig, published: dict[str, Any]) -> None:
     ids = [int(b["batch_id"]) for b in published.get("batches", [])]
     if not ids:
         return
-    try:
-        report_lineage(cfg, ids)
-    except Exception as e:  # noqa: BLE001 - monitoring must never fail a committed batch
-        log.warning("could not report lineage of %s: %s", cfg.name, e)
     send(cfg, batch_metrics(published["batches"]) + unread_metrics(cfg))

@@ -23,9 +23,10 @@ the rate, and `min_rate` only bounds the rate.
 
 What OffsetFlow observes of a batch (`observe`): its records are its offsets (Spark's direct
 Kafka stream counts its ranges' offsets too); its time is when it was planned; its
-processing time is its last run's start to its commit; its scheduling delay is how much
-later than one interval after the previous scheduled batch it was planned (a run that
-overran its interval delays the next: the backlog Spark's integral term reads).
+processing time is its last run's steps as the driver timed them (`batches.timings`); its
+scheduling delay is how much later than one interval after the previous scheduled batch it
+was planned (a run that overran its interval delays the next: the backlog Spark's integral
+term reads).
 """
 
 from __future__ import annotations
@@ -101,19 +102,35 @@ def _ms(t: datetime) -> int:
     return int(t.timestamp() * 1000)
 
 
+# the driver's steps of a run, as it records them in `batches.timings` (seconds)
+RUN_STEPS = ("prepare_s", "read_stage_s", "quality_s", "commit_s")
+
+
+def processing_ms(b: Mapping[str, Any]) -> int | None:
+    """A committed batch's processing time: its last run's steps as the driver timed them;
+    without those, its start to its commit (`finished_at` is the commit transaction's start,
+    which the part-wise commit opens while parts are still being staged: too short)."""
+    timings = b.get("timings") or {}
+    if timings.get("read_stage_s") is not None:
+        return int(round(1000 * sum(float(timings.get(k) or 0) for k in RUN_STEPS)))
+    if b.get("started_at") is None or b.get("finished_at") is None:
+        return None
+    return _ms(b["finished_at"]) - _ms(b["started_at"])
+
+
 def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observation | None:
     """The last committed scheduled batch of `batches` (ledger rows, newest first: batch_id,
-    status, offsets, planned_at, started_at, finished_at), or None."""
+    status, offsets, planned_at, started_at, finished_at, timings), or None."""
     for i, b in enumerate(batches):
         if b["status"] != "committed":
             continue
-        if b.get("started_at") is None or b.get("finished_at") is None:
+        took = processing_ms(b)
+        if took is None:
             return None
         before = batches[i + 1]["planned_at"] if i + 1 < len(batches) else None
         late = (_ms(b["planned_at"]) - _ms(before) - interval_s * 1000) if before else 0
         return Observation(batch_id=int(b["batch_id"]), time_ms=_ms(b["planned_at"]),
-                           records=int(b["offsets"]),
-                           processing_ms=_ms(b["finished_at"]) - _ms(b["started_at"]),
+                           records=int(b["offsets"]), processing_ms=took,
                            scheduling_ms=int(max(0, late)))
     return None
 

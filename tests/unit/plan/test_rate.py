@@ -84,6 +84,11 @@ def test_observation_from_the_ledger() -> None:
         2, 3000, 12_000, 15_000)
     assert observe([row(1, "committed", 100, 0, 1, 2)], 10.0).scheduling_ms == 0  # type: ignore[union-attr]
     assert observe([], 10.0) is None
+    # the driver's timings win over started -> finished (the commit's transaction start)
+    timed = {**row(2, "committed", 3000, 25, 26, 28),
+             "timings": {"prepare_s": 1.0, "read_stage_s": 9.5, "commit_s": 0.5,
+                         "commit_overlapped_s": 2.0}}
+    assert observe([timed], 10.0).processing_ms == 11_000  # type: ignore[union-attr]
 
 
 def test_decision_caps_and_record() -> None:
