@@ -77,14 +77,16 @@ def make_topic(bootstrap: str, name: str, partitions: int) -> None:
         f.result(30)
 
 
-def lag(dsn: str, cfg: Any) -> int:
+def lag(dsn: str, cfg: Any) -> tuple[int, int]:
+    """(offsets behind, offsets arrived so far)."""
     from offsetflow.ops import kafka_for
     from offsetflow.plan import pending_offsets
 
     kafka = kafka_for(cfg)
     offsets = kafka.partition_offsets(kafka.partitions(list(cfg.topics)))
     with Ledger(dsn) as ledger:
-        return sum(pending_offsets(ledger.positions(cfg.name), offsets, "earliest").values())
+        behind = sum(pending_offsets(ledger.positions(cfg.name), offsets, "earliest").values())
+    return behind, sum(o.latest for o in offsets.values())
 
 
 def scheduled(cfg: Any, dsn: str, spark: Any, interval: float, batches: int,
@@ -102,11 +104,13 @@ def scheduled(cfg: Any, dsn: str, spark: Any, interval: float, batches: int,
         took = time.monotonic() - start
         b = res.plan.batch
         rate = res.plan.rate
+        behind, arrived = lag(dsn, cfg)
         row = {"phase": label, "at_s": round(start - t0, 1), "late_s": round(start - due, 1),
                "batch": b.batch_id if b else None, "offsets": b.offset_span if b else 0,
                "took_s": round(took, 1),
                "rate": round(rate.rate, 1) if rate and rate.rate else None,
-               "limit": rate.limit if rate else "caps", "lag_after": lag(dsn, cfg)}
+               "limit": rate.limit if rate else "caps", "lag_after": behind,
+               "arrived": arrived, "at_end_s": round(time.monotonic() - t0, 1)}
         print(json.dumps(row), flush=True)
         out.append(row)
         end = time.monotonic()
@@ -162,6 +166,7 @@ def main() -> None:
         summary[label] = {"took_s": [r["took_s"] for r in rows],
                           "offsets": [r["offsets"] for r in rows],
                           "lag_after": [r["lag_after"] for r in rows],
+                          "arrived": [r["arrived"] for r in rows],
                           "rate": [r["rate"] for r in rows]}
     print(json.dumps({"summary": summary}), flush=True)
     spark.stop()

@@ -84,8 +84,10 @@ def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
     start = _of(events, "START", "run_batch")
     assert start and start[-1]["run"]["facets"]["offsetflow_batch"]["batches"][0][
         "batch_id"] == batch["batch_id"]
-    # lineage is where the work is: the publish task no longer claims the datasets
-    assert all(not e.get("outputs") for e in _of(events, "COMPLETE", "publish"))
+    # lineage is where the work is: the publish task no longer claims the topics it did not
+    # read (its outputs are its Asset events, which Airflow's own outlets give it)
+    assert all(not e.get("inputs") and "offsetflow_batch" not in e["run"]["facets"]
+               for e in _of(events, "COMPLETE", "publish"))
 
     # -- StatsD: the pipeline as a tag, not in the names -----------------------------------
     tag = f",pipeline={p['name']}"
