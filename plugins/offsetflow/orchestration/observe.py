@@ -29,6 +29,7 @@ from offsetflow.orchestration.pipeline_metrics import (
     emit,
     lag_metrics,
     rate_metric,
+    stats_loaded,
 )
 from offsetflow.plan import PlanOutcome
 
@@ -96,7 +97,10 @@ def send(cfg: PipelineConfig, metrics: list[Metric]) -> None:
 
 
 def unread_metrics(cfg: PipelineConfig) -> list[Metric]:
-    """The lag gauges, measured now from the ledger and Kafka (none when that fails)."""
+    """The lag gauges, measured now from the ledger and Kafka (none when that fails, or
+    outside an Airflow process)."""
+    if not stats_loaded():
+        return []
     try:
         u = unread_now(cfg, cfg.sink.connection)
     except Exception as e:  # noqa: BLE001
@@ -126,6 +130,8 @@ def _statuses(cfg: PipelineConfig, batch_ids: list[int]) -> list[str] | None:
 
 def report_run_start(cfg: PipelineConfig, batch_ids: list[int]) -> None:
     """Before a run: each batch an earlier run failed is being retried."""
+    if not stats_loaded():
+        return
     statuses = _statuses(cfg, batch_ids) if batch_ids else []
     send(cfg, count("batches_retried", sum(s == "failed" for s in statuses or [])))
 
@@ -133,6 +139,8 @@ def report_run_start(cfg: PipelineConfig, batch_ids: list[int]) -> None:
 def report_run_failure(cfg: PipelineConfig, batch_ids: list[int]) -> None:
     """After a failed run: the batches it left failed (at least one: the run failed), and
     the lag as it is now."""
+    if not stats_loaded():
+        return
     statuses = _statuses(cfg, batch_ids) if batch_ids else None
     failed = sum(s == "failed" for s in statuses) if statuses is not None else len(batch_ids)
     send(cfg, count("batches_failed", max(failed, 1)) + unread_metrics(cfg))

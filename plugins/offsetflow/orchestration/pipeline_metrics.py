@@ -26,6 +26,7 @@ style, which Telegraf and Prometheus' statsd_exporter read as a tag), or Datadog
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,7 +82,22 @@ def rate_metric(rate: float | None) -> list[Metric]:
     return [] if rate is None else [Metric("gauge", _name("batch_rate"), round(rate, 3))]
 
 
+# Airflow's Stats, as a task process (or a test) has it loaded and initialized
+STATS_MODULES = ("airflow.sdk.observability.stats",
+                 "airflow.sdk._shared.observability.metrics.stats")
+
+
+def stats_loaded() -> bool:
+    """In an Airflow process (its task runner initializes Stats). Outside one (a script
+    calling the task functions) nothing would be sent, and importing Airflow would take over
+    the process's logging: nothing is measured or sent there."""
+    return any(m in sys.modules for m in STATS_MODULES)
+
+
 def emit(pipeline: str, metrics: Iterable[Metric]) -> None:
+    """Send through Airflow's Stats (nothing outside an Airflow process: `stats_loaded`)."""
+    if not stats_loaded():
+        return
     from airflow.sdk.observability.stats import Stats
 
     tags = {TAG: pipeline}
