@@ -110,6 +110,23 @@ FIELDS: dict[str, Field] = {
     "source.data_loss": F("data_loss", "A committed position below the earliest offset: "
                           "`fail` plans nothing; `continue` skips to the earliest offset "
                           "(recorded either way)."),
+    "source.rate.adaptive": F("rate.adaptive", "`pid`: size each scheduled batch with Spark "
+                              "Streaming's PID rate estimator from the last batch's processing "
+                              "rate (offsets / processing time), for the schedule's interval; "
+                              "within `max_records_per_partition` and `max_records_per_batch`. "
+                              "See Operations, adaptive batch sizing."),
+    "source.rate.proportional": F("rate.proportional", "PID: weight of the current error "
+                                  "(Spark's `spark.streaming.backpressure.pid.proportional`)."),
+    "source.rate.integral": F("rate.integral", "PID: weight of the accumulated error, read "
+                              "from the scheduling delay (`...pid.integral`)."),
+    "source.rate.derived": F("rate.derived", "PID: weight of the error's change "
+                             "(`...pid.derived`)."),
+    "source.rate.min_rate": F("rate.min_rate", "PID: the lowest rate it sizes a batch for, "
+                              "records per second, > 0 (`...pid.minRate`); the caps still "
+                              "win."),
+    "source.rate.interval_s": F("rate.interval_s", "Seconds between batches the rate is "
+                                "sized for (Spark's batch interval).",
+                                default="the `schedule`'s interval"),
     # format
     "format.type": F("format_type", "`json`: typed columns from `schema`; `avro`: Confluent "
                      "wire-format Avro decoded with `schema_registry`, typed columns from "
@@ -376,6 +393,8 @@ def _type_name(tp: Any) -> str:
         return "boolean"
     if tp is int:
         return "integer"
+    if tp is float:
+        return "number"
     if origin is tuple or origin is list:
         return "list"
     if origin is not None and isinstance(origin, type) and issubclass(origin, Mapping):

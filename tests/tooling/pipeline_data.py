@@ -130,6 +130,8 @@ def pipeline_for(topic: str, dsn: str, bootstrap: str, table: str, **over: Any) 
     for k in ("data_loss", "starting", "max_records_per_batch"):
         if k in over:
             raw["source"][k] = over.pop(k)
+    if "source_rate" in over:  # source.rate (adaptive batch sizing)
+        raw["source"]["rate"] = over.pop("source_rate")
     raw.update(over)
     return parse_pipeline(raw, f"<test {table}>", {})
 

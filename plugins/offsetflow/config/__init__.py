@@ -22,7 +22,7 @@ from offsetflow.config.iceberg_sink import (
 )
 from offsetflow.config.json_schema import pipeline_json_schema
 from offsetflow.config.loader import check_file, find_pipeline, load_pipeline
-from offsetflow.config.parse import Checked, check_pipeline, parse_pipeline
+from offsetflow.config.parse import Checked, check_pipeline, parse_pipeline, schedule_interval_s
 from offsetflow.config.schema import (
     DECIMAL_RE,
     FORBIDDEN_CLIENT_KEYS,
@@ -34,6 +34,7 @@ from offsetflow.config.schema import (
     KafkaConfig,
     KafkaSinkConfig,
     PipelineConfig,
+    RateConfig,
     StartingPolicy,
     config_drift,
     connect_address,
@@ -63,6 +64,7 @@ __all__ = [
     "NAME_RE",
     "PipelineConfig",
     "RESERVED_COLUMNS",
+    "RateConfig",
     "SETTINGS",
     "SUMMARY_BATCH",
     "SUMMARY_LEDGER",
@@ -93,6 +95,7 @@ __all__ = [
     "redact_dsn",
     "redact_value",
     "resolve_identifier",
+    "schedule_interval_s",
     "snapshot_summary",
     "spark_conn_id",
     "split_table_name",

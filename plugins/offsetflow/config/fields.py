@@ -179,3 +179,18 @@ class FieldReader:
             self.fail(prefix + key, f"must be an integer >= {minimum}, got {v!r}")
             return default
         return v
+
+    def number(self, sec: Mapping[str, Any], key: str, prefix: str, default: float | None,
+               minimum: float = 0.0, exclusive: bool = False) -> float | None:
+        """A number field (an integer is one too); a bad one is recorded and its default
+        read on."""
+        v = sec.get(key, default)
+        if v is None:
+            return None
+        bad = isinstance(v, bool) or not isinstance(v, int | float) \
+            or (v <= minimum if exclusive else v < minimum)
+        if bad:
+            self.fail(prefix + key, f"must be a number {'>' if exclusive else '>='} "
+                                    f"{minimum:g}, got {v!r}")
+            return default
+        return float(v)

@@ -73,6 +73,9 @@ def _value(name: str, spec: Spec) -> dict[str, Any]:
     elif spec.kind == "integer":
         v = {"type": "integer", **({"minimum": spec.minimum} if spec.minimum is not None
                                    else {})}
+    elif spec.kind == "number":
+        bound = "exclusiveMinimum" if spec.exclusive else "minimum"
+        v = {"type": "number", **({bound: spec.minimum} if spec.minimum is not None else {})}
     elif spec.kind == "string":
         v = _string(spec)
     else:  # any

@@ -40,6 +40,7 @@ from offsetflow.config.schema import (
     TYPED_FORMATS,
     KafkaConfig,
     PipelineConfig,
+    RateConfig,
     SchemaRegistryConfig,
     SinkConfig,
     SparkConfig,
@@ -112,6 +113,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
     pattern: str | None = None
     starting = StartingPolicy(kind="earliest")
     per_partition, per_batch, data_loss = 100_000, None, "fail"
+    rate = RateConfig()
     with r.guard():
         src = r.section("source")
         r.unknown(src, "source.", section_fields("source"))
@@ -140,6 +142,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
         per_batch = r.positive_int(src, "max_records_per_batch", "source.", None)
         data_loss = r.string(src, "data_loss", "source.", "fail",
                              choices("source.data_loss")) or "fail"
+        rate = r.attempt(_rate, r, src.get("rate"), raw.get("schedule")) or rate
 
     format_type = "json"
     schema: dict[str, str] = {}
@@ -252,7 +255,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
         schedule=schedule, retries=retries if retries is not None else 2, pool=pool,
         quality_suite=suite, quality_policy=q_policy, description=str(desc or ""),
         tombstones=tombstones, kafka=KafkaConfig(conn_id=kafka_conn), registry=registry,
-        key_format=key_format, schema_evolution=evolution,
+        key_format=key_format, schema_evolution=evolution, rate=rate,
     )
 
 
@@ -279,6 +282,47 @@ def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str |
         r.fail(fld, "does not work with a transform yet (the transform decides the columns); "
                     "remove one of them")
     return value
+
+
+def schedule_interval_s(schedule: Any) -> float | None:
+    """The interval of a cron expression or preset, in seconds (the shortest gap between
+    its next ticks after a fixed instant, so it does not depend on when it is asked); None
+    for no schedule, `@once`, `@continuous` or what croniter cannot read."""
+    if not isinstance(schedule, str) or schedule.strip() in ("@once", "@continuous"):
+        return None
+    from croniter import croniter
+
+    try:
+        it = croniter(schedule.strip(), datetime(2024, 1, 1, tzinfo=UTC))
+        ticks = [it.get_next(float) for _ in range(8)]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return min(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+
+
+def _rate(r: FieldReader, raw: Any, schedule: Any) -> RateConfig:
+    """`source.rate`; `adaptive: pid` needs an interval: `interval_s`, or the schedule's."""
+    if raw is None:
+        return RateConfig()
+    fld = "source.rate"
+    if not isinstance(raw, Mapping):
+        raise r.err(fld, f"must be a mapping like {{adaptive: pid}}, got {type(raw).__name__}")
+    r.unknown(raw, f"{fld}.", section_fields(fld))
+    d = RateConfig()
+    adaptive = r.string(raw, "adaptive", f"{fld}.", None, choices(f"{fld}.adaptive"))
+    gains = {k: r.number(raw, k, f"{fld}.", getattr(d, k), exclusive=k == "min_rate")
+             for k in ("proportional", "integral", "derived", "min_rate")}
+    interval = r.number(raw, "interval_s", f"{fld}.", None, exclusive=True)
+    if adaptive is None and r.ok(f"{fld}.adaptive") and set(raw) - {"adaptive"}:
+        r.fail(f"{fld}.adaptive", "is required when source.rate is given (adaptive: pid)")
+    if adaptive == "pid" and interval is None and r.ok(f"{fld}.interval_s"):
+        interval = schedule_interval_s(schedule)
+        if interval is None:
+            r.fail(f"{fld}.adaptive", f"pid sizes a batch for the schedule's interval, but "
+                                      f"schedule {schedule!r} has none; give a cron schedule "
+                                      f"or source.rate.interval_s (seconds between batches)")
+    return RateConfig(adaptive=adaptive, interval_s=interval,
+                      **{k: v if v is not None else getattr(d, k) for k, v in gains.items()})
 
 
 def _kafka(r: FieldReader) -> tuple[str, str, dict[str, str], str | None]:

@@ -51,6 +51,22 @@ class StartingPolicy:
 
 
 @dataclass(frozen=True)
+class RateConfig:
+    """`source.rate`: adaptive batch sizing. `adaptive: pid` sizes each scheduled batch with
+    Spark Streaming's PID rate estimator (`spark.streaming.backpressure.pid.*`: same gains,
+    same defaults) from the processing rate of the last batch, within the record caps.
+    `interval_s`: the schedule's interval (Spark's batch interval), from `schedule` unless
+    given. None `adaptive`: fixed caps only."""
+
+    adaptive: str | None = None  # pid
+    proportional: float = 1.0
+    integral: float = 0.2
+    derived: float = 0.0
+    min_rate: float = 100.0  # records per second, > 0
+    interval_s: float | None = None
+
+
+@dataclass(frozen=True)
 class KafkaConfig:
     """Where the Kafka settings come from in Airflow: a `kafka` connection (its extra holds
     librdkafka settings); then `kafka.bootstrap_servers` may be left out."""
@@ -170,6 +186,7 @@ class PipelineConfig:
     key_format: str | None = None  # format.key.type: avro (None: the key stays raw bytes)
     # format.schema_evolution: add_columns | fail (None: format.schema's columns only)
     schema_evolution: str | None = None
+    rate: RateConfig = field(default_factory=RateConfig)  # source.rate
 
     @property
     def tombstone_policy(self) -> str:

@@ -29,12 +29,13 @@ TABLE = rf"^{_IDENT}(\.{_IDENT})?$"  # `table` or `schema.table` (config.validat
 
 @dataclass(frozen=True)
 class Spec:
-    """One field. `kind`: string, integer, boolean, mapping (free keys), section (a mapping
+    """One field. `kind`: string, integer, number, boolean, mapping (free keys), section (a mapping
     of fields of this table), strings (a string or a list of them), starting, any."""
 
     kind: str
     choices: tuple[str, ...] = ()
     minimum: int | None = None
+    exclusive: bool = False  # the minimum itself is refused (number: > minimum)
     pattern: str | None = None  # the value's (strings: each item's) form, as a regex
     sinks: tuple[str, ...] = SINK_TYPES  # in `sink`: the sink types that take it
     nullable: bool = False  # null means "not given"
@@ -66,6 +67,13 @@ FIELDS: dict[str, Spec] = {
     "source.max_records_per_partition": S("integer", minimum=1, nullable=True),
     "source.max_records_per_batch": S("integer", minimum=1, nullable=True),
     "source.data_loss": _choice("fail", "continue"),
+    "source.rate": S("section", nullable=True),
+    "source.rate.adaptive": _choice("pid"),
+    "source.rate.proportional": S("number", minimum=0, nullable=True),
+    "source.rate.integral": S("number", minimum=0, nullable=True),
+    "source.rate.derived": S("number", minimum=0, nullable=True),
+    "source.rate.min_rate": S("number", minimum=0, exclusive=True, nullable=True),
+    "source.rate.interval_s": S("number", minimum=0, exclusive=True, nullable=True),
     "format": S("section", nullable=True),
     "format.type": _choice("json", "raw", "avro", "json_schema", "protobuf"),
     "format.schema": S("mapping", nullable=True),

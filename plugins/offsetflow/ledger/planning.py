@@ -91,23 +91,26 @@ class PlanningQueries:
                      moves_positions: bool = True, params: dict[str, Any] | None = None,
                      topic_ids: Mapping[str, str] | None = None,
                      expected_positions: Mapping[TopicPartition, int] | None = None,
-                     due: Due | None = None) -> int:
+                     due: Due | None = None,
+                     rate: Mapping[str, Any] | None = None) -> int:
         """`config_fingerprint` and `split_offsets` are what `config_drift` compares a run's
         config with; a batch without them would look like one planned before 0003.
         `expected_positions`: the committed position a range's commit must find when it is
         not the range's `from_offset` (a `data_loss: continue` gap); the fence uses it.
-        `due`: when the batch was due (`offsetflow.ledger.timing`); None: now, the plan."""
+        `due`: when the batch was due (`offsetflow.ledger.timing`); None: now, the plan.
+        `rate`: how an adaptive rate sized the batch (`offsetflow.plan.rate`)."""
         if kind not in KINDS:
             raise ValueError(f"unknown batch kind {kind!r}")
         cur.execute("""INSERT INTO offsetflow.batches
                          (pipeline, kind, status, target_table, moves_positions,
                           config_fingerprint, started_by, params, split_offsets, due_at,
-                          due_source)
+                          due_source, rate)
                        VALUES (%s, %s, 'planned', %s, %s, %s, %s, %s, %s,
-                               COALESCE(%s, now()), %s) RETURNING batch_id""",
+                               COALESCE(%s, now()), %s, %s) RETURNING batch_id""",
                     (pipeline, kind, target_table, moves_positions, config_fingerprint,
                      started_by, json.dumps(params or {}), split_offsets,
-                     due.at if due else None, due.source if due else "plan"))
+                     due.at if due else None, due.source if due else "plan",
+                     json.dumps(rate) if rate is not None else None))
         row = cur.fetchone()
         assert row is not None
         batch_id = int(row[0])
@@ -120,6 +123,28 @@ class PlanningQueries:
               (topic_ids or {}).get(r.topic),
               (expected_positions or {}).get(r.topic_partition)) for r in ranges])
         return batch_id
+
+    def rate_inputs(self, cur: psycopg2.extensions.cursor, pipeline: str
+                    ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """What adaptive sizing starts from: the rate record of the newest scheduled batch
+        that has one, and the newest scheduled batches that were not abandoned (newest
+        first: batch_id, status, offsets, planned_at, started_at, finished_at, timings)."""
+        cur.execute("""SELECT rate FROM offsetflow.batches
+                        WHERE pipeline = %s AND kind = 'scheduled' AND rate IS NOT NULL
+                        ORDER BY batch_id DESC LIMIT 1""", (pipeline,))
+        row = cur.fetchone()
+        cur.execute("""SELECT b.batch_id, b.status, b.planned_at, b.started_at, b.finished_at,
+                              b.timings, (SELECT COALESCE(sum(until_offset - from_offset), 0)
+                                 FROM offsetflow.batch_ranges r
+                                WHERE r.batch_id = b.batch_id)
+                         FROM offsetflow.batches b
+                        WHERE b.pipeline = %s AND b.kind = 'scheduled'
+                          AND b.status <> 'abandoned'
+                        ORDER BY b.batch_id DESC LIMIT 2""", (pipeline,))
+        cols = ("batch_id", "status", "planned_at", "started_at", "finished_at", "timings",
+                "offsets")
+        return (row[0] if row else None), [dict(zip(cols, r, strict=True))
+                                           for r in cur.fetchall()]
 
     def record_data_loss(self, cur: psycopg2.extensions.cursor, pipeline: str,
                          gaps: Sequence[DataLossGap], policy: str,

@@ -22,10 +22,17 @@ from offsetflow.ops.runner import (
     plan_only,
     run_until_caught_up,
 )
-from offsetflow.ops.status import format_status, pipeline_status, schema_summary
+from offsetflow.ops.status import (
+    Unread,
+    format_status,
+    pipeline_status,
+    schema_summary,
+    unread_now,
+)
 
 __all__ = [
     "CycleResult",
+    "Unread",
     "audit_pipeline",
     "discard_audit",
     "format_audit",
@@ -44,5 +51,6 @@ __all__ = [
     "run_until_caught_up",
     "schema_summary",
     "submit_window",
+    "unread_now",
     "unreadable_in",
 ]

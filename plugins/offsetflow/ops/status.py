@@ -68,6 +68,35 @@ def with_times(rows: list[PartitionLag], oldest_unread_ms: Mapping[TopicPartitio
     return out
 
 
+@dataclass(frozen=True)
+class Unread:
+    """What a pipeline has not committed yet, for the lag metrics."""
+
+    lag: int  # offsets
+    oldest_age_s: float | None  # seconds since its oldest record was written (0: none)
+
+
+def unread_now(cfg: PipelineConfig, dsn: str, now_ms: int | None = None) -> Unread:
+    """The pipeline's lag from its committed positions and Kafka's last stable offsets, and
+    the age of the oldest record not yet committed (None when Kafka gave no timestamp).
+    Measured from the ledger, so it keeps moving while batches fail."""
+    from offsetflow.ops.runner import kafka_for
+    from offsetflow.plan import pending_offsets
+
+    with Ledger(dsn) as ledger:
+        committed = ledger.positions(cfg.name)
+    k = kafka_for(cfg)
+    offsets = k.partition_offsets(k.partitions(k.topics(cfg.topics, cfg.topic_pattern)))
+    pending = pending_offsets(committed, offsets, cfg.starting.kind)
+    if not pending:
+        return Unread(0, 0.0)
+    heads = {tp: offsets[tp].latest - n for tp, n in pending.items()}
+    stamps = k.record_timestamps(heads, cfg.consumer_settings())
+    now = now_ms if now_ms is not None else int(time.time() * 1000)
+    age = (now - min(stamps.values())) / 1000 if stamps else None
+    return Unread(sum(pending.values()), None if age is None else max(0.0, age))
+
+
 def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str, Any]:
     from offsetflow.ops.runner import kafka_for
 

@@ -13,6 +13,7 @@ host, port and database are taken from a DSN.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
@@ -117,6 +118,46 @@ def openlineage_dataset(namespace: str, name: str,
             schema_dataset.SchemaDatasetFacetFields(name=str(k), type=str(v))
             for k, v in schema.items()])
     return Dataset(namespace=namespace, name=name, facets=facets)
+
+
+def openlineage_output(namespace: str, name: str, rows: int | None = None) -> Any:
+    """An OpenLineage output dataset, with `outputStatistics` (rows written) when given."""
+    from openlineage.client.event_v2 import OutputDataset
+    from openlineage.client.facet_v2 import output_statistics_output_dataset as stats
+
+    facets: dict[str, Any] = {} if rows is None else {
+        "outputStatistics": stats.OutputStatisticsOutputDatasetFacet(rowCount=rows)}
+    return OutputDataset(namespace=namespace, name=name, outputFacets=facets)
+
+
+BATCH_FACET = "offsetflow_batch"
+
+
+@functools.cache
+def _batch_facet_class() -> Any:
+    import attr
+    from openlineage.client.facet_v2 import RunFacet
+
+    @attr.define
+    class OffsetFlowBatchRunFacet(RunFacet):  # type: ignore[misc]
+        """The batches a run task read and wrote: ids, kinds, statuses and offset ranges
+        `[from_offset, until_offset)`, so a lineage consumer can tell which records of the
+        input topics landed in which run."""
+
+        pipeline: str
+        batches: list[dict[str, Any]] = attr.field(factory=list)
+
+        @staticmethod
+        def _get_schema() -> str:
+            return "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunFacet"
+
+    return OffsetFlowBatchRunFacet
+
+
+def batch_run_facet(pipeline: str, batches: list[dict[str, Any]]) -> Any:
+    """The custom run facet `offsetflow_batch` (`batches`: batch_id, kind, status, attempts,
+    ranges as topic/partition/from_offset/until_offset)."""
+    return _batch_facet_class()(pipeline=pipeline, batches=batches)
 
 
 def record_schema_extra(cfg: PipelineConfig) -> dict[str, Any]:

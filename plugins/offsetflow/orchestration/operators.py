@@ -163,6 +163,11 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
         if not ids:
             _skip_unless_a_batch_is_open(hook, self.batch_ids)
         cfg = hook.pipeline_config
+        self._offsetflow_run = (cfg, ids)  # for lineage
+        return tasks.observed_run(cfg, ids, lambda: self._execute(cfg, hook, ids, context))
+
+    def _execute(self, cfg: PipelineConfig, hook: OffsetFlowHook, ids: list[int],
+                 context: Any) -> Any:
         if (self.launch or cfg.spark.launch) == "connect":
             return tasks.connect_run_task(cfg, ids)
         with _pipeline_file(cfg, self.config) as path:
@@ -170,6 +175,35 @@ class OffsetFlowRunBatchOperator(SparkSubmitOperator):
                 cfg, path, ids, dict(self.conf or {}))
             with _process_env(connections.handover_env(cfg, hook.get_connection)):
                 return super().execute(context)
+
+
+    # -- OpenLineage (the provider calls these; lineage sits where the work is done) --------
+    def _lineage(self, complete: bool) -> Any:
+        from airflow.providers.openlineage.extractors import OperatorLineage
+
+        from offsetflow.orchestration.observe import batch_lineage
+
+        try:
+            run = getattr(self, "_offsetflow_run", None)
+            if run is None:  # on start: before execute
+                run = (OffsetFlowHook(pipeline=self.pipeline, config=self.config,
+                                      postgres_conn_id=self.postgres_conn_id,
+                                      kafka_conn_id=self.kafka_conn_id).pipeline_config,
+                       batch_id_list(self.batch_ids))
+            cfg, ids = run
+            return batch_lineage(cfg, ids, complete) if ids else OperatorLineage()
+        except Exception as e:  # noqa: BLE001 - lineage must never fail the run
+            self.log.warning("no OpenLineage facets for this run: %s", e)
+            return OperatorLineage()
+
+    def get_openlineage_facets_on_start(self) -> Any:
+        return self._lineage(complete=False)
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        return self._lineage(complete=True)
+
+    def get_openlineage_facets_on_failure(self, task_instance: Any) -> Any:
+        return self._lineage(complete=False)
 
 
 def _skip_unless_a_batch_is_open(hook: OffsetFlowHook, rendered: Any) -> None:
@@ -238,10 +272,11 @@ def _pipeline_file(cfg: PipelineConfig, inline: Mapping[str, Any] | None) -> Ite
 
 
 class OffsetFlowPublishOperator(_PipelineOperator):
-    """Check the batches committed, log their figures and emit one Asset event per batch for
-    its target table (`postgres://host:port/db/schema/table`) with extras: batch_id, kind,
-    ranges, rows_written. Events go through an AssetAlias: the table's URI needs the
-    connection, which is read at run time, not while the DAG file is parsed."""
+    """Check the batches committed, log their figures, send their stats and emit one Asset
+    event per batch for its target table (`postgres://host:port/db/schema/table`) with
+    extras: batch_id, kind, ranges, rows_written. Events go through an AssetAlias: the
+    table's URI needs the connection, which is read at run time, not while the DAG file is
+    parsed. Lineage is the run task's (where the batches are read and written)."""
 
     template_fields: Sequence[str] = (*PIPELINE_FIELDS, "batch_ids")
     ui_color = "#e6f5e6"
@@ -260,7 +295,6 @@ class OffsetFlowPublishOperator(_PipelineOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         cfg = self.hook.pipeline_config
         out = tasks.publish_task(cfg, batch_id_list(self.batch_ids))
-        self._published = (cfg, [int(b["batch_id"]) for b in out["batches"]])
         for fig in out["batches"]:
             if fig.get("audit_id") is not None:  # in a shadow: nothing is live until publish
                 self.log.info("batch %s is staged for audit %s; no asset event until it is "
@@ -271,25 +305,6 @@ class OffsetFlowPublishOperator(_PipelineOperator):
                 Asset(uri), extra=assets.batch_extra(cfg, fig))
             self.log.info("asset event %s: batch %s (%s)", uri, fig["batch_id"], fig["kind"])
         return out
-
-
-    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
-        """The topics the published batches read (with the record schema) and the tables
-        they wrote, for the OpenLineage provider: an operator's own lineage keeps the schema
-        facet, which the Kafka provider's asset converter (hook-level lineage) drops."""
-        from airflow.providers.openlineage.extractors import OperatorLineage
-
-        from offsetflow.orchestration.lineage import openlineage_dataset
-        from offsetflow.orchestration.observe import datasets_of
-
-        cfg, ids = getattr(self, "_published", (None, []))
-        if cfg is None or not ids:
-            return OperatorLineage()
-        inputs, outputs = datasets_of(cfg, ids)
-        schema = dict(cfg.schema) if cfg.schema else None
-        return OperatorLineage(
-            inputs=[openlineage_dataset(d.namespace, d.name, schema) for d in inputs],
-            outputs=[openlineage_dataset(d.namespace, d.name) for d in outputs])
 
 
 class PipelineTasks(NamedTuple):

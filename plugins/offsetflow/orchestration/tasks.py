@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from offsetflow.config import PipelineConfig, find_pipeline, redact_dsn
 from offsetflow.errors import BatchStateError, ConfigError, RequestError
@@ -22,6 +22,7 @@ from offsetflow.plan import parse_request
 log = logging.getLogger(__name__)
 
 Loader = Callable[[str], PipelineConfig]
+T = TypeVar("T")
 
 
 def _config(pipeline: str | PipelineConfig, load: Loader | None = None) -> PipelineConfig:
@@ -33,9 +34,16 @@ def _config(pipeline: str | PipelineConfig, load: Loader | None = None) -> Pipel
 def plan_task(pipeline: str | PipelineConfig, started_by: str,
               due: Due | None = None) -> int | None:
     """`due`: when the DAG run was due (`offsetflow.orchestration.operators.due_time`)."""
+    from offsetflow.orchestration.observe import report_plan
+
     cfg = _config(pipeline)
     pipeline = cfg.name
-    out = plan_only(cfg, cfg.sink.connection, started_by=started_by, due=due)
+    try:
+        out = plan_only(cfg, cfg.sink.connection, started_by=started_by, due=due)
+    except Exception:
+        report_plan(cfg, None)  # the lag, also while planning fails
+        raise
+    report_plan(cfg, out)
     if out.batch is None:
         log.info("pipeline %s: nothing new to read; the Spark job is skipped", pipeline)
         return None
@@ -67,6 +75,19 @@ def connect_run_task(pipeline: str | PipelineConfig, batch_ids: list[int] | int)
     return messages
 
 
+def observed_run(cfg: PipelineConfig, batch_ids: list[int], run: Callable[[], T]) -> T:
+    """A run of batches, for monitoring: retries counted before it, failed batches and the
+    lag after a failure (the error itself is raised unchanged)."""
+    from offsetflow.orchestration.observe import report_run_failure, report_run_start
+
+    report_run_start(cfg, batch_ids)
+    try:
+        return run()
+    except Exception:
+        report_run_failure(cfg, batch_ids)
+        raise
+
+
 def publish_task(pipeline: str | PipelineConfig,
                  batch_ids: list[int] | int | None) -> dict[str, Any]:
     """Check the batches committed and log their figures (the DAG run fails otherwise).
@@ -87,6 +108,8 @@ def publish_task(pipeline: str | PipelineConfig,
                    "bad_records": b.bad_records, "offsets": b.offset_span,
                    "timings": b.timings, "error": b.error, "target_table": b.target_table,
                    "audit_id": b.audit_id,
+                   "duration_s": (b.finished_at - b.started_at).total_seconds()
+                   if b.finished_at and b.started_at else None,
                    "ranges": [{"topic": r.topic, "partition": r.partition,
                                "from_offset": r.from_offset, "until_offset": r.until_offset}
                               for r in b.ranges]}

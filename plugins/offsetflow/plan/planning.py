@@ -28,6 +28,7 @@ from offsetflow.config import PipelineConfig
 from offsetflow.errors import BatchStateError, DataLossError, TopicRecreatedError
 from offsetflow.ledger import Batch, Due, Ledger
 from offsetflow.plan.planner import Plan, check_topic_identity, plan_batch
+from offsetflow.plan.rate import RateDecision, decide_rate, observe
 from offsetflow.ranges import DataLossGap, split_ranges
 from offsetflow.source import KafkaMetadata
 
@@ -39,6 +40,8 @@ class PlanOutcome:
     batch: Batch | None  # None: nothing new to read
     reused: bool
     plan: Plan | None
+    rate: RateDecision | None = None  # how an adaptive rate sized the batch
+    abandoned: tuple[int, ...] = ()  # open batches this plan abandoned (unreadable)
 
     @property
     def batch_id(self) -> int | None:
@@ -171,6 +174,7 @@ def plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
 def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                started_by: str, due: Due | None) -> PlanOutcome:
     pending_error: DataLossError | None = None
+    abandoned: tuple[int, ...] = ()
     with ledger.transaction() as cur:
         ledger.lock_pipeline(cur, cfg.name)  # 1
         existing = ledger.open_batch(cur, cfg.name)  # 2
@@ -202,6 +206,7 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                       f"them (not in its stage either); data_loss: continue planned a new "
                       f"batch past the gap")
             ledger.abandon(existing.batch_id, reason, cur)
+            abandoned = (existing.batch_id,)
             log.warning("pipeline %s: abandoned open batch %d: %s", cfg.name,
                         existing.batch_id, reason)
         committed = ledger.positions(cfg.name, cur)  # 3
@@ -215,8 +220,17 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
         if cfg.starting.kind == "timestamp" and cfg.starting.timestamp_ms is not None:
             fresh = [tp for tp in tps if tp not in committed]
             by_ts = kafka.offsets_for_time(fresh, cfg.starting.timestamp_ms)
+        total_cap, rate = cfg.max_records_per_batch, None
+        if cfg.rate.adaptive == "pid" and cfg.rate.interval_s:
+            # sized from the last committed batch; the configured caps still win
+            previous, recent = ledger.rate_inputs(cur, cfg.name)
+            rate = decide_rate(cfg.rate, previous, observe(recent, cfg.rate.interval_s),
+                               cfg.max_records_per_batch)
+            total_cap = rate.max_records
+            log.info("pipeline %s: rate %s: %s", cfg.name,
+                     f"{rate.rate:.1f}/s" if rate.rate is not None else "none", rate.why)
         plan = plan_batch(committed, offsets, cfg.starting, cfg.max_records_per_partition,
-                          cfg.max_records_per_batch, cfg.data_loss, by_ts)  # 4
+                          total_cap, cfg.data_loss, by_ts)  # 4
         for tp in plan.new_partitions:
             log.info("pipeline %s: new partition %s[%d]", cfg.name, *tp)
         for tp in plan.vanished:
@@ -256,7 +270,8 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
                 # expects the position it was planned from, so it can still commit
                 expected_positions={tp: committed[tp] for tp in (r.topic_partition
                                                                  for r in ranges)
-                                    if tp in committed})
+                                    if tp in committed},
+                rate=rate.record() if rate is not None else None)
             skipped = [g for g in plan.data_loss if any(
                 r.topic_partition == (g.topic, g.partition) for r in ranges)]
             if skipped:
@@ -268,10 +283,10 @@ def _plan_next(cfg: PipelineConfig, ledger: Ledger, kafka: KafkaMetadata,
             batch = ledger.get_batch(batch_id, cur)
             log.info("pipeline %s: planned batch %d: %d ranges, %d offsets", cfg.name,
                      batch_id, len(ranges), plan.offset_span)
-            return PlanOutcome(batch, reused=False, plan=plan)
+            return PlanOutcome(batch, reused=False, plan=plan, rate=rate, abandoned=abandoned)
         if pending_error is None and plan.data_loss:  # `continue`, nothing to read past it
             ledger.record_data_loss(cur, cfg.name, plan.data_loss, cfg.data_loss)
     if pending_error is not None:
         raise pending_error
     log.info("pipeline %s: nothing new to read", cfg.name)
-    return PlanOutcome(None, reused=False, plan=plan)
+    return PlanOutcome(None, reused=False, plan=plan, rate=rate, abandoned=abandoned)

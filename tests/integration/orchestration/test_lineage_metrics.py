@@ -1,60 +1,52 @@
-"""Lineage and metrics (issue 20 item 5) after a real DAG run (`airflow dags test`, Spark
-local, real Kafka/PostgreSQL): the OpenLineage file transport holds the publish task's event
-with the Kafka topic as input and the PostgreSQL table as output (OpenLineage naming), and a
-real StatsD listener (a UDP socket of this test) receives the pipeline's stats from Airflow's
-own Stats with the right names and values."""
+"""Lineage and metrics (issue 20 item 5, issue 31 items 4-5) after a real DAG run (`airflow
+dags test`, Spark local, real Kafka/PostgreSQL): the OpenLineage file transport holds the run
+task's events (where the batch is read and written) with the Kafka topic as input, the
+PostgreSQL table as output with its row count (`outputStatistics`), and the `offsetflow_batch`
+run facet with the batch id and its offset ranges; a run that fails emits a FAIL event with
+the error and the same facet. A real StatsD listener (a UDP socket of this test) receives the
+pipeline's stats from Airflow's own Stats, the pipeline as an InfluxDB-style tag."""
 
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 import pytest
+from confluent_kafka import Producer
 
 from tests.tooling.airflow_dags import dags_test
 from tests.tooling.pipeline_data import SCHEMA, produce_plain
+from tests.tooling.statsd_listener import StatsdListener
 
 pytestmark = pytest.mark.slow  # Airflow runs the pipeline's DAG with a Spark job
 
 
-class StatsdListener:
-    """Collects StatsD datagrams ("name:value|type") sent to 127.0.0.1:<port>."""
+def _events(path: Path, password: str) -> list[dict[str, Any]]:
+    assert path.exists(), "no OpenLineage event was written"
+    text = path.read_text()
+    assert password not in text
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
-    def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.5)
-        self.port = self.sock.getsockname()[1]
-        self.lines: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(65536)
-            except TimeoutError:
-                continue
-            self.lines += data.decode().splitlines()
+def _of(events: list[dict[str, Any]], kind: str, task: str) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("eventType") == kind
+            and e["job"]["name"].endswith(f".{task}")]
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
 
-    def values(self, name: str) -> list[tuple[float, str]]:
-        out = []
-        for line in self.lines:
-            stat, _, rest = line.partition(":")
-            if stat == name:
-                value, _, kind = rest.partition("|")
-                out.append((float(value), kind.split("|")[0]))
-        return out
+def _env(p: dict[str, Any], ol_file: Path, statsd_port: int | None = None) -> dict[str, Any]:
+    env = {**p["env"],
+           "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+               {"type": "file", "log_file_path": str(ol_file), "append": True}),
+           "AIRFLOW__OPENLINEAGE__NAMESPACE": "offsetflow-tests"}
+    if statsd_port is not None:
+        env.update({"AIRFLOW__METRICS__STATSD_ON": "True",
+                    "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+                    "AIRFLOW__METRICS__STATSD_PORT": str(statsd_port),
+                    "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
+                    "AIRFLOW__METRICS__STATSD_INFLUXDB_ENABLED": "True"})
+    return {**p, "env": env}
 
 
 def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
@@ -64,30 +56,16 @@ def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
     produce_plain(kafka_bootstrap, p["topic"], 900, f"m{p['name']}", 2)
     ol_file = tmp_path / "openlineage.jsonl"
     statsd = StatsdListener()
-    project = {**p, "env": {
-        **p["env"],
-        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
-            {"type": "file", "log_file_path": str(ol_file), "append": True}),
-        "AIRFLOW__OPENLINEAGE__NAMESPACE": "offsetflow-tests",
-        "AIRFLOW__METRICS__STATSD_ON": "True",
-        "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
-        "AIRFLOW__METRICS__STATSD_PORT": str(statsd.port),
-        "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
-    }}
     try:
-        dags_test(project, f"offsetflow_{p['name']}")
+        dags_test(_env(p, ol_file, statsd.port), f"offsetflow_{p['name']}")
     finally:
         statsd.close()
 
-    # -- OpenLineage: the publish task's COMPLETE event -----------------------------------
-    assert ol_file.exists(), "no OpenLineage event was written"
-    text = ol_file.read_text()
-    assert p["password"] not in text
-    events = [json.loads(line) for line in text.splitlines() if line.strip()]
-    publish = [e for e in events if e.get("eventType") == "COMPLETE"
-               and e["job"]["name"].endswith(".publish")]
-    assert publish, [(e.get("eventType"), e["job"]["name"]) for e in events]
-    ev = publish[-1]
+    # -- OpenLineage: the run task's START and COMPLETE events ------------------------------
+    events = _events(ol_file, p["password"])
+    complete = _of(events, "COMPLETE", "run_batch")
+    assert complete, [(e.get("eventType"), e["job"]["name"]) for e in events]
+    ev = complete[-1]
     params = psycopg2.extensions.parse_dsn(p["env"]["OFFSETFLOW_TEST_DSN"])
     pg_ns = f"postgres://{params['host']}:{params['port']}"
     assert [(d["namespace"], d["name"]) for d in ev["inputs"]] == [
@@ -96,13 +74,54 @@ def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
     assert sorted((f["name"], f["type"]) for f in fields) == sorted(SCHEMA.items())
     assert [(d["namespace"], d["name"]) for d in ev["outputs"]] == [
         (pg_ns, f"{params['dbname']}.public.{p['table']}")]
+    assert ev["outputs"][0]["outputFacets"]["outputStatistics"]["rowCount"] == 800
+    facet = ev["run"]["facets"]["offsetflow_batch"]
+    assert facet["pipeline"] == p["name"]
+    (batch,) = facet["batches"]
+    assert batch["status"] == "committed" and batch["rows_written"] == 800
+    assert sorted((r["partition"], r["from_offset"], r["until_offset"])
+                  for r in batch["ranges"]) == [(0, 0, 400), (1, 0, 400)]
+    start = _of(events, "START", "run_batch")
+    assert start and start[-1]["run"]["facets"]["offsetflow_batch"]["batches"][0][
+        "batch_id"] == batch["batch_id"]
+    # lineage is where the work is: the publish task no longer claims the topics it did not
+    # read (its outputs are its Asset events, which Airflow's own outlets give it)
+    assert all(not e.get("inputs") and "offsetflow_batch" not in e["run"]["facets"]
+               for e in _of(events, "COMPLETE", "publish"))
 
-    # -- StatsD: per pipeline, through Airflow's Stats ------------------------------------
-    base = f"airflow.offsetflow.{p['name']}"
-    assert statsd.values(f"{base}.records_read") == [(800.0, "c")], statsd.lines
-    assert statsd.values(f"{base}.rows_written") == [(800.0, "c")]
-    assert statsd.values(f"{base}.dead_letters") == [(0.0, "c")]
-    assert statsd.values(f"{base}.batches") == [(1.0, "c")]
-    assert statsd.values(f"{base}.lag") == [(100.0, "g")]
-    (commit_ms, kind), = statsd.values(f"{base}.commit_duration")
+    # -- StatsD: the pipeline as a tag, not in the names -----------------------------------
+    tag = f",pipeline={p['name']}"
+    assert statsd.values(f"airflow.offsetflow.records_read{tag}") == [(800.0, "c")], \
+        statsd.lines
+    assert statsd.values(f"airflow.offsetflow.rows_written{tag}") == [(800.0, "c")]
+    assert statsd.values(f"airflow.offsetflow.dead_letters{tag}") == [(0.0, "c")]
+    assert statsd.values(f"airflow.offsetflow.batches{tag}") == [(1.0, "c")]
+    # on the plan (900 unread) and after the publish (100)
+    assert statsd.values(f"airflow.offsetflow.lag{tag}") == [(900.0, "g"), (100.0, "g")]
+    (commit_ms, kind), = statsd.values(f"airflow.offsetflow.commit_duration{tag}")
     assert kind == "ms" and 0 < commit_ms < 120_000
+    (batch_ms, kind), = statsd.values(f"airflow.offsetflow.batch_duration{tag}")
+    assert kind == "ms" and commit_ms <= batch_ms < 600_000
+    assert not [line for line in statsd.lines if f"offsetflow.{p['name']}" in line]
+
+
+def test_failed_run_emits_an_openlineage_fail_event_with_the_error(
+        airflow_project: dict[str, Any], kafka_bootstrap: str, tmp_path: Path) -> None:
+    p = airflow_project
+    prod = Producer({"bootstrap.servers": kafka_bootstrap})
+    prod.produce(p["topic"], b"{not json", partition=0)  # bad_records: fail
+    assert prod.flush(30) == 0
+    produce_plain(kafka_bootstrap, p["topic"], 10, f"f{p['name']}", 2)
+    ol_file = tmp_path / "openlineage.jsonl"
+    out = dags_test(_env(p, ol_file), f"offsetflow_{p['name']}", expect_ok=False)
+    events = _events(ol_file, p["password"])
+    fail = _of(events, "FAIL", "run_batch")
+    assert fail, ([(e.get("eventType"), e["job"]["name"]) for e in events], out[-3000:])
+    ev = fail[-1]
+    error = ev["run"]["facets"]["errorMessage"]["message"]
+    assert "JSON" in error or "json" in error, error
+    (batch,) = ev["run"]["facets"]["offsetflow_batch"]["batches"]
+    assert batch["status"] == "failed"
+    assert sorted((r["partition"], r["from_offset"], r["until_offset"])
+                  for r in batch["ranges"]) == [(0, 0, 6), (1, 0, 5)]
+    assert [d["name"] for d in ev["inputs"]] == [p["topic"]]

@@ -15,7 +15,7 @@ from offsetflow.orchestration.lineage import (
     sanitize_kafka_uri,
     sanitize_postgres_uri,
 )
-from offsetflow.orchestration.pipeline_metrics import Metric, batch_metrics
+from offsetflow.orchestration.pipeline_metrics import Metric, batch_metrics, count, lag_metrics
 
 
 def test_kafka_names_use_the_first_bootstrap_server_and_default_port() -> None:
@@ -58,18 +58,23 @@ def test_uri_handlers_and_openlineage_converters_round_trip() -> None:
 
 
 def test_batch_metrics_names_and_values() -> None:
-    got = batch_metrics("orders", [
-        {"records_read": 10, "rows_written": 8, "bad_records": 2, "timings": {"commit_s": 0.5}},
-        {"records_read": 1, "rows_written": 1, "bad_records": 0, "timings": {}}], lag=7)
+    # the pipeline is a tag (emit), never part of a name
+    got = batch_metrics([
+        {"records_read": 10, "rows_written": 8, "bad_records": 2, "timings": {"commit_s": 0.5},
+         "duration_s": 4.0},
+        {"records_read": 1, "rows_written": 1, "bad_records": 0, "timings": {}}])
     assert got == [
-        Metric("incr", "offsetflow.orders.batches", 1),
-        Metric("incr", "offsetflow.orders.records_read", 10),
-        Metric("incr", "offsetflow.orders.rows_written", 8),
-        Metric("incr", "offsetflow.orders.dead_letters", 2),
-        Metric("timing", "offsetflow.orders.commit_duration", 0.5),
-        Metric("incr", "offsetflow.orders.batches", 1),
-        Metric("incr", "offsetflow.orders.records_read", 1),
-        Metric("incr", "offsetflow.orders.rows_written", 1),
-        Metric("incr", "offsetflow.orders.dead_letters", 0),
-        Metric("gauge", "offsetflow.orders.lag", 7)]
-    assert all(m.name != "offsetflow.orders.lag" for m in batch_metrics("orders", [], None))
+        Metric("incr", "offsetflow.batches", 1),
+        Metric("incr", "offsetflow.records_read", 10),
+        Metric("incr", "offsetflow.rows_written", 8),
+        Metric("incr", "offsetflow.dead_letters", 2),
+        Metric("timing", "offsetflow.commit_duration", 0.5),
+        Metric("timing", "offsetflow.batch_duration", 4.0),
+        Metric("incr", "offsetflow.batches", 1),
+        Metric("incr", "offsetflow.records_read", 1),
+        Metric("incr", "offsetflow.rows_written", 1),
+        Metric("incr", "offsetflow.dead_letters", 0)]
+    assert lag_metrics(7, 12.5) == [Metric("gauge", "offsetflow.lag", 7),
+                                    Metric("gauge", "offsetflow.oldest_unread_age", 12.5)]
+    assert lag_metrics(None, None) == [] and count("batches_failed", 0) == []
+    assert count("batches_failed", 2) == [Metric("incr", "offsetflow.batches_failed", 2)]

@@ -1,0 +1,220 @@
+"""Adaptive batch sizing (`source.rate: {adaptive: pid}`): Spark Streaming's PID rate
+estimator (`PIDRateEstimator`, `spark.streaming.backpressure.pid.*`), as pure code.
+
+Spark keeps the estimator's state in the driver's memory; OffsetFlow keeps it in the ledger:
+each scheduled batch records the rate it was sized for, why, and the state after the update
+(`RateDecision.record`), and the next plan starts from that record and the observation of
+the last committed batch. So a plan is a function of the ledger, and a re-plan repeats it.
+
+The update is Spark's, term for term (rates in records per second, times in milliseconds):
+
+    processing_rate = records / processing_ms * 1000
+    error           = latest_rate - processing_rate
+    historical      = scheduling_ms * processing_rate / interval_ms      (the integral)
+    d_error         = (error - latest_error) / ((time_ms - latest_time_ms) / 1000)
+    new_rate        = max(latest_rate - proportional * error - integral * historical
+                          - derived * d_error, min_rate)
+
+skipped unless time_ms > latest_time_ms, records > 0 and processing_ms > 0; the first
+update only takes the processing rate as its latest rate (no estimate yet). A batch is sized
+for `rate * interval` offsets (Spark's `maxMessagesPerPartition` times the partitions),
+within the configured caps: `max_records_per_batch` and `max_records_per_partition` win over
+the rate, and `min_rate` only bounds the rate.
+
+What OffsetFlow observes of a batch (`observe`): its records are its offsets (Spark's direct
+Kafka stream counts its ranges' offsets too); its time is when it was planned; its
+processing time is its last run's steps as the driver timed them (`batches.timings`); its
+scheduling delay is how much later than one interval after the previous scheduled batch it
+was planned (a run that overran its interval delays the next: the backlog Spark's integral
+term reads).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from offsetflow.config import RateConfig
+
+
+@dataclass(frozen=True)
+class PidState:
+    """Spark's estimator fields after an update; `first_run` until the first observation."""
+
+    latest_time_ms: int = -1
+    latest_rate: float = -1.0
+    latest_error: float = -1.0
+    first_run: bool = True
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One committed batch as the estimator sees it."""
+
+    batch_id: int
+    time_ms: int
+    records: int
+    processing_ms: int
+    scheduling_ms: int
+
+    @property
+    def processing_rate(self) -> float:
+        return self.records / self.processing_ms * 1000
+
+
+@dataclass(frozen=True)
+class PidStep:
+    """One update: the new state, the rate (None: no estimate, Spark's `None`) and terms."""
+
+    state: PidState
+    rate: float | None
+    error: float = 0.0
+    historical_error: float = 0.0
+    d_error: float = 0.0
+    skipped: str = ""  # why nothing was updated
+
+
+def pid_update(state: PidState, rate: RateConfig, interval_ms: float, time_ms: int,
+               records: int, processing_ms: int, scheduling_ms: int) -> PidStep:
+    """Spark's `PIDRateEstimator.compute` (see the module docstring)."""
+    if not (time_ms > state.latest_time_ms and records > 0 and processing_ms > 0):
+        why = ("no batch since the last estimate" if time_ms <= state.latest_time_ms
+               else "the batch read nothing or took no time")
+        return PidStep(state, None, skipped=why)
+    delay_since_update = (time_ms - state.latest_time_ms) / 1000
+    processing_rate = records / processing_ms * 1000
+    error = state.latest_rate - processing_rate
+    historical = scheduling_ms * processing_rate / interval_ms
+    d_error = (error - state.latest_error) / delay_since_update
+    new_rate = max(state.latest_rate - rate.proportional * error
+                   - rate.integral * historical - rate.derived * d_error, rate.min_rate)
+    if state.first_run:
+        return PidStep(PidState(time_ms, processing_rate, 0.0, False), None, error,
+                       historical, d_error)
+    return PidStep(PidState(time_ms, new_rate, error, False), new_rate, error, historical,
+                   d_error)
+
+
+def _ms(t: datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+# the driver's steps of a run, as it records them in `batches.timings` (seconds)
+RUN_STEPS = ("prepare_s", "read_stage_s", "quality_s", "commit_s")
+
+
+def processing_ms(b: Mapping[str, Any]) -> int | None:
+    """A committed batch's processing time: its last run's steps as the driver timed them;
+    without those, its start to its commit (`finished_at` is the commit transaction's start,
+    which the part-wise commit opens while parts are still being staged: too short)."""
+    timings = b.get("timings") or {}
+    if timings.get("read_stage_s") is not None:
+        return int(round(1000 * sum(float(timings.get(k) or 0) for k in RUN_STEPS)))
+    if b.get("started_at") is None or b.get("finished_at") is None:
+        return None
+    return _ms(b["finished_at"]) - _ms(b["started_at"])
+
+
+def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observation | None:
+    """The last committed scheduled batch of `batches` (ledger rows, newest first: batch_id,
+    status, offsets, planned_at, started_at, finished_at, timings), or None."""
+    for i, b in enumerate(batches):
+        if b["status"] != "committed":
+            continue
+        took = processing_ms(b)
+        if took is None:
+            return None
+        before = batches[i + 1]["planned_at"] if i + 1 < len(batches) else None
+        late = (_ms(b["planned_at"]) - _ms(before) - interval_s * 1000) if before else 0
+        return Observation(batch_id=int(b["batch_id"]), time_ms=_ms(b["planned_at"]),
+                           records=int(b["offsets"]), processing_ms=took,
+                           scheduling_ms=int(max(0, late)))
+    return None
+
+
+@dataclass(frozen=True)
+class RateDecision:
+    """How the next scheduled batch is sized: `max_records` (None: by the caps only)."""
+
+    rate: float | None  # records per second
+    max_records: int | None  # the total cap this plan uses (rate and max_records_per_batch)
+    limit: str  # what decides the total: "rate", "max_records_per_batch" or "none"
+    why: str
+    state: PidState
+    step: PidStep | None = None
+    observation: Observation | None = None
+    interval_s: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        """What the ledger keeps with the batch (`batches.rate`)."""
+        out: dict[str, Any] = {
+            "adaptive": "pid", "rate": _round(self.rate), "interval_s": self.interval_s,
+            "max_records": self.max_records, "limit": self.limit, "why": self.why,
+            "state": asdict(self.state)}
+        if self.observation is not None:
+            o = self.observation
+            out["observed"] = {**asdict(o), "processing_rate": _round(o.processing_rate)}
+        if self.step is not None and not self.step.skipped:
+            out["terms"] = {"error": _round(self.step.error),
+                            "historical_error": _round(self.step.historical_error),
+                            "d_error": _round(self.step.d_error)}
+        return out
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def state_of(record: Mapping[str, Any] | None) -> PidState:
+    """The estimator state a batch's rate record left (a fresh one without a record)."""
+    if not record or not isinstance(record.get("state"), Mapping):
+        return PidState()
+    s = record["state"]
+    return PidState(int(s["latest_time_ms"]), float(s["latest_rate"]),
+                    float(s["latest_error"]), bool(s["first_run"]))
+
+
+def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
+                observation: Observation | None,
+                max_records_per_batch: int | None) -> RateDecision:
+    """Size the next scheduled batch: update the estimator of the `previous` rate record
+    (the newest batch that has one) with `observation` (the last committed batch), then
+    turn the rate into a total record cap within `max_records_per_batch`."""
+    assert rate.adaptive == "pid" and rate.interval_s, "pid needs source.rate.interval_s"
+    interval_s = rate.interval_s
+    state = state_of(previous)
+    kept = previous.get("rate") if previous else None
+    step: PidStep | None = None
+    if observation is None:
+        new_rate, why = kept, "no committed batch to observe yet"
+    else:
+        step = pid_update(state, rate, interval_s * 1000, observation.time_ms,
+                          observation.records, observation.processing_ms,
+                          observation.scheduling_ms)
+        state = step.state
+        o = observation
+        seen = (f"batch {o.batch_id}: {o.records} offsets in {o.processing_ms / 1000:.3f} s "
+                f"= {o.processing_rate:.1f}/s, {o.scheduling_ms / 1000:.3f} s late")
+        if step.skipped:
+            new_rate, why = kept, f"{step.skipped} ({seen}): rate kept"
+        elif step.rate is None:
+            new_rate, why = kept, (f"first observation ({seen}); the estimator starts from "
+                                   f"it and sizes from the next batch on")
+        else:
+            new_rate = step.rate
+            why = (f"{seen}; error {step.error:.1f}/s, historical {step.historical_error:.1f}"
+                   f"/s, d_error {step.d_error:.3f}/s^2 -> {new_rate:.1f}/s"
+                   + (" (min_rate)" if new_rate == rate.min_rate else ""))
+    by_rate = None if new_rate is None else max(1, math.ceil(float(new_rate) * interval_s))
+    caps = [(n, c) for n, c in (("rate", by_rate),
+                                ("max_records_per_batch", max_records_per_batch))
+            if c is not None]
+    limit, total = min(caps, key=lambda nc: nc[1]) if caps else ("none", None)
+    if limit == "max_records_per_batch" and by_rate is not None:
+        why += f"; {by_rate} offsets for {interval_s:g} s capped by max_records_per_batch"
+    return RateDecision(rate=None if new_rate is None else float(new_rate), max_records=total,
+                        limit=limit, why=why, state=state, step=step, observation=observation,
+                        interval_s=interval_s)

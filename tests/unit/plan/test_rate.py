@@ -1,0 +1,174 @@
+"""Adaptive batch sizing: the estimator against values worked out by hand from Spark's
+`PIDRateEstimator.compute`, the ledger observation, the caps, and a simulation of a
+scheduled pipeline (pure: the real planner and estimator, a model of Kafka and Spark)."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from offsetflow.config import RateConfig, StartingPolicy, schedule_interval_s
+from offsetflow.plan import PidState, decide_rate, observe, pid_update
+from offsetflow.plan.planner import plan_batch
+from offsetflow.ranges import PartitionOffsets
+
+PID = RateConfig(adaptive="pid", interval_s=10.0)  # Spark's defaults: 1.0, 0.2, 0.0, 100
+AFTER_FIRST = PidState(latest_time_ms=10_000, latest_rate=2500.0, latest_error=0.0,
+                       first_run=False)
+
+
+def test_first_observation_only_seeds_the_estimator() -> None:
+    # 5000 records in 2 s: 2500/s becomes the latest rate; Spark returns None
+    step = pid_update(PidState(), PID, 10_000, time_ms=10_000, records=5000,
+                      processing_ms=2000, scheduling_ms=0)
+    assert step.rate is None
+    assert step.state == AFTER_FIRST
+
+
+def test_update_matches_sparks_formula_by_hand() -> None:
+    # processing rate 30000 / 15 s = 2000/s; error = 2500 - 2000 = 500;
+    # historical = 5000 ms * 2000 / 10000 ms = 1000; d_error = (500 - 0) / 10 s = 50;
+    # new = 2500 - 1.0 * 500 - 0.2 * 1000 - 0.0 * 50 = 1800
+    step = pid_update(AFTER_FIRST, PID, 10_000, time_ms=20_000, records=30_000,
+                      processing_ms=15_000, scheduling_ms=5000)
+    assert (step.error, step.historical_error, step.d_error) == (500.0, 1000.0, 50.0)
+    assert step.rate == pytest.approx(1800.0)
+    assert step.state == PidState(20_000, 1800.0, 500.0, False)
+    # with derived: 0.5 the derivative term takes 0.5 * 50 = 25 more
+    derived = dataclasses.replace(PID, derived=0.5)
+    assert pid_update(AFTER_FIRST, derived, 10_000, 20_000, 30_000, 15_000,
+                      5000).rate == pytest.approx(1775.0)
+    # next batch: 18000 in 9 s = 2000/s, on time: error = 1800 - 2000 = -200, new = 2000;
+    # d_error = (-200 - 500) / 10 = -70
+    nxt = pid_update(step.state, PID, 10_000, 30_000, 18_000, 9000, 0)
+    assert nxt.rate == pytest.approx(2000.0)
+    assert nxt.d_error == pytest.approx(-70.0)
+
+
+def test_min_rate_bounds_the_estimate() -> None:
+    # 10 records in 1 s: 1800 - (1800 - 10) = 10, below min_rate 100
+    state = PidState(20_000, 1800.0, 500.0, False)
+    assert pid_update(state, PID, 10_000, 30_000, 10, 1000, 0).rate == 100.0
+
+
+@pytest.mark.parametrize(("time_ms", "records", "processing_ms"),
+                         [(20_000, 100, 1000), (30_000, 0, 1000), (30_000, 100, 0)])
+def test_skipped_like_spark(time_ms: int, records: int, processing_ms: int) -> None:
+    state = PidState(20_000, 1800.0, 500.0, False)
+    step = pid_update(state, PID, 10_000, time_ms, records, processing_ms, 0)
+    assert step.rate is None and step.state == state and step.skipped
+
+
+T = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(s: float | None) -> datetime | None:
+    return None if s is None else T + timedelta(seconds=s)
+
+
+def row(batch_id: int, status: str, offsets: int, planned: float, started: float | None = None,
+        finished: float | None = None) -> dict[str, Any]:
+    return {"batch_id": batch_id, "status": status, "offsets": offsets,
+            "planned_at": at(planned), "started_at": at(started), "finished_at": at(finished)}
+
+
+def test_observation_from_the_ledger() -> None:
+    # batch 2 was planned 25 s after batch 1 with a 10 s interval: 15 s late; it ran 12 s
+    obs = observe([row(2, "committed", 3000, 25, 26, 38), row(1, "committed", 100, 0, 1, 2)],
+                  10.0)
+    assert obs is not None
+    assert (obs.batch_id, obs.records, obs.processing_ms, obs.scheduling_ms) == (
+        2, 3000, 12_000, 15_000)
+    assert observe([row(1, "committed", 100, 0, 1, 2)], 10.0).scheduling_ms == 0  # type: ignore[union-attr]
+    assert observe([], 10.0) is None
+    # the driver's timings win over started -> finished (the commit's transaction start)
+    timed = {**row(2, "committed", 3000, 25, 26, 28),
+             "timings": {"prepare_s": 1.0, "read_stage_s": 9.5, "commit_s": 0.5,
+                         "commit_overlapped_s": 2.0}}
+    assert observe([timed], 10.0).processing_ms == 11_000  # type: ignore[union-attr]
+
+
+def test_decision_caps_and_record() -> None:
+    obs = observe([row(2, "committed", 30_000, 20, 25, 40), row(1, "committed", 5000, 10, 11, 13)],
+                  10.0)
+    previous = {"rate": None, "state": dataclasses.asdict(AFTER_FIRST)}
+    d = decide_rate(PID, previous, obs, max_records_per_batch=None)
+    # observed: 30000 in 15 s = 2000/s, planned 0 s late (10 s after batch 1): 2500 - 500
+    assert d.rate == pytest.approx(2000.0) and d.max_records == 20_000 and d.limit == "rate"
+    capped = decide_rate(PID, previous, obs, max_records_per_batch=12_000)
+    assert (capped.max_records, capped.limit) == (12_000, "max_records_per_batch")
+    rec = d.record()
+    assert rec["rate"] == 2000.0 and rec["observed"]["batch_id"] == 2
+    assert rec["state"]["latest_rate"] == pytest.approx(2000.0)
+    assert "batch 2: 30000 offsets" in rec["why"]
+    # the same observation again (a re-plan after an empty plan): nothing new, rate kept
+    again = decide_rate(PID, rec, obs, None)
+    assert again.rate == pytest.approx(2000.0) and "rate kept" in again.why
+    # no record and nothing committed yet: the caps only
+    none = decide_rate(PID, None, None, 500)
+    assert (none.rate, none.max_records, none.limit) == (None, 500, "max_records_per_batch")
+
+
+def test_schedule_interval() -> None:
+    assert schedule_interval_s("*/5 * * * *") == 300
+    assert schedule_interval_s("@hourly") == 3600
+    assert schedule_interval_s(None) is None and schedule_interval_s("@once") is None
+
+
+# -- simulation ------------------------------------------------------------------------------
+
+def simulate(arrival: float, capacity: float, interval: float, batches: int,
+             adaptive: bool, overhead: float = 5.0) -> list[dict[str, float]]:
+    """A scheduled pipeline over one partition: records arrive at `arrival`/s; a batch of n
+    offsets takes `overhead + n / capacity` s; runs are due every `interval` s and a run
+    that overruns delays the next (Airflow's max_active_runs=1 queue). Each plan goes through
+    `observe`, `decide_rate` and `plan_batch` with the ledger rows a real run would leave."""
+    rate_cfg = RateConfig(adaptive="pid", interval_s=interval)
+    tp = ("t", 0)
+    rows: list[dict[str, Any]] = []
+    previous: dict[str, Any] | None = None
+    position, due, free_at = 0, interval, 0.0
+    out = []
+    for k in range(batches):
+        start = max(due, free_at)
+        latest = int(arrival * start)
+        cap = None
+        if adaptive:
+            d = decide_rate(rate_cfg, previous, observe(rows[::-1][:2], interval), None)
+            cap, previous = d.max_records, d.record()
+        plan = plan_batch({tp: position} if k else {}, {tp: PartitionOffsets(0, latest)},
+                          StartingPolicy("earliest"), 10**12, cap)
+        n = plan.offset_span
+        took = overhead + n / capacity
+        rows.append(row(k + 1, "committed", n, start, start, start + took))
+        position += n
+        free_at = start + took
+        out.append({"start": start, "records": n, "took": took, "late": start - due,
+                    "lag": int(arrival * free_at) - position})
+        due = max(due + interval, free_at // interval * interval)
+    return out
+
+
+def test_simulation_over_capacity_batch_time_converges_near_the_interval() -> None:
+    # arrivals twice what a batch can process in its interval (capacity 1000/s, 2000/s in)
+    fixed = simulate(2000, 1000, 60, 40, adaptive=False)
+    pid = simulate(2000, 1000, 60, 40, adaptive=True)
+    # fixed caps: every batch takes all the lag, so each one takes longer than the last
+    assert fixed[9]["took"] > 10 * 60 and fixed[9]["took"] > fixed[4]["took"] * 1.5
+    # PID: the last 20 batches each take about the interval, and start about on time
+    tail = pid[-20:]
+    assert all(0.85 * 60 <= b["took"] <= 1.15 * 60 for b in tail), [b["took"] for b in tail]
+    assert max(b["late"] for b in tail) < 0.5 * 60
+    # what a batch reads converges to what fits in the interval: (60 - 5) s * 1000/s
+    assert tail[-1]["records"] == pytest.approx(55_000, rel=0.05)
+
+
+def test_simulation_below_capacity_lag_stays_bounded() -> None:
+    # arrivals at half the capacity: batches take what arrived, the lag never builds up
+    pid = simulate(500, 1000, 60, 40, adaptive=True)
+    assert max(b["lag"] for b in pid) <= 500 * 60 * 1.2
+    assert all(b["took"] < 60 for b in pid[1:])
+    assert pid[-1]["records"] == pytest.approx(500 * 60, rel=0.05)
