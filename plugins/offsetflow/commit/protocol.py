@@ -164,6 +164,8 @@ class WholeStage(Step4):
                  if self.spec.external is not None
                  else move_rows(cur, batch, self.spec, staged, self.timings))
         moved.per_range = per_range
+        if self.timings is not None:
+            self.timings.update(moved.timings)
         return moved
 
 

@@ -93,3 +93,6 @@ class Moved:
     rows: int = 0
     dead: int = 0
     per_range: dict[str, int] = field(default_factory=dict)
+    # step 4's own split of its wall time (an external sink's phases, e.g. a Kafka sink's
+    # produce and commit), added to the batch's timings
+    timings: dict[str, float] = field(default_factory=dict)

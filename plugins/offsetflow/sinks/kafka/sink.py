@@ -41,6 +41,7 @@ from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, LedgerIdentity, ledger_identity, stage_table
 from offsetflow.sinks.kafka.form import (
     check_columns,
+    order_index_sql,
     record_headers,
     record_size,
     rows_per_fetch,
@@ -106,6 +107,8 @@ class KafkaTopicSink(KafkaTransaction):
         # the group's offsets `find` read when the batch was not there (`write` checks them)
         self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
         self.stage_gone = False  # see `completing`
+        # `write`'s phases (wall s), reported in the batch's timings (`Moved.timings`)
+        self.phases: dict[str, float] = {}
 
     # --- ExternalSink ---------------------------------------------------------------
 
@@ -213,9 +216,16 @@ class KafkaTopicSink(KafkaTransaction):
         md = self._check_replicas(batch, topic, sorted({r.partition for r in batch.ranges})
                                   if by_source else None)
         limit = self.settings.record_limit(self.sink.producer)
+        t = time.monotonic()
         cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
         largest, ts_min, ts_max = cur.fetchone()  # type: ignore[misc]
+        self._phase("kafka_extent_s", t)
         cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        # a streamed cursor: compiling its expressions (JIT) costs more than it saves
+        cur.execute("SET LOCAL jit = off")
+        t = time.monotonic()
+        cur.execute(order_index_sql(batch.batch_id))  # the stage streams in source order
+        self._phase("kafka_order_index_s", t)
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         for attempt in range(1, MAX_PASSES + 1):
@@ -229,7 +239,9 @@ class KafkaTopicSink(KafkaTransaction):
                 raise StagedRowsLostError(batch.batch_id, None,
                                           f"the stage holds {produced + len(skipped)} rows "
                                           f"but its markers count {staged}")
+            t = time.monotonic()
             self._flush()
+            self._phase("kafka_flush_s", t)
             if not primary(self._failed):
                 break
             self._abort(batch)
@@ -244,17 +256,23 @@ class KafkaTopicSink(KafkaTransaction):
             raise KafkaSinkError(f"batch {batch.batch_id}: the broker still refused records "
                                  f"of {topic} after {MAX_PASSES} passes, each leaving out "
                                  f"those it refused before; nothing is visible")
+        t = time.monotonic()
         self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False
+        self._phase("kafka_commit_s", t)
         _fault_point("kill_after_commit")
         note_output_partitions(cur, batch, topic, len(md.partitions), not by_source)
         replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
-        moved = Moved(rows=produced, dead=len(skipped))
+        moved = Moved(rows=produced, dead=len(skipped), timings=dict(self.phases))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
+
+    def _phase(self, name: str, since: float) -> None:
+        """Add the wall time since `since` to phase `name` (summed over passes)."""
+        self.phases[name] = round(self.phases.get(name, 0.0) + time.monotonic() - since, 3)
 
     def _produce_stage(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
                        partitions: int, limit: int, largest: int,
@@ -290,11 +308,19 @@ class KafkaTopicSink(KafkaTransaction):
         batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
                                                         str(batch.batch_id).encode())
         produce = p.produce
+        began = time.monotonic()
+        waited = 0.0  # for the stage's rows (PostgreSQL building them)
         with contextlib.closing(prefetched(
                 cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
                 select_sql(self.sink, self.columns, stage_table(batch.batch_id)),
-                rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as chunks:
-            for chunk in chunks:
+                rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as fetches:
+            chunks = iter(fetches)
+            while True:
+                w = time.monotonic()
+                chunk = next(chunks, None)
+                waited += time.monotonic() - w
+                if chunk is None:
+                    break
                 for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
                     if by_source and s_part >= partitions:
                         raise KafkaSinkError(
@@ -339,6 +365,9 @@ class KafkaTopicSink(KafkaTransaction):
                             ts if check_ts and ts and not lo <= ts <= hi else None)))
                         continue
                     produced += 1
+        self.phases["kafka_read_wait_s"] = round(
+            self.phases.get("kafka_read_wait_s", 0.0) + waited, 3)
+        self._phase("kafka_produce_s", began)
         return produced, skipped
 
     def _flush(self) -> None:
