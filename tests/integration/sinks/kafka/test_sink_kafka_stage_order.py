@@ -63,3 +63,25 @@ def test_the_stage_streams_in_source_order_without_a_sort(pg_dsn: str, unique: s
                 sql.Identifier("offsetflow_stage", f"b{bid}_dead")))
         conn.commit()
         conn.close()
+
+
+def test_a_batch_of_only_aborted_records_commits_with_no_record(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A batch whose ranges hold only an aborted transaction stages no row: the commit
+    indexes an empty stage, produces nothing and still commits the source offsets."""
+    from offsetflow.job import run_batch
+    from offsetflow.ops import plan_only
+    from tests.tooling.chaos import Workload
+    from tests.tooling.topic_checker import read_topic
+
+    src = make_topic("kz-src", 2)
+    out = make_topic("kz-out", 2)
+    w = Workload(kafka_bootstrap, src, 2, f"kz{unique}")
+    w.transaction(6, commit=False)
+    cfg = kafka_sink_pipeline(f"kz_{unique}", src, pg_dsn, kafka_bootstrap, topic=out,
+                              partitioning="source", headers="none", split=2)
+    planned = plan_only(cfg, pg_dsn)
+    assert planned.batch is not None
+    rep = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    assert rep.result.status == "committed" and rep.result.rows_written == 0, rep.result
+    assert read_topic(kafka_bootstrap, out) == []
