@@ -44,6 +44,7 @@ def test_the_stage_streams_in_source_order_without_a_sort(pg_dsn: str, unique: s
             conn.commit()
             cur.execute("SET LOCAL jit = off")
             cur.execute(order_index_sql(bid))
+            assert cfg.sink.kafka is not None
             query = select_sql(cfg.sink.kafka, dict(columns), stage_table(bid))
             cur.execute(sql.SQL("EXPLAIN DECLARE c CURSOR FOR {}").format(query))
             plan = [r[0] for r in cur.fetchall()]
