@@ -10,7 +10,7 @@ import pytest
 
 from offsetflow.commit.tables import pending_columns
 from offsetflow.errors import SchemaMismatchError
-from offsetflow.source import evolved_columns, incompatibilities
+from offsetflow.source import evolved_columns, incompatibilities, unreadable
 
 
 def _s(*fields: dict[str, Any]) -> str:
@@ -93,3 +93,14 @@ def test_schema_ids_noted_per_partition_with_their_first_offset() -> None:
     note_schema_ids(packed, values, [10, 11, 12, 13, 14, 15], "t", 0,
                     ["t", "t", "u", "u", "t", "u"], [0, 0, 1, 1, 0, 1])
     assert packed == {"t/0": {"7": 10}, "u/1": {"9": 13}}
+
+
+def test_a_field_readded_with_another_type_is_checked_writer_by_writer() -> None:
+    v1 = _s({"name": "id", "type": "long"}, {"name": "c", "type": "string", "default": ""})
+    v2 = _s({"name": "id", "type": "long"})
+    v3 = _s({"name": "id", "type": "long"}, {"name": "c", "type": "int", "default": 0})
+    assert incompatibilities(v1, v2) == [] and incompatibilities(v2, v3) == []
+    assert unreadable(v1, v3) == ["field 'c' changed from string to int (not a widening)"]
+    assert unreadable(v2, v3) == []
+    # a reader that drops a field reads its writer's records (only the chain refuses that)
+    assert unreadable(_s(*BASE), _s(BASE[0])) == []
