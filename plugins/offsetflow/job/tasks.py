@@ -111,6 +111,15 @@ class ReadContext:
         """The columns schema evolution adds to `declared` (format.schema)."""
         return {c: t for c, t in self.schema.items() if c not in declared}
 
+    def added_defaults(self, added: dict[str, str]) -> dict[str, Any]:
+        """What the rows already in the target take in the `added` columns: the reader
+        schema's defaults, as a record of an older writer gets them (`field_defaults`)."""
+        if not added or not self.readers:
+            return {}
+        from offsetflow.source import field_defaults
+
+        return field_defaults(self.readers, added)
+
     def typed_schema(self) -> pa.Schema | None:
         """The Arrow schema of the typed columns (None: raw format)."""
         from offsetflow.source import arrow_schema

@@ -5,7 +5,13 @@ Spark tasks import this package: its face stays light.
 
 from __future__ import annotations
 
-from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas, subject_of
+from offsetflow.source.avro import (
+    AvroDecoder,
+    deserialize_avro,
+    field_defaults,
+    reader_schemas,
+    subject_of,
+)
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
 from offsetflow.source.evolution import (
     evolved_columns,
@@ -44,6 +50,7 @@ __all__ = [
     "deserialize_json_schema",
     "deserialize_protobuf",
     "evolved_columns",
+    "field_defaults",
     "incompatibilities",
     "publish_positions",
     "range_consumer",
