@@ -67,7 +67,8 @@ class ReadContext:
     generation: int | None = None  # the stage generation the run stages under
     # format avro: the registry (`source.registry_settings`) and each topic's reader schema
     # (id, text; None: records are read with their writer schema), resolved once per run
-    registry: dict[str, Any] | None = None
+    # (its password: not in a repr, as `dsn`)
+    registry: dict[str, Any] | None = field(default=None, repr=False)
     readers: dict[str, tuple[int, str] | None] | None = None
     # format.key avro: each topic's `<topic>-key` reader schema (latest), as `readers`
     key_readers: dict[str, tuple[int, str] | None] | None = None
