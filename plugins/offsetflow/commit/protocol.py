@@ -192,7 +192,8 @@ def commit_steps(ledger: Ledger, batch_id: int, spec: CommitSpec, step4: Step4,
                 return already_committed(batch)
             check_config(batch, spec)
             if spec.add_columns and spec.external is None:
-                evolved = evolve_target(cur, batch.target_table, spec.add_columns)
+                evolved = evolve_target(cur, batch.target_table, spec.add_columns,
+                                        spec.column_defaults)
                 if evolved:
                     log.info("batch %d: %s: %s (in the commit's transaction)",
                              batch.batch_id, batch.target_table, ", ".join(evolved))

@@ -76,6 +76,9 @@ class CommitSpec:
     # format.schema_evolution: the evolved columns (name, PostgreSQL type) step 1's end adds
     # to the target or widens in the commit's transaction (`tables.evolve_target`)
     add_columns: tuple[tuple[str, str], ...] = ()
+    # the value the rows already in the target take in an added column: the reader schema's
+    # default as a record of an older writer gets it (`source.field_defaults`); none: NULL
+    column_defaults: Mapping[str, object] = field(default_factory=dict)
     # the registry formats: each topic's reader schema id this run decoded with (None: the
     # writer's), recorded with the writer ids the markers name (`batches.schemas`)
     readers: Mapping[str, int | None] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import psycopg2.errors
 import psycopg2.extensions
@@ -180,14 +180,18 @@ def pending_columns(table: str, have: dict[str, str], columns: Sequence[tuple[st
 
 
 def evolve_target(cur: psycopg2.extensions.cursor, table: str,
-                  columns: Sequence[tuple[str, str]]) -> list[str]:
+                  columns: Sequence[tuple[str, str]],
+                  defaults: Mapping[str, object] | None = None) -> list[str]:
     """In the commit's transaction: add the evolved `columns` the target lacks (ALTER TABLE
     ... ADD COLUMN, nullable: a catalog-only change) and widen those of a narrower type
     (ALTER COLUMN ... TYPE), so they become visible with the batch's rows and positions or
     not at all. Identifiers are quoted; the types come from the Avro type mapping only.
     Checked again after the DDL: a run that added the column first (its lock waited for)
-    or a hand-made column of another type is caught here, before a row moves. Returns what
-    changed, in words."""
+    or a hand-made column of another type is caught here, before a row moves. `defaults`:
+    the value the rows already there take in an added column (the reader schema's default,
+    as a record of an older writer gets it; ADD ... DEFAULT then DROP DEFAULT keeps it for
+    them only, catalog-only), so they hold what a replay of their window writes. Returns
+    what changed, in words."""
     have = target_column_types(cur, table)
     if not have:
         raise SchemaMismatchError(f"target table {table} does not exist at the commit (it "
@@ -200,7 +204,13 @@ def evolve_target(cur: psycopg2.extensions.cursor, table: str,
     have = target_column_types(cur, table)
     done = []
     for name, t, how in pending_columns(table, have, columns):
-        if how == "add":
+        if how == "add" and defaults and defaults.get(name) is not None:
+            cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {} DEFAULT {}")
+                        .format(qualified(table), sql.Identifier(name), sql.SQL(t),
+                                sql.Literal(defaults[name])))
+            cur.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(
+                qualified(table), sql.Identifier(name)))
+        elif how == "add":
             cur.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
                 qualified(table), sql.Identifier(name), sql.SQL(t)))
         else:

@@ -388,6 +388,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       stage_generation=generation, subrange_parts=fused,
                       task_files=sink.tasks_write_files,
                       add_columns=tuple((c, t) for c, t in columns if c in added),
+                      column_defaults={} if rc is None else rc.added_defaults(added),
                       readers=None if rc is None else rc.reader_ids)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=dead_letters,

@@ -31,7 +31,13 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
     """Raise SchemaEvolutionError when the batch holds a change its policy refuses."""
     if cfg.schema_evolution is None or rc.registry is None or cfg.format_type != "avro":
         return
-    from offsetflow.source import RegistryClient, incompatibilities, schema_fields, subject_of
+    from offsetflow.source import (
+        RegistryClient,
+        incompatibilities,
+        schema_fields,
+        subject_of,
+        unreadable,
+    )
 
     with ledger.transaction() as cur:
         writers = staged_schema_ids(cur, batch_id)
@@ -64,6 +70,34 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
                     client.version_in(old, subject_of(topic)),
                     client.version_in(new, subject_of(topic)),
                     reader is not None and reader[0] == new))
+        if reader is not None:
+            _check_read_by(cfg, topic, reader, firsts, texts, client, unreadable)
+
+
+def _check_read_by(cfg: PipelineConfig, topic: str, reader: tuple[int, str],
+                   firsts: dict[int, list[int]], texts: dict[int, str], client: Any,
+                   unreadable: Any) -> None:
+    """Every writer schema of the batch against the reader schema its records decode with,
+    pair by pair: the chain checks neighbours only, and a field removed then re-added with
+    another type passes each step while the first writer's records no longer decode (they
+    would land in the dead letters as bad records)."""
+    from offsetflow.source import subject_of
+
+    for sid in sorted(firsts):
+        if sid == reader[0] or sid not in texts:
+            continue
+        why = unreadable(texts[sid], reader[1])
+        if why:
+            at = firsts[sid]
+            raise SchemaEvolutionError(
+                f"pipeline {cfg.name}: topic {topic}: records written with schema id {sid} "
+                f"(version {client.version_in(sid, subject_of(topic))} of {topic}-value) "
+                f"cannot be read as the batch's reader schema id {reader[0]} (version "
+                f"{client.version_in(reader[0], subject_of(topic))}): {'; '.join(why)}; its "
+                f"first record in the batch is {topic}[{at[0]}]@{at[1]}. Nothing of the "
+                f"batch was written and no position moved; pin "
+                f"format.schema_registry.reader_version to a version that reads both (or "
+                f"declare the field in format.schema) and run with --accept-config-change")
 
 
 def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,

@@ -67,7 +67,8 @@ class ReadContext:
     generation: int | None = None  # the stage generation the run stages under
     # format avro: the registry (`source.registry_settings`) and each topic's reader schema
     # (id, text; None: records are read with their writer schema), resolved once per run
-    registry: dict[str, Any] | None = None
+    # (its password: not in a repr, as `dsn`)
+    registry: dict[str, Any] | None = field(default=None, repr=False)
     readers: dict[str, tuple[int, str] | None] | None = None
     # format.key avro: each topic's `<topic>-key` reader schema (latest), as `readers`
     key_readers: dict[str, tuple[int, str] | None] | None = None
@@ -110,6 +111,15 @@ class ReadContext:
     def added(self, declared: dict[str, str]) -> dict[str, str]:
         """The columns schema evolution adds to `declared` (format.schema)."""
         return {c: t for c, t in self.schema.items() if c not in declared}
+
+    def added_defaults(self, added: dict[str, str]) -> dict[str, Any]:
+        """What the rows already in the target take in the `added` columns: the reader
+        schema's defaults, as a record of an older writer gets them (`field_defaults`)."""
+        if not added or not self.readers:
+            return {}
+        from offsetflow.source import field_defaults
+
+        return field_defaults(self.readers, added)
 
     def typed_schema(self) -> pa.Schema | None:
         """The Arrow schema of the typed columns (None: raw format)."""

@@ -5,9 +5,20 @@ Spark tasks import this package: its face stays light.
 
 from __future__ import annotations
 
-from offsetflow.source.avro import AvroDecoder, deserialize_avro, reader_schemas, subject_of
+from offsetflow.source.avro import (
+    AvroDecoder,
+    deserialize_avro,
+    field_defaults,
+    reader_schemas,
+    subject_of,
+)
 from offsetflow.source.deserialize import arrow_schema, deserialize_json
-from offsetflow.source.evolution import evolved_columns, incompatibilities, schema_fields
+from offsetflow.source.evolution import (
+    evolved_columns,
+    incompatibilities,
+    schema_fields,
+    unreadable,
+)
 from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
@@ -39,6 +50,7 @@ __all__ = [
     "deserialize_json_schema",
     "deserialize_protobuf",
     "evolved_columns",
+    "field_defaults",
     "incompatibilities",
     "publish_positions",
     "range_consumer",
@@ -48,4 +60,5 @@ __all__ = [
     "registry_settings",
     "schema_fields",
     "subject_of",
+    "unreadable",
 ]

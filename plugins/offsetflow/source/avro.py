@@ -169,6 +169,36 @@ def record_fields(datum: Any, schema: Mapping[str, str], only_present: bool = Fa
     return row
 
 
+def field_defaults(readers: Mapping[str, tuple[int, str] | None],
+                   columns: Mapping[str, str]) -> dict[str, Any]:
+    """column -> the value a record written without that field gets when read with the
+    reader schema (Avro resolution fills the field's default), converted as a row's value
+    (`avro_value`). Why: the rows already in the target when schema evolution adds the
+    column hold it, as a replay of their window, decoded with this reader, writes them.
+    Left out (NULL): a null default, a field some topic's reader lacks or defaults
+    otherwise, or one whose default cannot be resolved alone (a named type defined in
+    another field)."""
+    fastavro = require("avro", "format.type: avro (the Spark tasks decode with it)")
+    found: dict[str, list[Any]] = {}
+    texts = [r[1] for _, r in sorted(readers.items()) if r is not None]
+    for text in texts:
+        doc = json.loads(text)
+        shell = {k: v for k, v in doc.items() if k != "fields"}
+        for f in doc.get("fields") or []:
+            name = str(f.get("name"))
+            if name not in columns or f.get("default") is None:
+                continue
+            try:
+                datum = fastavro.schemaless_reader(
+                    io.BytesIO(b""), fastavro.parse_schema({**shell, "fields": []}),
+                    fastavro.parse_schema({**shell, "fields": [f]}))
+                found.setdefault(name, []).append(avro_value(datum.get(name), columns[name]))
+            except Exception:  # noqa: BLE001 - such a column is added without a value
+                continue
+    return {name: vs[0] for name, vs in found.items()
+            if len(vs) == len(texts) and all(v == vs[0] for v in vs)}
+
+
 def key_fields(key: bytes | None, topic: str, schema: Mapping[str, str],
                decoder: AvroDecoder) -> dict[str, Any]:
     """format.key avro: the declared columns a Confluent wire-format Avro key fills (its

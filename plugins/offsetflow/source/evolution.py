@@ -133,7 +133,20 @@ def incompatibilities(old_text: str, new_text: str) -> list[str]:
     """Why data of the older schema cannot be read as the newer one, or the newer drops
     what the older required: a field added without a default, a field removed that had no
     default, a type narrowed (not an Avro promotion), null no longer allowed."""
-    old, new = schema_fields(old_text), schema_fields(new_text)
+    old = schema_fields(old_text)
+    out = unreadable(old_text, new_text)
+    for name, o in old.items():
+        if name not in schema_fields(new_text) and not o.has_default:
+            out.append(f"required field {name!r} removed")
+    return out
+
+
+def unreadable(writer_text: str, reader_text: str) -> list[str]:
+    """Why records written with one schema cannot be read as another (Avro resolution
+    fails for them): a field the reader adds without a default, a type it narrows, null no
+    longer allowed. Checked per pair, not along the chain of versions: a field removed and
+    re-added with another type passes every step and still breaks the first writer."""
+    old, new = schema_fields(writer_text), schema_fields(reader_text)
     out = []
     for name, f in new.items():
         o = old.get(name)
@@ -146,9 +159,6 @@ def incompatibilities(old_text: str, new_text: str) -> list[str]:
             out.append(f"field {name!r} changed from {o.base} to {f.base} (not a widening)")
         elif o.nullable and not f.nullable:
             out.append(f"field {name!r} no longer allows null")
-    for name, o in old.items():
-        if name not in new and not o.has_default:
-            out.append(f"required field {name!r} removed")
     return out
 
 

@@ -275,3 +275,14 @@ def test_a_configs_repr_shows_no_credentials(over: dict[str, Any], secret: str) 
     assert secret not in repr(cfg), repr(cfg)
     rc = ReadContext.of(cfg, 1, cfg.sink.connection or ENV["OFFSETFLOW_PG_DSN"], [])
     assert "secret" not in repr(rc) and secret not in repr(rc)
+
+
+def test_a_read_contexts_repr_shows_no_registry_password() -> None:
+    """The registry settings a Spark task receives hold the password (now also from an
+    Airflow `http` connection, format.schema_registry.conn_id): not in the repr."""
+    from offsetflow.job.tasks import ReadContext
+    from offsetflow.source import registry_settings
+
+    rc = ReadContext(1, "dsn", "p", {}, {"id": "long"}, "avro", False, [], None,
+                     registry_settings("http://sr:8081", "u", "rpw-4", 10), None, None)
+    assert "rpw-4" not in repr(rc), repr(rc)

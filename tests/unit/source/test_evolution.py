@@ -10,7 +10,7 @@ import pytest
 
 from offsetflow.commit.tables import pending_columns
 from offsetflow.errors import SchemaMismatchError
-from offsetflow.source import evolved_columns, incompatibilities
+from offsetflow.source import evolved_columns, field_defaults, incompatibilities, unreadable
 
 
 def _s(*fields: dict[str, Any]) -> str:
@@ -123,3 +123,30 @@ def test_schema_evolution_config_where_it_is_built_and_in_the_fingerprint() -> N
     ]:
         with pytest.raises(ConfigError, match=words):
             _pipeline(**over)
+
+
+def test_a_field_readded_with_another_type_is_checked_writer_by_writer() -> None:
+    v1 = _s({"name": "id", "type": "long"}, {"name": "c", "type": "string", "default": ""})
+    v2 = _s({"name": "id", "type": "long"})
+    v3 = _s({"name": "id", "type": "long"}, {"name": "c", "type": "int", "default": 0})
+    assert incompatibilities(v1, v2) == [] and incompatibilities(v2, v3) == []
+    assert unreadable(v1, v3) == ["field 'c' changed from string to int (not a widening)"]
+    assert unreadable(v2, v3) == []
+    # a reader that drops a field reads its writer's records (only the chain refuses that)
+    assert unreadable(_s(*BASE), _s(BASE[0])) == []
+
+
+def test_field_defaults_are_the_values_an_older_writers_record_gets() -> None:
+    reader = _s({"name": "id", "type": "long"},
+                {"name": "ch", "type": "string", "default": "web"},
+                {"name": "n", "type": "long", "default": 7},
+                {"name": "note", "type": ["null", "string"], "default": None},
+                {"name": "tags", "type": {"type": "array", "items": "string"},
+                 "default": ["a"]})
+    cols = {"ch": "string", "n": "long", "note": "string", "tags": "json"}
+    assert field_defaults({"t": (1, reader)}, cols) == {"ch": "web", "n": 7,
+                                                        "tags": '["a"]'}
+    other = _s({"name": "id", "type": "long"}, {"name": "ch", "type": "string",
+                                                "default": "app"})
+    # topics whose readers disagree (or lack the field): NULL, not one topic's default
+    assert field_defaults({"t": (1, reader), "u": (2, other)}, cols) == {}
