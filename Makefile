@@ -88,12 +88,14 @@ else
 endif
 
 # the inner loop (under 5 minutes): the unit tests and the commit protocol's and the faults'
-# integration core, in the same two phases as `make test`
+# integration core, in the same two phases as `make test`. Test by test on the workers
+# (`--dist load`): these files have no module fixtures, and test_faults.py alone (~165 s)
+# kept on one worker would outlast the rest of the phase
 CHECK_TESTS := tests/unit tests/integration/commit tests/integration/job/test_faults.py
 check: up
 	@start=$$(date +%s); \
 	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m "not serial" \
-		-n $(TEST_WORKERS) --dist loadfile; rc1=$$?; \
+		-n $(TEST_WORKERS) --dist load; rc1=$$?; \
 	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m serial; rc2=$$?; \
 	echo "[check] done in $$(( $$(date +%s) - start )) s"; test $$rc1 -eq 0 -a $$rc2 -eq 0
 

@@ -76,6 +76,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda i: (str(i.fspath) not in cluster, str(i.fspath) not in slow))
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: runs without xdist too
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` keeping the files that share an airflow standalone on one worker
+    (tests/tooling/xdist_groups.py)."""
+    from tests.tooling.xdist_groups import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 @pytest.fixture(scope="session")
 def _stack_services() -> Any:
     from tests.tooling import services

@@ -1,6 +1,7 @@
 """`airflow standalone` for integration tests: DAG files synced, started in its own process
-group on its own port, healthy, an admin token; the whole group stopped afterwards. And one
-with a test pipeline on a topic of its own and the window DAGs a test names."""
+group on its own port, healthy, an admin token; the whole group stopped afterwards. And the
+one the orchestration modules share (`shared_standalone`, `SharedStandalone`): the window
+DAGs with a test pipeline per module, and the public API test's DAGs and connections."""
 
 from __future__ import annotations
 
@@ -130,33 +131,169 @@ def _standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def run_standalone(base: Path, pg_dsn: str, kafka_bootstrap: str, port: int,
-                   dags: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """`airflow standalone` in its own process group on `port`, with a test pipeline and
-    the given window DAGs; yields its URL, an admin token and the pipeline's names."""
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it): an Airflow of the tests on it
+    cannot meet another test run's on a fixed port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def window_pipeline(pipelines: Path, pg_dsn: str, kafka_bootstrap: str,
+                    prefix: str) -> dict[str, Any]:
+    """A test pipeline (YAML in `pipelines`) on a topic of its own with 2 partitions, for the
+    window DAGs (replay, backfill); the caller deletes the topic (`delete_topic`)."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     uid = uuid.uuid4().hex[:8]  # topics outlive a test session's database
-    topic = f"rest-{uid}"
+    topic = f"{prefix}-{uid}"
     admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
     admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
-    name = f"rest_{uid}"
-    pipelines, dag_dir = base / "pipelines", base / "dags"
-    pipelines.mkdir()
-    (dag_dir / "pipelines").mkdir(parents=True)
+    name = f"{prefix}_{uid}"
     (pipelines / f"{name}.yaml").write_text(yaml.safe_dump({
         "name": name, "schedule": None, "retries": 0,
         "kafka": {"bootstrap_servers": kafka_bootstrap}, "source": {"topics": [topic]},
         "format": {"type": "json", "schema": dict(SCHEMA)},
-        "sink": {"connection": pg_dsn, "table": f"rest_{uid}"}}))
-    for f in dags:
+        "sink": {"connection": pg_dsn, "table": f"{prefix}_{uid}"}}))
+    return {"name": name, "topic": topic, "table": f"{prefix}_{uid}", "pipelines": pipelines}
+
+
+def delete_topic(kafka_bootstrap: str, topic: str) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    AdminClient({"bootstrap.servers": kafka_bootstrap}).delete_topics([topic])
+
+
+class SharedStandalone:
+    """One `airflow standalone` for the test modules that need one (the window forms in a
+    browser, replay through the REST API, the public API's DAGs): starting one costs ~40 s of
+    a loaded machine's two cores, and each module started its own. Started by the first
+    `get()`, stopped by `stop()` (tests/integration/orchestration/conftest.py: after the
+    last test that uses it, so it does not idle beside the worker's later tests) or at the
+    end of the session; a `get()` after a `stop()` starts a new one. `start` builds it (a
+    context manager yielding what `get()` returns)."""
+
+    def __init__(self, start: Any) -> None:
+        self._start = start
+        self._stack: contextlib.ExitStack | None = None
+        self._info: dict[str, Any] | None = None
+
+    def get(self) -> dict[str, Any]:
+        if self._info is None:
+            stack = contextlib.ExitStack()
+            try:
+                self._info = stack.enter_context(self._start())
+            except BaseException:
+                stack.close()
+                raise
+            self._stack = stack
+        return self._info
+
+    def stop(self) -> None:
+        stack, self._stack, self._info = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+PUBLIC_API_DAGS = '''
+from datetime import datetime
+from typing import Any
+
+from airflow.sdk import DAG, Asset, task
+
+from offsetflow.orchestration.operators import offsetflow_pipeline_tasks
+
+CONFIG = {config!r}
+
+with DAG(dag_id="offsetflow_rest_api_{uid}", schedule="@hourly", catchup=False,
+         start_date=datetime(2026, 1, 1), max_active_runs=1, is_paused_upon_creation=True):
+    offsetflow_pipeline_tasks(config=CONFIG, group_id="ingest")
+
+with DAG(dag_id="offsetflow_rest_consumer_{uid}", is_paused_upon_creation=True,
+         schedule=(Asset({inline_uri!r}) | Asset({yaml_uri!r})),
+         start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1):
+
+    @task
+    def seen(**context: Any) -> list[dict[str, Any]]:
+        events = context["triggering_asset_events"]
+        return [dict(e.extra, uri=e.asset.uri) for evs in events.values() for e in evs]
+
+    seen()
+'''
+
+
+def public_api_project(pipelines: Path, dag_dir: Path, secret_dsn: tuple[str, str],
+                       kafka_bootstrap: str) -> dict[str, Any]:
+    """The public API test's part of an Airflow project (test_public_api.py): credentials
+    only in `AIRFLOW_CONN_*` connections (`conns`, for the Airflow processes' environment), a
+    DAG written only with `offsetflow.orchestration.operators` (inline config) and one
+    scheduled on the Asset events of its table and of a YAML pipeline's backfill side table;
+    the YAML pipeline (connections only) in `pipelines`. The caller deletes the topic."""
+    import psycopg2.extensions
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from offsetflow.orchestration.assets import table_uri
+
+    uid = uuid.uuid4().hex[:8]
+    topic = f"api-{uid}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
+    dsn, password = secret_dsn
+    p = psycopg2.extensions.parse_dsn(dsn)
+    kafka_id, pg_id = f"t_kafka_{uid}", f"t_pg_{uid}"
+    conns = {
+        f"AIRFLOW_CONN_{kafka_id.upper()}": json.dumps(
+            {"conn_type": "kafka", "extra": {"bootstrap.servers": kafka_bootstrap}}),
+        f"AIRFLOW_CONN_{pg_id.upper()}": json.dumps(
+            {"conn_type": "postgres", "host": p["host"], "port": int(p["port"]),
+             "schema": p["dbname"], "login": p["user"], "password": password})}
+    inline = {"name": f"inl_{uid}", "kafka": {"conn_id": kafka_id},
+              "source": {"topics": [topic], "max_records_per_partition": 1000},
+              "format": {"type": "json", "schema": dict(SCHEMA)},
+              "sink": {"conn_id": pg_id, "table": f"inl_{uid}"}, "retries": 0}
+    yaml_name = f"rest_yaml_{uid}"
+    (pipelines / f"{yaml_name}.yaml").write_text(yaml.safe_dump({
+        **{k: v for k, v in inline.items() if k != "name"}, "name": yaml_name,
+        "schedule": None, "sink": {"conn_id": pg_id, "table": f"yml_{uid}"}}))
+    inline_uri = table_uri(dsn, f"inl_{uid}")
+    yaml_uri = table_uri(dsn, f"side_{uid}")  # the backfill's side table
+    (dag_dir / f"api_{uid}.py").write_text(PUBLIC_API_DAGS.format(
+        config=inline, uid=uid, inline_uri=inline_uri, yaml_uri=yaml_uri))
+    return {"uid": uid, "topic": topic, "inline": inline, "yaml_name": yaml_name,
+            "inline_uri": inline_uri, "yaml_uri": yaml_uri, "password": password,
+            "conns": conns, "dag_ids": (f"offsetflow_rest_api_{uid}",
+                                        f"offsetflow_rest_consumer_{uid}",
+                                        f"offsetflow_{yaml_name}")}
+
+
+@contextlib.contextmanager
+def shared_standalone(base: Path, pg_dsn: str, secret_dsn: tuple[str, str],
+                      kafka_bootstrap: str) -> Iterator[dict[str, Any]]:
+    """`airflow standalone` in its own process group on a free port, with what the modules
+    sharing it need: both window DAGs, a window pipeline for the forms test (`forms`) and
+    one for the REST test (`rest`), the public API test's DAGs, pipeline and connections
+    (`api`). Credentials of the public API's DAGs come only from their connections: the
+    stack's DSN and brokers are not in the Airflow processes' environment (the window
+    pipelines name theirs in their YAML). Task logs go to `logs`."""
+    pipelines, dag_dir, logs = base / "pipelines", base / "dags", base / "logs"
+    pipelines.mkdir()
+    (dag_dir / "pipelines").mkdir(parents=True)
+    for f in ("offsetflow_replay.py", "offsetflow_backfill.py"):
         shutil.copy(ROOT / "dags" / f, dag_dir)
-    try:
-        with airflow_standalone(base, pipelines, dag_dir, port, os.environ,
-                                health_timeout_s=240) as (url, token):
-            yield {"url": url, "token": token, "name": name, "topic": topic,
-                   "table": f"rest_{uid}", "pipelines": pipelines,
-                   "log": base / "standalone.log"}
-    finally:
-        admin.delete_topics([topic])
+    with contextlib.ExitStack() as stack:
+        parts: dict[str, dict[str, Any]] = {}
+        for prefix in ("ui", "rest"):
+            part = window_pipeline(pipelines, pg_dsn, kafka_bootstrap, prefix)
+            stack.callback(delete_topic, kafka_bootstrap, part["topic"])
+            parts["forms" if prefix == "ui" else "rest"] = part
+        api = public_api_project(pipelines, dag_dir, secret_dsn, kafka_bootstrap)
+        stack.callback(delete_topic, kafka_bootstrap, api["topic"])
+        env = {**os.environ, **api["conns"], "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(logs)}
+        for k in ("OFFSETFLOW_PG_DSN", "OFFSETFLOW_KAFKA_BOOTSTRAP", "OFFSETFLOW_TEST_DSN"):
+            env.pop(k, None)  # the public API's credentials come only from the connections
+        url, token = stack.enter_context(
+            airflow_standalone(base, pipelines, dag_dir, free_port(), env))
+        yield {"url": url, "token": token, "log": base / "standalone.log", "logs": logs,
+               "base": base, "pipelines": pipelines, "api": api, **parts}

@@ -11,111 +11,31 @@ local mode) with credentials only in Airflow connections (issue 20 items 1-3):
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import psycopg2.extensions
 import pytest
-import yaml
 
-from offsetflow.orchestration.assets import table_uri
-from tests.tooling.airflow_standalone import airflow_standalone, http
-from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
+from tests.tooling.airflow_standalone import SharedStandalone, http
+from tests.tooling.pipeline_data import produce_plain, query
 
-pytestmark = pytest.mark.slow  # a real airflow standalone and two spark-submit jobs
-
-ROOT = Path(__file__).resolve().parents[3]
-PORT = 18097  # its own port: other tests may run their own standalone
-
-DAGS = '''
-from datetime import datetime
-from typing import Any
-
-from airflow.sdk import DAG, Asset, task
-
-from offsetflow.orchestration.operators import offsetflow_pipeline_tasks
-
-CONFIG = {config!r}
-
-with DAG(dag_id="offsetflow_rest_api_{uid}", schedule="@hourly", catchup=False,
-         start_date=datetime(2026, 1, 1), max_active_runs=1, is_paused_upon_creation=True):
-    offsetflow_pipeline_tasks(config=CONFIG, group_id="ingest")
-
-with DAG(dag_id="offsetflow_rest_consumer_{uid}", is_paused_upon_creation=True,
-         schedule=(Asset({inline_uri!r}) | Asset({yaml_uri!r})),
-         start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1):
-
-    @task
-    def seen(**context: Any) -> list[dict[str, Any]]:
-        events = context["triggering_asset_events"]
-        return [dict(e.extra, uri=e.asset.uri) for evs in events.values() for e in evs]
-
-    seen()
-'''
-
-
-def _conn_env(conn_id: str, value: dict[str, Any]) -> tuple[str, str]:
-    return f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(value)
+# a real airflow standalone (the one these modules share: conftest.py; this module's DAGs,
+# pipeline and connections are in it: `public_api_project`) and two spark-submit jobs
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def api_stack(tmp_path_factory: pytest.TempPathFactory, secret_dsn: tuple[str, str],
-              kafka_bootstrap: str) -> Iterator[dict[str, Any]]:
-    from confluent_kafka.admin import AdminClient, NewTopic
-
-
-    base = tmp_path_factory.mktemp("api")
-    uid = uuid.uuid4().hex[:8]
-    topic = f"api-{uid}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    admin.create_topics([NewTopic(topic, 2, 1)])[topic].result(30)
-    dsn, password = secret_dsn
-    p = psycopg2.extensions.parse_dsn(dsn)
-    kafka_id, pg_id = f"t_kafka_{uid}", f"t_pg_{uid}"
-    env_conns = dict([
-        _conn_env(kafka_id, {"conn_type": "kafka",
-                             "extra": {"bootstrap.servers": kafka_bootstrap}}),
-        _conn_env(pg_id, {"conn_type": "postgres", "host": p["host"], "port": int(p["port"]),
-                          "schema": p["dbname"], "login": p["user"],
-                          "password": password})])
-    inline = {"name": f"inl_{uid}", "kafka": {"conn_id": kafka_id},
-              "source": {"topics": [topic], "max_records_per_partition": 1000},
-              "format": {"type": "json", "schema": dict(SCHEMA)},
-              "sink": {"conn_id": pg_id, "table": f"inl_{uid}"}, "retries": 0}
-    yaml_name = f"rest_yaml_{uid}"
-    pipelines, dag_dir, logs = base / "pipelines", base / "dags", base / "logs"
-    pipelines.mkdir()
-    (dag_dir / "pipelines").mkdir(parents=True)
-    (pipelines / f"{yaml_name}.yaml").write_text(yaml.safe_dump({
-        **{k: v for k, v in inline.items() if k != "name"}, "name": yaml_name,
-        "schedule": None, "sink": {"conn_id": pg_id, "table": f"yml_{uid}"}}))
-    shutil.copy(ROOT / "dags" / "offsetflow_backfill.py", dag_dir)
-    inline_uri = table_uri(dsn, f"inl_{uid}")
-    yaml_uri = table_uri(dsn, f"side_{uid}")  # the backfill's side table
-    (dag_dir / f"api_{uid}.py").write_text(DAGS.format(
-        config=inline, uid=uid, inline_uri=inline_uri, yaml_uri=yaml_uri))
-    env = {**os.environ, **env_conns, "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(logs)}
-    for k in ("OFFSETFLOW_PG_DSN", "OFFSETFLOW_KAFKA_BOOTSTRAP", "OFFSETFLOW_TEST_DSN"):
-        env.pop(k, None)  # credentials come only from the connections
-    try:
-        with airflow_standalone(base, pipelines, dag_dir, PORT, env) as (url, token):
-            yield {"url": url, "token": token, "uid": uid, "topic": topic,
-                   "inline": inline, "yaml_name": yaml_name, "inline_uri": inline_uri,
-                   "yaml_uri": yaml_uri, "password": password, "logs": logs, "base": base,
-                   "log": base / "standalone.log"}
-            # leave the metadata DB without this test's DAGs (an unpaused @hourly DAG whose
-            # file is gone would be scheduled by the next Airflow on this DB)
-            for dag_id in (f"offsetflow_rest_api_{uid}", f"offsetflow_rest_consumer_{uid}",
-                           f"offsetflow_{yaml_name}"):
-                http("DELETE", f"{url}/api/v2/dags/{dag_id}", token=token)
-    finally:
-        admin.delete_topics([topic])
+def api_stack(shared_airflow: SharedStandalone) -> Iterator[dict[str, Any]]:
+    s = shared_airflow.get()
+    yield {**s["api"], "url": s["url"], "token": s["token"], "logs": s["logs"],
+           "base": s["base"], "log": s["log"]}
+    # the Airflow lives on for the other modules: pause this test's DAGs (an unpaused
+    # @hourly DAG would be scheduled again when the hour turns)
+    for dag_id in s["api"]["dag_ids"]:
+        http("PATCH", f"{s['url']}/api/v2/dags/{dag_id}", {"is_paused": True},
+             token=s["token"])
 
 
 def _api(s: dict[str, Any], method: str, path: str, body: Any = None) -> Any:
@@ -158,8 +78,11 @@ def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600)
     assert state == "success", _task_logs(s)[-6000:]
 
 
-def _task_logs(s: dict[str, Any]) -> str:
-    return "\n".join(f.read_text(errors="replace") for f in s["logs"].rglob("*") if f.is_file())
+def _task_logs(s: dict[str, Any], only: tuple[str, ...] = ()) -> str:
+    """The task logs of the shared Airflow; `only`: of the files whose path names one of
+    these (`dag_id=...`, `run_id=...`: the logs of this module's runs)."""
+    return "\n".join(f.read_text(errors="replace") for f in s["logs"].rglob("*")
+                     if f.is_file() and (not only or any(o in str(f) for o in only)))
 
 
 def _seen(s: dict[str, Any], run_id: str) -> list[dict[str, Any]]:
@@ -214,9 +137,10 @@ def test_public_api_dag_commits_emits_asset_and_keeps_the_password_secret(
     assert sum(e["rows_written"] for e in seen) == 100
 
     # the password is in no task log, ledger row or plugin page
-    logs = _task_logs(s)
-    assert "spark-submit" in logs.lower() or "SparkSubmit" in logs
-    assert s["password"] not in logs
+    own = _task_logs(s, (f"dag_id={producer}", f"dag_id={consumer}",
+                         f"run_id={bf['dag_run_id']}"))
+    assert "spark-submit" in own.lower() or "SparkSubmit" in own
+    assert s["password"] not in _task_logs(s)  # this module's runs and the others'
     ledger = query(pg_dsn, "SELECT b::text FROM offsetflow.batches b WHERE pipeline IN "
                            "(%s, %s)", (name, s["yaml_name"]))
     assert ledger and not any(s["password"] in r[0] for r in ledger)

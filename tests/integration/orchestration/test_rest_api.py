@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,18 @@ import pytest
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
 from offsetflow.ops import run_until_caught_up
-from tests.tooling.airflow_standalone import http, run_standalone
+from tests.tooling.airflow_standalone import SharedStandalone, http
 from tests.tooling.pipeline_data import produce_plain, query
 
-pytestmark = pytest.mark.slow  # a real airflow standalone
-
-PORT = 18095  # its own port: other UI tests may run their own standalone
+# a real airflow standalone: the one these modules share (conftest.py)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str, kafka_bootstrap: str
-               ) -> Iterator[dict[str, Any]]:
-    with run_standalone(tmp_path_factory.mktemp("rest"), pg_dsn, kafka_bootstrap, PORT,
-                        ("offsetflow_replay.py",)) as s:
-        yield s
+def standalone(shared_airflow: SharedStandalone) -> dict[str, Any]:
+    """The shared standalone with the replay DAG and a test pipeline of this module."""
+    s = shared_airflow.get()
+    return {**s["rest"], "url": s["url"], "token": s["token"], "log": s["log"]}
 
 
 def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_dsn: str,

@@ -15,10 +15,11 @@ import pytest
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
 from offsetflow.ops import run_until_caught_up
-from tests.tooling.airflow_standalone import http, run_standalone
+from tests.tooling.airflow_standalone import SharedStandalone, http
 from tests.tooling.pipeline_data import produce_plain, query
 
-pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
+# the shared airflow standalone (conftest.py) and headless Chromium
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
 OUT = ROOT / "test-output" / "ui"
@@ -27,12 +28,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
 
 
 @pytest.fixture(scope="module")
-def standalone(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str,
-               kafka_bootstrap: str) -> Any:
-    # the REST test's standalone, on a port of its own, with both window DAGs
-    with run_standalone(tmp_path_factory.mktemp("forms"), pg_dsn, kafka_bootstrap, 18096,
-                        ("offsetflow_replay.py", "offsetflow_backfill.py")) as s:
-        yield s
+def standalone(shared_airflow: SharedStandalone) -> dict[str, Any]:
+    """The shared standalone with both window DAGs and a test pipeline of this module."""
+    s = shared_airflow.get()
+    return {**s["forms"], "url": s["url"], "token": s["token"], "log": s["log"]}
 
 
 def wait_for_run(s: dict[str, Any], dag_id: str, after: float) -> dict[str, Any]:

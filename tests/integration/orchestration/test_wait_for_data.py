@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 
 from offsetflow.errors import WaitError
 from offsetflow.ops import plan_only
-from tests.tooling.pipeline_data import SCHEMA, produce_plain, record
+from tests.tooling.pipeline_data import SCHEMA, produce_plain, query, record
 
 
 @pytest.fixture
@@ -68,13 +68,14 @@ def test_trigger_fires_only_for_committed_records_beyond_positions(
 
     async def scenario() -> Any:
         task = asyncio.ensure_future(_first_event(trigger))
-        assert not await _until(task, 4), "fired although the positions are current"
+        # windows of 4 polls (0.5 s): a trigger that fires wrongly fires at its next poll
+        assert not await _until(task, 2), "fired although the positions are current"
         producer.begin_transaction()
         for i in range(3):
             rec = record(f"new-{unique}-{i}", i)
             producer.produce(topic, json.dumps(rec).encode(), partition=i % 2)
         producer.flush(30)  # in the log, but not committed: beyond the last stable offset
-        assert not await _until(task, 4), "fired for records of an open transaction"
+        assert not await _until(task, 2), "fired for records of an open transaction"
         producer.commit_transaction(30)
         t = time.monotonic()
         assert await _until(task, 30), "did not fire after committed records arrived"
@@ -109,9 +110,9 @@ def test_sensor_defers_then_completes_with_what_arrived(
 
     async def scenario() -> Any:
         task = asyncio.ensure_future(_first_event(trigger))
-        assert not await _until(task, 3)
+        assert not await _until(task, 2)  # 4 polls
         produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"a-{unique}", 2)
-        assert not await _until(task, 3), "fired below min_offsets"
+        assert not await _until(task, 2), "fired below min_offsets"
         produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 1, f"b-{unique}", 2,
                       start_seq=3)
         assert await _until(task, 30)
@@ -228,11 +229,11 @@ def test_event_trigger_restarted_at_once_does_not_fire_again_at_once(
     produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"ev-{unique}", 2)
 
     async def scenario() -> tuple[bool, bool]:
-        first = NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=8)
+        first = NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=5)
         fired = await _until(asyncio.ensure_future(_first_event(first)), 30)
         again = asyncio.ensure_future(_first_event(
-            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=8)))
-        refired_at_once = await _until(again, 4)
+            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=5)))
+        refired_at_once = await _until(again, 3)  # a check at once fires in well under 1 s
         fired_later = await _until(again, 20)  # still waiting data: fires after the pause
         return fired, refired_at_once or not fired_later
 
@@ -264,12 +265,12 @@ def test_event_trigger_waits_longer_after_each_failure_of_the_open_batch(
                             WHERE batch_id = %s""", (ago_s, batch.batch_id))
         conn.close()
 
-    set_failed(0)  # three failures: the next retry 4 s x 2^2 = 16 s after the last
+    set_failed(0)  # three failures: the next retry 2 s x 2^2 = 8 s after the last
 
     async def scenario() -> tuple[bool, bool]:
         watcher = asyncio.ensure_future(_first_event(
-            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=4)))
-        early = await _until(watcher, 11)
+            NewOffsetsEventTrigger(pipeline=waiting_pipeline["name"], poll_interval=2)))
+        early = await _until(watcher, 6)  # polls at 2, 4, 6 s: one interval or two
         set_failed(3600)  # the delay has passed
         later = await _until(watcher, 15)
         return early, later
@@ -299,7 +300,10 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
     from offsetflow.orchestration.triggers import NewOffsetsEventTrigger
     from tests.tooling import chaos
 
-    monkeypatch.setattr(triggers, "LIVE_WARN_S", 4.0)
+    # the watcher's poll interval: a retry waits it doubled per attempt (2, 4, 8 s); the
+    # windows below are these multiples of it, and the waits for an event end when it fires
+    poll = 2.0
+    monkeypatch.setattr(triggers, "LIVE_WARN_S", 2 * poll)
     warned: list[str] = []  # Airflow's logging set-up keeps these from pytest's caplog
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda r: warned.append(r.getMessage())  # type: ignore[method-assign]
@@ -316,6 +320,13 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
             b = ledger.get_batch(batch.batch_id)
         return b.status, b.attempts
 
+    def attempt_age_s() -> float:
+        """Seconds since the batch's attempt started, by the ledger database's clock (the
+        clock the retry delay counted from the attempt's start would use)."""
+        age = query(pg_dsn, "SELECT extract(epoch FROM now() - started_at) FROM "
+                            "offsetflow.batches WHERE batch_id = %s", (batch.batch_id,))[0][0]
+        return float(age)
+
     def start_run(attempt: int) -> Any:
         proc = chaos.run_batch_process(waiting_pipeline["file"], batch.batch_id, log)
         chaos.wait_for(lambda: state() == ("running", attempt) or proc.poll() is not None,
@@ -325,14 +336,14 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
 
     def watcher() -> Any:
         return asyncio.ensure_future(_first_event(
-            NewOffsetsEventTrigger(pipeline=name, poll_interval=5)))
+            NewOffsetsEventTrigger(pipeline=name, poll_interval=poll)))
 
     # the commit waits on the held positions: every run stays alive until it is killed
     with chaos.hold_positions(pg_dsn, name):
         first = start_run(1)
 
         async def while_alive() -> bool:
-            return await _until(watcher(), 14)
+            return await _until(watcher(), 4 * poll)  # polls past LIVE_WARN_S: the warning
 
         try:
             fired_while_alive = asyncio.run(while_alive())
@@ -345,14 +356,18 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
         second = start_run(2)
         chaos.kill(second)
         third = start_run(3)
-        time.sleep(25)  # dies later than its retry delay (20 s) after its start
+        # it dies later than its retry delay (2 s x 2^2 = 8 s) after its start
+        chaos.wait_for(lambda: attempt_age_s() > 4 * poll + 2 * poll, 120,
+                       "attempt 3 to outlive its retry delay")
         chaos.kill(third)
     assert state() == ("running", 3)  # nothing marks a killed run failed
 
     async def after_kills() -> tuple[bool, bool]:
         task = watcher()
-        # three attempts: 5 s x 2^2 = 20 s after the watcher saw the last one gone
-        early = await _until(task, 12)
+        # three attempts: 2 s x 2^2 = 8 s after the watcher saw the last one gone (at its
+        # first poll, one interval in): not before 10 s; one interval, or the delay counted
+        # from the attempt's start, would fire at 2-4 s
+        early = await _until(task, 3.5 * poll)
         later = await _until(task, 30)
         return early, later
 
@@ -422,9 +437,9 @@ def test_event_trigger_holds_back_a_failed_batch_while_another_attempt_is_alive(
         assert state() == ("failed", 2)
 
         async def while_alive() -> bool:
-            # two attempts: 3 s x 2 = 6 s after the failure, long past at the end
+            # two attempts: 2 s x 2 = 4 s after the failure, long past at the end
             return await _until(asyncio.ensure_future(_first_event(
-                NewOffsetsEventTrigger(pipeline=name, poll_interval=3))), 14)
+                NewOffsetsEventTrigger(pipeline=name, poll_interval=2))), 9)
 
         fired_while_alive = asyncio.run(while_alive())
     finally:
@@ -439,7 +454,7 @@ def test_event_trigger_holds_back_a_failed_batch_while_another_attempt_is_alive(
 
     async def after_kill() -> bool:
         return await _until(asyncio.ensure_future(_first_event(
-            NewOffsetsEventTrigger(pipeline=name, poll_interval=3))), 15)
+            NewOffsetsEventTrigger(pipeline=name, poll_interval=2))), 15)
 
     assert asyncio.run(after_kill()), \
         "the watcher never retried the failed batch once its other attempt was gone"
