@@ -15,7 +15,8 @@ The update is Spark's, term for term (rates in records per second, times in mill
     new_rate        = max(latest_rate - proportional * error - integral * historical
                           - derived * d_error, min_rate)
 
-skipped unless time_ms > latest_time_ms, records > 0 and processing_ms > 0; the first
+skipped unless time_ms > latest_time_ms, records > 0 and processing_ms > 0 (and when the
+update overflows: large gains; the last rate and state are kept); the first
 update only takes the processing rate as its latest rate (no estimate yet). A batch is sized
 for `rate * interval` offsets (Spark's `maxMessagesPerPartition` times the partitions),
 within the configured caps: `max_records_per_batch` and `max_records_per_partition` win over
@@ -91,6 +92,11 @@ def pid_update(state: PidState, rate: RateConfig, interval_ms: float, time_ms: i
     d_error = (error - state.latest_error) / delay_since_update
     new_rate = max(state.latest_rate - rate.proportional * error
                    - rate.integral * historical - rate.derived * d_error, rate.min_rate)
+    if not all(math.isfinite(v) for v in (processing_rate, error, historical, d_error,
+                                          new_rate)):
+        # large gains overflow (inf, inf - inf = nan): such a state would size nothing
+        # (ceil(inf)) and the ledger's jsonb refuses it, on every plan from then on
+        return PidStep(state, None, skipped="the update overflowed (are the gains too large?)")
     if state.first_run:
         return PidStep(PidState(time_ms, processing_rate, 0.0, False), None, error,
                        historical, d_error)
@@ -208,7 +214,10 @@ def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
             why = (f"{seen}; error {step.error:.1f}/s, historical {step.historical_error:.1f}"
                    f"/s, d_error {step.d_error:.3f}/s^2 -> {new_rate:.1f}/s"
                    + (" (min_rate)" if new_rate == rate.min_rate else ""))
-    by_rate = None if new_rate is None else max(1, math.ceil(float(new_rate) * interval_s))
+    offsets = None if new_rate is None else float(new_rate) * interval_s
+    # a rate so high that rate * interval overflows limits nothing
+    by_rate = max(1, math.ceil(offsets)) if offsets is not None and math.isfinite(offsets) \
+        else None
     caps = [(n, c) for n, c in (("rate", by_rate),
                                 ("max_records_per_batch", max_records_per_batch))
             if c is not None]

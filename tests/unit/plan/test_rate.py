@@ -5,6 +5,7 @@ scheduled pipeline (pure: the real planner and estimator, a model of Kafka and S
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -172,3 +173,19 @@ def test_simulation_below_capacity_lag_stays_bounded() -> None:
     assert max(b["lag"] for b in pid) <= 500 * 60 * 1.2
     assert all(b["took"] < 60 for b in pid[1:])
     assert pid[-1]["records"] == pytest.approx(500 * 60, rel=0.05)
+
+
+@pytest.mark.parametrize("gains", [{"proportional": 1e308},
+                                   {"proportional": 1e308, "derived": 1e308}])
+def test_an_update_that_overflows_keeps_the_last_rate(gains: dict[str, float]) -> None:
+    # finite gains whose terms overflow to inf (or inf - inf = nan) on a batch processed
+    # faster than the last rate (300000 offsets in 15 s = 20000/s > 2500/s): the plan must
+    # still be sized (a finite cap, a record jsonb takes), not raise on every plan
+    cfg = dataclasses.replace(PID, **gains)
+    previous = {"rate": 2500.0, "state": dataclasses.asdict(AFTER_FIRST)}
+    obs = observe([row(2, "committed", 300_000, 20, 25, 40),
+                   row(1, "committed", 5000, 10, 11, 13)], 10.0)
+    assert obs is not None
+    d = decide_rate(cfg, previous, obs, None)
+    assert d.rate == 2500.0 and d.max_records == 25_000 and "overflowed" in d.why
+    json.loads(json.dumps(d.record(), allow_nan=False))
