@@ -21,6 +21,7 @@ from offsetflow.source.reader import (
     read_range,
 )
 from offsetflow.source.registry import RegistryClient, registry_settings
+from offsetflow.source.retry import RetryPolicy
 
 __all__ = [
     "AvroDecoder",
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_CHUNK_ROWS",
     "ProtobufDecoder",
     "RegistryClient",
+    "RetryPolicy",
     "SHARED_MAX_SPAN",
     "arrow_schema",
     "deserialize_avro",
