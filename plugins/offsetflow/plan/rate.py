@@ -26,8 +26,8 @@ What OffsetFlow observes of a batch (`observe`): its records are its offsets (Sp
 Kafka stream counts its ranges' offsets too); its time is when it was planned; its
 processing time is its last run's steps as the driver timed them (`batches.timings`); its
 scheduling delay is how much later than one interval after the previous scheduled batch it
-was planned (a run that overran its interval delays the next: the backlog Spark's integral
-term reads).
+was planned while that batch was still running (a run that overran its interval delays the
+next: the backlog Spark's integral term reads; an idle gap is none: `scheduling_delay_ms`).
 """
 
 from __future__ import annotations
@@ -124,6 +124,21 @@ def processing_ms(b: Mapping[str, Any]) -> int | None:
     return _ms(b["finished_at"]) - _ms(b["started_at"])
 
 
+def scheduling_delay_ms(b: Mapping[str, Any], before: Mapping[str, Any] | None,
+                        interval_s: float) -> float:
+    """How long `b` waited behind `before`'s run past its due time (one interval after
+    `before` was planned): only while `before` was still running. An idle gap (plans that
+    found nothing to read plan no batch) is no delay: Spark plans an empty batch every
+    interval, so its scheduling delay never holds idle time, and counted here the integral
+    term would throw the rate to `min_rate` when the next burst comes."""
+    if before is None:
+        return 0
+    busy_until = _ms(b["planned_at"])
+    if before.get("finished_at") is not None:
+        busy_until = min(busy_until, _ms(before["finished_at"]))
+    return busy_until - _ms(before["planned_at"]) - interval_s * 1000
+
+
 def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observation | None:
     """The last committed scheduled batch of `batches` (ledger rows, newest first: batch_id,
     status, offsets, planned_at, started_at, finished_at, timings), or None."""
@@ -133,8 +148,8 @@ def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observat
         took = processing_ms(b)
         if took is None:
             return None
-        before = batches[i + 1]["planned_at"] if i + 1 < len(batches) else None
-        late = (_ms(b["planned_at"]) - _ms(before) - interval_s * 1000) if before else 0
+        late = scheduling_delay_ms(b, batches[i + 1] if i + 1 < len(batches) else None,
+                                   interval_s)
         return Observation(batch_id=int(b["batch_id"]), time_ms=_ms(b["planned_at"]),
                            records=int(b["offsets"]), processing_ms=took,
                            scheduling_ms=int(max(0, late)))

@@ -77,8 +77,9 @@ def row(batch_id: int, status: str, offsets: int, planned: float, started: float
 
 
 def test_observation_from_the_ledger() -> None:
-    # batch 2 was planned 25 s after batch 1 with a 10 s interval: 15 s late; it ran 12 s
-    obs = observe([row(2, "committed", 3000, 25, 26, 38), row(1, "committed", 100, 0, 1, 2)],
+    # batch 2 was planned 25 s after batch 1 with a 10 s interval, when batch 1's run (which
+    # overran) committed: 15 s late; it ran 12 s
+    obs = observe([row(2, "committed", 3000, 25, 26, 38), row(1, "committed", 100, 0, 1, 25)],
                   10.0)
     assert obs is not None
     assert (obs.batch_id, obs.records, obs.processing_ms, obs.scheduling_ms) == (
@@ -189,3 +190,22 @@ def test_an_update_that_overflows_keeps_the_last_rate(gains: dict[str, float]) -
     d = decide_rate(cfg, previous, obs, None)
     assert d.rate == 2500.0 and d.max_records == 25_000 and "overflowed" in d.why
     json.loads(json.dumps(d.record(), allow_nan=False))
+
+
+def test_an_idle_gap_is_not_a_scheduling_delay() -> None:
+    # batch 1 ran 5 s of its 60 s interval; then nothing arrived for an hour (plans found
+    # nothing to read, no batch); batch 2 read a burst at 2000/s. Nothing waited behind a
+    # run: Spark plans an empty batch every interval, so its scheduling delay is never idle
+    # time. Counted as an hour late, the integral term would throw the rate to min_rate
+    # right when the burst needs it.
+    rows = [row(2, "committed", 20_000, 3600, 3600, 3610), row(1, "committed", 5000, 0, 0, 5)]
+    obs = observe(rows, 60.0)
+    assert obs is not None and obs.scheduling_ms == 0
+    state = dataclasses.asdict(PidState(int(at(0).timestamp() * 1000), 2000.0, 0.0, False))  # type: ignore[union-attr]
+    d = decide_rate(dataclasses.replace(PID, interval_s=60.0), {"rate": 2000.0,
+                                                                "state": state}, obs, None)
+    assert d.rate == pytest.approx(2000.0), d.why
+    # a run that overran its interval still delays the next: that is the backlog
+    overran = observe([row(2, "committed", 20_000, 90, 90, 100),
+                       row(1, "committed", 5000, 0, 0, 90)], 60.0)
+    assert overran is not None and overran.scheduling_ms == 30_000
