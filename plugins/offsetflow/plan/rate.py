@@ -198,6 +198,21 @@ def state_of(record: Mapping[str, Any] | None) -> PidState:
                     float(s["latest_error"]), bool(s["first_run"]))
 
 
+def observed_time_ms(previous: Mapping[str, Any] | None, state: PidState,
+                     observation: Observation) -> int:
+    """The observation's time for the update. A batch newer than the one the state last
+    observed is a new observation even when the ledger's clock says otherwise (it ran ahead
+    when the state was written, then was corrected, or a failover changed servers): then
+    its time is the state's plus its processing time, or the estimator would keep its rate
+    until the clock caught up. The same batch again stays no new observation."""
+    seen = previous.get("observed") if previous else None
+    seen_id = seen.get("batch_id") if isinstance(seen, Mapping) else None
+    if isinstance(seen_id, int) and observation.batch_id > seen_id \
+            and observation.time_ms <= state.latest_time_ms:
+        return state.latest_time_ms + max(1, observation.processing_ms)
+    return observation.time_ms
+
+
 def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
                 observation: Observation | None,
                 max_records_per_batch: int | None) -> RateDecision:
@@ -212,7 +227,8 @@ def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
     if observation is None:
         new_rate, why = kept, "no committed batch to observe yet"
     else:
-        step = pid_update(state, rate, interval_s * 1000, observation.time_ms,
+        step = pid_update(state, rate, interval_s * 1000,
+                          observed_time_ms(previous, state, observation),
                           observation.records, observation.processing_ms,
                           observation.scheduling_ms)
         state = step.state

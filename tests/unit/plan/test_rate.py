@@ -209,3 +209,21 @@ def test_an_idle_gap_is_not_a_scheduling_delay() -> None:
     overran = observe([row(2, "committed", 20_000, 90, 90, 100),
                        row(1, "committed", 5000, 0, 0, 90)], 60.0)
     assert overran is not None and overran.scheduling_ms == 30_000
+
+
+def test_a_clock_that_went_back_does_not_freeze_the_estimator() -> None:
+    # batch 1 was planned while the ledger's clock ran an hour ahead (corrected since, or a
+    # failover to another server): the state's latest time is in the future. Batch 2 is a
+    # new batch all the same; "no batch since the last estimate" until the clock catches up
+    # would keep the rate frozen (at min_rate, maybe) for that hour
+    ahead = int(at(3600).timestamp() * 1000)  # type: ignore[union-attr]
+    previous = {"rate": 100.0, "observed": {"batch_id": 1},
+                "state": dataclasses.asdict(PidState(ahead, 100.0, 0.0, False))}
+    obs = observe([row(2, "committed", 20_000, 60, 60, 70), row(1, "committed", 6000, 0, 0, 5)],
+                  60.0)
+    d = decide_rate(dataclasses.replace(PID, interval_s=60.0), previous, obs, None)
+    assert d.step is not None and not d.step.skipped, d.why
+    assert d.rate == pytest.approx(2000.0) and d.state.latest_time_ms > ahead
+    # the same batch observed again is still no new batch
+    again = decide_rate(dataclasses.replace(PID, interval_s=60.0), d.record(), obs, None)
+    assert "rate kept" in again.why and again.rate == pytest.approx(2000.0)
