@@ -11,6 +11,7 @@ is not a mapping) stops that section only (`guard`).
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -187,10 +188,11 @@ class FieldReader:
         v = sec.get(key, default)
         if v is None:
             return None
+        # YAML reads `.inf`, `.nan` and `1e400` as floats; NaN passes every comparison
         bad = isinstance(v, bool) or not isinstance(v, int | float) \
-            or (v <= minimum if exclusive else v < minimum)
+            or not math.isfinite(v) or (v <= minimum if exclusive else v < minimum)
         if bad:
-            self.fail(prefix + key, f"must be a number {'>' if exclusive else '>='} "
+            self.fail(prefix + key, f"must be a finite number {'>' if exclusive else '>='} "
                                     f"{minimum:g}, got {v!r}")
             return default
         return float(v)

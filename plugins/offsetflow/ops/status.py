@@ -76,22 +76,26 @@ class Unread:
     oldest_age_s: float | None  # seconds since its oldest record was written (0: none)
 
 
-def unread_now(cfg: PipelineConfig, dsn: str, now_ms: int | None = None) -> Unread:
+def unread_now(cfg: PipelineConfig, dsn: str, now_ms: int | None = None,
+               timeout_s: float = 3.0) -> Unread:
     """The pipeline's lag from its committed positions and Kafka's last stable offsets, and
     the age of the oldest record not yet committed (None when Kafka gave no timestamp).
-    Measured from the ledger, so it keeps moving while batches fail."""
-    from offsetflow.ops.runner import kafka_for
+    Measured from the ledger, so it keeps moving while batches fail. For metrics: one try
+    of each Kafka call, `timeout_s` each (a failed plan or run measures it, often because
+    Kafka is down: the planner's retry budget would hold that task a minute or more)."""
     from offsetflow.plan import pending_offsets
+    from offsetflow.source import KafkaMetadata, RetryPolicy
 
     with Ledger(dsn) as ledger:
         committed = ledger.positions(cfg.name)
-    k = kafka_for(cfg)
+    k = KafkaMetadata(cfg.admin_settings(), cfg.isolation_level, timeout_s=timeout_s,
+                      retry=RetryPolicy(attempts=1), origin=cfg.kafka_origin)
     offsets = k.partition_offsets(k.partitions(k.topics(cfg.topics, cfg.topic_pattern)))
     pending = pending_offsets(committed, offsets, cfg.starting.kind)
     if not pending:
         return Unread(0, 0.0)
     heads = {tp: offsets[tp].latest - n for tp, n in pending.items()}
-    stamps = k.record_timestamps(heads, cfg.consumer_settings())
+    stamps = k.record_timestamps(heads, cfg.consumer_settings(), timeout_s=timeout_s)
     now = now_ms if now_ms is not None else int(time.time() * 1000)
     age = (now - min(stamps.values())) / 1000 if stamps else None
     return Unread(sum(pending.values()), None if age is None else max(0.0, age))

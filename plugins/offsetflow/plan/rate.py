@@ -15,7 +15,8 @@ The update is Spark's, term for term (rates in records per second, times in mill
     new_rate        = max(latest_rate - proportional * error - integral * historical
                           - derived * d_error, min_rate)
 
-skipped unless time_ms > latest_time_ms, records > 0 and processing_ms > 0; the first
+skipped unless time_ms > latest_time_ms, records > 0 and processing_ms > 0 (and when the
+update overflows: large gains; the last rate and state are kept); the first
 update only takes the processing rate as its latest rate (no estimate yet). A batch is sized
 for `rate * interval` offsets (Spark's `maxMessagesPerPartition` times the partitions),
 within the configured caps: `max_records_per_batch` and `max_records_per_partition` win over
@@ -25,8 +26,8 @@ What OffsetFlow observes of a batch (`observe`): its records are its offsets (Sp
 Kafka stream counts its ranges' offsets too); its time is when it was planned; its
 processing time is its last run's steps as the driver timed them (`batches.timings`); its
 scheduling delay is how much later than one interval after the previous scheduled batch it
-was planned (a run that overran its interval delays the next: the backlog Spark's integral
-term reads).
+was planned while that batch was still running (a run that overran its interval delays the
+next: the backlog Spark's integral term reads; an idle gap is none: `scheduling_delay_ms`).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def pid_update(state: PidState, rate: RateConfig, interval_ms: float, time_ms: i
     d_error = (error - state.latest_error) / delay_since_update
     new_rate = max(state.latest_rate - rate.proportional * error
                    - rate.integral * historical - rate.derived * d_error, rate.min_rate)
+    if not all(math.isfinite(v) for v in (processing_rate, error, historical, d_error,
+                                          new_rate)):
+        # large gains overflow (inf, inf - inf = nan): such a state would size nothing
+        # (ceil(inf)) and the ledger's jsonb refuses it, on every plan from then on
+        return PidStep(state, None, skipped="the update overflowed (are the gains too large?)")
     if state.first_run:
         return PidStep(PidState(time_ms, processing_rate, 0.0, False), None, error,
                        historical, d_error)
@@ -118,6 +124,21 @@ def processing_ms(b: Mapping[str, Any]) -> int | None:
     return _ms(b["finished_at"]) - _ms(b["started_at"])
 
 
+def scheduling_delay_ms(b: Mapping[str, Any], before: Mapping[str, Any] | None,
+                        interval_s: float) -> float:
+    """How long `b` waited behind `before`'s run past its due time (one interval after
+    `before` was planned): only while `before` was still running. An idle gap (plans that
+    found nothing to read plan no batch) is no delay: Spark plans an empty batch every
+    interval, so its scheduling delay never holds idle time, and counted here the integral
+    term would throw the rate to `min_rate` when the next burst comes."""
+    if before is None:
+        return 0
+    busy_until = _ms(b["planned_at"])
+    if before.get("finished_at") is not None:
+        busy_until = min(busy_until, _ms(before["finished_at"]))
+    return busy_until - _ms(before["planned_at"]) - interval_s * 1000
+
+
 def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observation | None:
     """The last committed scheduled batch of `batches` (ledger rows, newest first: batch_id,
     status, offsets, planned_at, started_at, finished_at, timings), or None."""
@@ -127,8 +148,8 @@ def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observat
         took = processing_ms(b)
         if took is None:
             return None
-        before = batches[i + 1]["planned_at"] if i + 1 < len(batches) else None
-        late = (_ms(b["planned_at"]) - _ms(before) - interval_s * 1000) if before else 0
+        late = scheduling_delay_ms(b, batches[i + 1] if i + 1 < len(batches) else None,
+                                   interval_s)
         return Observation(batch_id=int(b["batch_id"]), time_ms=_ms(b["planned_at"]),
                            records=int(b["offsets"]), processing_ms=took,
                            scheduling_ms=int(max(0, late)))
@@ -177,6 +198,21 @@ def state_of(record: Mapping[str, Any] | None) -> PidState:
                     float(s["latest_error"]), bool(s["first_run"]))
 
 
+def observed_time_ms(previous: Mapping[str, Any] | None, state: PidState,
+                     observation: Observation) -> int:
+    """The observation's time for the update. A batch newer than the one the state last
+    observed is a new observation even when the ledger's clock says otherwise (it ran ahead
+    when the state was written, then was corrected, or a failover changed servers): then
+    its time is the state's plus its processing time, or the estimator would keep its rate
+    until the clock caught up. The same batch again stays no new observation."""
+    seen = previous.get("observed") if previous else None
+    seen_id = seen.get("batch_id") if isinstance(seen, Mapping) else None
+    if isinstance(seen_id, int) and observation.batch_id > seen_id \
+            and observation.time_ms <= state.latest_time_ms:
+        return state.latest_time_ms + max(1, observation.processing_ms)
+    return observation.time_ms
+
+
 def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
                 observation: Observation | None,
                 max_records_per_batch: int | None) -> RateDecision:
@@ -191,7 +227,8 @@ def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
     if observation is None:
         new_rate, why = kept, "no committed batch to observe yet"
     else:
-        step = pid_update(state, rate, interval_s * 1000, observation.time_ms,
+        step = pid_update(state, rate, interval_s * 1000,
+                          observed_time_ms(previous, state, observation),
                           observation.records, observation.processing_ms,
                           observation.scheduling_ms)
         state = step.state
@@ -208,7 +245,10 @@ def decide_rate(rate: RateConfig, previous: Mapping[str, Any] | None,
             why = (f"{seen}; error {step.error:.1f}/s, historical {step.historical_error:.1f}"
                    f"/s, d_error {step.d_error:.3f}/s^2 -> {new_rate:.1f}/s"
                    + (" (min_rate)" if new_rate == rate.min_rate else ""))
-    by_rate = None if new_rate is None else max(1, math.ceil(float(new_rate) * interval_s))
+    offsets = None if new_rate is None else float(new_rate) * interval_s
+    # a rate so high that rate * interval overflows limits nothing
+    by_rate = max(1, math.ceil(offsets)) if offsets is not None and math.isfinite(offsets) \
+        else None
     caps = [(n, c) for n, c in (("rate", by_rate),
                                 ("max_records_per_batch", max_records_per_batch))
             if c is not None]

@@ -33,6 +33,7 @@ from offsetflow.source.reader import (
     read_range,
 )
 from offsetflow.source.registry import RegistryClient, registry_settings
+from offsetflow.source.retry import RetryPolicy
 
 __all__ = [
     "AvroDecoder",
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_CHUNK_ROWS",
     "ProtobufDecoder",
     "RegistryClient",
+    "RetryPolicy",
     "SHARED_MAX_SPAN",
     "arrow_schema",
     "deserialize_avro",

@@ -6,6 +6,9 @@ pipeline is a tag, not part of the name. Real Kafka, PostgreSQL and Spark."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,3 +69,30 @@ def test_failing_pipeline_keeps_sending_a_rising_lag_and_counts_failures(
     assert len(ages) == 6 and ages == sorted(ages) and ages[0] >= 0, ages
     # nothing carries the pipeline in its name
     assert not [line for line in statsd.lines if f"offsetflow.{cfg.name}" in line]
+
+
+def test_the_lag_of_a_failure_with_kafka_unreachable_does_not_hold_the_task(
+        statsd: StatsdListener, pg_dsn: str, unique: str) -> None:
+    """A run (or plan) that failed because Kafka is unreachable measures the lag for its
+    metrics from Kafka again: that must be one short try, not the planner's retry budget
+    per call (a minute or more before the task may fail and Airflow retry it)."""
+    with socket.socket() as s:  # a port nothing listens on: Kafka down
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    cfg = pipeline_for("gone", pg_dsn, dead, f"fk_{unique}")
+    raised: list[float] = []
+    t0 = time.monotonic()
+
+    def boom() -> None:
+        raise RuntimeError("Kafka is down")
+
+    def run() -> None:
+        with pytest.raises(RuntimeError, match="Kafka is down"):
+            tasks.observed_run(cfg, [], boom)
+        raised.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert raised and raised[0] < 15, f"the failure was held {time.monotonic() - t0:.0f}s+"
+    assert statsd.wait_for(f"airflow.offsetflow.batches_failed,pipeline={cfg.name}", 1)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from offsetflow.ops.runner import run_cycle
+from offsetflow.errors import ConfigError
+from offsetflow.ops.runner import plan_only, run_cycle
 from tests.tooling.pipeline_data import pipeline_for, produce_plain, query
 
 
@@ -39,3 +40,23 @@ def test_batches_are_sized_by_the_pid_rate_and_record_why(
     assert n3 == min(r3["max_records"], 2000)
     assert r3["state"]["latest_time_ms"] > r2["state"]["latest_time_ms"]
     assert {"error", "historical_error", "d_error"} <= set(r3["terms"])
+
+
+def test_a_non_finite_rate_setting_never_reaches_the_planner(
+        pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """YAML reads `.inf`, `.nan` and `1e400` as floats: a source.rate number that is not
+    finite either is refused with the config, or plans (it must never pass the config check
+    and then fail every plan: `ceil(inf)`, or a jsonb that refuses Infinity/NaN)."""
+    topic = make_topic("rate_nonfinite", 1)
+    produce_plain(kafka_bootstrap, topic, 10, f"n{unique}", 1)
+    bad = [("interval_s", math.inf), ("interval_s", math.nan), ("min_rate", math.nan),
+           ("proportional", math.inf), ("integral", -math.nan)]
+    for i, (field, value) in enumerate(bad):
+        try:
+            cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"rate_nf{i}_{unique}",
+                               source_rate={"adaptive": "pid", "interval_s": 1, field: value})
+        except ConfigError as e:
+            assert f"source.rate.{field}" in str(e) and "finite" in str(e)
+            continue
+        out = plan_only(cfg, pg_dsn)  # accepted: it must plan
+        assert out.batch is not None, (field, value)

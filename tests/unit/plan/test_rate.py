@@ -5,6 +5,7 @@ scheduled pipeline (pure: the real planner and estimator, a model of Kafka and S
 from __future__ import annotations
 
 import dataclasses
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -76,8 +77,9 @@ def row(batch_id: int, status: str, offsets: int, planned: float, started: float
 
 
 def test_observation_from_the_ledger() -> None:
-    # batch 2 was planned 25 s after batch 1 with a 10 s interval: 15 s late; it ran 12 s
-    obs = observe([row(2, "committed", 3000, 25, 26, 38), row(1, "committed", 100, 0, 1, 2)],
+    # batch 2 was planned 25 s after batch 1 with a 10 s interval, when batch 1's run (which
+    # overran) committed: 15 s late; it ran 12 s
+    obs = observe([row(2, "committed", 3000, 25, 26, 38), row(1, "committed", 100, 0, 1, 25)],
                   10.0)
     assert obs is not None
     assert (obs.batch_id, obs.records, obs.processing_ms, obs.scheduling_ms) == (
@@ -172,3 +174,56 @@ def test_simulation_below_capacity_lag_stays_bounded() -> None:
     assert max(b["lag"] for b in pid) <= 500 * 60 * 1.2
     assert all(b["took"] < 60 for b in pid[1:])
     assert pid[-1]["records"] == pytest.approx(500 * 60, rel=0.05)
+
+
+@pytest.mark.parametrize("gains", [{"proportional": 1e308},
+                                   {"proportional": 1e308, "derived": 1e308}])
+def test_an_update_that_overflows_keeps_the_last_rate(gains: dict[str, float]) -> None:
+    # finite gains whose terms overflow to inf (or inf - inf = nan) on a batch processed
+    # faster than the last rate (300000 offsets in 15 s = 20000/s > 2500/s): the plan must
+    # still be sized (a finite cap, a record jsonb takes), not raise on every plan
+    cfg = dataclasses.replace(PID, **gains)
+    previous = {"rate": 2500.0, "state": dataclasses.asdict(AFTER_FIRST)}
+    obs = observe([row(2, "committed", 300_000, 20, 25, 40),
+                   row(1, "committed", 5000, 10, 11, 13)], 10.0)
+    assert obs is not None
+    d = decide_rate(cfg, previous, obs, None)
+    assert d.rate == 2500.0 and d.max_records == 25_000 and "overflowed" in d.why
+    json.loads(json.dumps(d.record(), allow_nan=False))
+
+
+def test_an_idle_gap_is_not_a_scheduling_delay() -> None:
+    # batch 1 ran 5 s of its 60 s interval; then nothing arrived for an hour (plans found
+    # nothing to read, no batch); batch 2 read a burst at 2000/s. Nothing waited behind a
+    # run: Spark plans an empty batch every interval, so its scheduling delay is never idle
+    # time. Counted as an hour late, the integral term would throw the rate to min_rate
+    # right when the burst needs it.
+    rows = [row(2, "committed", 20_000, 3600, 3600, 3610), row(1, "committed", 5000, 0, 0, 5)]
+    obs = observe(rows, 60.0)
+    assert obs is not None and obs.scheduling_ms == 0
+    state = dataclasses.asdict(PidState(int(at(0).timestamp() * 1000), 2000.0, 0.0, False))  # type: ignore[union-attr]
+    d = decide_rate(dataclasses.replace(PID, interval_s=60.0), {"rate": 2000.0,
+                                                                "state": state}, obs, None)
+    assert d.rate == pytest.approx(2000.0), d.why
+    # a run that overran its interval still delays the next: that is the backlog
+    overran = observe([row(2, "committed", 20_000, 90, 90, 100),
+                       row(1, "committed", 5000, 0, 0, 90)], 60.0)
+    assert overran is not None and overran.scheduling_ms == 30_000
+
+
+def test_a_clock_that_went_back_does_not_freeze_the_estimator() -> None:
+    # batch 1 was planned while the ledger's clock ran an hour ahead (corrected since, or a
+    # failover to another server): the state's latest time is in the future. Batch 2 is a
+    # new batch all the same; "no batch since the last estimate" until the clock catches up
+    # would keep the rate frozen (at min_rate, maybe) for that hour
+    ahead = int(at(3600).timestamp() * 1000)  # type: ignore[union-attr]
+    previous = {"rate": 100.0, "observed": {"batch_id": 1},
+                "state": dataclasses.asdict(PidState(ahead, 100.0, 0.0, False))}
+    obs = observe([row(2, "committed", 20_000, 60, 60, 70), row(1, "committed", 6000, 0, 0, 5)],
+                  60.0)
+    d = decide_rate(dataclasses.replace(PID, interval_s=60.0), previous, obs, None)
+    assert d.step is not None and not d.step.skipped, d.why
+    assert d.rate == pytest.approx(2000.0) and d.state.latest_time_ms > ahead
+    # the same batch observed again is still no new batch
+    again = decide_rate(dataclasses.replace(PID, interval_s=60.0), d.record(), obs, None)
+    assert "rate kept" in again.why and again.rate == pytest.approx(2000.0)
