@@ -8,10 +8,10 @@ from offsetflow.commit.audit import (
     OPEN_AUDIT_STATUSES,
     Audit,
     diff_window,
-    live_digest,
     publish_shadow,
     shadow_name,
     table_exists,
+    window_digest,
 )
 from offsetflow.commit.dead_letters import Coordinate, dead_letters_from, route_quality_failures
 from offsetflow.commit.incarnations import (
@@ -52,10 +52,10 @@ __all__ = [
     "Audit",
     "OPEN_AUDIT_STATUSES",
     "diff_window",
-    "live_digest",
     "publish_shadow",
     "shadow_name",
     "table_exists",
+    "window_digest",
     "CommitResult",
     "CommitSpec",
     "Coordinate",

@@ -16,10 +16,10 @@ from offsetflow.commit import (
     ExternalSink,
     diff_window,
     ensure_target,
-    live_digest,
     publish_shadow,
     shadow_name,
     table_exists,
+    window_digest,
 )
 from offsetflow.errors import AuditConflictError, AuditStateError, BatchStateError, RequestError
 from offsetflow.ledger import Batch, qualified
@@ -79,8 +79,7 @@ class PostgresSink(Sink):
     def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
                    ) -> tuple[dict[str, Any], str]:
         self.check_audit_tables(cur, audit)
-        return (diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges),
-                live_digest(cur, audit.target_table, audit.ranges))
+        return diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges)
 
     def check_audit_tables(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
         """Both the live table and the shadow are where the audit left them."""
@@ -96,12 +95,22 @@ class PostgresSink(Sink):
     def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
                       batches: Sequence[Batch]) -> int:
         """Under a lock that stops every other writer of the live table (a live commit waits
-        for the publish), the window's live rows are checked to be those the diff saw,
-        then replaced from the shadow; the shadows are dropped in the same transaction."""
+        for the publish) and of the shadow, the window's live rows and the shadow's are
+        checked to be those the diff compared, then the live ones replaced from the shadow;
+        the shadows are dropped in the same transaction."""
         self.check_audit_tables(cur, audit)
-        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
-            qualified(audit.target_table)))
-        now = live_digest(cur, audit.target_table, audit.ranges)
+        for table in (audit.target_table, audit.shadow_table):
+            cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
+                qualified(table)))
+        shadow = window_digest(cur, audit.shadow_table, audit.ranges)
+        if shadow != (audit.audit or {}).get("shadow_digest"):
+            raise AuditConflictError(
+                f"audit {audit.audit_id}: the shadow {audit.shadow_table} changed since the "
+                f"diff (its rows are not the ones the diff compared); nothing is published. "
+                f"Run `offsetflow audit show {audit.audit_id} --refresh` to diff it as it is "
+                f"now, then publish, or discard the audit and run the window with --audit "
+                f"again")
+        now = window_digest(cur, audit.target_table, audit.ranges)
         if now != audit.live_digest:
             raise AuditConflictError(
                 f"audit {audit.audit_id}: the live rows of {audit.target_table} in its window "
