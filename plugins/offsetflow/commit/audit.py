@@ -92,8 +92,22 @@ def data_columns(cur: psycopg2.extensions.cursor, shadow: str) -> list[str]:
     return [c for c in existing_columns(cur, shadow) if c != LINEAGE_COLUMN]
 
 
-def _row_hash(columns: Sequence[str], alias: str) -> sql.Composable:
+def live_only_columns(cur: psycopg2.extensions.cursor, live: str, shadow: str
+                      ) -> tuple[list[str], list[str]]:
+    """The live table's columns the shadow lacks (publish leaves them NULL in the window,
+    as a direct replay would), and the shadow's columns the live table lacks (renamed or
+    dropped since staging: publish cannot insert them)."""
+    have = [c for c in existing_columns(cur, live) if c != LINEAGE_COLUMN]
+    staged = data_columns(cur, shadow)
+    return [c for c in have if c not in staged], [c for c in staged if c not in have]
+
+
+def _row_hash(columns: Sequence[str], alias: str, absent: Sequence[str] = ()
+              ) -> sql.Composable:
+    """The hash of a row by `columns`; those in `absent` count as NULL (what publish makes
+    of a live column the shadow lacks)."""
     return sql.SQL("md5(ROW({})::text)").format(sql.SQL(", ").join(
+        sql.SQL("NULL") if c in absent else
         sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(c)) for c in columns))
 
 
@@ -120,13 +134,16 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
                 ranges: Sequence[Mapping[str, Any]], sample: int = 10
                 ) -> tuple[dict[str, Any], str]:
     """Rows added (only in the shadow), removed (only live) and changed (both, another
-    content) at the window's coordinates: totals, per range, and up to `sample` of each;
+    content, by every column of either side but the lineage column: a live column the
+    shadow lacks counts as NULL there, as publish leaves it) at the window's coordinates:
+    totals, per range, and up to `sample` of each;
     and the digest of the live window (`window_digest`). One pass over each side compares
     row hashes; only the sampled rows are read whole. The counts and both digests (the
     shadow's is `shadow_digest` in the diff) come from one statement, so one snapshot: a
     commit into the live window or the shadow between them would give a digest of rows the
     diff never compared, and publish would replace rows nobody saw."""
-    columns = data_columns(cur, shadow)
+    extra, _ = live_only_columns(cur, live, shadow)  # the sink refused any the live lacks
+    columns = [*data_columns(cur, shadow), *extra]
     lw, largs = _window_filter(ranges, "l")
     sw, sargs = _window_filter(ranges, "s")
     coords = sql.SQL("topic, partition, \"offset\"")
@@ -150,7 +167,7 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
         SELECT ({ld}), NULL, 'live_digest', NULL, NULL
         UNION ALL
         SELECT ({sd}), NULL, 'shadow_digest', NULL, NULL""").format(
-        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s"), live=qualified(live),
+        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s", extra), live=qualified(live),
         shadow=qualified(shadow), lw=lw, sw=sw, coords=coords, ld=_digest("fh", "l"),
         sd=_digest("fh", "s"))
     cur.execute(q, [*largs, *sargs, sample])

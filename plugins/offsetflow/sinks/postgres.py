@@ -16,6 +16,7 @@ from offsetflow.commit import (
     ExternalSink,
     diff_window,
     ensure_target,
+    live_only_columns,
     publish_shadow,
     shadow_name,
     table_exists,
@@ -82,7 +83,8 @@ class PostgresSink(Sink):
         return diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges)
 
     def check_audit_tables(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
-        """Both the live table and the shadow are where the audit left them."""
+        """Both the live table and the shadow are where the audit left them, and the live
+        table still has every column of the shadow."""
         for table, what, way_out in (
                 (audit.target_table, "live table", "recreate or rename it back, or discard "
                                                     "the audit"),
@@ -91,6 +93,13 @@ class PostgresSink(Sink):
             if not table_exists(cur, table):
                 raise AuditStateError(f"audit {audit.audit_id}: its {what} {table} is gone "
                                       f"(dropped or renamed); {way_out}")
+        _, lost = live_only_columns(cur, audit.target_table, audit.shadow_table)
+        if lost:
+            raise AuditStateError(
+                f"audit {audit.audit_id}: its live table {audit.target_table} lacks column(s) "
+                f"{lost} that the shadow {audit.shadow_table} has (renamed or dropped since "
+                f"the window was staged): the window cannot be diffed nor published. Add or "
+                f"rename them back, or discard the audit")
 
     def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
                       batches: Sequence[Batch]) -> int:

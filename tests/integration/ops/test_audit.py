@@ -428,3 +428,51 @@ def test_publish_refuses_a_shadow_changed_since_the_diff(pair: Pair, spark: Any)
     finally:
         if pair.audit_row(audit_id)["status"] != "published":
             discard_audit(pair.a, pair.dsn, audit_id)
+
+
+def test_diff_counts_live_columns_the_shadow_lacks_and_refuses_a_live_column_gone(
+        pair: Pair, spark: Any) -> None:
+    """Publish deletes the window's live rows and inserts the shadow's: a live column the
+    pipeline does not write (added by hand) is NULL afterwards in the window, so the diff
+    must show those rows as changed; a column the shadow has and the live table lost
+    (renamed, dropped) is named, not a raw SQL error."""
+    lo, hi = 20, 30
+    table = pair.a.sink.table
+    query(pair.dsn, f"ALTER TABLE {table} ADD COLUMN note text")
+    try:
+        query(pair.dsn, f"UPDATE {table} SET note = 'kept by hand' WHERE partition = 1 AND "
+                        f"\"offset\" IN ({lo + 1}, {lo + 2}, {lo + 3})")
+        [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+        query(pair.dsn, f"ALTER TABLE {table} RENAME COLUMN amount TO amount_moved")
+        try:
+            with pytest.raises(AuditStateError, match=rf"live table {table} lacks column\(s\) "
+                                                      rf"\['amount'\].*discard"):
+                show_audit(pair.a, pair.dsn, audit_id)
+        finally:
+            query(pair.dsn, f"ALTER TABLE {table} RENAME COLUMN amount_moved TO amount")
+        diff = show_audit(pair.a, pair.dsn, audit_id)["diff"]
+        assert diff["totals"]["changed"] == 3, diff["totals"]
+        assert {tuple(s["changed_columns"]) for s in diff["samples"]["changed"]} == {("note",)}
+        publish_audit(pair.a, pair.dsn, audit_id)
+        assert query(pair.dsn, f"SELECT count(note) FROM {table} WHERE \"offset\" >= {lo} "
+                               f"AND \"offset\" < {hi}") == [(0,)]  # what the diff showed
+    finally:
+        query(pair.dsn, f"ALTER TABLE {table} DROP COLUMN IF EXISTS note")
+
+
+def test_a_window_into_the_live_table_spelled_with_its_schema_is_refused_over_an_open_audit(
+        pair: Pair, spark: Any) -> None:
+    """`public.t` is `t`: a backfill into the live table named with its schema covers the
+    coordinates of an open audit into `t` as much as one naming it bare."""
+    lo, hi = 40, 50
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    req = parse_request("backfill", {"pipeline": pair.a.name, "topic": pair.topic,
+                                     "from_offset": 45, "until_offset": 55,
+                                     "target_table": f"public.{pair.a.sink.table}"})
+    try:
+        with Ledger(pair.dsn) as ledger, pytest.raises(
+                RequestError, match=rf"overlaps open audit\(s\) \[{audit_id}\]"):
+            submit_window(pair.a, ledger, plan_window(pair.a, ledger, kafka_for(pair.a), req),
+                          "test")
+    finally:
+        discard_audit(pair.a, pair.dsn, audit_id)
