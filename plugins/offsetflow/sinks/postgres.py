@@ -108,9 +108,10 @@ class PostgresSink(Sink):
         checked to be those the diff compared, then the live ones replaced from the shadow;
         the shadows are dropped in the same transaction."""
         self.check_audit_tables(cur, audit)
-        for table in (audit.target_table, audit.shadow_table):
-            cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
-                qualified(table)))
+        # the shadow first: its digest is read before the live table is locked, so the
+        # live pipeline waits only for the live digest, the delete and the insert
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
+            qualified(audit.shadow_table)))
         shadow = window_digest(cur, audit.shadow_table, audit.ranges)
         if shadow != (audit.audit or {}).get("shadow_digest"):
             raise AuditConflictError(
@@ -119,6 +120,8 @@ class PostgresSink(Sink):
                 f"Run `offsetflow audit show {audit.audit_id} --refresh` to diff it as it is "
                 f"now, then publish, or discard the audit and run the window with --audit "
                 f"again")
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
+            qualified(audit.target_table)))
         now = window_digest(cur, audit.target_table, audit.ranges)
         if now != audit.live_digest:
             raise AuditConflictError(

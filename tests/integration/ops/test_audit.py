@@ -219,8 +219,8 @@ HOLDS = {  # each holds a lock the publish takes at one step, in the publish's o
     # (the lock, the statement the publish is found waiting in)
     "before the audit row": ("SELECT 1 FROM offsetflow.audits WHERE audit_id = {audit} "
                              "FOR UPDATE", "FROM offsetflow.audits"),
-    "before the live table lock": ("LOCK TABLE {live} IN ROW EXCLUSIVE MODE", "LOCK TABLE"),
     "before the shadow's lock": ("LOCK TABLE {shadow} IN ROW EXCLUSIVE MODE", "LOCK TABLE"),
+    "before the live table lock": ("LOCK TABLE {live} IN ROW EXCLUSIVE MODE", "LOCK TABLE"),
     "after the live window is deleted": ("LOCK TABLE {shadow_dl} IN ACCESS EXCLUSIVE MODE",
                                          "INSERT INTO"),
     "after the shadow is dropped": ("SELECT 1 FROM offsetflow.batches WHERE batch_id = "
