@@ -112,8 +112,9 @@ def _row_hash(columns: Sequence[str], alias: str, absent: Sequence[str] = ()
 
 
 def _digest(hashes: str, rows: str) -> sql.Composable:
-    """The digest of a set of row hashes (one format for the diff and for publish)."""
-    return sql.SQL("SELECT count(*) || ':' || COALESCE(md5(string_agg({h}, ',' ORDER BY {h})),"
+    """The digest of the row hashes in column `hashes` of `rows` (NULLs are no rows): one
+    format for the diff and for publish."""
+    return sql.SQL("SELECT count({h}) || ':' || COALESCE(md5(string_agg({h}, ',' ORDER BY {h})),"
                    " '') FROM {r}").format(h=sql.Identifier(hashes), r=sql.Identifier(rows))
 
 
@@ -155,7 +156,8 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
              d AS MATERIALIZED (
                  SELECT topic, partition, "offset",
                         CASE WHEN l.h IS NULL THEN 'added' WHEN s.h IS NULL THEN 'removed'
-                             WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change
+                             WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change,
+                        l.fh AS lfh, s.fh AS sfh  -- for the digests: one pass per side
                    FROM s FULL JOIN l USING ({coords}))
         SELECT topic, partition, change, count(*), NULL::bigint FROM d GROUP BY 1, 2, 3
         UNION ALL
@@ -168,8 +170,8 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
         UNION ALL
         SELECT ({sd}), NULL, 'shadow_digest', NULL, NULL""").format(
         lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s", extra), live=qualified(live),
-        shadow=qualified(shadow), lw=lw, sw=sw, coords=coords, ld=_digest("fh", "l"),
-        sd=_digest("fh", "s"))
+        shadow=qualified(shadow), lw=lw, sw=sw, coords=coords, ld=_digest("lfh", "d"),
+        sd=_digest("sfh", "d"))
     cur.execute(q, [*largs, *sargs, sample])
     totals = {"added": 0, "removed": 0, "changed": 0, "same": 0}
     per_range: dict[str, dict[str, int]] = {}
