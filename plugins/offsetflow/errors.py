@@ -406,9 +406,10 @@ class AuditStateError(OffsetFlowError):
 
 
 class AuditConflictError(AuditStateError):
-    """Publish refused: the live rows at the audited window's coordinates changed since the
-    diff the operator saw (another replay or backfill committed there); the way out is a
-    fresh diff (`offsetflow audit show --refresh`), then publish again."""
+    """Publish refused: the live rows at the audited window's coordinates, or the shadow's
+    rows, changed since the diff the operator saw (another replay or backfill committed
+    there, a hand edit); the way out is a fresh diff (`offsetflow audit show --refresh`),
+    then publish again."""
 
 
 class TaskReportedError(OffsetFlowError):

@@ -8,10 +8,11 @@ from offsetflow.commit.audit import (
     OPEN_AUDIT_STATUSES,
     Audit,
     diff_window,
-    live_digest,
+    live_only_columns,
     publish_shadow,
     shadow_name,
     table_exists,
+    window_digest,
 )
 from offsetflow.commit.dead_letters import Coordinate, dead_letters_from, route_quality_failures
 from offsetflow.commit.incarnations import (
@@ -52,10 +53,11 @@ __all__ = [
     "Audit",
     "OPEN_AUDIT_STATUSES",
     "diff_window",
-    "live_digest",
+    "live_only_columns",
     "publish_shadow",
     "shadow_name",
     "table_exists",
+    "window_digest",
     "CommitResult",
     "CommitSpec",
     "Coordinate",

@@ -92,55 +92,95 @@ def data_columns(cur: psycopg2.extensions.cursor, shadow: str) -> list[str]:
     return [c for c in existing_columns(cur, shadow) if c != LINEAGE_COLUMN]
 
 
-def _row_hash(columns: Sequence[str], alias: str) -> sql.Composable:
+def live_only_columns(cur: psycopg2.extensions.cursor, live: str, shadow: str
+                      ) -> tuple[list[str], list[str]]:
+    """The live table's columns the shadow lacks (publish leaves them NULL in the window,
+    as a direct replay would), and the shadow's columns the live table lacks (renamed or
+    dropped since staging: publish cannot insert them)."""
+    have = [c for c in existing_columns(cur, live) if c != LINEAGE_COLUMN]
+    staged = data_columns(cur, shadow)
+    return [c for c in have if c not in staged], [c for c in staged if c not in have]
+
+
+def _row_hash(columns: Sequence[str], alias: str, absent: Sequence[str] = ()
+              ) -> sql.Composable:
+    """The hash of a row by `columns`; those in `absent` count as NULL (what publish makes
+    of a live column the shadow lacks)."""
     return sql.SQL("md5(ROW({})::text)").format(sql.SQL(", ").join(
+        sql.SQL("NULL") if c in absent else
         sql.SQL("{}.{}").format(sql.Identifier(alias), sql.Identifier(c)) for c in columns))
 
 
-def live_digest(cur: psycopg2.extensions.cursor, live: str,
-                ranges: Sequence[Mapping[str, Any]]) -> str:
-    """A digest of the live rows at the window's coordinates (every column, lineage
-    included): publish refuses when it differs from the one the diff was made against."""
+def _digest(hashes: str, rows: str) -> sql.Composable:
+    """The digest of the row hashes in column `hashes` of `rows` (NULLs are no rows): one
+    format for the diff and for publish."""
+    return sql.SQL("SELECT count({h}) || ':' || COALESCE(md5(string_agg({h}, ',' ORDER BY {h})),"
+                   " '') FROM {r}").format(h=sql.Identifier(hashes), r=sql.Identifier(rows))
+
+
+def window_digest(cur: psycopg2.extensions.cursor, table: str,
+                  ranges: Sequence[Mapping[str, Any]]) -> str:
+    """A digest of `table`'s rows at the window's coordinates (every column, lineage
+    included): publish refuses when the live one, or the shadow's, differs from the one the
+    diff was made against."""
     where, args = _window_filter(ranges, "l")
-    cur.execute(sql.SQL("SELECT count(*) || ':' || COALESCE(md5(string_agg(h, ',' ORDER BY h)),"
-                        " '') FROM (SELECT md5(l::text) AS h FROM {t} l WHERE {w}) d").format(
-                            t=qualified(live), w=where), args)
+    cur.execute(sql.SQL("WITH d AS (SELECT md5(l::text) AS h FROM {t} l WHERE {w}) {g}").format(
+        t=qualified(table), w=where, g=_digest("h", "d")), args)
     row = cur.fetchone()
     assert row is not None
     return str(row[0])
 
 
 def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
-                ranges: Sequence[Mapping[str, Any]], sample: int = 10) -> dict[str, Any]:
+                ranges: Sequence[Mapping[str, Any]], sample: int = 10
+                ) -> tuple[dict[str, Any], str]:
     """Rows added (only in the shadow), removed (only live) and changed (both, another
-    content) at the window's coordinates: totals, per range, and up to `sample` of each.
-    One pass over each side compares row hashes; only the sampled rows are read whole."""
-    columns = data_columns(cur, shadow)
+    content, by every column of either side but the lineage column: a live column the
+    shadow lacks counts as NULL there, as publish leaves it) at the window's coordinates:
+    totals, per range, and up to `sample` of each;
+    and the digest of the live window (`window_digest`). One pass over each side compares
+    row hashes; only the sampled rows are read whole. The counts and both digests (the
+    shadow's is `shadow_digest` in the diff) come from one statement, so one snapshot: a
+    commit into the live window or the shadow between them would give a digest of rows the
+    diff never compared, and publish would replace rows nobody saw."""
+    extra, _ = live_only_columns(cur, live, shadow)  # the sink refused any the live lacks
+    columns = [*data_columns(cur, shadow), *extra]
     lw, largs = _window_filter(ranges, "l")
     sw, sargs = _window_filter(ranges, "s")
     coords = sql.SQL("topic, partition, \"offset\"")
     q = sql.SQL("""
-        WITH l AS (SELECT topic, partition, "offset", {lh} AS h FROM {live} l WHERE {lw}),
-             s AS (SELECT topic, partition, "offset", {sh} AS h FROM {shadow} s WHERE {sw}),
+        WITH l AS (SELECT topic, partition, "offset", {lh} AS h, md5(l::text) AS fh
+                     FROM {live} l WHERE {lw}),
+             s AS (SELECT topic, partition, "offset", {sh} AS h, md5(s::text) AS fh
+                     FROM {shadow} s WHERE {sw}),
              d AS MATERIALIZED (
                  SELECT topic, partition, "offset",
                         CASE WHEN l.h IS NULL THEN 'added' WHEN s.h IS NULL THEN 'removed'
-                             WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change
+                             WHEN s.h <> l.h THEN 'changed' ELSE 'same' END AS change,
+                        l.fh AS lfh, s.fh AS sfh  -- for the digests: one pass per side
                    FROM s FULL JOIN l USING ({coords}))
         SELECT topic, partition, change, count(*), NULL::bigint FROM d GROUP BY 1, 2, 3
         UNION ALL
         SELECT topic, partition, change, NULL, "offset" FROM (
             SELECT d.*, row_number() OVER (PARTITION BY change
                                            ORDER BY topic, partition, "offset") AS rn
-              FROM d WHERE change <> 'same') x WHERE rn <= %s""").format(
-        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s"), live=qualified(live),
-        shadow=qualified(shadow), lw=lw, sw=sw, coords=coords)
+              FROM d WHERE change <> 'same') x WHERE rn <= %s
+        UNION ALL
+        SELECT ({ld}), NULL, 'live_digest', NULL, NULL
+        UNION ALL
+        SELECT ({sd}), NULL, 'shadow_digest', NULL, NULL""").format(
+        lh=_row_hash(columns, "l"), sh=_row_hash(columns, "s", extra), live=qualified(live),
+        shadow=qualified(shadow), lw=lw, sw=sw, coords=coords, ld=_digest("lfh", "d"),
+        sd=_digest("sfh", "d"))
     cur.execute(q, [*largs, *sargs, sample])
     totals = {"added": 0, "removed": 0, "changed": 0, "same": 0}
     per_range: dict[str, dict[str, int]] = {}
     picked: list[tuple[str, str, int, int]] = []
+    digests: dict[str, str] = {}
     for topic, partition, change, n, offset in cur.fetchall():
-        if offset is None:
+        if change in ("live_digest", "shadow_digest"):
+            digests[change] = str(topic)
+        elif offset is None:
             totals[change] += int(n)
             per_range.setdefault(f"{topic}/{partition}", {k: 0 for k in totals})[change] = int(n)
         else:
@@ -154,11 +194,12 @@ def diff_window(cur: psycopg2.extensions.cursor, live: str, shadow: str,
             "topic": topic, "partition": partition, "offset": offset,
             "live": live_rows.get((topic, partition, offset)),
             "staged": staged_rows.get((topic, partition, offset))}))
-    return {"totals": totals | {"staged_rows": totals["added"] + totals["changed"]
+    return ({"totals": totals | {"staged_rows": totals["added"] + totals["changed"]
                                 + totals["same"],
                                 "live_rows": totals["removed"] + totals["changed"]
                                 + totals["same"]},
-            "per_range": per_range, "samples": samples, "columns": columns}
+            "per_range": per_range, "samples": samples, "columns": columns,
+            "shadow_digest": digests["shadow_digest"]}, digests["live_digest"])
 
 
 def _rows_at(cur: psycopg2.extensions.cursor, table: str,

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg2.extensions
 
 from offsetflow.commit import OPEN_AUDIT_STATUSES, Audit
-from offsetflow.config import PipelineConfig
+from offsetflow.config import PipelineConfig, split_table_name
 from offsetflow.errors import AuditStateError, BatchNotFoundError, RequestError
 from offsetflow.ledger import Batch, Ledger, lock_timeout_s, refuse_newer_ledger
 from offsetflow.sinks import sink_for
@@ -80,14 +80,16 @@ def has_audits(cur: psycopg2.extensions.cursor) -> bool:
 
 def open_audits_overlapping(cur: psycopg2.extensions.cursor, pipeline: str, target: str,
                             ranges: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Open audits of `pipeline` into `target` whose window overlaps `ranges` (none in a
-    ledger not upgraded to migration 0014 yet: windows without --audit still work there)."""
+    """Open audits of `pipeline` into `target`, however spelled (`orders` is
+    `public.orders`), whose window overlaps `ranges` (none in a ledger not upgraded to
+    migration 0014 yet: windows without --audit still work there)."""
     if not has_audits(cur):
         return []
     cur.execute(f"SELECT {COLUMNS} FROM offsetflow.audits WHERE pipeline = %s "  # noqa: S608
-                f"AND target_table = %s AND status = ANY(%s)",
-                (pipeline, target, list(OPEN_AUDIT_STATUSES)))
-    return [a.audit_id for a in map(_audit, cur.fetchall()) if a.overlaps(ranges)]
+                f"AND status = ANY(%s)", (pipeline, list(OPEN_AUDIT_STATUSES)))
+    return [a.audit_id for a in map(_audit, cur.fetchall())
+            if split_table_name(a.target_table) == split_table_name(target)
+            and a.overlaps(ranges)]
 
 
 def refuse_open_audit_overlap(cur: psycopg2.extensions.cursor, pipeline: str, target: str,

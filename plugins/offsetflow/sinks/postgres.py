@@ -16,10 +16,11 @@ from offsetflow.commit import (
     ExternalSink,
     diff_window,
     ensure_target,
-    live_digest,
+    live_only_columns,
     publish_shadow,
     shadow_name,
     table_exists,
+    window_digest,
 )
 from offsetflow.errors import AuditConflictError, AuditStateError, BatchStateError, RequestError
 from offsetflow.ledger import Batch, qualified
@@ -82,11 +83,11 @@ class PostgresSink(Sink):
     def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
                    ) -> tuple[dict[str, Any], str]:
         self.check_audit_tables(cur, audit)
-        return (diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges),
-                live_digest(cur, audit.target_table, audit.ranges))
+        return diff_window(cur, audit.target_table, audit.shadow_table, audit.ranges)
 
     def check_audit_tables(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
-        """Both the live table and the shadow are where the audit left them."""
+        """Both the live table and the shadow are where the audit left them, and the live
+        table still has every column of the shadow."""
         for table, what, way_out in (
                 (audit.target_table, "live table", "recreate or rename it back, or discard "
                                                     "the audit"),
@@ -95,16 +96,36 @@ class PostgresSink(Sink):
             if not table_exists(cur, table):
                 raise AuditStateError(f"audit {audit.audit_id}: its {what} {table} is gone "
                                       f"(dropped or renamed); {way_out}")
+        _, lost = live_only_columns(cur, audit.target_table, audit.shadow_table)
+        if lost:
+            raise AuditStateError(
+                f"audit {audit.audit_id}: its live table {audit.target_table} lacks column(s) "
+                f"{lost} that the shadow {audit.shadow_table} has (renamed or dropped since "
+                f"the window was staged): the window cannot be diffed nor published. Add or "
+                f"rename them back, or discard the audit")
 
     def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
                       batches: Sequence[Batch]) -> int:
         """Under a lock that stops every other writer of the live table (a live commit waits
-        for the publish), the window's live rows are checked to be those the diff saw,
-        then replaced from the shadow; the shadows are dropped in the same transaction."""
+        for the publish) and of the shadow, the window's live rows and the shadow's are
+        checked to be those the diff compared, then the live ones replaced from the shadow;
+        the shadows are dropped in the same transaction."""
         self.check_audit_tables(cur, audit)
+        # the shadow first: its digest is read before the live table is locked, so the
+        # live pipeline waits only for the live digest, the delete and the insert
+        cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
+            qualified(audit.shadow_table)))
+        shadow = window_digest(cur, audit.shadow_table, audit.ranges)
+        if shadow != (audit.audit or {}).get("shadow_digest"):
+            raise AuditConflictError(
+                f"audit {audit.audit_id}: the shadow {audit.shadow_table} changed since the "
+                f"diff (its rows are not the ones the diff compared); nothing is published. "
+                f"Run `offsetflow audit show {audit.audit_id} --refresh` to diff it as it is "
+                f"now, then publish, or discard the audit and run the window with --audit "
+                f"again")
         cur.execute(sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(
             qualified(audit.target_table)))
-        now = live_digest(cur, audit.target_table, audit.ranges)
+        now = window_digest(cur, audit.target_table, audit.ranges)
         if now != audit.live_digest:
             raise AuditConflictError(
                 f"audit {audit.audit_id}: the live rows of {audit.target_table} in its window "

@@ -9,6 +9,7 @@ made of `b` (lineage column aside: the batch ids differ).
 
 from __future__ import annotations
 
+import importlib
 import signal
 import subprocess
 import sys
@@ -218,8 +219,9 @@ HOLDS = {  # each holds a lock the publish takes at one step, in the publish's o
     # (the lock, the statement the publish is found waiting in)
     "before the audit row": ("SELECT 1 FROM offsetflow.audits WHERE audit_id = {audit} "
                              "FOR UPDATE", "FROM offsetflow.audits"),
+    "before the shadow's lock": ("LOCK TABLE {shadow} IN ROW EXCLUSIVE MODE", "LOCK TABLE"),
     "before the live table lock": ("LOCK TABLE {live} IN ROW EXCLUSIVE MODE", "LOCK TABLE"),
-    "after the live window is deleted": ("LOCK TABLE {shadow} IN ACCESS EXCLUSIVE MODE",
+    "after the live window is deleted": ("LOCK TABLE {shadow_dl} IN ACCESS EXCLUSIVE MODE",
                                          "INSERT INTO"),
     "after the shadow is dropped": ("SELECT 1 FROM offsetflow.batches WHERE batch_id = "
                                     "ANY('{{{batches}}}'::bigint[]) FOR UPDATE",
@@ -236,11 +238,14 @@ def test_publish_killed_at_every_step_then_rerun_publishes_once(pair: Pair, spar
     assert show_audit(pair.a, pair.dsn, audit_id)["diff"]["totals"]["added"] == 3
     before = pair.rows(pair.a)
     shadow = pair.audit_row(audit_id)["shadow"]
+    [(shadow_dl,)] = query(pair.dsn, "SELECT shadow_dead_letter_table FROM offsetflow.audits "
+                                     "WHERE audit_id = %s", (audit_id,))
     for step, (hold, waiting_in) in HOLDS.items():
         holder = psycopg2.connect(pair.dsn, application_name="offsetflow-chaos")
         try:
             with holder.cursor() as cur:
                 cur.execute(hold.format(audit=audit_id, live=pair.a.sink.table, shadow=shadow,
+                                        shadow_dl=shadow_dl,
                                         batches=",".join(map(str, row_batches(pair,
                                                                               audit_id)))))
                 proc = publish_process(pair, audit_id)
@@ -369,3 +374,105 @@ def test_publish_if_within_limits_publishes_only_a_small_enough_diff(pair: Pair,
     assert query(pair.dsn, f"SELECT count(*), count(*) FILTER (WHERE amount < 0) FROM "
                            f"{pair.a.sink.table} WHERE \"offset\" >= 30 AND "
                            f"\"offset\" < 40") == [(20, 0)]
+
+
+def test_publish_refuses_a_live_change_committed_while_the_diff_was_made(
+        pair: Pair, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer commits into the live window after the diff's rows are read but before its
+    digest is: the diff never showed that change, so publish must refuse it (the digest
+    has to describe the very rows the diff compared)."""
+    lo, hi = 0, 10
+    table = pair.a.sink.table
+    pair.damage(lo, hi)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    module = importlib.import_module("offsetflow.commit.audit")
+    rows_at, raced = module._rows_at, []  # noqa: SLF001 - the moment between two statements
+
+    def racing(cur: Any, t: str, at: Any) -> Any:  # the sample rows, read after the counts
+        if not raced:
+            raced.append(query(pair.dsn, f"UPDATE {table} SET amount = -3 WHERE partition = 1 "
+                                         f"AND \"offset\" = {lo + 5} RETURNING 1"))
+        return rows_at(cur, t, at)
+
+    monkeypatch.setattr(module, "_rows_at", racing)
+    diff = show_audit(pair.a, pair.dsn, audit_id)["diff"]
+    monkeypatch.undo()
+    assert raced and diff["totals"] == {
+        "added": 3, "removed": 0, "changed": 2, "same": 15, "staged_rows": 20,
+        "live_rows": 17}, diff["totals"]  # the racing change is not in the diff
+    before = pair.rows(pair.a)
+    try:
+        with pytest.raises(AuditConflictError, match="changed since the diff"):
+            publish_audit(pair.a, pair.dsn, audit_id)
+        assert pair.rows(pair.a) == before
+    finally:
+        if pair.audit_row(audit_id)["status"] != "published":
+            discard_audit(pair.a, pair.dsn, audit_id)
+
+
+def test_publish_refuses_a_shadow_changed_since_the_diff(pair: Pair, spark: Any) -> None:
+    """Publish makes live what the operator saw in the diff, not a shadow edited after it
+    (same row counts, other content)."""
+    lo, hi = 10, 20
+    pair.damage(lo, hi)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)
+    shadow = pair.audit_row(audit_id)["shadow"]
+    query(pair.dsn, f"UPDATE {shadow} SET amount = 12345 WHERE partition = 0 AND "
+                    f"\"offset\" = {lo + 7}")
+    before = pair.rows(pair.a)
+    try:
+        with pytest.raises(AuditStateError, match=rf"shadow {shadow} changed since the diff"):
+            publish_audit(pair.a, pair.dsn, audit_id)
+        assert pair.rows(pair.a) == before
+    finally:
+        if pair.audit_row(audit_id)["status"] != "published":
+            discard_audit(pair.a, pair.dsn, audit_id)
+
+
+def test_diff_counts_live_columns_the_shadow_lacks_and_refuses_a_live_column_gone(
+        pair: Pair, spark: Any) -> None:
+    """Publish deletes the window's live rows and inserts the shadow's: a live column the
+    pipeline does not write (added by hand) is NULL afterwards in the window, so the diff
+    must show those rows as changed; a column the shadow has and the live table lost
+    (renamed, dropped) is named, not a raw SQL error."""
+    lo, hi = 20, 30
+    table = pair.a.sink.table
+    query(pair.dsn, f"ALTER TABLE {table} ADD COLUMN note text")
+    try:
+        query(pair.dsn, f"UPDATE {table} SET note = 'kept by hand' WHERE partition = 1 AND "
+                        f"\"offset\" IN ({lo + 1}, {lo + 2}, {lo + 3})")
+        [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+        query(pair.dsn, f"ALTER TABLE {table} RENAME COLUMN amount TO amount_moved")
+        try:
+            with pytest.raises(AuditStateError, match=rf"live table {table} lacks column\(s\) "
+                                                      rf"\['amount'\].*discard"):
+                show_audit(pair.a, pair.dsn, audit_id)
+        finally:
+            query(pair.dsn, f"ALTER TABLE {table} RENAME COLUMN amount_moved TO amount")
+        diff = show_audit(pair.a, pair.dsn, audit_id)["diff"]
+        assert diff["totals"]["changed"] == 3, diff["totals"]
+        assert {tuple(s["changed_columns"]) for s in diff["samples"]["changed"]} == {("note",)}
+        publish_audit(pair.a, pair.dsn, audit_id)
+        assert query(pair.dsn, f"SELECT count(note) FROM {table} WHERE \"offset\" >= {lo} "
+                               f"AND \"offset\" < {hi}") == [(0,)]  # what the diff showed
+    finally:
+        query(pair.dsn, f"ALTER TABLE {table} DROP COLUMN IF EXISTS note")
+
+
+def test_a_window_into_the_live_table_spelled_with_its_schema_is_refused_over_an_open_audit(
+        pair: Pair, spark: Any) -> None:
+    """`public.t` is `t`: a backfill into the live table named with its schema covers the
+    coordinates of an open audit into `t` as much as one naming it bare."""
+    lo, hi = 40, 50
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    req = parse_request("backfill", {"pipeline": pair.a.name, "topic": pair.topic,
+                                     "from_offset": 45, "until_offset": 55,
+                                     "target_table": f"public.{pair.a.sink.table}"})
+    try:
+        with Ledger(pair.dsn) as ledger, pytest.raises(
+                RequestError, match=rf"overlaps open audit\(s\) \[{audit_id}\]"):
+            submit_window(pair.a, ledger, plan_window(pair.a, ledger, kafka_for(pair.a), req),
+                          "test")
+    finally:
+        discard_audit(pair.a, pair.dsn, audit_id)
