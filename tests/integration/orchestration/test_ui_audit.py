@@ -10,11 +10,6 @@ the tests' own (`airflow_test_env`).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +23,7 @@ from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
 from offsetflow.ops import kafka_for, plan_window, run_batches, run_until_caught_up, submit_window
 from offsetflow.plan import parse_request
+from tests.tooling.airflow_api_server import start_api_server
 from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
 
 pytestmark = pytest.mark.slow  # Airflow's API server and headless Chromium
@@ -43,53 +39,14 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync"]
 
 
-def health() -> int:
-    try:
-        with urllib.request.urlopen(f"{URL}/api/v2/monitor/health", timeout=5) as r:
-            return int(r.status)
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return 0
-
-
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory: pytest.TempPathFactory, airflow_test_env: dict[str, str]
                ) -> Iterator[dict[str, Any]]:
     if not airflow_test_env:
         pytest.skip("no Airflow metadata database of the stack (source .stack/env.sh)")
-    base = tmp_path_factory.mktemp("ui_audit")
-    pipelines = base / "pipelines"
-    pipelines.mkdir()
-    assert health() == 0, f"port {PORT} is already in use"
-    env = {**os.environ, **airflow_test_env, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-           "AIRFLOW__API__PORT": str(PORT), "AIRFLOW__API__BASE_URL": URL,
-           "AIRFLOW__API__WORKERS": "1",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{URL}/execution/"}
-    log_path = base / "api-server.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(["airflow", "api-server", "--port", str(PORT)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=base)
-
-    def wait() -> None:
-        deadline = time.monotonic() + 180
-        while health() != 200:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the API server did not become healthy"
-            time.sleep(1)
-
-    try:
-        yield {"pipelines": pipelines, "wait": wait, "log": log_path}
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        log.close()
+    with start_api_server(tmp_path_factory.mktemp("ui_audit"), PORT,
+                          airflow_test_env) as server:
+        yield server
 
 
 def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
@@ -117,9 +74,7 @@ def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
         [audit_id] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req),
                                    "test")
     run_batches(cfg, pg_dsn, [audit_id], spark)
-    api_server["wait"]()
-    pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
-    password = str(yaml.safe_load(pw_file.read_text())["admin"])
+    password = api_server["wait"]()
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:

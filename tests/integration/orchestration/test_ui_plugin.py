@@ -13,10 +13,7 @@ shared metadata database that other Airflow instances show.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -29,6 +26,7 @@ import yaml
 from offsetflow.config import load_pipeline
 from offsetflow.ops import pipeline_status
 from offsetflow.ops.runner import run_cycle
+from tests.tooling.airflow_api_server import start_api_server
 from tests.tooling.pipeline_data import SCHEMA, produce_plain
 
 pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
@@ -70,43 +68,8 @@ def http(method: str, path: str, body: Any = None, token: str | None = None,
 def ui_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Airflow's API server with the plugin, reading pipelines from a folder of this test.
     Started here, awaited by `wait()` (the test prepares its data meanwhile), always stopped."""
-    base = tmp_path_factory.mktemp("ui_plugin")
-    pipelines = base / "pipelines"
-    pipelines.mkdir()
-    assert http("GET", "/api/v2/monitor/health", timeout=5)[0] == 0, \
-        f"port {PORT} is already in use"
-    env = {**os.environ, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
-           "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
-           "AIRFLOW__API__PORT": str(PORT), "AIRFLOW__API__BASE_URL": URL,
-           "AIRFLOW__API__WORKERS": "1",
-           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{URL}/execution/"}
-    log_path = base / "api-server.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen(["airflow", "api-server", "--port", str(PORT)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=base)
-
-    def wait() -> str:
-        deadline = time.monotonic() + 180
-        while http("GET", "/api/v2/monitor/health", timeout=5)[0] != 200:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, "the API server did not become healthy"
-            time.sleep(1)
-        pw_file = Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"])
-        return str(json.loads(pw_file.read_text())["admin"])
-
-    try:
-        yield {"pipelines": pipelines, "wait": wait, "log": log_path}
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        log.close()
+    with start_api_server(tmp_path_factory.mktemp("ui_plugin"), PORT) as server:
+        yield server
 
 
 def _render_sample() -> str:
