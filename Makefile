@@ -64,16 +64,19 @@ unit: venv
 TEST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -v -rs --timeout=900 --durations=25
 RESULTS := .stack/test-results
-SERIAL_STACK := OFFSETFLOW_STACK_DIR=$(CURDIR)/.stack/serial OFFSETFLOW_AIRFLOW=0 \
+# the serial stream's ports, exported for its stack.sh calls and its tests alike (the tests'
+# kills and restarts call stack.sh: ports set in the caller's environment must not win)
+SERIAL_ENV := OFFSETFLOW_STACK_DIR=$(CURDIR)/.stack/serial OFFSETFLOW_AIRFLOW=0 \
 	OFFSETFLOW_KAFKA_PORT=19192 OFFSETFLOW_KAFKA_CONTROLLER_PORT=19193 OFFSETFLOW_PG_PORT=15532 \
 	OFFSETFLOW_AIRFLOW_PORT=18180 OFFSETFLOW_SPARK_CONNECT_PORT=15102 \
 	OFFSETFLOW_SPARK_MASTER_PORT=17177 OFFSETFLOW_SPARK_MASTER_UI_PORT=17180 \
 	OFFSETFLOW_SPARK_WORKER_PORT=17181 OFFSETFLOW_KAFKA_CLUSTER_PORT=17192 \
-	OFFSETFLOW_SCHEMA_REGISTRY_PORT=18185 $(STACK)
+	OFFSETFLOW_SCHEMA_REGISTRY_PORT=18185
+SERIAL_STACK := $(SERIAL_ENV) $(STACK)
 test: system-browser up
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.xml $(RESULTS)/serial.log; start=$$(date +%s); \
-	( $(SERIAL_STACK) up && set -a && source .stack/serial/env.sh && set +a && \
+	( export $(SERIAL_ENV) && $(STACK) up && set -a && source .stack/serial/env.sh && set +a && \
 	  $(PYTEST) tests -m serial --junitxml=$(RESULTS)/serial.xml ) >$(RESULTS)/serial.log 2>&1 & \
 	serial=$$!; \
 	$(ENV) $(PYTEST) tests -m "not serial" -n $(TEST_WORKERS) --dist loadfile \
