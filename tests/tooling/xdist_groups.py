@@ -12,8 +12,14 @@ from xdist.scheduler import LoadFileScheduling
 
 # test file (as in a node id, from the repository root) -> the group it runs in
 GROUPS = {
-    f"tests/integration/orchestration/{name}": "airflow-standalone"
-    for name in ("test_ui_window_forms.py", "test_rest_api.py", "test_public_api.py")
+    **{f"tests/integration/orchestration/{name}": "airflow-standalone"
+       for name in ("test_ui_window_forms.py", "test_rest_api.py", "test_public_api.py")},
+    # the 3-broker Kafka cluster (tests/tooling/cluster.py): one file kills its leaders while
+    # another counts its in-sync replicas, and the file that started it stops it at its end,
+    # under a file another worker is still running: one after the other, on one worker
+    **{path: "kafka-cluster" for path in (
+        "tests/integration/source/test_cluster_kafka.py",
+        "tests/integration/sinks/kafka/test_sink_kafka_cluster.py")},
 }
 
 
