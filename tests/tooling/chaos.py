@@ -304,8 +304,13 @@ def cut_commit_connection(dsn: str) -> int:
 
 
 def stack(*args: str, timeout_s: float = 180) -> None:
-    subprocess.run(["bash", str(STACK), *args], check=True, timeout=timeout_s,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """`stack.sh ARGS`; a failure raises with the script's own last lines (its [stack] ERROR
+    says why: a port taken, a service not ready), not only its exit status."""
+    p = subprocess.run(["bash", str(STACK), *args], timeout=timeout_s,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"stack.sh {' '.join(args)} failed ({p.returncode}):\n"
+                           f"{p.stderr[-3000:]}")
 
 
 def restart_postgres() -> None:

@@ -149,25 +149,6 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
                        key=key, value=value, headers=headers, ts=ts, stage=stage, row=row)
 
 
-def order_index_sql(batch_id: int) -> sql.Composed:
-    """An index in source order on the stage table and each of its parts (the children
-    `INHERITS` made), built in the commit's transaction (dropped with the stage): the
-    commit's `select_sql` then streams the stage as a merge of index scans, each row's
-    record built as it is fetched, instead of building every record and sorting them all
-    (an on-disk sort of the whole batch) before the first one reaches the producer. One
-    narrow sort per part (topic, partition, offset) is what it costs."""
-    return sql.SQL("""DO $offsetflow$
-        DECLARE t regclass;
-        BEGIN
-          FOR t IN SELECT {parent}::regclass
-                   UNION ALL SELECT inhrelid::regclass FROM pg_inherits
-                              WHERE inhparent = {parent}::regclass LOOP
-            EXECUTE format('CREATE INDEX ON %s (topic, partition, "offset")', t);
-          END LOOP;
-        END $offsetflow$""").format(parent=sql.Literal(
-        f'offsetflow_stage.b{int(batch_id)}'))
-
-
 _SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column
 
 

@@ -41,7 +41,6 @@ from offsetflow.errors import KafkaSinkError, StagedRowsLostError
 from offsetflow.ledger import Batch, LedgerIdentity, ledger_identity, stage_table
 from offsetflow.sinks.kafka.form import (
     check_columns,
-    order_index_sql,
     record_headers,
     record_size,
     rows_per_fetch,
@@ -223,9 +222,9 @@ class KafkaTopicSink(KafkaTransaction):
         cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
         # a streamed cursor: compiling its expressions (JIT) costs more than it saves
         cur.execute("SET LOCAL jit = off")
-        t = time.monotonic()
-        cur.execute(order_index_sql(batch.batch_id))  # the stage streams in source order
-        self._phase("kafka_order_index_s", t)
+        # no index on the stage here: a CREATE INDEX on an UNLOGGED stage part in this
+        # transaction left PostgreSQL unable to finish crash recovery ("could not create
+        # file ...: File exists") after `pg_ctl stop -m immediate` (test_sink_kafka_faults)
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         for attempt in range(1, MAX_PASSES + 1):
