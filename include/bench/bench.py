@@ -59,7 +59,7 @@ STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # timings that run inside another stage's wall time, so not stacked in the chart: the
 # commit's tail insert is part of commit_s, its part moves run during read_stage_s
 INNER_STAGES = ("commit_insert_s", "commit_overlapped_s", "kafka_extent_s", "kafka_read_wait_s",
-                "kafka_produce_s", "kafka_flush_s", "kafka_commit_s", "kafka_order_index_s")
+                "kafka_produce_s", "kafka_flush_s", "kafka_commit_s")
 
 
 def label_of(records: int) -> str:
