@@ -23,7 +23,7 @@ from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
 from offsetflow.ops import kafka_for, plan_window, run_batches, run_until_caught_up, submit_window
 from offsetflow.plan import parse_request
-from tests.tooling.airflow_api_server import start_api_server
+from tests.tooling.airflow_api_server import CHROMIUM, CHROMIUM_ARGS, SHOTS, start_api_server
 from tests.tooling.pipeline_data import SCHEMA, produce_plain, query
 
 pytestmark = pytest.mark.slow  # Airflow's API server and headless Chromium
@@ -32,11 +32,6 @@ ROOT = Path(__file__).resolve().parents[3]
 # beside the stack's own Airflow port (18080 by default: 18091; a helper's block: BASE+91)
 PORT = int(os.environ.get("OFFSETFLOW_AIRFLOW_PORT", "18080")) + 11
 URL = f"http://127.0.0.1:{PORT}"
-SHOTS = ROOT / "test-output" / "ui"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import yaml
 from offsetflow.config import load_pipeline
 from offsetflow.ops import pipeline_status
 from offsetflow.ops.runner import run_cycle
-from tests.tooling.airflow_api_server import start_api_server
+from tests.tooling.airflow_api_server import CHROMIUM, CHROMIUM_ARGS, SHOTS, start_api_server
 from tests.tooling.pipeline_data import SCHEMA, produce_plain
 
 pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
@@ -34,11 +34,6 @@ pytestmark = pytest.mark.slow  # airflow standalone and headless Chromium
 ROOT = Path(__file__).resolve().parents[3]
 PORT = 18090  # its own port: 18080 is the stack's standalone, 18095 the REST API test's
 URL = f"http://127.0.0.1:{PORT}"
-SHOTS = ROOT / "test-output" / "ui"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync"]
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
