@@ -66,9 +66,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             function = getattr(item, "originalname", None) or item.name
             if is_serial(Path(str(item.fspath)), function):
                 item.add_marker(pytest.mark.serial)
-    # files with a cluster, then files with long (`slow`) tests first: pytest-xdist hands
-    # files to its workers in this order, so a long file starts early instead of finishing
-    # last on one worker while the others wait
+    # files with a cluster, then files with long (`slow`) tests first, for `make check`'s
+    # `--dist load` (test by test, in this order); `make test`'s `--dist loadfile` orders
+    # whole files by recorded seconds instead (tests/tooling/xdist_groups.py)
     def files(marker: str) -> set[str]:
         return {str(i.fspath) for i in items if i.get_closest_marker(marker)}
 

@@ -37,7 +37,7 @@ def standalone(shared_airflow: SharedStandalone) -> dict[str, Any]:
 def wait_for_run(s: dict[str, Any], dag_id: str, after: float) -> dict[str, Any]:
     """The run triggered at `after` (the shared metadata DB may hold older runs)."""
     url, token = s["url"], s["token"]
-    deadline = time.monotonic() + 420
+    deadline = time.monotonic() + 600  # a ceiling: under heavy load a run took over 7 min
     while time.monotonic() < deadline:
         _, body = http("GET", f"{url}/api/v2/dags/{dag_id}/dagRuns?limit=100", token=token)
         runs = [r for r in (body.get("dag_runs", []) if isinstance(body, dict) else [])
