@@ -62,8 +62,10 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
         texts: dict[int, str] = {}
         for sid in sorted(chain):
             found = client.schema_by_id(sid, serialized=kind == "PROTOBUF")
-            # an id the registry lacks or of another type: its records are dead letters
-            if found is not None and found.schema_type == kind:
+            # an id the registry lacks, of another type or not a record (a Protobuf file
+            # the tasks cannot build either): its records are dead letters
+            if found is not None and found.schema_type == kind and _readable(fields,
+                                                                            found.schema):
                 texts[sid] = found.schema
         ids = sorted(texts)
         # the ids the last batch read are checked only as the start of the chain
@@ -156,6 +158,14 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
                 retriable=False)
         out[topic] = (int(want), found.schema)
     return out
+
+
+def _readable(fields: Any, text: str) -> bool:
+    try:
+        fields(text)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 def _earlier_ids(before: dict[str, Any], topic: str) -> set[int]:
