@@ -93,26 +93,21 @@ def produce(bootstrap: str, topic: str, values: list[bytes | tuple[bytes, bytes 
     assert p.flush(30) == 0
 
 
-def record_pipeline_doc(name: str, topic: str, fmt: str, columns: dict[str, str], dsn: str,
-                        bootstrap: str, **fmt_extra: Any) -> dict[str, Any]:
-    """The pipeline these tests read `topic` with, as its YAML document: `format.type`
-    `fmt` with `columns` (and the stack's registry for the registry formats), from the
-    earliest offset, into PostgreSQL table `name`, bad records to `dl_<name>`, Spark
-    local[2]. `fmt_extra`: more `format.` settings (schema_evolution, key, ...)."""
+def record_pipeline(name: str, topic: str, fmt: str, columns: dict[str, str], dsn: str,
+                    bootstrap: str, **fmt_extra: Any) -> PipelineConfig:
+    """The pipeline these tests read `topic` with: `format.type` `fmt` with `columns`
+    (and the stack's registry for the registry formats), from the earliest offset, into
+    PostgreSQL table `name`, bad records to `dl_<name>`, Spark local[2]. `fmt_extra`:
+    more `format.` settings (schema_evolution, key, ...)."""
     fmt_doc: dict[str, Any] = {"type": fmt, "schema": dict(columns), **fmt_extra}
     if fmt in ("avro", "protobuf", "json_schema"):
         fmt_doc.setdefault("schema_registry", {"url": registry_url()})
-    return {"name": name, "kafka": {"bootstrap_servers": bootstrap},
-            "source": {"topics": [topic], "starting": "earliest"}, "format": fmt_doc,
-            "sink": {"connection": dsn, "table": name}, "bad_records": "dead_letter",
-            "dead_letter_table": f"dl_{name}", "spark": {"master": "local[2]"}}
-
-
-def record_pipeline(name: str, topic: str, fmt: str, columns: dict[str, str], dsn: str,
-                    bootstrap: str, **fmt_extra: Any) -> PipelineConfig:
-    """`record_pipeline_doc`, parsed."""
-    return parse_pipeline(record_pipeline_doc(name, topic, fmt, columns, dsn, bootstrap,
-                                              **fmt_extra), f"<test {name}>", {})
+    return parse_pipeline({
+        "name": name, "kafka": {"bootstrap_servers": bootstrap},
+        "source": {"topics": [topic], "starting": "earliest"}, "format": fmt_doc,
+        "sink": {"connection": dsn, "table": name}, "bad_records": "dead_letter",
+        "dead_letter_table": f"dl_{name}", "spark": {"master": "local[2]"}},
+        f"<test {name}>", {})
 
 
 def plan_batch(cfg: PipelineConfig, dsn: str) -> int:

@@ -4,9 +4,10 @@ PostgreSQL and the stack's registry: records produced by confluent-kafka's real
 
 Protobuf (one topic, batches in order, a module fixture):
   1. v1 only: the table gets v1's undeclared field as a column;
-  2. v1 and v2 records in one batch (v2 adds a string and a repeated field): killed inside
-     its commit, after the ALTER TABLE and before COMMIT, nothing is visible (no column, no
-     row, no position); the retry commits both versions' rows once, the columns added in
+  2. v1 and v2 records in one batch (v2 adds a string and a repeated field): its commit's
+     connection cut after the ALTER TABLE and before COMMIT (in-process: no second Spark
+     JVM; the process kill is the Avro test's), nothing is visible (no column, no row, no
+     position); the retry commits both versions' rows once, the columns added in
      its own transaction; the ledger records the reader and writer ids, and `offsetflow
      status` and the lag page show each id's subject and version;
   3. v3 narrows a field (int64 -> int32): the batch stops with SchemaEvolutionError naming
@@ -19,15 +20,14 @@ shows the ids and says the versions are unknown.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from google.protobuf import descriptor_pb2
 
-from offsetflow.config import PipelineConfig, load_pipeline
+from offsetflow.config import PipelineConfig
 from offsetflow.errors import SchemaEvolutionError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
@@ -44,7 +44,7 @@ from tests.tooling.registry_case import (
     produce,
     protobuf_serializer,
     record_pipeline,
-    record_pipeline_doc,
+    registry_url,
 )
 
 FD = descriptor_pb2.FieldDescriptorProto
@@ -114,27 +114,19 @@ def _stops(spark: Any, cfg: PipelineConfig, dsn: str) -> tuple[str, int]:
 
 
 @pytest.fixture(scope="module")
-def pb(spark: Any, pg_dsn: str, kafka_bootstrap: str, tmp_path_factory: Any
-       ) -> dict[str, Any]:
-    from tests.tooling.registry_case import registry_url
-
+def pb(spark: Any, pg_dsn: str, kafka_bootstrap: str) -> dict[str, Any]:
     url = registry_url()
-    tmp: Path = tmp_path_factory.mktemp("evolution_formats")
     topic = new_topic(kafka_bootstrap, "evo-pb", partitions=1)
     name = f"evopb_{topic[-8:]}"
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(record_pipeline_doc(
-        name, topic, "protobuf", {"order_id": "long"}, pg_dsn, kafka_bootstrap,
-        schema_evolution="add_columns")))
+    cfg = record_pipeline(name, topic, "protobuf", {"order_id": "long"}, pg_dsn,
+                          kafka_bootstrap, schema_evolution="add_columns")
     v1 = _produce_pb(kafka_bootstrap, url, topic, P_V1,
                      [{"order_id": i, "qty": i} for i in range(3)])
-    cfg = load_pipeline(path)
     _, first = plan_and_run(spark, cfg, pg_dsn)
-    return {"cfg": cfg, "path": path, "topic": topic, "name": name, "url": url, "v1": v1,
-            "first": first, "tmp": tmp}
+    return {"cfg": cfg, "topic": topic, "name": name, "url": url, "v1": v1, "first": first}
 
 
-def test_protobuf_field_added_mid_batch_killed_between_alter_and_commit_commits_once(
+def test_protobuf_field_added_mid_batch_cut_between_alter_and_commit_commits_once(
         pb: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
     name, topic, url = pb["name"], pb["topic"], pb["url"]
     assert pb["first"].result.status == "committed", pb["first"].result
@@ -146,15 +138,24 @@ def test_protobuf_field_added_mid_batch_killed_between_alter_and_commit_commits_
     pb["v2"] = v2
     bid = plan_batch(pb["cfg"], pg_dsn)
     before = _positions(pg_dsn, name)
-    log = pb["tmp"] / "job.log"
-    with chaos.hold_positions(pg_dsn, name):
-        proc = chaos.run_batch_process(pb["path"], bid, log)
+    errors: list[BaseException] = []
+
+    def first_run() -> None:
         try:
-            chaos.wait_for(lambda: chaos.commit_waiting(pg_dsn), 300,
-                           "the commit to wait at its fence")
-            assert _altered_in_open_transaction(pg_dsn, name), log.read_text()[-3000:]
-        finally:
-            chaos.kill(proc)
+            run_batch(spark, pb["cfg"], bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the cut commit's error, asserted below
+            errors.append(e)
+
+    with chaos.hold_positions(pg_dsn, name):  # the commit blocks at its fence
+        t = threading.Thread(target=first_run)
+        t.start()
+        chaos.wait_for(lambda: chaos.commit_waiting(pg_dsn), 300, "the commit to wait at "
+                                                                  "its fence")
+        # the ALTER ran in the commit's transaction, which waits at its fence now
+        assert _altered_in_open_transaction(pg_dsn, name)
+        assert chaos.cut_commit_connection(pg_dsn) >= 1
+        t.join(timeout=120)
+    assert errors, "the cut commit should have failed"
     assert "coupon" not in _columns(pg_dsn, name)  # the ALTER went with the transaction
     assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 3
     assert _positions(pg_dsn, name) == before
@@ -222,8 +223,6 @@ def _produce_js(bootstrap: str, url: str, topic: str, schema: dict[str, Any],
 
 def test_json_schema_property_added_then_required_one_removed(
         spark: Any, pg_dsn: str, kafka_bootstrap: str) -> None:
-    from tests.tooling.registry_case import registry_url
-
     url = registry_url()
     topic = new_topic(kafka_bootstrap, "evo-js", partitions=1)
     name = f"evojs_{topic[-8:]}"
