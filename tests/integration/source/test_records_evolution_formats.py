@@ -14,7 +14,8 @@ Protobuf (one topic, batches in order, a module fixture):
      the ids, their versions and the first offset of v3; nothing written, positions unmoved.
 JSON Schema: v1 and v2 (an optional property added) commit in one batch with the column;
 v3 removes a required property and stops the same way; with the registry down the status
-shows the ids and says the versions are unknown.
+shows the ids and says the versions are unknown; a second pipeline under `fail` stops at
+v1 -> v2.
 """
 
 from __future__ import annotations
@@ -265,3 +266,13 @@ def test_json_schema_property_added_then_required_one_removed(
     from offsetflow.orchestration.plugin import render_page
 
     assert "Schema versions unknown" in render_page([st])
+
+    # schema_evolution: fail on the same topic stops at the first change of the fields
+    strict = record_pipeline(f"{name}_fail", topic, "json_schema", {"order_id": "long"},
+                             pg_dsn, kafka_bootstrap, schema_evolution="fail")
+    with pytest.raises(SchemaEvolutionError) as e:
+        run_batch(spark, strict, plan_batch(strict, pg_dsn), pg_dsn)
+    assert f"schema id {v2} (version 2 of {topic}-value) cannot follow schema id {v1} " \
+           f"(version 1 of {topic}-value): fields added ['coupon', 'at']" in str(e.value)
+    assert f"its first record in the batch is {topic}[0]@3" in str(e.value)
+    assert set(_positions(pg_dsn, strict.name).values()) <= {0}
