@@ -1,6 +1,8 @@
-"""Shared pieces of the schema-registry format tests: the stack's registry URL, a topic of
-their own, and records encoded by confluent-kafka's real serializers (Avro, JSON Schema),
-which register their schemas in that registry under `<topic>-value` / `<topic>-key`."""
+"""Shared pieces of the record-format tests (json, and the schema-registry formats): the
+stack's registry URL, a topic of their own, records encoded by confluent-kafka's real
+serializers (Avro, JSON Schema, Protobuf), which register their schemas in that registry
+under `<topic>-value` / `<topic>-key`, produced to the topic; the pipeline that reads it
+into a PostgreSQL table of its own, and its first batch planned and run."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import uuid
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from offsetflow.config import PipelineConfig, parse_pipeline
 
 
 def registry_url() -> str:
@@ -75,3 +80,48 @@ def dynamic_message_classes(file_proto: Any) -> dict[str, Any]:
         pool.Add(ts)
     fd = pool.Add(file_proto)
     return {name: GetMessageClass(d) for name, d in fd.message_types_by_name.items()}
+
+
+def produce(bootstrap: str, topic: str, values: list[bytes | tuple[bytes, bytes | None, int]]
+            ) -> None:
+    """Each value (or `(value, key, partition)`) to `topic`, flushed; values alone go to
+    partition 0 in order, so their offsets are their list positions."""
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    for v in values:
+        value, key, partition = v if isinstance(v, tuple) else (v, None, 0)
+        p.produce(topic, value, key=key, partition=partition)
+    assert p.flush(30) == 0
+
+
+def record_pipeline(name: str, topic: str, fmt: str, columns: dict[str, str], dsn: str,
+                    bootstrap: str, **fmt_extra: Any) -> PipelineConfig:
+    """The pipeline these tests read `topic` with: `format.type` `fmt` with `columns`
+    (and the stack's registry for the registry formats), from the earliest offset, into
+    PostgreSQL table `name`, bad records to `dl_<name>`, Spark local[2]. `fmt_extra`:
+    more `format.` settings (schema_evolution, key, ...)."""
+    fmt_doc: dict[str, Any] = {"type": fmt, "schema": dict(columns), **fmt_extra}
+    if fmt in ("avro", "protobuf", "json_schema"):
+        fmt_doc.setdefault("schema_registry", {"url": registry_url()})
+    return parse_pipeline({
+        "name": name, "kafka": {"bootstrap_servers": bootstrap},
+        "source": {"topics": [topic], "starting": "earliest"}, "format": fmt_doc,
+        "sink": {"connection": dsn, "table": name}, "bad_records": "dead_letter",
+        "dead_letter_table": f"dl_{name}", "spark": {"master": "local[2]"}},
+        f"<test {name}>", {})
+
+
+def plan_batch(cfg: PipelineConfig, dsn: str) -> int:
+    """Plan the pipeline's next batch (there must be one): its id."""
+    from offsetflow.ops import plan_only
+
+    planned = plan_only(cfg, dsn, started_by="test")
+    assert planned.batch is not None, "nothing to plan"
+    return planned.batch.batch_id
+
+
+def plan_and_run(spark: Any, cfg: PipelineConfig, dsn: str) -> tuple[int, Any]:
+    """Plan the pipeline's next batch and run it: (its id, the run's report)."""
+    from offsetflow.job import run_batch
+
+    bid = plan_batch(cfg, dsn)
+    return bid, run_batch(spark, cfg, bid, dsn)

@@ -262,9 +262,10 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
 def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str | None,
                       sink_type: str, transform: str | None) -> str | None:
     """`format.schema_evolution`: add_columns | fail (None: format.schema's columns only,
-    other fields of the records ignored). Avro values into PostgreSQL on the fused path:
-    the reader schema decides the added columns there, and the commit adds them in its
-    own transaction."""
+    other fields of the records ignored). Avro, Protobuf or JSON Schema values into
+    PostgreSQL on the fused path: the reader schema (Protobuf, JSON Schema: the subject's
+    latest) decides the added columns there, and the commit adds them in its own
+    transaction."""
     fmt = raw.get("format")
     fld = "format.schema_evolution"
     if not isinstance(fmt, Mapping) or fmt.get("schema_evolution") is None:
@@ -272,9 +273,10 @@ def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str |
     value = r.string(fmt, "schema_evolution", "format.", None, choices(fld))
     if value is None or not r.ok(fld) or format_type is None:
         return None
-    if format_type != "avro":
-        r.fail(fld, f"is for format.type avro (its reader schema decides the columns); "
-                    f"format.type is {format_type}")
+    if format_type not in ("avro", "protobuf", "json_schema"):
+        r.fail(fld, f"is for the schema-registry formats avro, protobuf and json_schema "
+                    f"(the registry's schema decides the columns); format.type is "
+                    f"{format_type}")
     elif sink_type != "postgres":
         r.fail(fld, f"is built for sink.type postgres only (its commit adds the columns in "
                     f"the transaction of the rows); sink.type is {sink_type}")

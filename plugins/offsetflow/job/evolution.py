@@ -14,6 +14,7 @@ moves.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -29,7 +30,10 @@ log = logging.getLogger(__name__)
 def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
                          batch_id: int) -> None:
     """Raise SchemaEvolutionError when the batch holds a change its policy refuses."""
-    if cfg.schema_evolution is None or rc.registry is None or cfg.format_type != "avro":
+    from offsetflow.source import SCHEMA_TYPES
+
+    kind = SCHEMA_TYPES.get(cfg.format_type)
+    if cfg.schema_evolution is None or rc.registry is None or kind is None:
         return
     from offsetflow.source import (
         RegistryClient,
@@ -38,6 +42,10 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
         subject_of,
         unreadable,
     )
+
+    compat = functools.partial(incompatibilities, schema_type=kind)
+    fields = functools.partial(schema_fields, schema_type=kind)
+    readable = functools.partial(unreadable, schema_type=kind)
 
     with ledger.transaction() as cur:
         writers = staged_schema_ids(cur, batch_id)
@@ -53,17 +61,19 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
             chain.add(reader[0])
         texts: dict[int, str] = {}
         for sid in sorted(chain):
-            found = client.schema_by_id(sid)
-            # an id the registry lacks or of another type: its records are dead letters
-            if found is not None and found.schema_type == "AVRO":
+            found = client.schema_by_id(sid, serialized=kind == "PROTOBUF")
+            # an id the registry lacks, of another type or not a record (a Protobuf file
+            # the tasks cannot build either): its records are dead letters
+            if found is not None and found.schema_type == kind and _readable(fields,
+                                                                            found.schema):
                 texts[sid] = found.schema
         ids = sorted(texts)
         # the ids the last batch read are checked only as the start of the chain
         start = max((i for i in ids if i in earlier), default=None)
         ids = [i for i in ids if i not in earlier or i == start]
         for old, new in zip(ids, ids[1:], strict=False):
-            why = _refused(cfg.schema_evolution, texts[old], texts[new], incompatibilities,
-                           schema_fields, new in firsts)
+            why = _refused(cfg.schema_evolution, texts[old], texts[new], compat, fields,
+                           new in firsts)
             if why:
                 raise SchemaEvolutionError(_message(
                     cfg, topic, old, new, why, firsts.get(new),
@@ -71,7 +81,7 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
                     client.version_in(new, subject_of(topic)),
                     reader is not None and reader[0] == new))
         if reader is not None:
-            _check_read_by(cfg, topic, reader, firsts, texts, client, unreadable)
+            _check_read_by(cfg, topic, reader, firsts, texts, client, readable)
 
 
 def _check_read_by(cfg: PipelineConfig, topic: str, reader: tuple[int, str],
@@ -95,26 +105,36 @@ def _check_read_by(cfg: PipelineConfig, topic: str, reader: tuple[int, str],
                 f"cannot be read as the batch's reader schema id {reader[0]} (version "
                 f"{client.version_in(reader[0], subject_of(topic))}): {'; '.join(why)}; its "
                 f"first record in the batch is {topic}[{at[0]}]@{at[1]}. Nothing of the "
-                f"batch was written and no position moved; pin "
-                f"format.schema_registry.reader_version to a version that reads both (or "
-                f"declare the field in format.schema) and run with --accept-config-change")
+                f"batch was written and no position moved; " + (
+                    "pin format.schema_registry.reader_version to a version that reads both "
+                    "(or declare the field in format.schema)" if cfg.format_type == "avro"
+                    else "declare the field in format.schema with a type both versions "
+                    "fit, or remove format.schema_evolution,") +
+                " and run with --accept-config-change")
 
 
 def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
                    specs: list[dict[str, Any]]) -> dict[str, tuple[int, str] | None] | None:
-    """Avro: each topic's value reader schema (id, text) for this run of the batch: the
-    ones its first run resolved (pinned in the ledger), so a version registered between a
-    failed run and its retry changes neither the columns nor how the records decode (the
-    retry reuses what the first run staged). None for other formats."""
-    if cfg.registry is None or cfg.format_type != "avro":
+    """Avro (and Protobuf or JSON Schema under format.schema_evolution): each topic's
+    value reader schema (id, text) for this run of the batch: the ones its first run
+    resolved (pinned in the ledger), so a version registered between a failed run and its
+    retry changes neither the columns nor how the records decode (the retry reuses what
+    the first run staged). None for other formats."""
+    from offsetflow.source import SCHEMA_TYPES
+
+    kind = SCHEMA_TYPES.get(cfg.format_type)
+    if cfg.registry is None or kind is None or (kind != "AVRO"
+                                                and cfg.schema_evolution is None):
         return None
     from offsetflow.errors import SchemaRegistryError
-    from offsetflow.source import RegistryClient, reader_schemas, registry_settings
+    from offsetflow.source import RegistryClient, reader_schemas, registry_settings, value_schemas
 
     reg = cfg.registry
     client = RegistryClient.of(registry_settings(reg.url, reg.username, reg.password,
                                                  reg.timeout_s))
-    latest = reader_schemas(client, [str(s["topic"]) for s in specs], reg.reader_version)
+    topics = [str(s["topic"]) for s in specs]
+    latest = reader_schemas(client, topics, reg.reader_version) if kind == "AVRO" \
+        else value_schemas(client, topics, kind)
     ids = {t: None if r is None else r[0] for t, r in latest.items()}
     pinned = ledger.pin_reader_schemas(batch_id, ids)
     out: dict[str, tuple[int, str] | None] = {}
@@ -129,7 +149,7 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
         if want is None:
             out[topic] = None
             continue
-        found = client.schema_by_id(int(want))
+        found = client.schema_by_id(int(want), serialized=kind == "PROTOBUF")
         if found is None:
             raise SchemaRegistryError(
                 client.shown, f"schema id {want}", "the reader schema this batch's first run "
@@ -138,6 +158,14 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
                 retriable=False)
         out[topic] = (int(want), found.schema)
     return out
+
+
+def _readable(fields: Any, text: str) -> bool:
+    try:
+        fields(text)
+    except (ValueError, KeyError, TypeError):
+        return False
+    return True
 
 
 def _earlier_ids(before: dict[str, Any], topic: str) -> set[int]:

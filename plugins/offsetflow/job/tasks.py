@@ -67,7 +67,8 @@ class ReadContext:
     generation: int | None = None  # the stage generation the run stages under
     # format avro: the registry (`source.registry_settings`) and each topic's reader schema
     # (id, text; None: records are read with their writer schema), resolved once per run
-    # (its password: not in a repr, as `dsn`)
+    # (its password: not in a repr, as `dsn`); protobuf and json_schema under
+    # format.schema_evolution: the subject's latest, which decides the columns only
     registry: dict[str, Any] | None = field(default=None, repr=False)
     readers: dict[str, tuple[int, str] | None] | None = None
     # format.key avro: each topic's `<topic>-key` reader schema (latest), as `readers`
@@ -81,7 +82,13 @@ class ReadContext:
         (`job.evolution.pinned_readers`); None: resolved here (the subject's latest)."""
         registry = readers = key_readers = None
         if cfg.registry is not None:
-            from offsetflow.source import RegistryClient, reader_schemas, registry_settings
+            from offsetflow.source import (
+                SCHEMA_TYPES,
+                RegistryClient,
+                reader_schemas,
+                registry_settings,
+                value_schemas,
+            )
 
             reg = cfg.registry
             registry = registry_settings(reg.url, reg.username, reg.password, reg.timeout_s)
@@ -91,6 +98,11 @@ class ReadContext:
             if cfg.format_type == "avro":
                 readers = pinned if pinned is not None \
                     else reader_schemas(client, topics, reg.reader_version)
+            elif cfg.schema_evolution is not None:
+                # protobuf, json_schema: records are read with their writer schema; the
+                # subject's latest decides the evolved columns
+                readers = pinned if pinned is not None else value_schemas(
+                    client, topics, SCHEMA_TYPES[cfg.format_type])
             if cfg.key_format == "avro":
                 key_readers = reader_schemas(client, topics, None, part="key")
         schema = dict(cfg.schema)
@@ -115,8 +127,8 @@ class ReadContext:
     def added_defaults(self, added: dict[str, str]) -> dict[str, Any]:
         """What the rows already in the target take in the `added` columns: the reader
         schema's defaults, as a record of an older writer gets them (`field_defaults`)."""
-        if not added or not self.readers:
-            return {}
+        if not added or not self.readers or self.fmt != "avro":
+            return {}  # Protobuf, JSON Schema: a record without the field has NULL
         from offsetflow.source import field_defaults
 
         return field_defaults(self.readers, added)
@@ -135,11 +147,11 @@ def added_columns(cfg: PipelineConfig, readers: dict[str, tuple[int, str] | None
     stops (SchemaEvolutionError) on a field that cannot become one."""
     from offsetflow.config import IDENT_RE, RESERVED_COLUMNS
     from offsetflow.errors import SchemaEvolutionError
-    from offsetflow.source import evolved_columns
+    from offsetflow.source import SCHEMA_TYPES, evolved_columns
 
     try:
         added = evolved_columns({t: None if r is None else r[1] for t, r in readers.items()},
-                                cfg.schema, RESERVED_COLUMNS)
+                                cfg.schema, RESERVED_COLUMNS, SCHEMA_TYPES[cfg.format_type])
         for name, t in added.items():
             if not IDENT_RE.match(name) or name.startswith("_offsetflow"):
                 raise ValueError(f"field {name!r} is not a column name OffsetFlow adds "

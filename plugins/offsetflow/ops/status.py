@@ -123,6 +123,8 @@ def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str
     except (KafkaUnavailableError, KafkaAuthError) as e:
         kafka_error = str(e)
         rows = lag_rows(committed, offsets)
+    shown = [b.to_dict() for b in batches]
+    registry_error = with_schema_versions(cfg, shown)
     return {
         "pipeline": cfg.name,
         "kafka_error": kafka_error,
@@ -130,9 +132,65 @@ def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str
         "total_lag": sum(r.lag or 0 for r in rows),
         "max_lag_seconds": max((r.lag_seconds or 0 for r in rows), default=0),
         "warnings": [f"{r.topic}[{r.partition}]: {r.warning}" for r in rows if r.warning],
-        "batches": [b.to_dict() for b in batches],
+        "batches": shown,
+        "schema_registry_error": registry_error,
         "lag_history": history,
     }
+
+
+# (registry URL, schema id, subject) -> the id's version in the subject (None: not in it).
+# A registry's ids are immutable and so is the version an id got in a subject: each is
+# asked once per process (the plugin's web server, a CLI call)
+_VERSIONS: dict[tuple[str, int, str], int | None] = {}
+STATUS_REGISTRY_TIMEOUT_S = 2.0
+
+
+def with_schema_versions(cfg: PipelineConfig, batches: list[dict[str, Any]]) -> str | None:
+    """Add to each batch dict that recorded schema ids (`schemas`) its `schema_versions`:
+    topic -> schema id -> {"subject", "version"} (version None: unknown, or the id is not
+    in the subject), looked up in the pipeline's registry and cached. Why at display time:
+    the ledger keeps ids (what the records carry), the registry owns versions, and the
+    commit does not wait on the registry for a label. A registry that does not answer
+    (one try, a short timeout: the page must not hang on it) leaves the versions unknown:
+    returns its error, the ids are still shown."""
+    if cfg.registry is None or not any(b.get("schemas") for b in batches):
+        return None
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import RegistryClient
+
+    reg = cfg.registry
+    client = RegistryClient(reg.url, reg.username, reg.password,
+                            timeout_s=STATUS_REGISTRY_TIMEOUT_S, backoff=())
+    error: str | None = None
+    for b in batches:
+        schemas = b.get("schemas") or {}
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for topic, ids in _schema_ids(schemas).items():
+            subject = f"{topic}-value"
+            for sid in ids:
+                key = (client.url, sid, subject)
+                if key not in _VERSIONS and error is None:
+                    try:
+                        _VERSIONS[key] = client.version_in(sid, subject)
+                    except SchemaRegistryError as e:
+                        error = str(e)
+                out.setdefault(topic, {})[str(sid)] = {
+                    "subject": subject, "version": _VERSIONS.get(key),
+                    "known": key in _VERSIONS}
+        b["schema_versions"] = out
+    return error
+
+
+def _schema_ids(schemas: Mapping[str, Any]) -> dict[str, list[int]]:
+    readers = schemas.get("readers") or {}
+    writers = schemas.get("writers") or {}
+    out: dict[str, list[int]] = {}
+    for topic in sorted(set(readers) | set(writers)):
+        ids = {int(k) for k in writers.get(topic) or {}}
+        if readers.get(topic) is not None:
+            ids.add(int(readers[topic]))
+        out[topic] = sorted(ids)
+    return out
 
 
 def format_status(st: Mapping[str, Any]) -> str:
@@ -152,23 +210,42 @@ def format_status(st: Mapping[str, Any]) -> str:
                      f"offsets {span:<9}rows {_n(b['rows_written']):<9}"
                      f"{(b['error'] or '')[:80]}")
         if b.get("schemas"):
-            lines.append(f"{'':<11}schemas {schema_summary(b['schemas'])}")
+            summary = schema_summary(b["schemas"], b.get("schema_versions"))
+            lines.append(f"{'':<11}schemas {summary}")
+    if st.get("schema_registry_error"):
+        lines.append(f"  schema versions unknown: {st['schema_registry_error']}")
     return "\n".join(lines)
 
 
-def schema_summary(schemas: Mapping[str, Any]) -> str:
+def schema_summary(schemas: Mapping[str, Any],
+                   versions: Mapping[str, Any] | None = None) -> str:
     """A batch's schema ids in one line: `topic: read as 5, written 3 (from [0]@0), 5
-    (from [1]@12)` per topic (reader id; each writer id with its first record)."""
+    (from [1]@12)` per topic (reader id; each writer id with its first record); with
+    `versions` (`with_schema_versions`) each id also names its subject and version:
+    `5 (orders-value v2)`, `3 (orders-value v1, from [0]@0)`, or `version unknown` when
+    the registry did not answer."""
     readers = schemas.get("readers") or {}
     writers = schemas.get("writers") or {}
     parts = []
     for topic in sorted(set(readers) | set(writers)):
-        w = ", ".join(f"{sid} (from [{at[0]}]@{at[1]})" for sid, at in sorted(
+        known = (versions or {}).get(topic) or {}
+        w = ", ".join(_labelled(sid, known, f"from [{at[0]}]@{at[1]}") for sid, at in sorted(
             (writers.get(topic) or {}).items(), key=lambda kv: int(kv[0])))
         r = readers.get(topic)
-        parts.append(f"{topic}: read as {r if r is not None else 'writer'}, written "
-                     f"{w or '-'}")
+        parts.append(f"{topic}: read as {_labelled(r, known) if r is not None else 'writer'}, "
+                     f"written {w or '-'}")
     return "; ".join(parts)
+
+
+def _labelled(sid: Any, known: Mapping[str, Any], where: str | None = None) -> str:
+    v = known.get(str(sid))
+    label = None
+    if v is not None:
+        label = (f"{v['subject']} v{v['version']}" if v["version"] is not None
+                 else f"not in {v['subject']}" if v.get("known")
+                 else "version unknown: registry not answering")
+    inside = ", ".join(x for x in (label, where) if x)
+    return f"{sid} ({inside})" if inside else str(sid)
 
 
 def _n(v: int | None) -> str:

@@ -329,7 +329,8 @@ def page_context(statuses: list[dict[str, Any]], recent: int, now: datetime) -> 
         batches = [{**b, "duration": duration(b, now), "timings_text": timings_text(
             b.get("timings")), "quality_view": quality_view(b.get("quality")),
             "ranges_view": ranges_view(b.get("ranges") or []),
-            "schemas_text": schema_summary(b["schemas"]) if b.get("schemas") else "",
+            "schemas_text": schema_summary(b["schemas"], b.get("schema_versions"))
+            if b.get("schemas") else "",
             "planned": fmt_time(b.get("planned_at")), "finished": fmt_time(b.get("finished_at"))}
             for b in st.get("batches", [])]
         current = None if st.get("kafka_error") else st.get("total_lag")

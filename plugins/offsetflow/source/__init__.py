@@ -32,7 +32,12 @@ from offsetflow.source.reader import (
     range_consumer,
     read_range,
 )
-from offsetflow.source.registry import RegistryClient, registry_settings
+from offsetflow.source.registry import (
+    SCHEMA_TYPES,
+    RegistryClient,
+    registry_settings,
+    value_schemas,
+)
 from offsetflow.source.retry import RetryPolicy
 
 __all__ = [
@@ -45,6 +50,7 @@ __all__ = [
     "ProtobufDecoder",
     "RegistryClient",
     "RetryPolicy",
+    "SCHEMA_TYPES",
     "SHARED_MAX_SPAN",
     "arrow_schema",
     "deserialize_avro",
@@ -63,4 +69,5 @@ __all__ = [
     "schema_fields",
     "subject_of",
     "unreadable",
+    "value_schemas",
 ]

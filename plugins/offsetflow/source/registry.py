@@ -87,11 +87,14 @@ class RegistryClient:
                  and d.get("subject") == subject]
         return min(found) if found else None
 
-    def subject_version(self, subject: str, version: int | None) -> RegisteredSchema | None:
-        """`version` of `subject` (None: its latest), or None when either does not exist."""
+    def subject_version(self, subject: str, version: int | None, serialized: bool = False
+                        ) -> RegisteredSchema | None:
+        """`version` of `subject` (None: its latest), or None when either does not exist;
+        `serialized` as for `schema_by_id`."""
         v = "latest" if version is None else str(version)
-        doc = self._get(f"/subjects/{urllib.parse.quote(subject, safe='')}/versions/{v}",
-                        f"subject {subject!r} version {v}")
+        query = "?format=serialized" if serialized else ""
+        doc = self._get(f"/subjects/{urllib.parse.quote(subject, safe='')}/versions/{v}"
+                        f"{query}", f"subject {subject!r} version {v}")
         if doc is None:
             return None
         return RegisteredSchema(int(doc["id"]), str(doc.get("schemaType") or "AVRO"),
@@ -142,3 +145,26 @@ def registry_settings(url: str, username: str | None, password: str | None,
                       timeout_s: int) -> dict[str, Any]:
     """The registry connection as plain values (what a Spark task receives)."""
     return {"url": url, "username": username, "password": password, "timeout_s": timeout_s}
+
+
+def value_schemas(client: RegistryClient, topics: list[str], schema_type: str
+                  ) -> dict[str, tuple[int, str] | None]:
+    """Protobuf and JSON Schema under format.schema_evolution: topic -> (id, text) of the
+    latest version of its `<topic>-value` subject (Confluent's TopicNameStrategy), whose
+    fields decide the evolved columns (records are read with their writer schema); None
+    where the subject has no schema. A subject holding another schema type is the
+    config's error (SchemaRegistryError, not retriable)."""
+    out: dict[str, tuple[int, str] | None] = {}
+    for topic in dict.fromkeys(topics):
+        subject = f"{topic}-value"
+        found = client.subject_version(subject, None, serialized=schema_type == "PROTOBUF")
+        if found is not None and found.schema_type != schema_type:
+            raise SchemaRegistryError(
+                client.shown, f"subject {subject!r}", f"holds a {found.schema_type} schema, "
+                f"not {schema_type} (format.type)", retriable=False)
+        out[topic] = None if found is None else (found.schema_id, found.schema)
+    return out
+
+
+# format.type -> the registry's schemaType of its values
+SCHEMA_TYPES = {"avro": "AVRO", "protobuf": "PROTOBUF", "json_schema": "JSON"}

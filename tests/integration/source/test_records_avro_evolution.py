@@ -209,8 +209,8 @@ def test_new_schema_mid_batch_killed_between_alter_and_commit_then_commits_once(
     assert writers[str(evolving["v1"])] == [0, 3]  # order 6 is partition 0's 4th record
     assert writers[str(v2)] == [0, 5]  # order 10: partition 0 after 0,2,4,6,8
     text = format_status(pipeline_status(cfg, pg_dsn))
-    assert f"{topic}: read as {v2}, written {evolving['v1']} (from [0]@3), {v2} " \
-           f"(from [0]@5)" in text, text
+    assert f"{topic}: read as {v2} ({topic}-value v2), written {evolving['v1']} " \
+           f"({topic}-value v1, from [0]@3), {v2} ({topic}-value v2, from [0]@5)" in text, text
 
 
 def test_narrowed_type_stops_the_batch_naming_ids_versions_and_first_offset(

@@ -5,16 +5,10 @@ JSON null, and a value PostgreSQL jsonb cannot hold is a dead letter with coordi
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
-from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
-
-from offsetflow.config import parse_pipeline
-from offsetflow.job import run_batch
-from offsetflow.ops import plan_only
 from tests.tooling.pipeline_data import query
+from tests.tooling.registry_case import new_topic, plan_and_run, produce, record_pipeline
 
 DOCS: list[bytes] = [
     b'{"id": 0, "payload": {"user": {"id": 7, "tags": ["a", "b"]}, "n": 1.10}}',
@@ -27,24 +21,12 @@ DOCS: list[bytes] = [
 
 def test_json_fields_land_as_jsonb_value_by_value(spark: Any, pg_dsn: str,
                                                   kafka_bootstrap: str) -> None:
-    topic = f"jsonf-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})  # alive until created
-    admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
-    p = Producer({"bootstrap.servers": kafka_bootstrap})
-    for v in DOCS:
-        p.produce(topic, v)
-    assert p.flush(30) == 0
-    table = f"jsonf_{uuid.uuid4().hex[:8]}"
-    cfg = parse_pipeline({
-        "name": table, "kafka": {"bootstrap_servers": kafka_bootstrap},
-        "source": {"topics": [topic], "starting": "earliest"},
-        "format": {"type": "json", "schema": {"id": "long", "payload": "json"}},
-        "sink": {"connection": pg_dsn, "table": table}, "bad_records": "dead_letter",
-        "dead_letter_table": f"dl_{table}", "spark": {"master": "local[2]"}},
-        f"<test {table}>", {})
-    planned = plan_only(cfg, pg_dsn, started_by="test")
-    assert planned.batch is not None
-    report = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    topic = new_topic(kafka_bootstrap, "jsonf", partitions=1)
+    produce(kafka_bootstrap, topic, DOCS)
+    table = f"jsonf_{topic[-8:]}"
+    cfg = record_pipeline(table, topic, "json", {"id": "long", "payload": "json"}, pg_dsn,
+                          kafka_bootstrap)
+    _, report = plan_and_run(spark, cfg, pg_dsn)
     assert report.result.status == "committed", report.result
     types = dict(query(pg_dsn, "SELECT column_name, data_type FROM information_schema.columns "
                                "WHERE table_name = %s", (table,)))

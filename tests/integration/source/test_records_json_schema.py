@@ -9,17 +9,16 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import Producer
-
-from offsetflow.config import parse_pipeline
 from offsetflow.job import run_batch
-from offsetflow.ops import plan_only
 from tests.tooling.pipeline_data import query
 from tests.tooling.registry_case import (
     avro_serializer,
     encode,
     json_serializer,
     new_topic,
+    plan_and_run,
+    produce,
+    record_pipeline,
     registry_url,
 )
 
@@ -59,24 +58,12 @@ def test_json_schema_records_land_once_and_poison_is_dead_letters(
                             f"'order_id'"),
         b"bad-json": (good0[:-3], f"schema id {sid}: "),
     }
-    p = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
-    for i in range(GOOD):
-        p.produce(topic, encode(ser, topic, _order(i)), partition=i % 2)
-    for k, (v, _) in pills.items():
-        p.produce(topic, v, key=k, partition=len(k) % 2)
-    assert p.flush(30) == 0
+    produce(kafka_bootstrap, topic, [
+        *[(encode(ser, topic, _order(i)), None, i % 2) for i in range(GOOD)],
+        *[(v, k, len(k) % 2) for k, (v, _) in pills.items()]])
     table = f"js_{topic[-8:]}"
-    cfg = parse_pipeline({
-        "name": table, "kafka": {"bootstrap_servers": kafka_bootstrap},
-        "source": {"topics": [topic], "starting": "earliest"},
-        "format": {"type": "json_schema", "schema": dict(COLUMNS),
-                   "schema_registry": {"url": url}},
-        "sink": {"connection": pg_dsn, "table": table}, "bad_records": "dead_letter",
-        "dead_letter_table": f"dl_{table}", "spark": {"master": "local[2]"}},
-        f"<test {table}>", {})
-    planned = plan_only(cfg, pg_dsn, started_by="test")
-    assert planned.batch is not None
-    report = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    cfg = record_pipeline(table, topic, "json_schema", COLUMNS, pg_dsn, kafka_bootstrap)
+    bid, report = plan_and_run(spark, cfg, pg_dsn)
     assert report.result.status == "committed", report.result
     rows = query(pg_dsn, f"SELECT order_id, status, amount, at FROM {table} ORDER BY 1")
     assert [(r[0], r[1], float(r[2]), r[3]) for r in rows] == [
@@ -88,6 +75,6 @@ def test_json_schema_records_land_once_and_poison_is_dead_letters(
     for k, (_, why) in pills.items():
         t, pt, o, err = dead[k]
         assert (t, pt) == (topic, len(k) % 2) and o >= 0 and why in err, (k, err)
-    again = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    again = run_batch(spark, cfg, bid, pg_dsn)
     assert again.result.status == "already_committed"
     assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == GOOD

@@ -11,18 +11,18 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import Producer
 from google.protobuf import descriptor_pb2
 
-from offsetflow.config import parse_pipeline
 from offsetflow.job import run_batch
-from offsetflow.ops import plan_only
 from tests.tooling.pipeline_data import query
 from tests.tooling.registry_case import (
     dynamic_message_classes,
     encode,
     new_topic,
+    plan_and_run,
+    produce,
     protobuf_serializer,
+    record_pipeline,
     registry_url,
 )
 
@@ -80,24 +80,12 @@ def test_protobuf_records_land_value_by_value_once_and_poison_is_dead_letters(
         b"bad-index": (good0[:5] + b"\x02\x0e" + good0[7:], f"schema id {sid}: message index"),
         b"truncated": (good0[:-3], f"schema id {sid}: payload does not decode"),
     }
-    p = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
-    for i in range(GOOD):
-        p.produce(topic, encode(ser, topic, _order(order, i)), partition=i % 2)
-    for k, (v, _) in pills.items():
-        p.produce(topic, v, key=k, partition=len(k) % 2)
-    assert p.flush(30) == 0
+    produce(kafka_bootstrap, topic, [
+        *[(encode(ser, topic, _order(order, i)), None, i % 2) for i in range(GOOD)],
+        *[(v, k, len(k) % 2) for k, (v, _) in pills.items()]])
     table = f"pb_{topic[-8:]}"
-    cfg = parse_pipeline({
-        "name": table, "kafka": {"bootstrap_servers": kafka_bootstrap},
-        "source": {"topics": [topic], "starting": "earliest"},
-        "format": {"type": "protobuf", "schema": dict(COLUMNS),
-                   "schema_registry": {"url": url}},
-        "sink": {"connection": pg_dsn, "table": table}, "bad_records": "dead_letter",
-        "dead_letter_table": f"dl_{table}", "spark": {"master": "local[2]"}},
-        f"<test {table}>", {})
-    planned = plan_only(cfg, pg_dsn, started_by="test")
-    assert planned.batch is not None
-    report = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    cfg = record_pipeline(table, topic, "protobuf", COLUMNS, pg_dsn, kafka_bootstrap)
+    bid, report = plan_and_run(spark, cfg, pg_dsn)
     assert report.result.status == "committed", report.result
     rows = query(pg_dsn, f"SELECT {', '.join(COLUMNS)} FROM {table} ORDER BY 1")
     assert [r[0] for r in rows] == list(range(GOOD))
@@ -116,6 +104,6 @@ def test_protobuf_records_land_value_by_value_once_and_poison_is_dead_letters(
     for k, (_, why) in pills.items():
         t, pt, o, err = dead[k]
         assert (t, pt) == (topic, len(k) % 2) and o >= 0 and why in err, (k, err)
-    again = run_batch(spark, cfg, planned.batch.batch_id, pg_dsn)
+    again = run_batch(spark, cfg, bid, pg_dsn)
     assert again.result.status == "already_committed"
     assert query(pg_dsn, f"SELECT count(*) FROM {table}")[0][0] == GOOD

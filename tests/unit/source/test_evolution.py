@@ -117,7 +117,7 @@ def test_schema_evolution_config_where_it_is_built_and_in_the_fingerprint() -> N
     assert _pipeline(format={"schema_evolution": None}).schema_evolution is None
     for over, words in [
         ({"format": {"schema_evolution": "add"}}, "format.schema_evolution"),
-        ({"format": {"type": "json", "schema_registry": None}}, "is for format.type avro"),
+        ({"format": {"type": "json", "schema_registry": None}}, "schema-registry formats"),
         ({"sink": {"type": "iceberg"}}, "built for sink.type postgres only"),
         ({"transform": "pkg.mod.fn"}, "does not work with a transform yet"),
     ]:
