@@ -261,18 +261,20 @@ class KafkaTopicSink(KafkaTransaction):
                 self._abort(batch)
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
             if not primary(self._failed):
-                # librdkafka bumps the epoch on this abort (sequence numbers start again)
                 log.warning("batch %d: the transaction of pass %d to %s failed with no "
                             "record refused (%s) and was aborted; producing the batch again "
                             "in a new transaction", batch.batch_id, attempt, topic, why)
-                continue
-            for rec in self._refused_by_broker(cur, batch, topic, int(largest), began_ms):
-                refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
-                    batch, topic, limit, rec)
-            why = f"the broker refused {len(refused)} records for themselves"
-            log.warning("batch %d: the broker refused %d records of %s for themselves (pass "
-                        "%d); producing the batch again without them", batch.batch_id,
-                        len(refused), topic, attempt)
+            else:
+                for rec in self._refused_by_broker(cur, batch, topic, int(largest),
+                                                   began_ms):
+                    refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
+                        batch, topic, limit, rec)
+                why = f"the broker refused {len(refused)} records for themselves"
+                log.warning("batch %d: the broker refused %d records of %s for themselves "
+                            "(pass %d); producing the batch again without them",
+                            batch.batch_id, len(refused), topic, attempt)
+            if attempt < MAX_PASSES:
+                p = self._reopen(batch)
         else:
             raise KafkaSinkError(f"batch {batch.batch_id}: the transaction to {topic} still "
                                  f"failed after {MAX_PASSES} passes, each leaving out the "

@@ -109,6 +109,18 @@ class KafkaTransaction:
             raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
                                  f"transactional.id {self._txn_id} failed: {e}") from e
 
+    def _reopen(self, batch: Batch) -> Producer:
+        """A new producer (and group consumer) for the next pass of the attempt, after the
+        last one's transaction was aborted: its `init_transactions` bumps the epoch, so
+        the sequence numbers start again. A record the broker refused spent its sequence
+        number; librdkafka bumps the epoch on the abort only when a later request of the
+        pass to that partition failed out of order, so without this the next pass's first
+        request to it is one past what the broker expects ("skipped sequence numbers")."""
+        self.close()
+        self._open(batch)
+        assert self._producer is not None
+        return self._producer
+
     def _timed_out(self) -> str | None:
         """Why a fence is not a newer run: the transaction is older than its timeout, after
         which the broker aborts it and bumps the epoch (the producer then reports a fence).

@@ -136,9 +136,12 @@ def test_a_record_refused_last_in_its_partition_leaves_no_gap_that_fails_the_nex
     """A record the broker refuses (compressed, over the limit alone) as the last one of
     its partition in a pass: no request after it in the pass fails out of order, so the
     abort bumps no epoch, and the next pass's first request has a sequence number one past
-    what the broker expects. librdkafka then fails that transaction as abortable
-    (OUT_OF_ORDER_SEQUENCE_NUMBER, "skipped sequence numbers") with no record refused;
-    its abort bumps the epoch, so one more pass commits. Before: the batch failed at
+    what the broker expects: librdkafka fails that transaction as abortable
+    (OUT_OF_ORDER_SEQUENCE_NUMBER, "skipped sequence numbers") with no record refused. Each
+    pass after an aborted one now has a new producer (its init_transactions bumps the
+    epoch: no gap), and a pass that becomes abortable all the same is one more pass (its
+    abort bumps the epoch; the first version of the fix committed so, in 3 passes). Before:
+    the batch failed at
     send_offsets_to_transaction every run (the flake of
     test_killed_after_a_commit_that_left_out_refused_records_the_next_run_routes_them,
     where under load the records after the refused one were still queued, and purged)."""
