@@ -128,13 +128,15 @@ class PlanningQueries:
                     ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """What adaptive sizing starts from: the rate record of the newest scheduled batch
         that has one, and the newest scheduled batches that were not abandoned (newest
-        first: batch_id, status, offsets, planned_at, started_at, finished_at, timings)."""
+        first: batch_id, status, offsets, planned_at, started_at, finished_at, timings,
+        due_at, due_source)."""
         cur.execute("""SELECT rate FROM offsetflow.batches
                         WHERE pipeline = %s AND kind = 'scheduled' AND rate IS NOT NULL
                         ORDER BY batch_id DESC LIMIT 1""", (pipeline,))
         row = cur.fetchone()
         cur.execute("""SELECT b.batch_id, b.status, b.planned_at, b.started_at, b.finished_at,
-                              b.timings, (SELECT COALESCE(sum(until_offset - from_offset), 0)
+                              b.timings, b.due_at, b.due_source,
+                              (SELECT COALESCE(sum(until_offset - from_offset), 0)
                                  FROM offsetflow.batch_ranges r
                                 WHERE r.batch_id = b.batch_id)
                          FROM offsetflow.batches b
@@ -142,7 +144,7 @@ class PlanningQueries:
                           AND b.status <> 'abandoned'
                         ORDER BY b.batch_id DESC LIMIT 2""", (pipeline,))
         cols = ("batch_id", "status", "planned_at", "started_at", "finished_at", "timings",
-                "offsets")
+                "due_at", "due_source", "offsets")
         return (row[0] if row else None), [dict(zip(cols, r, strict=True))
                                            for r in cur.fetchall()]
 

@@ -25,9 +25,14 @@ the rate, and `min_rate` only bounds the rate.
 What OffsetFlow observes of a batch (`observe`): its records are its offsets (Spark's direct
 Kafka stream counts its ranges' offsets too); its time is when it was planned; its
 processing time is its last run's steps as the driver timed them (`batches.timings`); its
-scheduling delay is how much later than one interval after the previous scheduled batch it
-was planned while that batch was still running (a run that overran its interval delays the
-next: the backlog Spark's integral term reads; an idle gap is none: `scheduling_delay_ms`).
+scheduling delay is Spark's, due -> started: from its real due time (`batches.due_at`, the
+DAG run's data interval end or the trigger's time, migration 0011) to the start of the run
+that committed it, as the batch's own statistics count it (`offsetflow.ledger.batch_stats`):
+a run that waited behind an overrunning one, for a slot, or through failed attempts is the
+backlog Spark's integral term reads; an idle gap is none (no run was due). A batch with no
+real due time (planned before 0011, or by the CLI, whose due time is the plan itself) is
+estimated from plan times instead: how much later than one interval after the previous
+scheduled batch it was planned while that batch was still running (`scheduling_delay_ms`).
 """
 
 from __future__ import annotations
@@ -124,13 +129,22 @@ def processing_ms(b: Mapping[str, Any]) -> int | None:
     return _ms(b["finished_at"]) - _ms(b["started_at"])
 
 
+# due times that a schedule or a trigger set (the CLI's "plan" is the plan's own time)
+REAL_DUE = ("schedule", "trigger")
+
+
 def scheduling_delay_ms(b: Mapping[str, Any], before: Mapping[str, Any] | None,
                         interval_s: float) -> float:
-    """How long `b` waited behind `before`'s run past its due time (one interval after
-    `before` was planned): only while `before` was still running. An idle gap (plans that
+    """How long `b` waited past its due time. With a real due time (`due_at` of a schedule
+    or a trigger): due -> started, Spark's scheduling delay. Without one, estimated from
+    plan times: how long `b` waited behind `before`'s run past one interval after `before`
+    was planned, only while `before` was still running. Either way an idle gap (plans that
     found nothing to read plan no batch) is no delay: Spark plans an empty batch every
     interval, so its scheduling delay never holds idle time, and counted here the integral
     term would throw the rate to `min_rate` when the next burst comes."""
+    if b.get("due_at") is not None and b.get("started_at") is not None \
+            and b.get("due_source") in REAL_DUE:
+        return _ms(b["started_at"]) - _ms(b["due_at"])
     if before is None:
         return 0
     busy_until = _ms(b["planned_at"])
@@ -141,7 +155,8 @@ def scheduling_delay_ms(b: Mapping[str, Any], before: Mapping[str, Any] | None,
 
 def observe(batches: Sequence[Mapping[str, Any]], interval_s: float) -> Observation | None:
     """The last committed scheduled batch of `batches` (ledger rows, newest first: batch_id,
-    status, offsets, planned_at, started_at, finished_at, timings), or None."""
+    status, offsets, planned_at, started_at, finished_at, timings, due_at, due_source), or
+    None."""
     for i, b in enumerate(batches):
         if b["status"] != "committed":
             continue

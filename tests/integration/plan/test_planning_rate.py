@@ -6,9 +6,12 @@ from batch to batch through the ledger, and a batch never reads more than the ra
 from __future__ import annotations
 
 import math
+from datetime import timedelta
 from typing import Any
 
 from offsetflow.errors import ConfigError
+from offsetflow.job import run_batch
+from offsetflow.ledger import Due
 from offsetflow.ops.runner import plan_only, run_cycle
 from tests.tooling.pipeline_data import pipeline_for, produce_plain, query
 
@@ -60,3 +63,33 @@ def test_a_non_finite_rate_setting_never_reaches_the_planner(
             continue
         out = plan_only(cfg, pg_dsn)  # accepted: it must plan
         assert out.batch is not None, (field, value)
+
+
+def test_the_estimator_reads_the_real_due_time(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """The scheduling delay the PID estimator observes is the ledger's due -> started
+    (`batches.due_at`, migration 0011), as the batch's own statistics count it: a run due
+    40 s before it started was 40 s late, though plan times (it is the first batch) see no
+    delay at all."""
+    topic = make_topic("rate_due", 1)
+    produce_plain(kafka_bootstrap, topic, 50, f"d{unique}", 1)
+    cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"rate_due_{unique}",
+                       source_rate={"adaptive": "pid", "interval_s": 60})
+    (now,), = query(pg_dsn, "SELECT now()")
+    first = plan_only(cfg, pg_dsn, "airflow", Due(now - timedelta(seconds=40), "schedule"))
+    assert first.batch is not None
+    assert run_batch(spark, cfg, first.batch.batch_id, pg_dsn).result.status == "committed"
+    (late_ms, stats), = query(pg_dsn, """SELECT (extract(epoch FROM started_at - due_at) * 1000)
+                                                ::bigint, stats
+                                           FROM offsetflow.batches WHERE batch_id = %s""",
+                              (first.batch.batch_id,))
+    assert late_ms >= 40_000
+    produce_plain(kafka_bootstrap, topic, 50, f"e{unique}", 1)
+    nxt = plan_only(cfg, pg_dsn, "airflow", Due(now + timedelta(seconds=60), "schedule"))
+    assert nxt.batch is not None
+    (rate,), = query(pg_dsn, "SELECT rate FROM offsetflow.batches WHERE batch_id = %s",
+                     (nxt.batch.batch_id,))
+    observed = rate["observed"]
+    assert observed["batch_id"] == first.batch.batch_id
+    assert abs(observed["scheduling_ms"] - late_ms) <= 1, (observed, late_ms)
+    assert abs(observed["scheduling_ms"] - 1000 * stats["scheduling_delay_s"]) <= 1

@@ -227,3 +227,35 @@ def test_a_clock_that_went_back_does_not_freeze_the_estimator() -> None:
     # the same batch observed again is still no new batch
     again = decide_rate(dataclasses.replace(PID, interval_s=60.0), d.record(), obs, None)
     assert "rate kept" in again.why and again.rate == pytest.approx(2000.0)
+
+
+def due(r: dict[str, Any], at_s: float, source: str = "schedule") -> dict[str, Any]:
+    return {**r, "due_at": at(at_s), "due_source": source}
+
+
+def test_the_scheduling_delay_is_due_to_started() -> None:
+    # batch 2's run was due at 60 s (its data interval end) and planned at 61 s, when batch
+    # 1's run had long committed (at 5 s): plan times see no delay. It then waited for a slot
+    # and started at 90 s: 30 s late, as the batch's own statistics count it (due -> started)
+    rows = [due(row(2, "committed", 20_000, 61, 90, 100), 60),
+            due(row(1, "committed", 5000, 0, 0, 5), 0)]
+    obs = observe(rows, 60.0)
+    assert obs is not None and obs.scheduling_ms == 30_000
+    # a run that started on time is not late, whatever the plan times say: batch 1 overran
+    # to 90 s, but batch 2's run was due (max_active_runs=1 queued it) only at 90 s
+    on_time = [due(row(2, "committed", 20_000, 90, 90, 100), 90),
+               due(row(1, "committed", 5000, 0, 0, 90), 0)]
+    assert observe(on_time, 60.0).scheduling_ms == 0  # type: ignore[union-attr]
+    # a manual run's due time is its trigger's: real too
+    triggered = [due(row(2, "committed", 20_000, 61, 70, 80), 60, "trigger")]
+    assert observe(triggered, 60.0).scheduling_ms == 10_000  # type: ignore[union-attr]
+    # no real due time (planned before migration 0011, or by the CLI: its due time is the
+    # plan's own): estimated from plan times as before
+    for r2 in (row(2, "committed", 20_000, 90, 91, 100),
+               due(row(2, "committed", 20_000, 90, 91, 100), 90, "plan")):
+        assert observe([r2, row(1, "committed", 5000, 0, 0, 90)],
+                       60.0).scheduling_ms == 30_000  # type: ignore[union-attr]
+    # an idle gap is still no delay: the run after an idle hour was due when it ran
+    idle = [due(row(2, "committed", 20_000, 3600, 3600, 3610), 3600),
+            due(row(1, "committed", 5000, 0, 0, 5), 0)]
+    assert observe(idle, 60.0).scheduling_ms == 0  # type: ignore[union-attr]

@@ -31,14 +31,12 @@ from offsetflow.sinks.kafka.form import (
 from offsetflow.sinks.kafka.limits import TopicSettings
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, SOURCE_HEADER, NotProduced
 from offsetflow.sinks.kafka.stage import prefetched
-from offsetflow.sinks.kafka.txn import Failed
+from offsetflow.sinks.kafka.txn import PURGED, Failed
 
 Coordinates = tuple[str, int, int]
 # a failed message's source record: its coordinates, record size and timestamp (ms or None)
 Source = tuple[Coordinates, int, int | None, bool]
 
-# reports of messages the producer dropped because the transaction was aborted
-PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 TOO_LARGE = frozenset({KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE})
 REPLICAS = frozenset({KafkaError.NOT_ENOUGH_REPLICAS,
                       KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND})

@@ -68,7 +68,13 @@ from offsetflow.sinks.kafka.mark import (
 )
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
-from offsetflow.sinks.kafka.txn import KAFKA_TIMEOUT_S, KafkaTransaction, fence
+from offsetflow.sinks.kafka.txn import (
+    KAFKA_TIMEOUT_S,
+    KafkaTransaction,
+    PassAborted,
+    abortable_produce,
+    fence,
+)
 from offsetflow.stage import staged_per_range, staged_rows
 
 log = logging.getLogger(__name__)
@@ -227,36 +233,53 @@ class KafkaTopicSink(KafkaTransaction):
         # file ...: File exists") after `pg_ctl stop -m immediate` (test_sink_kafka_faults)
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
+        why = ""  # why the last pass's transaction was aborted
         for attempt in range(1, MAX_PASSES + 1):
             began_ms = int(time.time() * 1000)
             lo, hi = self.settings.timestamp_bounds(began_ms)
             bounds = (lo, hi) if ts_min is not None and (ts_min < lo or ts_max > hi) else None
-            produced, skipped = self._produce_stage(cur, batch, topic, len(md.partitions),
-                                                    limit, int(largest), bounds, refused)
-            if produced + len(skipped) != staged:
+            try:
+                produced, skipped = self._produce_stage(cur, batch, topic, len(md.partitions),
+                                                        limit, int(largest), bounds, refused)
+                if produced + len(skipped) != staged:
+                    self._abort(batch)
+                    raise StagedRowsLostError(batch.batch_id, None,
+                                              f"the stage holds {produced + len(skipped)} "
+                                              f"rows but its markers count {staged}")
+                t = time.monotonic()
+                self._flush()
+                self._phase("kafka_flush_s", t)
+                if not self._failed:  # a report of any kind: a record is not in it
+                    t = time.monotonic()
+                    self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
+                    break
+                why = (f"librdkafka purged {len(self._failed)} of its records: "
+                       f"{self._failed[0].reason}")
+            except PassAborted as e:  # abortable with no record refused (so far)
+                why = e.reason
+            if self._open_txn:
                 self._abort(batch)
-                raise StagedRowsLostError(batch.batch_id, None,
-                                          f"the stage holds {produced + len(skipped)} rows "
-                                          f"but its markers count {staged}")
-            t = time.monotonic()
-            self._flush()
-            self._phase("kafka_flush_s", t)
-            if not primary(self._failed):
-                break
-            self._abort(batch)
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
-            for rec in self._refused_by_broker(cur, batch, topic, int(largest), began_ms):
-                refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
-                    batch, topic, limit, rec)
-            log.warning("batch %d: the broker refused %d records of %s for themselves (pass "
-                        "%d); producing the batch again without them", batch.batch_id,
-                        len(refused), topic, attempt)
+            if not primary(self._failed):
+                log.warning("batch %d: the transaction of pass %d to %s failed with no "
+                            "record refused (%s) and was aborted; producing the batch again "
+                            "in a new transaction", batch.batch_id, attempt, topic, why)
+            else:
+                for rec in self._refused_by_broker(cur, batch, topic, int(largest),
+                                                   began_ms):
+                    refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
+                        batch, topic, limit, rec)
+                why = f"the broker refused {len(refused)} records for themselves"
+                log.warning("batch %d: the broker refused %d records of %s for themselves "
+                            "(pass %d); producing the batch again without them",
+                            batch.batch_id, len(refused), topic, attempt)
+            if attempt < MAX_PASSES:
+                p = self._reopen(batch)
         else:
-            raise KafkaSinkError(f"batch {batch.batch_id}: the broker still refused records "
-                                 f"of {topic} after {MAX_PASSES} passes, each leaving out "
-                                 f"those it refused before; nothing is visible")
-        t = time.monotonic()
-        self._send_offsets(batch, skipped, staged_per_range(cur, batch.batch_id))
+            raise KafkaSinkError(f"batch {batch.batch_id}: the transaction to {topic} still "
+                                 f"failed after {MAX_PASSES} passes, each leaving out the "
+                                 f"records the broker refused before (last: {why}); nothing "
+                                 f"is visible, the next run produces the batch again")
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False
@@ -356,6 +379,7 @@ class KafkaTopicSink(KafkaTransaction):
                     except (_NotProducible, KafkaException) as e:
                         if isinstance(e, KafkaException) and \
                                 e.args[0].code() != KafkaError.MSG_SIZE_TOO_LARGE:
+                            abortable_produce(e)
                             raise
                         skipped.append(self._not_produced(batch, topic, limit, NotProduced(
                             s_topic, s_part, s_off,
@@ -376,8 +400,8 @@ class KafkaTopicSink(KafkaTransaction):
         p = self._producer
         assert p is not None
         deadline = time.monotonic() + self.timeout_s
-        while p.flush(min(1.0, max(0.0, deadline - time.monotonic()))) and not primary(
-                self._failed) and time.monotonic() < deadline:
+        while p.flush(min(1.0, max(0.0, deadline - time.monotonic()))) and not self._failed \
+                and time.monotonic() < deadline:
             continue
 
     def _refused_by_broker(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,

@@ -38,6 +38,9 @@ KAFKA_TIMEOUT_S = 60.0
 QUEUE_KBYTES = 65_536
 # delivery reports kept for the failure path (each a key, a digest and a few numbers)
 MAX_FAILED = 10_000
+# reports of messages the producer dropped because the transaction was aborted (by this
+# run, or by librdkafka when the transaction became abortable)
+PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 # how long a batch waits for a partition's in-sync replicas to come back up to the topic's
 # min.insync.replicas (a broker restarting) before it fails naming the setting
 ISR_WAIT_S = 30.0
@@ -106,6 +109,18 @@ class KafkaTransaction:
             raise KafkaSinkError(f"batch {batch.batch_id}: init_transactions of "
                                  f"transactional.id {self._txn_id} failed: {e}") from e
 
+    def _reopen(self, batch: Batch) -> Producer:
+        """A new producer (and group consumer) for the next pass of the attempt, after the
+        last one's transaction was aborted: its `init_transactions` bumps the epoch, so
+        the sequence numbers start again. A record the broker refused spent its sequence
+        number; librdkafka bumps the epoch on the abort only when a later request of the
+        pass to that partition failed out of order, so without this the next pass's first
+        request to it is one past what the broker expects ("skipped sequence numbers")."""
+        self.close()
+        self._open(batch)
+        assert self._producer is not None
+        return self._producer
+
     def _timed_out(self) -> str | None:
         """Why a fence is not a newer run: the transaction is older than its timeout, after
         which the broker aborts it and bumps the epoch (the producer then reports a fence).
@@ -126,10 +141,13 @@ class KafkaTransaction:
         """Only errors are reported (delivery.report.only.error). A report carries no
         headers (nor, for a failed message, a timestamp): the failure path finds the source
         record by key and value."""
-        if err is not None and len(self._failed) < MAX_FAILED:
-            ts = msg.timestamp()
-            self._failed.append(Failed(err.code(), err.str(), msg.partition(), msg.key(),
-                                       value_digest(msg.value()), ts[1] if ts else 0))
+        if err is None or len(self._failed) >= MAX_FAILED:
+            return
+        if err.code() in PURGED and self._failed and self._failed[-1].code in PURGED:
+            return  # one of a run of purged messages tells it: room for the refused ones
+        ts = msg.timestamp()
+        self._failed.append(Failed(err.code(), err.str(), msg.partition(), msg.key(),
+                                   value_digest(msg.value()), ts[1] if ts else 0))
 
     @staticmethod
     def _produce(p: Producer, topic: str, key: bytes | None, value: Any,
@@ -147,6 +165,7 @@ class KafkaTransaction:
             except KafkaException as e:
                 if e.args[0].code() == KafkaError.MSG_SIZE_TOO_LARGE:
                     return False
+                abortable_produce(e)
                 raise
 
     def _partitions(self, batch: Batch, topic: str) -> Any:
@@ -259,9 +278,11 @@ class KafkaTransaction:
                     # transaction had failed as abortable, yet the commit may have landed
                     aborted = (UNKNOWN_OUTCOME if what == "commit_transaction" else
                                "the transaction was aborted, nothing of it is visible")
-                    raise KafkaSinkError(f"batch {batch.batch_id}: {what} failed "
-                                         f"({err.str()}); {self._timed_out() or aborted}"
-                                         ) from e
+                    msg = (f"batch {batch.batch_id}: {what} failed ({err.str()}); "
+                           f"{self._timed_out() or aborted}")
+                    if what == "commit_transaction" or self._timed_out():
+                        raise KafkaSinkError(msg) from e
+                    raise PassAborted(msg, err.str()) from e
                 fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                         KafkaError.INVALID_PRODUCER_EPOCH)
                 timed_out = self._timed_out() if fenced else None
@@ -288,6 +309,32 @@ class KafkaTransaction:
         # no flush: the transaction is committed or aborted by now, and a fenced producer's
         # flush would raise over the error that says what happened
         self._producer = None
+
+
+class PassAborted(KafkaSinkError):
+    """The transaction of a pass became abortable in librdkafka with no record refused in
+    it (e.g. `OUT_OF_ORDER_SEQUENCE_NUMBER`, "skipped sequence numbers", after a record
+    refused in the pass before left a gap in a partition's sequence numbers, or an
+    in-flight request failing behind it). The transaction is aborted, nothing of it is
+    visible; librdkafka bumps the producer's epoch on that abort, which resets the
+    sequence numbers, so the next pass of the attempt starts clean
+    (`offsetflow.sinks.kafka.sink`). Raised only while the outcome is known (never for
+    commit_transaction)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def abortable_produce(e: KafkaException) -> None:
+    """Raise `produce`'s error as `PassAborted` when librdkafka refused the record because
+    the transaction already failed (`_STATE`: it left IN_TRANSACTION for its abortable
+    state, which a refused record or an out-of-order sequence number puts it in while the
+    pass still produces); any other error is the caller's to raise."""
+    err: KafkaError = e.args[0]
+    if err.code() == KafkaError._STATE:
+        raise PassAborted(f"producing failed ({err.str()}): the transaction became "
+                          f"abortable", err.str()) from e
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,35 @@ def test_a_compressed_record_the_topic_refuses_alone_goes_to_dead_letters_named(
     assert out in dead[0].error and "max.message.bytes" in dead[0].error
 
 
+def test_a_record_refused_last_in_its_partition_leaves_no_gap_that_fails_the_next_pass(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A record the broker refuses (compressed, over the limit alone) as the last one of
+    its partition in a pass: no request after it in the pass fails out of order, so the
+    abort bumps no epoch, and the next pass's first request has a sequence number one past
+    what the broker expects: librdkafka fails that transaction as abortable
+    (OUT_OF_ORDER_SEQUENCE_NUMBER, "skipped sequence numbers") with no record refused. Each
+    pass after an aborted one now has a new producer (its init_transactions bumps the
+    epoch: no gap), and a pass that becomes abortable all the same is one more pass (its
+    abort bumps the epoch; the first version of the fix committed so, in 3 passes). Before:
+    the batch failed at
+    send_offsets_to_transaction every run (the flake of
+    test_killed_after_a_commit_that_left_out_refused_records_the_next_run_routes_them,
+    where under load the records after the refused one were still queued, and purged)."""
+    src = make_topic("kmg-src", 1)
+    out = make_topic("kmg-out", 1, {"max.message.bytes": "2000"})
+    small = [(0, f"k{i}".encode(), f"{i:05d}".encode() * 40, 0) for i in range(10)]
+    coords = produce(kafka_bootstrap, src, [*small, (0, b"noise", os.urandom(3000), 0)])
+    name = f"kmg_{unique}"
+    cfg = pipeline(name, src, out, pg_dsn, kafka_bootstrap, dead_letter=True,
+                   producer={"compression.type": "lz4"})
+    res = run_batch(spark, cfg, planned(cfg, pg_dsn), pg_dsn).result
+    assert (res.status, res.rows_written, res.bad_records) == ("committed", 10, 1)
+    assert sorted(r.value or b"" for r in read_topic(kafka_bootstrap, out)) == sorted(
+        v for _, _, v, _ in small)
+    dead = dead_letters(pg_dsn, f"{name}_dead", name)
+    assert [(d.topic, d.partition, d.offset) for d in dead] == [(src, *coords[10])]
+
+
 def test_timestamps_the_topic_refuses_go_to_dead_letters_or_fail_naming_the_setting(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
     """The sink copies source timestamps (CreateTime); a topic with

@@ -98,3 +98,66 @@ def test_the_fencing_producer_leaves_out_delivery_and_timeout_settings() -> None
     assert conf["sasl.username"] == "sink-writer"
     conf.pop("sasl.username")  # no SASL on a plaintext test client
     Producer(conf)  # librdkafka accepts the settings (it refused them with the timeout)
+
+
+def test_an_abortable_pass_is_told_apart_from_an_unknown_commit() -> None:
+    """An abortable error before the commit (send_offsets_to_transaction, or produce()
+    refused with _STATE once the transaction failed) is `PassAborted`: nothing of the pass is
+    visible and the pass loop produces the batch once more (the abort bumps the epoch: a
+    gap in the sequence numbers a refused record left is gone). An abortable commit is not:
+    its outcome is unknown, and another pass could produce the batch twice."""
+    from offsetflow.sinks.kafka.txn import PassAborted, abortable_produce
+
+    cfg = parse_pipeline(raw(topic="out"), "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._producer = AbortFails()  # type: ignore[assignment]
+    skipped = KafkaError(KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, "skipped sequence numbers",
+                         txn_requires_abort=True)
+    with pytest.raises(PassAborted) as e:
+        sink._retry(batch(), "send_offsets_to_transaction", failing(skipped))
+    assert e.value.reason == "skipped sequence numbers"
+    with pytest.raises(KafkaSinkError) as c:
+        sink._retry(batch(), "commit_transaction", failing(skipped))
+    assert not isinstance(c.value, PassAborted)
+    with pytest.raises(PassAborted):
+        abortable_produce(KafkaException(KafkaError(KafkaError._STATE)))
+    abortable_produce(KafkaException(KafkaError(KafkaError._UNKNOWN_TOPIC)))  # the caller's
+
+
+@dataclass
+class Report:
+    """A delivery report's message."""
+
+    n: int
+
+    def timestamp(self) -> tuple[int, int]:
+        return (0, -1)
+
+    def partition(self) -> int:
+        return 0
+
+    def key(self) -> bytes:
+        return f"k{self.n}".encode()
+
+    def value(self) -> bytes:
+        return b"v"
+
+
+def test_purged_reports_leave_room_for_the_refused_ones() -> None:
+    """librdkafka purges every queued message when a transaction becomes abortable: a run of
+    purged reports must not fill the kept reports before the refused record's arrives (the
+    pass would then look failed for no record, again on every pass)."""
+    from offsetflow.sinks.kafka.txn import MAX_FAILED
+
+    cfg = parse_pipeline(raw(topic="out"), "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    purged, refused = KafkaError(KafkaError._PURGE_QUEUE), KafkaError(
+        KafkaError.MSG_SIZE_TOO_LARGE)
+    for i in range(MAX_FAILED + 5):
+        sink._on_delivery(purged, Report(i))
+    sink._on_delivery(refused, Report(-1))
+    sink._on_delivery(KafkaError(KafkaError._PURGE_INFLIGHT), Report(-2))
+    assert [f.code for f in sink._failed] == [KafkaError._PURGE_QUEUE,
+                                              KafkaError.MSG_SIZE_TOO_LARGE,
+                                              KafkaError._PURGE_INFLIGHT]
+    assert sink._failed[1].key == b"k-1"
