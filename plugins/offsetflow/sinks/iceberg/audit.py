@@ -295,6 +295,23 @@ def audit_ranges(batches: Sequence[Batch]) -> list[dict[str, Any]]:
              "until_offset": r.until_offset} for b in batches for r in b.ranges]
 
 
+def open_audit_snapshots(table: Table) -> set[int]:
+    """The snapshots of every audit branch that main does not hold: snapshot expiry keeps
+    them (publish reads the staged files' snapshots back along the branch)."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    main = {s.snapshot_id for s in ancestors_of(table.current_snapshot(), table.metadata)}
+    out: set[int] = set()
+    for name in table.metadata.refs:
+        if not name.startswith(BRANCH_PREFIX):
+            continue
+        for snap in ancestors_of(table.snapshot_by_name(name), table.metadata):
+            if snap.snapshot_id in main:
+                break
+            out.add(snap.snapshot_id)
+    return out
+
+
 def remove_branch(table: Table, branch: str) -> bool:
     """The branch removed if it is there (idempotent); whether it was."""
     if branch == MAIN or branch not in table.metadata.refs:

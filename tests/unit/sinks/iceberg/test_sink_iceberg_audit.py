@@ -134,3 +134,13 @@ def test_publish_refuses_a_window_main_changed_since_the_diff(table: Any) -> Non
         publish(table, batches, diff, digest)
     assert "audit-7" in table.metadata.refs
     assert values(table) == [f"v{o}" for o in range(10) if o != 5]
+
+
+def test_snapshot_expiry_keeps_an_open_audit_branchs_own_snapshots(table: Any) -> None:
+    main = {s.snapshot_id for s in table.snapshots()}
+    staged(table)
+    own = {s.snapshot_id for s in table.snapshots()} - main
+    assert len(own) == 4  # each batch's delete and append
+    assert audit.open_audit_snapshots(table) == own
+    audit.remove_branch(table, "audit-7")
+    assert audit.open_audit_snapshots(table) == set()
