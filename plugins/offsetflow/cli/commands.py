@@ -396,9 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write the window again into a Kafka sink's replay_topic that "
                              "an earlier replay or backfill already wrote it to")
         sp.add_argument("--audit", action="store_true",
-                        help="write the window to a shadow table beside the live one, diff "
-                             "it, and publish or discard it later (`offsetflow audit`); "
-                             "PostgreSQL sinks in append mode")
+                        help="write the window beside the live data (a shadow table, an "
+                             "Iceberg branch), diff it, and publish or discard it later "
+                             "(`offsetflow audit`); PostgreSQL and Iceberg sinks in append "
+                             "mode")
         sp.add_argument("--local", action="store_true",
                         help="run here instead of triggering the Airflow DAG")
         sp.add_argument("--airflow-url",

@@ -71,8 +71,9 @@ class WindowPlan:
             "note": "offset counts are an upper bound on records: transaction markers, "
                     "aborted and compacted records take offsets too",
         } | ({"refused": self.refused} if self.refused else {}) | (
-            {"audit": "the window is written to a shadow table beside the live one, then "
-                      "diffed; publish or discard it with `offsetflow audit`"}
+            {"audit": "the window is written beside the live data (a shadow table, or a "
+                      "branch of an Iceberg table), then diffed; publish or discard it "
+                      "with `offsetflow audit`"}
             if self.request.audit else {})
 
 

@@ -92,9 +92,10 @@ def _window_params(kind: str) -> dict[str, Param]:
                                   description="Kafka sink: write the window again into a "
                                               "replay_topic that already holds it"),
         "audit": Param(False, type="boolean", title="Audit before publish",
-                       description="Write the window to a shadow table beside the live one; "
-                                   "see its diff with `offsetflow audit show BATCH`, then "
-                                   "publish or discard it (PostgreSQL sinks, append mode)"),
+                       description="Write the window beside the live data (a shadow "
+                                   "table, an Iceberg branch); see its diff with "
+                                   "`offsetflow audit show BATCH`, then publish or discard "
+                                   "it (PostgreSQL and Iceberg sinks, append mode)"),
     }
     if kind == "backfill":
         params["target_table"] = Param(None, type=["null", "string"], title="Target table",

@@ -116,8 +116,9 @@ class Sink(ABC):
         audit a window."""
         raise RequestError(
             f"pipeline {self.cfg.name}: --audit is not available for sink.type "
-            f"{self.cfg.sink.type} yet (PostgreSQL sinks only); run the window without "
-            f"--audit, or into a side table (backfill --target-table) to inspect it first")
+            f"{self.cfg.sink.type} yet (PostgreSQL and Iceberg sinks only); run the window "
+            f"without --audit, or into a side table (backfill --target-table) to inspect it "
+            f"first")
 
     def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
                    ) -> tuple[dict[str, Any], str]:

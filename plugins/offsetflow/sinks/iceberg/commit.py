@@ -6,7 +6,7 @@ it is not there, appends the rows or data files (a replay or backfill first dele
 window: its coordinates, and when the topic had several incarnations only the rows of
 the batches of its own, `window_of`) in one transaction that asserts main is still the
 snapshot it searched. pyiceberg's own rebase-and-retry is off for this view of the table
-(`_no_rebase`), so a conflict comes back here: the table is refreshed, the batch looked for
+(`no_rebase`), so a conflict comes back here: the table is refreshed, the batch looked for
 again, and only then is the commit retried, at most `COMMIT_RETRIES` times.
 """
 
@@ -32,6 +32,7 @@ from offsetflow.commit import (
 from offsetflow.config import check_summary_ranges, summary_batch
 from offsetflow.errors import IcebergTableIdentityError, OffsetFlowError, SchemaMismatchError
 from offsetflow.ledger import Batch
+from offsetflow.sinks.iceberg.audit import batch_branch, branch_head, ensure_branch
 from offsetflow.sinks.iceberg.files import batch_file_prefix, name_files_for
 from offsetflow.sinks.iceberg.warehouse import writing_to
 
@@ -54,10 +55,11 @@ class IcebergCommitError(OffsetFlowError):
 
 def find_batch(table: Table, batch: Batch, ledger: str | None = None
                ) -> tuple[int, int] | None:
-    """(rows, dead letters) of this batch's snapshot among main's ancestors, or None; a
-    snapshot with its pipeline and batch id but other ranges is a BatchIdentityError.
-    `ledger`: the ledger's identity (another ledger's pipeline of the same name numbers its
-    own batches: its snapshots are not this one's)."""
+    """(rows, dead letters) of this batch's snapshot among the ancestors of the branch it
+    commits on (main, or its audit's branch: `batch_branch`), or None; a snapshot with its
+    pipeline and batch id but other ranges is a BatchIdentityError. `ledger`: the ledger's
+    identity (another ledger's pipeline of the same name numbers its own batches: its
+    snapshots are not this one's)."""
     snap = _batch_snapshot(table, batch, ledger)
     if snap is None:
         return None
@@ -68,7 +70,7 @@ def find_batch(table: Table, batch: Batch, ledger: str | None = None
 
 
 def batch_snapshot_id(table: Table, batch: Batch, ledger: str | None = None) -> int | None:
-    """The id of the batch's (newest) snapshot on main, or None."""
+    """The id of the batch's (newest) snapshot on its branch (`batch_branch`), or None."""
     snap = _batch_snapshot(table, batch, ledger)
     return None if snap is None else int(snap.snapshot_id)
 
@@ -76,7 +78,7 @@ def batch_snapshot_id(table: Table, batch: Batch, ledger: str | None = None) -> 
 def _batch_snapshot(table: Table, batch: Batch, ledger: str | None) -> Any:
     from pyiceberg.table.snapshots import ancestors_of
 
-    for snap in ancestors_of(table.current_snapshot(), table.metadata):
+    for snap in ancestors_of(branch_head(table, batch_branch(batch)), table.metadata):
         summary = snap.summary.additional_properties if snap.summary else {}
         if summary_batch(summary, batch.pipeline, batch.batch_id, ledger) is not None:
             # and the very ranges: batch ids repeat when ledgers do
@@ -123,6 +125,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
     AssertTableUUID is what conflicted) is IcebergTableIdentityError, never written."""
     from pyiceberg.exceptions import CommitFailedException
 
+    branch = batch_branch(batch)  # an audited window's: beside main, never on it
     for attempt in range(COMMIT_RETRIES):
         # the snapshot the commit asserts is the one searched here (`find` may have looked
         # at an older load of the table)
@@ -131,7 +134,8 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
             return found[0]
         if check is not None:
             check(table)
-        _no_rebase(table)
+        ensure_branch(table, branch)
+        no_rebase(table)
         name_files_for(table, batch_file_prefix(batch))  # the sweep knows them by it
         try:  # files, manifests and metadata are written before the pointer moves
             with writing_to(table.location(), "writing the batch's files and metadata for "
@@ -141,7 +145,8 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
                 else:
                     assert data is not None
                     txn = _append_transaction(table, batch, data, summary,
-                                              None if window is None else window(table))
+                                              None if window is None else window(table),
+                                              branch)
                 _fault("after-files")
                 txn.commit_transaction()
         except CommitFailedException as e:
@@ -175,25 +180,27 @@ def _refresh(table: Table, batch: Batch) -> None:
 
 
 def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
-                        summary: dict[str, str], window: Any) -> Transaction:
+                        summary: dict[str, str], window: Any, branch: str = "main"
+                        ) -> Transaction:
     txn = table.transaction()
     if batch.kind in ("replay", "backfill"):
         # never by coordinates alone: they hold a recreated topic's other incarnation too
         assert window is not None, "a replay/backfill deletes its window_of"
         with warnings.catch_warnings():  # a window with nothing before is no news
             warnings.filterwarnings("ignore", "Delete operation did not match")
-            txn.delete(window, snapshot_properties=summary)
+            txn.delete(window, snapshot_properties=summary, branch=branch)
     if not isinstance(data, pa.Table):  # an empty list still records the batch
-        with txn.update_snapshot(snapshot_properties=summary).fast_append() as append:
+        with txn.update_snapshot(snapshot_properties=summary, branch=branch
+                                 ).fast_append() as append:
             for f in data:
                 append.append_data_file(f)
     elif data.num_rows:
         try:
-            txn.append(data, snapshot_properties=summary)
+            txn.append(data, snapshot_properties=summary, branch=branch)
         except ValueError as e:  # pyiceberg's word for rows that do not fit the table
             raise schema_mismatch(batch, table, e) from e
     else:  # an empty snapshot still records the batch, so the retry finds it
-        with txn.update_snapshot(snapshot_properties=summary).fast_append():
+        with txn.update_snapshot(snapshot_properties=summary, branch=branch).fast_append():
             pass
     return txn
 
@@ -205,7 +212,7 @@ def schema_mismatch(batch: Batch, table: Table, e: Exception) -> SchemaMismatchE
         f"creates it: evolve it (e.g. Spark ALTER TABLE) or write to a new sink.table")
 
 
-def _no_rebase(table: Table) -> None:
+def no_rebase(table: Table) -> None:
     """pyiceberg retries a conflicting commit itself (`commit.retry.num-retries`, default 4)
     by rebasing the append onto the new main: a zombie's batch would then land a second
     time. This view of the table (never the stored properties) retries nothing, so a

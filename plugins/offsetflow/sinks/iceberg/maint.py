@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from offsetflow.config import PipelineConfig, load_pipeline
 from offsetflow.errors import ConfigError, OffsetFlowError, PositionResetError
 from offsetflow.ledger import OPEN_STATUSES, Batch, Ledger, ledger_identity
+from offsetflow.sinks.iceberg.audit import open_audit_snapshots
 from offsetflow.sinks.iceberg.files import (
     batch_file_prefix,
     canonical_path,
@@ -234,8 +235,8 @@ def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime,
     oldest open batch, nor any of main's chain from the oldest ancestor an open batch of
     any pipeline (of this ledger, or of another as the snapshots tell) may need
     (`kept_for_open_batches`; the time floor alone compares the database's clock with the
-    writers'); the current snapshot and every branch's or tag's head always stay. Returns
-    how many were expired."""
+    writers'); the current snapshot, every branch's or tag's head and an audit branch's own
+    snapshots always stay. Returns how many were expired."""
     open_since = oldest_open_batch_start(dsn, cfg.name)
     if open_since is not None:
         older_than = min(older_than, open_since)
@@ -246,6 +247,7 @@ def expire_snapshots(cfg: PipelineConfig, dsn: str, older_than: datetime,
     if why:
         log.info("expiry keeps main's %d newest snapshots: %s", len(keep), why)
     keep |= {ref.snapshot_id for ref in table.metadata.refs.values()}
+    keep |= open_audit_snapshots(table)  # an audited window's, until publish or discard
     cutoff_ms = int(older_than.timestamp() * 1000)
     ids = [s.snapshot_id for s in table.snapshots()
            if s.timestamp_ms < cutoff_ms and s.snapshot_id not in keep]

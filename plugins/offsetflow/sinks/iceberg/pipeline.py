@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import psycopg2.extensions
 
-from offsetflow.commit import CommitSpec
+from offsetflow.commit import Audit, CommitSpec
 from offsetflow.config import IcebergConfig, PipelineConfig, resolve_identifier
 from offsetflow.errors import BatchStateError
 from offsetflow.ledger import Batch
@@ -97,6 +98,30 @@ class IcebergPipelineSink(Sink):
         """By the resolved identifier (`t` and `offsetflow.t` are one table here)."""
         return (resolve_identifier(self.iceberg, self.cfg.sink.table, name)
                 == self.iceberg.identifier)
+
+    # -- audit before publish: a branch of the live table (`sinks.iceberg.auditing`) ---------
+    def audit_shadows(self, cur: psycopg2.extensions.cursor, target: str, audit_id: int
+                      ) -> tuple[str, str | None]:
+        from offsetflow.sinks.iceberg import auditing
+
+        return auditing.audit_shadows(self.cfg, cur, target, audit_id)
+
+    def audit_diff(self, cur: psycopg2.extensions.cursor, audit: Audit
+                   ) -> tuple[dict[str, Any], str]:
+        from offsetflow.sinks.iceberg import auditing
+
+        return auditing.audit_diff(self.cfg, cur, audit)
+
+    def publish_audit(self, cur: psycopg2.extensions.cursor, audit: Audit,
+                      batches: Sequence[Batch]) -> int:
+        from offsetflow.sinks.iceberg import auditing
+
+        return auditing.publish_audit(self.cfg, cur, audit, batches)
+
+    def discard_audit(self, cur: psycopg2.extensions.cursor, audit: Audit) -> None:
+        from offsetflow.sinks.iceberg import auditing
+
+        auditing.discard_audit(self.cfg, cur, audit)
 
     # -- repairs ---------------------------------------------------------------------------
     def complete_from(self, dsn: str, batch: Batch) -> IcebergSink:

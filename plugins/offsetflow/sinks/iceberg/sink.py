@@ -111,7 +111,9 @@ def batch_identifier(iceberg: IcebergConfig, sink_table: str, batch: Batch) -> s
     record like any batch, never to a table named by an older config."""
     if batch.kind != "backfill":
         return iceberg.identifier
-    return resolve_identifier(iceberg, sink_table, batch.target_table)
+    audit = batch.params.get("audit")  # staged on a branch of its live table
+    target = str(audit["live_table"]) if isinstance(audit, dict) else batch.target_table
+    return resolve_identifier(iceberg, sink_table, target)
 
 
 def sink_of(cfg: PipelineConfig, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
@@ -426,8 +428,10 @@ class IcebergSink:
     def _record_commit(self, cur: psycopg2.extensions.cursor, batch: Batch,
                        table: Table) -> None:
         """The table's metadata after the batch's catalog commit, in the ledger's
-        transaction that commits the batch."""
-        if self.pipeline:
+        transaction that commits the batch. Not for a batch staged on an audit branch: the
+        record names a snapshot of main (`identity.seen`); its publish moves main on, and
+        the next batch's commit records it."""
+        if self.pipeline and batch.audit_id is None:
             record_commit(cur, self.pipeline, self.target(self.identifier(batch)), table,
                           batch, batch_snapshot_id(table, batch, self.ledger_id))
 
