@@ -145,7 +145,11 @@ def test_new_schema_mid_batch_commits_its_columns_with_the_snapshot_once_across_
     # the ledger's: both are there, no position moved
     log = evolving["tmp"] / "job.log"
     proc = chaos.run_batch_process(evolving["path"], bid, log, env={FAULT_ENV: "after-commit"})
-    assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
+    try:
+        assert proc.wait(timeout=600) != 0, log.read_text()[-3000:]
+    finally:
+        chaos.kill(proc)  # its Spark JVM too
+    assert "after-commit: killing this driver" in log.read_text(), log.read_text()[-3000:]
     table = iceberg_table(cfg, pg_dsn)
     assert snapshot_batches(cfg, pg_dsn) == [evolving["first"], bid], log.read_text()[-3000:]
     assert str(table.schema().find_field("qty").field_type) == "long"
