@@ -42,10 +42,11 @@ class Sink(ABC):
         themselves, so the driver commits files it never reads (`task_files`)."""
         return False
 
-    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]]
-                   ) -> TaskFiles | None:
-        """What the tasks need to write the batch's data files (`tasks_write_files`); None
-        when they stage the rows in PostgreSQL."""
+    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
+                   evolved: Sequence[str] = ()) -> TaskFiles | None:
+        """What the tasks need to write the batch's data files (`tasks_write_files`), the
+        `evolved` columns (format.schema_evolution's) in their schema; None when they
+        stage the rows in PostgreSQL."""
         return None
 
     def check_before_read(self, batch: Batch) -> None:

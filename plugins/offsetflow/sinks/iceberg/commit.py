@@ -111,7 +111,8 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
                     check: Callable[[Table], None] | None = None,
                     build: Callable[[Table], Transaction] | None = None,
                     ledger: str | None = None,
-                    window: Callable[[Table], Any] | None = None) -> int | None:
+                    window: Callable[[Table], Any] | None = None,
+                    evolve: Callable[[Transaction], None] | None = None) -> int | None:
     """One catalog commit: (for replay/backfill, delete `window`'s rows, then)
     append `data`: rows, or data files written already (the tasks'; a retry after a
     conflict re-commits the same files, it writes none); or, with `build`, the transaction
@@ -119,7 +120,9 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
     None when this call committed, else the rows of the snapshot an earlier or concurrent
     attempt committed for the batch. `check` vets the table each round (a conflict
     refreshes it: the tasks' files must still fit its partition spec); `window` gives a
-    replay/backfill's delete filter for the table as loaded (`window_of`). The table stays the
+    replay/backfill's delete filter for the table as loaded (`window_of`); `evolve` stages
+    format.schema_evolution's schema update first, in the same transaction, so the columns
+    and the snapshot commit together (sinks/iceberg/evolve.py). The table stays the
     one the caller checked against the ledger (its table-uuid): a refresh that finds
     another table under the name (dropped and created again meanwhile: the commit's own
     AssertTableUUID is what conflicted) is IcebergTableIdentityError, never written."""
@@ -146,7 +149,7 @@ def commit_snapshot(table: Table, batch: Batch, data: pa.Table | Sequence[DataFi
                     assert data is not None
                     txn = _append_transaction(table, batch, data, summary,
                                               None if window is None else window(table),
-                                              branch)
+                                              branch, evolve)
                 _fault("after-files")
                 txn.commit_transaction()
         except CommitFailedException as e:
@@ -180,9 +183,11 @@ def _refresh(table: Table, batch: Batch) -> None:
 
 
 def _append_transaction(table: Table, batch: Batch, data: pa.Table | Sequence[DataFile],
-                        summary: dict[str, str], window: Any, branch: str = "main"
-                        ) -> Transaction:
+                        summary: dict[str, str], window: Any, branch: str = "main",
+                        evolve: Callable[[Transaction], None] | None = None) -> Transaction:
     txn = table.transaction()
+    if evolve is not None:  # the schema first: the appended rows and files are of it
+        evolve(txn)
     if batch.kind in ("replay", "backfill"):
         # never by coordinates alone: they hold a recreated topic's other incarnation too
         assert window is not None, "a replay/backfill deletes its window_of"

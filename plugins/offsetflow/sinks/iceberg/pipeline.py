@@ -42,15 +42,17 @@ class IcebergPipelineSink(Sink):
         cfg = self.cfg
         return cfg.sink.mode == "append" and not cfg.transform and not cfg.quality_suite
 
-    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]]
-                   ) -> TaskFiles | None:
+    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
+                   evolved: Sequence[str] = ()) -> TaskFiles | None:
         """The table's metadata as loaded, or created, now (the tasks need its schema and
-        partition spec; the rows must fit the schema)."""
+        partition spec; the rows must fit the schema), with the `evolved` columns' schema
+        update staged (their field ids are the files'; the commit makes the update)."""
         if not self.tasks_write_files:
             return None
         sink = self.external(dsn, columns, CommitSpec(
             columns=tuple(c for c, _ in columns), tombstones=self.cfg.tombstone_policy,
-            dead_letter_table=self.cfg.dead_letter_table))
+            dead_letter_table=self.cfg.dead_letter_table,
+            add_columns=tuple((c, t) for c, t in columns if c in set(evolved))))
         try:
             return sink.task_files(batch)
         finally:

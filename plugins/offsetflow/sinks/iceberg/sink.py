@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +73,7 @@ from offsetflow.sinks.iceberg.commit import (
     schema_mismatch,
     window_of,
 )
+from offsetflow.sinks.iceberg.evolve import check_files_schema, evolve_schema, evolved_metadata
 from offsetflow.sinks.iceberg.files import batch_file_prefix
 from offsetflow.sinks.iceberg.identity import OWN, Check, adopt_table, check, record_commit
 from offsetflow.sinks.iceberg.layout import (
@@ -93,7 +94,7 @@ from offsetflow.sinks.iceberg.warehouse import writing_to
 
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
-    from pyiceberg.table import Table
+    from pyiceberg.table import Table, Transaction
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class IcebergSink:
         summary = self.summary(cur, batch, data.num_rows, moved.dead)
         t = time.monotonic()
         rows = commit_snapshot(table, batch, data, summary, ledger=self.ledger_id,
-                               window=window_of(cur, batch))
+                               window=window_of(cur, batch), evolve=self._evolve(batch))
         self._record_commit(cur, batch, table)
         log.info("batch %d: %d staged rows read in %.2f s, written and committed to Iceberg in "
                  "%.2f s", batch.batch_id, data.num_rows, read_s, time.monotonic() - t)
@@ -229,14 +230,17 @@ class IcebergSink:
 
         self._layout_checked = True  # the commit's sink reports a layout drift, once
         table = self.table(self.identifier(batch))
+        # format.schema_evolution: the files are written with the evolved schema's field
+        # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
+        meta = evolved_metadata(table, self.spec.add_columns)
         try:
-            _check_pyarrow_schema_compatible(table.schema(), arrow_schema(self.columns))
+            _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(self.columns))
         except ValueError as e:
             raise schema_mismatch(batch, table, e) from e
         target = int(table.properties.get("write.target-file-size-bytes",
                                           self.iceberg.target_file_mb << 20))
         return TaskFiles.of(table, batch.batch_id, batch_file_prefix(batch), target,
-                            self.spec.routes_tombstones)
+                            self.spec.routes_tombstones, meta)
 
     # -- helpers -----------------------------------------------------------------------
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
@@ -256,8 +260,16 @@ class IcebergSink:
         def check(t: Table) -> None:  # a conflict reloads the table: vet it again
             check_files_table(t, files, batch.batch_id)
             check_files_spec(t, files, batch.batch_id)
+        evolve = self._evolve(batch)
+
+        def evolve_and_check(txn: Transaction) -> None:  # the files' ids are the schema's
+            if evolve is not None:
+                evolve(txn)
+            check_files_schema(txn.table_metadata.schema(), files.by_part,
+                               ".".join(table.name()), batch.batch_id)
         rows = commit_snapshot(table, batch, data_files(table, files), summary, check=check,
-                               ledger=self.ledger_id, window=window_of(cur, batch))
+                               ledger=self.ledger_id, window=window_of(cur, batch),
+                               evolve=evolve_and_check)
         self._record_commit(cur, batch, table)
         log.info("batch %d: %d data files of %d rows committed to Iceberg in %.2f s",
                  batch.batch_id, len(files.paths), files.records, time.monotonic() - t)
@@ -266,6 +278,21 @@ class IcebergSink:
                      batch.batch_id)
         moved.rows = files.records if rows is None else rows
         return moved
+
+    def _evolve(self, batch: Batch) -> Callable[[Transaction], None] | None:
+        """format.schema_evolution's schema update, staged in the batch's catalog commit
+        (None: no evolved columns)."""
+        add = self.spec.add_columns
+        if not add:
+            return None
+        name = self.identifier(batch)
+
+        def evolve(txn: Transaction) -> None:
+            done = evolve_schema(txn, name, add)
+            if done:
+                log.info("batch %d: Iceberg table %s: %s, in the batch's commit",
+                         batch.batch_id, name, ", ".join(done))
+        return evolve
 
     def route_dead_letters(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved:
         """Everything that goes to the PostgreSQL dead-letter table, in this transaction."""

@@ -37,12 +37,14 @@ import pyarrow.compute as pc
 from offsetflow.commit import LINEAGE_COLUMN
 from offsetflow.errors import IcebergLayoutError, SchemaMismatchError
 from offsetflow.sinks.iceberg.datafiles import encode_data_file
+from offsetflow.sinks.iceberg.evolve import schema_signature
 from offsetflow.sinks.iceberg.layout import CORE_PIN
 from offsetflow.sinks.iceberg.warehouse import writing_to
 from offsetflow.stage import stage_form
 
 if TYPE_CHECKING:
     from pyiceberg.table import Table
+    from pyiceberg.table.metadata import TableMetadata
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,11 @@ class TaskFiles:
 
     @classmethod
     def of(cls, table: Table, batch_id: int, prefix: str, target_bytes: int,
-           tombstones_to_stage: bool) -> TaskFiles:
-        return cls(batch_id, ".".join(table.name()), table.metadata.model_dump_json(),
+           tombstones_to_stage: bool, metadata: TableMetadata | None = None) -> TaskFiles:
+        """`metadata`: the table's with the batch's schema evolution staged (its field
+        ids are the files'), else the table's as loaded."""
+        meta = table.metadata if metadata is None else metadata
+        return cls(batch_id, ".".join(table.name()), meta.model_dump_json(),
                    task_io_properties(table.io.properties), prefix, target_bytes,
                    tombstones_to_stage)
 
@@ -107,6 +112,7 @@ class PartFiles:
         self.tf, self.part = tf, part
         self.meta = TableMetadataUtil.parse_raw(tf.metadata_json)
         self.schema = self.meta.schema()
+        self.signature = schema_signature(self.schema)
         self.file_schema = sanitize_column_names(self.schema)
         self.spec = self.meta.spec()
         self.partition_type = self.spec.partition_type(self.schema)
@@ -239,7 +245,9 @@ class PartFiles:
             **stats.to_serialized_dict())
         self.files.append({**encode_data_file(df, self.meta.default_spec_id,
                                               self.partition_type),
-                           "table_uuid": str(self.meta.table_uuid)})  # checked at the commit
+                           # checked at the commit: the table, and what its field ids mean
+                           "table_uuid": str(self.meta.table_uuid),
+                           "schema_fields": self.signature})
 
 
 @dataclass

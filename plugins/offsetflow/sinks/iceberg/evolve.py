@@ -1,0 +1,147 @@
+"""`format.schema_evolution: add_columns` for an Iceberg table: the evolved columns (the
+reader schema's fields beyond format.schema) join the table in the SAME catalog commit as
+the batch's snapshot (one pyiceberg transaction: the schema update, then the append).
+
+Field ids are settled before the tasks write: the driver stages the schema update on a
+transaction of the table as loaded (`evolved_metadata`), never commits it, and ships that
+metadata to the tasks, which write their Parquet files with the new schema's field ids. The
+commit makes the same update on the table as it loads it then (`evolve_schema`): pyiceberg
+assigns new ids from the table's last column id, in the columns' order, so the same table
+gives the same ids; the files' ids are checked against the committed schema's
+(`check_files_schema`) and a file written for other ids (a column added by someone else
+between the tasks and the commit) has its part written again. A kill anywhere leaves either
+no change at all or the schema and the snapshot together (one metadata file), and the
+retry's `find` sees the batch's snapshot.
+
+Iceberg v2 has no default for rows already in the table: they read null in an added column
+(the PostgreSQL sink fills the reader schema's default instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from offsetflow.errors import SchemaMismatchError, StagedRowsLostError
+
+if TYPE_CHECKING:
+    from pyiceberg.schema import Schema
+    from pyiceberg.table import Table, Transaction
+    from pyiceberg.table.metadata import TableMetadata
+    from pyiceberg.types import IcebergType
+
+
+def iceberg_type(pg_type: str) -> IcebergType:
+    """The Iceberg type of a stage column (as `stage.arrow_type` writes it: JSON and uuid
+    as their text)."""
+    from pyiceberg import types as t
+
+    if pg_type.startswith("numeric("):
+        p, s = pg_type[len("numeric("):-1].split(",")
+        return t.DecimalType(int(p), int(s))
+    simple: dict[str, Any] = {
+        "text": t.StringType(), "bigint": t.LongType(), "integer": t.IntegerType(),
+        "smallint": t.IntegerType(), "double precision": t.DoubleType(),
+        "real": t.FloatType(), "boolean": t.BooleanType(), "timestamptz": t.TimestamptzType(),
+        "timestamp": t.TimestampType(), "date": t.DateType(), "bytea": t.BinaryType(),
+        "jsonb": t.StringType(), "uuid": t.StringType()}
+    return simple[pg_type]  # type: ignore[no-any-return]
+
+
+def _promotes(have: IcebergType, want: IcebergType) -> bool:
+    """Iceberg's in-place promotions: int -> long, float -> double, a decimal's
+    precision raised at the same scale."""
+    from pyiceberg import types as t
+
+    if isinstance(have, t.IntegerType) and isinstance(want, t.LongType):
+        return True
+    if isinstance(have, t.FloatType) and isinstance(want, t.DoubleType):
+        return True
+    return (isinstance(have, t.DecimalType) and isinstance(want, t.DecimalType)
+            and have.scale == want.scale and want.precision > have.precision)
+
+
+def pending_changes(table_name: str, schema: Schema, columns: Sequence[tuple[str, str]]
+                    ) -> list[tuple[str, IcebergType, str]]:
+    """What the table lacks of the evolved `columns` (name, stage type): (name, Iceberg
+    type, `add` | `widen`). A column there of a type it cannot be promoted to (and that is
+    not wider already) is SchemaMismatchError, raised before anything is written."""
+    out: list[tuple[str, IcebergType, str]] = []
+    for name, pg in columns:
+        want = iceberg_type(pg)
+        try:
+            have = schema.find_field(name).field_type
+        except ValueError:
+            out.append((name, want, "add"))
+            continue
+        if have == want or _promotes(want, have):  # already it, or wider: the values fit
+            continue
+        if not _promotes(have, want):
+            raise SchemaMismatchError(
+                f"Iceberg table {table_name} has column {name!r} of type {have}, but the "
+                f"reader schema's field {name!r} needs {want} (format.schema_evolution "
+                f"cannot change it in place); rename or drop the column, or declare "
+                f"{name} in format.schema with a type that fits {have}")
+        out.append((name, want, "widen"))
+    return out
+
+
+def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]]
+                  ) -> list[str]:
+    """Stage in `txn` the schema update that adds the evolved `columns` the table lacks
+    (optional: rows already there read null) and promotes those of a narrower type; nothing
+    when there is nothing to change. Returns what changed, in words."""
+    meta = txn.table_metadata
+    changes = pending_changes(table_name, meta.schema(), columns)
+    if not changes:
+        return []
+    with txn.update_schema() as update:
+        for name, want, how in changes:
+            if how == "add":
+                update.add_column(name, want, required=False)
+            else:
+                update.update_column(name, want)
+    return [f"{how} {name} {want}" for name, want, how in changes]
+
+
+def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]]) -> TableMetadata:
+    """The table's metadata with the evolution staged (never committed here): the schema,
+    with its field ids, that the tasks write their data files with."""
+    if not pending_changes(".".join(table.name()), table.schema(), columns):
+        return table.metadata
+    txn = table.transaction()
+    evolve_schema(txn, ".".join(table.name()), columns)
+    return txn.table_metadata
+
+
+def schema_signature(schema: Schema) -> dict[str, str]:
+    """field id -> `name type` of a schema's top-level fields: what a data file written
+    with it means by each id (recorded with the file in its marker)."""
+    return {str(f.field_id): f"{f.name} {f.field_type}" for f in schema.fields}
+
+
+def check_files_schema(schema: Schema, by_part: Mapping[int, Sequence[Mapping[str, Any]]],
+                       table_name: str, batch_id: int) -> None:
+    """Every listed file's field ids mean in `schema` (the one the commit makes current)
+    what they meant when it was written: else its part is dropped and written again (a
+    column added by another writer between the tasks and the commit took the id the tasks
+    gave an evolved column). Files of markers without a signature (an older OffsetFlow)
+    are taken as the table's."""
+    now = schema_signature(schema)
+    stale: list[int] = []
+    example = ""
+    for part, files in by_part.items():
+        for f in files:
+            written = f.get("schema_fields")
+            if not written:
+                continue
+            wrong = {k: v for k, v in written.items() if now.get(k) != v}
+            if wrong:
+                stale.append(part)
+                k, v = next(iter(wrong.items()))
+                example = f"field id {k} is {v!r} in its files, {now.get(k)!r} in the table"
+                break
+    if stale:
+        raise StagedRowsLostError(batch_id, sorted(stale),
+                                  f"data files were written with field ids the Iceberg table "
+                                  f"{table_name} now gives other columns ({example})")
