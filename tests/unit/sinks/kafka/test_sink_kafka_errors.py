@@ -161,3 +161,25 @@ def test_purged_reports_leave_room_for_the_refused_ones() -> None:
                                               KafkaError.MSG_SIZE_TOO_LARGE,
                                               KafkaError._PURGE_INFLIGHT]
     assert sink._failed[1].key == b"k-1"
+
+
+def test_a_new_producer_for_the_next_pass_keeps_the_attempts_topic_settings() -> None:
+    """Each pass after an aborted one has a new producer (`_reopen`). The output topic's
+    settings are the attempt's (its record limit and timestamp bounds were computed from
+    them): read again, a broker that does not answer the DescribeConfigs (one restarting
+    between passes; here none listens) left the pass with none known, so its producer's
+    batches were no longer capped by the topic's max.message.bytes, nor keyless records
+    checked for a compacted topic."""
+    from offsetflow.sinks.kafka.limits import TopicSettings
+    from offsetflow.sinks.kafka.mark import CommitMark
+
+    cfg = parse_pipeline(raw(topic="out", producer={"transaction.timeout.ms": 5000}),
+                         "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._mark = CommitMark(cfg.name, "ledger-1", "out")
+    known = TopicSettings.parse("out", {"max.message.bytes": "2000",
+                                        "cleanup.policy": "compact"})
+    sink.settings = known
+    with pytest.raises(KafkaSinkError, match="init_transactions"):
+        sink._reopen(batch())
+    assert sink.settings == known
