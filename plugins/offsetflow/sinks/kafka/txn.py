@@ -44,6 +44,14 @@ PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 # how long a batch waits for a partition's in-sync replicas to come back up to the topic's
 # min.insync.replicas (a broker restarting) before it fails naming the setting
 ISR_WAIT_S = 30.0
+# abortable errors that no new transaction of the attempt can escape (a setting of the
+# cluster decides them): never one more pass, which would produce the batch again for nothing
+NOT_PASSING = {KafkaError.GROUP_AUTHORIZATION_FAILED: "grant the sink's principal (sink."
+               "producer) Read on the group named in the error",
+               KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the sink's principal (sink."
+               "producer) Write on the output topic",
+               KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "grant the sink's "
+               "principal (sink.producer) Write on its transactional.id"}
 UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
                    "before the error); the next run finds the batch committed in Kafka and "
                    "completes the ledger, or writes it again if it is not")
@@ -286,6 +294,9 @@ class KafkaTransaction:
                            f"{self._timed_out() or aborted}")
                     if what == "commit_transaction" or self._timed_out():
                         raise KafkaSinkError(msg) from e
+                    if err.code() in NOT_PASSING:
+                        raise KafkaSinkError(f"{msg}. {NOT_PASSING[err.code()]}, then run the "
+                                             f"batch again") from e
                     raise PassAborted(msg, err.str()) from e
                 fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                         KafkaError.INVALID_PRODUCER_EPOCH)

@@ -183,3 +183,20 @@ def test_a_new_producer_for_the_next_pass_keeps_the_attempts_topic_settings() ->
     with pytest.raises(KafkaSinkError, match="init_transactions"):
         sink._reopen(batch())
     assert sink.settings == known
+
+
+def test_an_abortable_authorization_error_is_no_new_pass() -> None:
+    """librdkafka makes a group ACL missing at send_offsets_to_transaction abortable: as
+    `PassAborted` it produced the whole batch 4 times over, then failed naming no way out
+    ("the next run produces the batch again", which fails the same). An error the cluster's
+    settings decide fails the batch at once, naming the ACL to grant."""
+    from offsetflow.sinks.kafka.txn import PassAborted
+
+    cfg = parse_pipeline(raw(topic="out"), "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._producer = AbortFails()  # type: ignore[assignment]
+    denied = KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED, "Group authorization failed",
+                        txn_requires_abort=True)
+    with pytest.raises(KafkaSinkError, match="grant the sink's principal") as e:
+        sink._retry(batch(), "send_offsets_to_transaction", failing(denied))
+    assert not isinstance(e.value, PassAborted)
