@@ -40,7 +40,8 @@ def broker_txn_timeout_ms(admin: AdminClient, batch: Batch, timeout_s: float) ->
         entries = admin.describe_configs([res], request_timeout=timeout_s)[res].result(
             timeout=timeout_s)
         allowed = int(entries["transaction.max.timeout.ms"].value)
-    except (KafkaException, KeyError, IndexError, ValueError, TypeError) as e:
+    # TimeoutError: the future's own wait can end before the request's timeout answers
+    except (KafkaException, TimeoutError, KeyError, IndexError, ValueError, TypeError) as e:
         log.warning("batch %d: cannot read the broker's transaction.max.timeout.ms (%s); "
                     "transaction.timeout.ms is %d", batch.batch_id, e,
                     TXN_TIMEOUT_FALLBACK_MS)
@@ -173,7 +174,7 @@ def topic_settings(admin: AdminClient, batch: Batch, topic: str, timeout_s: floa
         futures = admin.describe_configs([ConfigResource("topic", topic)],
                                          request_timeout=timeout_s)
         entries = next(iter(futures.values())).result(timeout=timeout_s)
-    except KafkaException as e:
+    except (KafkaException, TimeoutError) as e:  # (the future's wait can end first)
         log.warning("batch %d: cannot read the configs of %s (%s); records are checked "
                     "against the producer's message.max.bytes only", batch.batch_id,
                     topic, e)

@@ -93,8 +93,12 @@ CURSOR_ROWS = 5_000
 FETCH_BYTES = 16 * 2**20
 # a row whose key and value alone are this far below the record limit needs no exact size
 NEAR_LIMIT_BYTES = 65_536
-# passes of one commit attempt: each leaves out the records the broker refused for
-# themselves in the one before (found only after the transaction failed)
+# passes of one commit attempt that found no new record the broker refused for itself (a
+# transaction left abortable for another cause). A pass that did find some is progress and
+# is not counted: a pass finds only the refusals before its transaction became abortable
+# (often one), so a bound on those would fail a batch with more such records every run
+# the same way; they are bounded by the staged records instead (each such pass leaves out
+# at least one more)
 MAX_PASSES = 4
 
 
@@ -234,7 +238,9 @@ class KafkaTopicSink(KafkaTransaction):
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         why = ""  # why the last pass's transaction was aborted
-        for attempt in range(1, MAX_PASSES + 1):
+        attempt = idle = 0  # passes; passes that found no new refused record
+        while True:
+            attempt += 1
             began_ms = int(time.time() * 1000)
             lo, hi = self.settings.timestamp_bounds(began_ms)
             bounds = (lo, hi) if ts_min is not None and (ts_min < lo or ts_max > hi) else None
@@ -260,26 +266,29 @@ class KafkaTopicSink(KafkaTransaction):
             if self._open_txn:
                 self._abort(batch)
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
-            if not primary(self._failed):
-                log.warning("batch %d: the transaction of pass %d to %s failed with no "
-                            "record refused (%s) and was aborted; producing the batch again "
-                            "in a new transaction", batch.batch_id, attempt, topic, why)
-            else:
+            before = len(refused)
+            if primary(self._failed):
                 for rec in self._refused_by_broker(cur, batch, topic, int(largest),
                                                    began_ms):
                     refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
                         batch, topic, limit, rec)
+            if len(refused) > before:  # progress: at most one such pass per staged record
                 why = f"the broker refused {len(refused)} records for themselves"
                 log.warning("batch %d: the broker refused %d records of %s for themselves "
                             "(pass %d); producing the batch again without them",
                             batch.batch_id, len(refused), topic, attempt)
-            if attempt < MAX_PASSES:
-                p = self._reopen(batch)
-        else:
-            raise KafkaSinkError(f"batch {batch.batch_id}: the transaction to {topic} still "
-                                 f"failed after {MAX_PASSES} passes, each leaving out the "
-                                 f"records the broker refused before (last: {why}); nothing "
-                                 f"is visible, the next run produces the batch again")
+            else:
+                idle += 1
+                if idle >= MAX_PASSES:
+                    raise KafkaSinkError(
+                        f"batch {batch.batch_id}: the transaction to {topic} still failed "
+                        f"after {attempt} passes, {idle} of them with no record refused "
+                        f"(last: {why}); nothing is visible, the next run produces the batch "
+                        f"again")
+                log.warning("batch %d: the transaction of pass %d to %s failed with no "
+                            "record refused (%s) and was aborted; producing the batch again "
+                            "in a new transaction", batch.batch_id, attempt, topic, why)
+            p = self._reopen(batch)
         _fault_point("pause_before_commit")
         self._commit(batch, topic, produced)
         self._open_txn = False

@@ -44,6 +44,14 @@ PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 # how long a batch waits for a partition's in-sync replicas to come back up to the topic's
 # min.insync.replicas (a broker restarting) before it fails naming the setting
 ISR_WAIT_S = 30.0
+# abortable errors that no new transaction of the attempt can escape (a setting of the
+# cluster decides them): never one more pass, which would produce the batch again for nothing
+NOT_PASSING = {KafkaError.GROUP_AUTHORIZATION_FAILED: "grant the sink's principal (sink."
+               "producer) Read on the group named in the error",
+               KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the sink's principal (sink."
+               "producer) Write on the output topic",
+               KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED: "grant the sink's "
+               "principal (sink.producer) Write on its transactional.id"}
 UNKNOWN_OUTCOME = ("the outcome is unknown (the broker may have committed the transaction "
                    "before the error); the next run finds the batch committed in Kafka and "
                    "completes the ledger, or writes it again if it is not")
@@ -69,11 +77,15 @@ class KafkaTransaction:
         self._txn_timeout_ms = 0
         self._mark = CommitMark(cfg.name, None, None)  # set from the ledger by find/write
 
-    def _open(self, batch: Batch) -> None:
+    def _open(self, batch: Batch, same_attempt: bool = False) -> None:
         """Producer and group consumer; `init_transactions` fences every older attempt.
         The producer's batches and codec follow the output topic's settings (`_mark.topic`),
         and it never creates the topic (a broker with auto.create.topics.enable would make
-        a deleted output topic again, empty and with its default partitions)."""
+        a deleted output topic again, empty and with its default partitions).
+        `same_attempt` (a new producer for the next pass): the settings the attempt read
+        stay, as its record limit and timestamp bounds do; read again, a broker that does
+        not answer the DescribeConfigs (restarting between passes) would leave the pass
+        with none known (batches over the topic's limit, no compaction check)."""
         base = self.cfg.admin_settings()
         self._txn_id = self._mark.transactional_id(batch)
         admin = AdminClient(dict(base))  # type: ignore[arg-type]
@@ -81,7 +93,7 @@ class KafkaTransaction:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
                                     if "transaction.timeout.ms" in self.sink.producer
                                     else broker_txn_timeout_ms(admin, batch, self.timeout_s))
-        if self._mark.topic:
+        if self._mark.topic and not same_attempt:
             self.settings = topic_settings(admin, batch, self._mark.topic, self.timeout_s)
         derived = self.settings.producer_settings(self.sink.producer)
         for k, v in derived.items():
@@ -117,7 +129,7 @@ class KafkaTransaction:
         pass to that partition failed out of order, so without this the next pass's first
         request to it is one past what the broker expects ("skipped sequence numbers")."""
         self.close()
-        self._open(batch)
+        self._open(batch, same_attempt=True)
         assert self._producer is not None
         return self._producer
 
@@ -282,6 +294,9 @@ class KafkaTransaction:
                            f"{self._timed_out() or aborted}")
                     if what == "commit_transaction" or self._timed_out():
                         raise KafkaSinkError(msg) from e
+                    if err.code() in NOT_PASSING:
+                        raise KafkaSinkError(f"{msg}. {NOT_PASSING[err.code()]}, then run the "
+                                             f"batch again") from e
                     raise PassAborted(msg, err.str()) from e
                 fenced = err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                         KafkaError.INVALID_PRODUCER_EPOCH)

@@ -160,6 +160,36 @@ def test_a_record_refused_last_in_its_partition_leaves_no_gap_that_fails_the_nex
     assert [(d.topic, d.partition, d.offset) for d in dead] == [(src, *coords[10])]
 
 
+def test_more_refused_records_than_passes_all_become_dead_letters(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """Eight incompressible records over the topic's 2,000 bytes, spread among small ones
+    in one output partition: a pass stops at the first refusal (the transaction is then
+    abortable and the rest is purged), so a pass may find only one of them. The batch must
+    commit with all eight as dead letters."""
+    src = make_topic("kmp-src", 1)
+    out = make_topic("kmp-out", 1, {"max.message.bytes": "2000"})
+    records: list[tuple[int, bytes | None, bytes, int]] = []
+    noisy: list[int] = []
+    for i in range(80):
+        if i % 10 == 5:
+            noisy.append(len(records))
+            records.append((0, f"n{i}".encode(), os.urandom(3000), 0))
+        else:
+            records.append((0, f"k{i}".encode(), f"{i:05d}".encode() * 40, 0))
+    coords = produce(kafka_bootstrap, src, records)
+    name = f"kmp_{unique}"
+    cfg = pipeline(name, src, out, pg_dsn, kafka_bootstrap, dead_letter=True,
+                   producer={"compression.type": "lz4"})
+    res = run_batch(spark, cfg, planned(cfg, pg_dsn), pg_dsn).result
+    small = [v for i, (_, _, v, _) in enumerate(records) if i not in noisy]
+    assert (res.status, res.rows_written, res.bad_records) == ("committed", len(small),
+                                                               len(noisy))
+    assert sorted(r.value or b"" for r in read_topic(kafka_bootstrap, out)) == sorted(small)
+    dead = dead_letters(pg_dsn, f"{name}_dead", name)
+    assert sorted((d.topic, d.partition, d.offset) for d in dead) == sorted(
+        (src, *coords[i]) for i in noisy)
+
+
 def test_timestamps_the_topic_refuses_go_to_dead_letters_or_fail_naming_the_setting(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
     """The sink copies source timestamps (CreateTime); a topic with

@@ -161,3 +161,42 @@ def test_purged_reports_leave_room_for_the_refused_ones() -> None:
                                               KafkaError.MSG_SIZE_TOO_LARGE,
                                               KafkaError._PURGE_INFLIGHT]
     assert sink._failed[1].key == b"k-1"
+
+
+def test_a_new_producer_for_the_next_pass_keeps_the_attempts_topic_settings() -> None:
+    """Each pass after an aborted one has a new producer (`_reopen`). The output topic's
+    settings are the attempt's (its record limit and timestamp bounds were computed from
+    them): read again, a broker that does not answer the DescribeConfigs (one restarting
+    between passes; here none listens) left the pass with none known, so its producer's
+    batches were no longer capped by the topic's max.message.bytes, nor keyless records
+    checked for a compacted topic."""
+    from offsetflow.sinks.kafka.limits import TopicSettings
+    from offsetflow.sinks.kafka.mark import CommitMark
+
+    cfg = parse_pipeline(raw(topic="out", producer={"transaction.timeout.ms": 5000}),
+                         "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._mark = CommitMark(cfg.name, "ledger-1", "out")
+    known = TopicSettings.parse("out", {"max.message.bytes": "2000",
+                                        "cleanup.policy": "compact"})
+    sink.settings = known
+    with pytest.raises(KafkaSinkError, match="init_transactions"):
+        sink._reopen(batch())
+    assert sink.settings == known
+
+
+def test_an_abortable_authorization_error_is_no_new_pass() -> None:
+    """librdkafka makes a group ACL missing at send_offsets_to_transaction abortable: as
+    `PassAborted` it produced the whole batch 4 times over, then failed naming no way out
+    ("the next run produces the batch again", which fails the same). An error the cluster's
+    settings decide fails the batch at once, naming the ACL to grant."""
+    from offsetflow.sinks.kafka.txn import PassAborted
+
+    cfg = parse_pipeline(raw(topic="out"), "orders.yaml", ENV)
+    sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
+    sink._producer = AbortFails()  # type: ignore[assignment]
+    denied = KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED, "Group authorization failed",
+                        txn_requires_abort=True)
+    with pytest.raises(KafkaSinkError, match="grant the sink's principal") as e:
+        sink._retry(batch(), "send_offsets_to_transaction", failing(denied))
+    assert not isinstance(e.value, PassAborted)
