@@ -135,16 +135,23 @@ REAL_DUE = ("schedule", "trigger")
 
 def scheduling_delay_ms(b: Mapping[str, Any], before: Mapping[str, Any] | None,
                         interval_s: float) -> float:
-    """How long `b` waited past its due time. With a real due time (`due_at` of a schedule
-    or a trigger): due -> started, Spark's scheduling delay. Without one, estimated from
-    plan times: how long `b` waited behind `before`'s run past one interval after `before`
-    was planned, only while `before` was still running. Either way an idle gap (plans that
-    found nothing to read plan no batch) is no delay: Spark plans an empty batch every
-    interval, so its scheduling delay never holds idle time, and counted here the integral
-    term would throw the rate to `min_rate` when the next burst comes."""
+    """How long `b` waited past its due time *behind `before`'s run*: the backlog the rate
+    controls. With a real due time (`due_at` of a schedule or a trigger): from due until
+    `before` finished or `b` started, whichever came first. Airflow's task start-up, a queue
+    for a pool slot or a clock offset between Airflow and the ledger are not this pipeline's
+    backlog, and counted (due -> started, the batch's own statistic) a constant 300 s of
+    them would hold the rate at `min_rate` for good (review of the due-time change).
+    Without a real due time, estimated from plan times: how long `b` waited behind
+    `before`'s run past one interval after `before` was planned, only while `before` was
+    still running. Either way an idle gap (plans that found nothing to read plan no batch)
+    is no delay: Spark plans an empty batch every interval, so its scheduling delay never
+    holds idle time, and counted here the integral term would throw the rate to `min_rate`
+    when the next burst comes."""
     if b.get("due_at") is not None and b.get("started_at") is not None \
             and b.get("due_source") in REAL_DUE:
-        return _ms(b["started_at"]) - _ms(b["due_at"])
+        if before is None or before.get("finished_at") is None:
+            return 0
+        return min(_ms(b["started_at"]), _ms(before["finished_at"])) - _ms(b["due_at"])
     if before is None:
         return 0
     busy_until = _ms(b["planned_at"])

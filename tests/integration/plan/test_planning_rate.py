@@ -67,10 +67,11 @@ def test_a_non_finite_rate_setting_never_reaches_the_planner(
 
 def test_the_estimator_reads_the_real_due_time(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
-    """The scheduling delay the PID estimator observes is the ledger's due -> started
-    (`batches.due_at`, migration 0011), as the batch's own statistics count it: a run due
-    40 s before it started was 40 s late, though plan times (it is the first batch) see no
-    delay at all."""
+    """The scheduling delay the PID estimator observes is the wait behind the previous run
+    from the ledger's due time (`batches.due_at`, migration 0011): from due until the
+    previous batch finished. A run due 40 s before it started with no run before it was
+    not held back by this pipeline (Airflow start-up, a pool, a clock offset): 0, though
+    its own statistics say 40 s late."""
     topic = make_topic("rate_due", 1)
     produce_plain(kafka_bootstrap, topic, 50, f"d{unique}", 1)
     cfg = pipeline_for(topic, pg_dsn, kafka_bootstrap, f"rate_due_{unique}",
@@ -79,17 +80,30 @@ def test_the_estimator_reads_the_real_due_time(
     first = plan_only(cfg, pg_dsn, "airflow", Due(now - timedelta(seconds=40), "schedule"))
     assert first.batch is not None
     assert run_batch(spark, cfg, first.batch.batch_id, pg_dsn).result.status == "committed"
-    (late_ms, stats), = query(pg_dsn, """SELECT (extract(epoch FROM started_at - due_at) * 1000)
-                                                ::bigint, stats
-                                           FROM offsetflow.batches WHERE batch_id = %s""",
-                              (first.batch.batch_id,))
-    assert late_ms >= 40_000
+
+    def row(batch_id: int) -> tuple[Any, ...]:
+        (r,) = query(pg_dsn, """SELECT (extract(epoch FROM started_at - due_at) * 1000)
+                                       ::bigint, stats, finished_at, due_at, rate
+                                  FROM offsetflow.batches WHERE batch_id = %s""", (batch_id,))
+        return tuple(r)
+
+    late_ms, stats, first_finished, _, _ = row(first.batch.batch_id)
+    assert late_ms >= 40_000 and stats["scheduling_delay_s"] >= 40  # the batch's statistic
+    # the second run was due 30 s ago, while the first was still running: it waited behind
+    # it from its due time until the first finished
     produce_plain(kafka_bootstrap, topic, 50, f"e{unique}", 1)
-    nxt = plan_only(cfg, pg_dsn, "airflow", Due(now + timedelta(seconds=60), "schedule"))
-    assert nxt.batch is not None
-    (rate,), = query(pg_dsn, "SELECT rate FROM offsetflow.batches WHERE batch_id = %s",
-                     (nxt.batch.batch_id,))
-    observed = rate["observed"]
+    second = plan_only(cfg, pg_dsn, "airflow", Due(now - timedelta(seconds=30), "schedule"))
+    assert second.batch is not None
+    observed = row(second.batch.batch_id)[4]["observed"]
     assert observed["batch_id"] == first.batch.batch_id
-    assert abs(observed["scheduling_ms"] - late_ms) <= 1, (observed, late_ms)
-    assert abs(observed["scheduling_ms"] - 1000 * stats["scheduling_delay_s"]) <= 1
+    assert observed["scheduling_ms"] == 0, observed  # nothing to wait behind
+    assert run_batch(spark, cfg, second.batch.batch_id, pg_dsn).result.status == "committed"
+    _, _, _, second_due, _ = row(second.batch.batch_id)
+    produce_plain(kafka_bootstrap, topic, 50, f"f{unique}", 1)
+    third = plan_only(cfg, pg_dsn, "airflow", Due(now + timedelta(seconds=60), "schedule"))
+    assert third.batch is not None
+    observed = row(third.batch.batch_id)[4]["observed"]
+    assert observed["batch_id"] == second.batch.batch_id
+    behind_ms = (first_finished - second_due).total_seconds() * 1000
+    assert behind_ms >= 30_000
+    assert abs(observed["scheduling_ms"] - behind_ms) <= 1, (observed, behind_ms)

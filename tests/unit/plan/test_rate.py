@@ -233,22 +233,28 @@ def due(r: dict[str, Any], at_s: float, source: str = "schedule") -> dict[str, A
     return {**r, "due_at": at(at_s), "due_source": source}
 
 
-def test_the_scheduling_delay_is_due_to_started() -> None:
-    # batch 2's run was due at 60 s (its data interval end) and planned at 61 s, when batch
-    # 1's run had long committed (at 5 s): plan times see no delay. It then waited for a slot
-    # and started at 90 s: 30 s late, as the batch's own statistics count it (due -> started)
-    rows = [due(row(2, "committed", 20_000, 61, 90, 100), 60),
-            due(row(1, "committed", 5000, 0, 0, 5), 0)]
+def test_the_scheduling_delay_is_the_wait_behind_the_previous_run_from_the_due_time() -> None:
+    # batch 2's run was due at 60 s (its data interval end) and planned at 61 s; batch 1's
+    # run overran to 90 s (max_active_runs=1 held batch 2's run back), batch 2 started at 92:
+    # 30 s behind batch 1 past its due time (plan times, with batch 1 planned at 0, also
+    # see it); the 2 s of task start-up after batch 1 finished are not backlog
+    rows = [due(row(2, "committed", 20_000, 61, 92, 100), 60),
+            due(row(1, "committed", 5000, 0, 0, 90), 0)]
     obs = observe(rows, 60.0)
     assert obs is not None and obs.scheduling_ms == 30_000
-    # a run that started on time is not late, whatever the plan times say: batch 1 overran
-    # to 90 s, but batch 2's run was due (max_active_runs=1 queued it) only at 90 s
-    on_time = [due(row(2, "committed", 20_000, 90, 90, 100), 90),
-               due(row(1, "committed", 5000, 0, 0, 90), 0)]
-    assert observe(on_time, 60.0).scheduling_ms == 0  # type: ignore[union-attr]
-    # a manual run's due time is its trigger's: real too
-    triggered = [due(row(2, "committed", 20_000, 61, 70, 80), 60, "trigger")]
+    # due -> started alone is no backlog: batch 1 had long committed (at 5 s) when batch 2
+    # was due, and batch 2 started 30 s late (Airflow start-up, a pool queue, a clock offset)
+    late_start = [due(row(2, "committed", 20_000, 61, 90, 100), 60),
+                  due(row(1, "committed", 5000, 0, 0, 5), 0)]
+    assert observe(late_start, 60.0).scheduling_ms == 0  # type: ignore[union-attr]
+    # so a constant 300 s due -> started offset never pins the rate: each batch observes 0
+    # a manual run's due time is its trigger's: real too (batch 1 ran until 70 s)
+    triggered = [due(row(2, "committed", 20_000, 61, 72, 80), 60, "trigger"),
+                 due(row(1, "committed", 5000, 0, 0, 70), 0)]
     assert observe(triggered, 60.0).scheduling_ms == 10_000  # type: ignore[union-attr]
+    # the first batch has no run to wait behind
+    first = [due(row(1, "committed", 5000, 61, 90, 100), 60)]
+    assert observe(first, 60.0).scheduling_ms == 0  # type: ignore[union-attr]
     # no real due time (planned before migration 0011, or by the CLI: its due time is the
     # plan's own): estimated from plan times as before
     for r2 in (row(2, "committed", 20_000, 90, 91, 100),
