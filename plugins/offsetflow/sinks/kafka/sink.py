@@ -318,9 +318,10 @@ class KafkaTopicSink(KafkaTransaction):
                 return None
             order = segments(split_ranges(batch.ranges, batch.split_offsets),
                              {int(part): subranges for part, subranges, _e in found})
-            if order is not None:
-                # a scan another backend runs at once could make this one start mid-table
-                cur.execute("SET LOCAL synchronize_seqscans = off")
+            if not order:  # no rows staged, or no such order: the sorted read
+                return None
+            # a scan another backend runs at once could make this one start mid-table
+            cur.execute("SET LOCAL synchronize_seqscans = off")
             return order
         finally:
             self._phase("kafka_order_s", t)
