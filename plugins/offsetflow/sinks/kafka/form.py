@@ -19,6 +19,7 @@ from psycopg2 import sql
 
 from offsetflow.config import RESERVED_COLUMNS, KafkaSinkConfig
 from offsetflow.errors import ConfigError
+from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, SOURCE_HEADER
 
 # sizes as the producer and broker count them (librdkafka's worst-case v2 record overhead;
@@ -127,6 +128,26 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     """topic, partition, offset, key bytes, value (bytes; a JSON value: text), headers (jsonb
     or NULL), timestamp (epoch ms or NULL) of every staged row, in source order. A tombstone
     (the source `value` is NULL) stays one: a NULL value, whatever the value format."""
+    return sql.SQL("{} ORDER BY s.topic, s.partition, s.\"offset\"").format(
+        _records_sql(sink, columns, stage))
+
+
+def parts_select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
+                     segments: Sequence[tuple[sql.Composable, OffsetRange | None]]
+                     ) -> sql.Composed:
+    """The records of `select_sql`, read segment after segment in the order given (an
+    `Append` runs its branches in order), each a plain scan of its stage part as stored
+    (no sort, no index), filtered to its sub-range when one is given. Source order only if
+    each part holds its sub-ranges in source order and the segments come from
+    `offsetflow.sinks.kafka.order.segments`; the driver checks it."""
+    return sql.SQL(" UNION ALL ").join(
+        sql.SQL("({})").format(_records_sql(sink, columns, part, only))
+        for part, only in segments)
+
+
+def _records_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
+                 stage: sql.Composable, only: OffsetRange | None = None) -> sql.Composed:
+    """`select_sql`'s records in no particular order (`only`: of that range alone)."""
     key_col, _ = key_source(sink, columns)
     # a transform's `key` may be any type: encoded like key_column (never bytes(int))
     key = (_as_bytes(key_col, columns[key_col]) if key_col is not None
@@ -145,8 +166,13 @@ def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
     ts = (sql.SQL("(extract(epoch FROM s.\"timestamp\") * 1000)::bigint")
           if columns.get("timestamp", "").startswith("timestamp") else sql.SQL("NULL::bigint"))
     return sql.SQL("SELECT s.topic, s.partition, s.\"offset\", {key}, {value}, {headers}, {ts} "
-                   "FROM {stage} s{row} ORDER BY s.topic, s.partition, s.\"offset\"").format(
-                       key=key, value=value, headers=headers, ts=ts, stage=stage, row=row)
+                   "FROM {stage} s{row}{where}").format(
+                       key=key, value=value, headers=headers, ts=ts, stage=stage, row=row,
+                       where=sql.SQL("") if only is None else sql.SQL(
+                           " WHERE s.topic = {} AND s.partition = {} AND s.\"offset\" >= {} "
+                           "AND s.\"offset\" < {}").format(
+                               sql.Literal(only.topic), sql.Literal(only.partition),
+                               sql.Literal(only.from_offset), sql.Literal(only.until_offset)))
 
 
 _SCALAR_BYTES = 64  # a generous size of any fixed-width (or short numeric) column

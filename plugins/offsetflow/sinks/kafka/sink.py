@@ -34,13 +34,22 @@ from pathlib import Path
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
+from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import KafkaSinkError, StagedRowsLostError
-from offsetflow.ledger import Batch, LedgerIdentity, ledger_identity, stage_table
+from offsetflow.ledger import (
+    Batch,
+    LedgerIdentity,
+    ledger_identity,
+    stage_part_table,
+    stage_table,
+)
+from offsetflow.ranges import split_ranges
 from offsetflow.sinks.kafka.form import (
     check_columns,
+    parts_select_sql,
     record_headers,
     record_size,
     rows_per_fetch,
@@ -66,6 +75,7 @@ from offsetflow.sinks.kafka.mark import (
     records_in,
     refuse_group_ahead,
 )
+from offsetflow.sinks.kafka.order import Segment, segments
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
 from offsetflow.sinks.kafka.txn import (
@@ -105,6 +115,10 @@ MAX_PASSES = 4
 class KafkaTopicSink(KafkaTransaction):
     """`ExternalSink` for `sink.type: kafka`. One instance serves one commit attempt."""
 
+    # read the stage parts unsorted where they allow (False: always sorted; the A/B
+    # measurement in docs/performance.md switches it)
+    read_parts = True
+
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
         """`columns`: the stage's (None: only `find`, which reads no rows)."""
@@ -114,6 +128,8 @@ class KafkaTopicSink(KafkaTransaction):
             check_columns(self.sink, self.columns, cfg.source_file)
         self.spec = spec  # its dead-letter settings: the tasks' bad records go there
         # the group's offsets `find` read when the batch was not there (`write` checks them)
+        # the stage parts' segments as `write` reads them unsorted (None: sorted)
+        self._unsorted: list[Segment] | None = None
         self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
         self.stage_gone = False  # see `completing`
         # `write`'s phases (wall s), reported in the batch's timings (`Moved.timings`)
@@ -234,7 +250,10 @@ class KafkaTopicSink(KafkaTransaction):
         cur.execute("SET LOCAL jit = off")
         # no index on the stage here: a CREATE INDEX on an UNLOGGED stage part in this
         # transaction left PostgreSQL unable to finish crash recovery ("could not create
-        # file ...: File exists") after `pg_ctl stop -m immediate` (test_sink_kafka_faults)
+        # file ...: File exists") after `pg_ctl stop -m immediate` (test_sink_kafka_faults).
+        # No sort either where the parts allow: they are read one after the other as stored
+        # (`offsetflow.sinks.kafka.order`), each record's offset checked as it is produced
+        self._unsorted = self._segments(cur, batch) if self.read_parts else None
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         why = ""  # why the last pass's transaction was aborted
@@ -305,6 +324,40 @@ class KafkaTopicSink(KafkaTransaction):
         """Add the wall time since `since` to phase `name` (summed over passes)."""
         self.phases[name] = round(self.phases.get(name, 0.0) + time.monotonic() - since, 3)
 
+    def _segments(self, cur: psycopg2.extensions.cursor, batch: Batch) -> list[Segment] | None:
+        """The stage as segments to read one after the other in source order without a sort
+        (`offsetflow.sinks.kafka.order`), or None: read the stage sorted (rows in the stage
+        table itself, as a transform run stages them; a part whose table is missing; a
+        batch planned before its split was recorded; markers that name no such layout)."""
+        t = time.monotonic()
+        try:
+            if batch.split_offsets is None:
+                return None
+            cur.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM ONLY {})").format(
+                stage_table(batch.batch_id)))
+            row = cur.fetchone()
+            if row is None or row[0]:
+                return None
+            cur.execute("""SELECT part, subranges,
+                                  to_regclass(format('offsetflow_stage.%%I',
+                                                     'b' || batch_id || '_p' || part))
+                                  IS NOT NULL
+                             FROM offsetflow.staged_parts
+                            WHERE batch_id = %s AND kind = 'rows' AND rows_staged > 0""",
+                        (batch.batch_id,))
+            found = cur.fetchall()
+            if not all(exists for _p, _s, exists in found):
+                return None
+            order = segments(split_ranges(batch.ranges, batch.split_offsets),
+                             {int(part): subranges for part, subranges, _e in found})
+            if not order:  # no rows staged, or no such order: the sorted read
+                return None
+            # a scan another backend runs at once could make this one start mid-table
+            cur.execute("SET LOCAL synchronize_seqscans = off")
+            return order
+        finally:
+            self._phase("kafka_order_s", t)
+
     def _produce_stage(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
                        partitions: int, limit: int, largest: int,
                        bounds: tuple[int, int] | None,
@@ -313,7 +366,29 @@ class KafkaTopicSink(KafkaTransaction):
         """One transaction's records: the stage in source order, produced (not flushed);
         what the topic can never take is left out, checked before producing (the size
         limit, a keyless record for a compacted topic, a timestamp outside `bounds` when
-        some are) or refused by the broker in an earlier pass (`refused`)."""
+        some are) or refused by the broker in an earlier pass (`refused`). Read from the
+        parts unsorted (`_unsorted`) unless a record comes out of source order: then that
+        transaction is aborted and this pass and the next read the stage sorted."""
+        if self._unsorted is not None:
+            try:
+                return self._produce_records(cur, batch, topic, partitions, limit, largest,
+                                             bounds, refused)
+            except _OutOfOrder as e:
+                log.warning("batch %d: %s; producing the batch again from the stage read "
+                            "sorted", batch.batch_id, e)
+                self._unsorted = None
+                self._abort(batch)
+                assert self._producer is not None
+                self._producer.poll(0)  # the purged messages' reports
+        return self._produce_records(cur, batch, topic, partitions, limit, largest, bounds,
+                                     refused)
+
+    def _produce_records(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+                         partitions: int, limit: int, largest: int,
+                         bounds: tuple[int, int] | None,
+                         refused: dict[tuple[str, int, int], NotProduced]
+                         ) -> tuple[int, list[NotProduced]]:
+        """`_produce_stage`'s pass, from the query `_unsorted` says."""
         p = self._producer
         assert p is not None
         near = limit - NEAR_LIMIT_BYTES
@@ -341,9 +416,17 @@ class KafkaTopicSink(KafkaTransaction):
         produce = p.produce
         began = time.monotonic()
         waited = 0.0  # for the stage's rows (PostgreSQL building them)
+        query = (select_sql(self.sink, self.columns, stage_table(batch.batch_id))
+                 if self._unsorted is None else parts_select_sql(
+                     self.sink, self.columns,
+                     [(stage_part_table(batch.batch_id, g.part), None if g.alone else g.range)
+                      for g in self._unsorted]))
+        # source order per topic/partition, checked record by record: the last offset of
+        # the current run of one partition, and of every partition met before
+        last: dict[tuple[str, int], int] = {}
+        run_topic, run_part, run_off = "", -1, -1
         with contextlib.closing(prefetched(
-                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}",
-                select_sql(self.sink, self.columns, stage_table(batch.batch_id)),
+                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}", query,
                 rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as fetches:
             chunks = iter(fetches)
             while True:
@@ -353,6 +436,14 @@ class KafkaTopicSink(KafkaTransaction):
                 if chunk is None:
                     break
                 for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+                    if s_part != run_part or s_topic != run_topic:
+                        last[(run_topic, run_part)] = run_off
+                        run_topic, run_part = s_topic, s_part
+                        run_off = last.get((s_topic, s_part), -1)
+                    if s_off < run_off:  # equal: rows a transform made of one record
+                        raise _OutOfOrder(f"the stage gave {s_topic}/{s_part}/{s_off} after "
+                                          f"offset {run_off} of that partition")
+                    run_off = s_off
                     if by_source and s_part >= partitions:
                         raise KafkaSinkError(
                             f"batch {batch.batch_id}: sink.partitioning: source puts "
@@ -456,6 +547,11 @@ class KafkaTopicSink(KafkaTransaction):
 
 class _NotProducible(Exception):
     """A record the output topic can never take (checked before `produce`)."""
+
+
+class _OutOfOrder(Exception):
+    """The unsorted read of the stage parts gave a record before an earlier offset of its
+    partition (`KafkaTopicSink._produce_stage` reads it sorted instead)."""
 
 
 def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]
