@@ -173,8 +173,10 @@ def test_a_new_producer_for_the_next_pass_keeps_the_attempts_topic_settings() ->
     from offsetflow.sinks.kafka.limits import TopicSettings
     from offsetflow.sinks.kafka.mark import CommitMark
 
-    cfg = parse_pipeline(raw(topic="out", producer={"transaction.timeout.ms": 5000}),
-                         "orders.yaml", ENV)
+    nobody = raw(topic="out", producer={"transaction.timeout.ms": 5000})
+    # a port no broker listens on (the stack's broker may well be up on the default one)
+    nobody["kafka"]["bootstrap_servers"] = "127.0.0.1:9"
+    cfg = parse_pipeline(nobody, "orders.yaml", ENV)
     sink = KafkaTopicSink(cfg, None, CommitSpec(columns=()), timeout_s=1.0)
     sink._mark = CommitMark(cfg.name, "ledger-1", "out")
     known = TopicSettings.parse("out", {"max.message.bytes": "2000",
