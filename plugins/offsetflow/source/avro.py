@@ -32,7 +32,8 @@ from typing import Any
 import pyarrow as pa
 
 from offsetflow.extras import require
-from offsetflow.source.avro_fast import resolution_fix, typed_columns
+from offsetflow.source.avro_fast import resolution_fix, same_record, typed_columns
+from offsetflow.source.avro_vector import Layout, decode_chunk, layout_of
 from offsetflow.source.deserialize import (
     arrow_schema,
     decimal_value,
@@ -107,6 +108,7 @@ class AvroDecoder:
             t: None if r is None else (r[0], self._parse(r[1]), r[1])
             for t, r in readers.items()}
         self._plans: dict[tuple[int, str], _Plan | str] = {}
+        self._layouts: dict[int, Layout | None] = {}
 
     def _parse(self, text: str) -> Any:
         return self._fastavro.parse_schema(json.loads(text))
@@ -136,6 +138,18 @@ class AvroDecoder:
                 found = _Plan(writer, reader[1] if fix is None else None, fix, reader[1])
             self._plans[key] = found
         return found
+
+    def as_written(self, schema_id: int, topics: set[str]) -> Layout | None:
+        """The vectorised layout of writer `schema_id` when its records on `topics` are
+        read as written (no resolution to a reader schema) and it has one."""
+        for topic in topics:
+            plan = self.plan(schema_id, topic)
+            if isinstance(plan, str) or plan.reader is not None or \
+                    plan.fix not in (None, same_record):
+                return None
+        if schema_id not in self._layouts:
+            self._layouts[schema_id] = layout_of(json.loads(self._texts[schema_id]))
+        return self._layouts[schema_id]
 
     def decode(self, value: bytes, topic: str) -> tuple[int | None, Any]:
         """(schema id, the decoded datum); raises ValueError naming what is wrong."""
@@ -282,6 +296,10 @@ def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
     key that does not decode, is converted record by record from the decoded payloads,
     which names each bad record and why."""
     target = arrow_schema(schema)
+    if key_decoder is None and values:
+        vector = _vectorised(values, topics, schema, decoder, target)
+        if vector is not None:
+            return vector, [], list(range(len(values)))
     bad: list[BadRecord] = []
     decoded: list[tuple[int, int | None, Any]] = []  # (index, schema id, datum)
     for i, v in enumerate(values):
@@ -324,6 +342,23 @@ def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
         bad += [BadRecord(good[j], why) for j, why in refused]
         good = [g for j, g in enumerate(good) if j not in gone]
     return table, sorted(bad, key=lambda b: b.index), good
+
+
+def _vectorised(values: Sequence[bytes | None], topics: Sequence[str],
+                schema: Mapping[str, str], decoder: AvroDecoder, target: pa.Schema
+                ) -> pa.Table | None:
+    """The chunk through `avro_vector` when every value is framed with one writer id whose
+    records are read as written and whose layout it takes; else None."""
+    first = values[0]
+    if first is None or len(first) < HEADER_BYTES or first[0] != MAGIC:
+        return None
+    head = first[:HEADER_BYTES]
+    if not all(v is not None and v[:HEADER_BYTES] == head for v in values):
+        return None
+    layout = decoder.as_written(int.from_bytes(head[1:], "big"), set(topics))
+    if layout is None:
+        return None
+    return decode_chunk(values, layout, schema, target)  # type: ignore[arg-type]
 
 
 def _key_records(decoded: Sequence[tuple[int, int | None, Any]], keys: Sequence[bytes | None],

@@ -92,6 +92,8 @@ def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] 
             io.BytesIO(b""), fastavro.parse_schema({**shell, "fields": []}),
             fastavro.parse_schema({**shell, "fields": added}))
         defaults = [(str(f["name"]), got[f["name"]]) for f in added]
+    if not (drop or promote or defaults):
+        return same_record
     fixed = [(n, v) for n, v in defaults if isinstance(v, _IMMUTABLE)]
     fresh = [(n, v) for n, v in defaults if not isinstance(v, _IMMUTABLE)]
 
@@ -105,6 +107,10 @@ def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] 
         for n, v in fresh:  # each record its own list or dict
             d[n] = copy.deepcopy(v)
     return fix
+
+
+def same_record(d: dict[str, Any]) -> None:
+    """The resolution of a reader schema that reads the writer's records as they are."""
 
 
 def typed_columns(records: Sequence[Mapping[str, Any] | None],

@@ -1,0 +1,185 @@
+"""The vectorised Avro chunk decoder against the record-by-record path (fastavro per record,
+`record_fields`, `rows_to_table`): on any chunk it either gives exactly the same table, or
+gives none (the record-by-record path then decides, naming the bad records)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+from datetime import UTC, datetime
+from typing import Any
+
+import fastavro
+import pytest
+
+from offsetflow.source import AvroDecoder, arrow_schema, deserialize_avro
+from offsetflow.source.avro import record_fields
+from offsetflow.source.avro_vector import decode_chunk, layout_of
+from offsetflow.source.deserialize import rows_to_table
+from offsetflow.source.registry import RegisteredSchema
+
+WRITER = {"type": "record", "name": "V", "fields": [
+    {"name": "i", "type": "int"},
+    {"name": "l", "type": "long"},
+    {"name": "f", "type": "float"},
+    {"name": "d", "type": "double"},
+    {"name": "b", "type": "boolean"},
+    {"name": "s", "type": "string"},
+    {"name": "n", "type": ["null", "string"]},
+    {"name": "nl", "type": ["long", "null"]},
+    {"name": "by", "type": "bytes"},
+    {"name": "z", "type": "null"},
+    {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}},
+    {"name": "tu", "type": ["null", {"type": "long", "logicalType": "timestamp-micros"}]},
+    {"name": "lt", "type": {"type": "long", "logicalType": "local-timestamp-micros"}},
+    {"name": "dt", "type": {"type": "int", "logicalType": "date"}}]}
+PARSED = fastavro.parse_schema(WRITER)
+COLUMNS = [
+    {"i": "int", "l": "long", "f": "float", "d": "double", "b": "boolean", "s": "string",
+     "n": "string", "nl": "long", "ts": "timestamp", "tu": "timestamp", "lt": "timestamp",
+     "dt": "date", "z": "string", "missing": "long"},
+    {"l": "int", "i": "double", "f": "double", "nl": "double", "n": "string"},
+]
+EDGE_LONGS = [0, 1, -1, 63, 64, -64, -65, 2**31 - 1, -2**31, 2**31, 2**53 + 1, 2**63 - 1,
+              -2**63]
+TEXTS = ["", "a", "é", "日本語", "😀 emoji", "x" * 300, "tab\there"]
+
+
+def _record(rng: random.Random) -> dict[str, Any]:
+    return {
+        "i": rng.choice([0, 1, -1, 2**31 - 1, -2**31, rng.randint(-1000, 1000)]),
+        "l": rng.choice(EDGE_LONGS + [rng.randint(-2**62, 2**62)]),
+        "f": rng.choice([0.0, 1.5, -2.25, float("inf"), float("nan"), 3.4e38, 1e-45,
+                         rng.random()]),
+        "d": rng.choice([0.0, -0.0, 1e308, float("-inf"), float("nan"), rng.random()]),
+        "b": rng.random() < 0.5,
+        "s": rng.choice(TEXTS),
+        "n": rng.choice([None, *TEXTS]),
+        "nl": rng.choice([None, *EDGE_LONGS]),
+        "by": rng.choice([b"", b"\x00\xff", b"bytes"]),
+        "z": None,
+        "ts": datetime(rng.choice([1, 1970, 2026, 9999]), 1 + rng.randrange(12), 1, 2, 3, 4,
+                       rng.randrange(1000) * 1000, tzinfo=UTC),
+        "tu": rng.choice([None, datetime(2026, 11, 27, 1, 2, 3, rng.randrange(10**6),
+                                         tzinfo=UTC)]),
+        "lt": datetime(2026, 1, 2, 3, 4, 5, 6),
+        "dt": datetime(rng.choice([1, 1970, 2026, 9999]), 12, 31).date(),
+    }
+
+
+def _wire(rec: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    buf.write(b"\x00\x00\x00\x00\x05")
+    fastavro.schemaless_writer(buf, PARSED, rec)
+    return buf.getvalue()
+
+
+def _reference(values: list[bytes], columns: dict[str, str]) -> tuple[list[Any], bool]:
+    """Rows the record-by-record path gives, and whether it found any record bad."""
+    rows = []
+    bad = False
+    for v in values:
+        try:
+            datum = fastavro.schemaless_reader(io.BytesIO(v[5:]), PARSED, None)
+            rows.append(record_fields(datum, columns))
+        except Exception:  # noqa: BLE001 - a dead letter on that path
+            bad = True
+    table, refused = rows_to_table(rows, arrow_schema(columns))
+    return table.to_pylist(), bad or bool(refused)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b and type(a) is type(b))
+
+
+def _check(values: list[bytes], columns: dict[str, str], expect_table: bool | None = None
+           ) -> None:
+    layout = layout_of(WRITER)
+    assert layout is not None
+    got = decode_chunk(values, layout, columns, arrow_schema(columns))
+    want, bad = _reference(values, columns)
+    if got is not None:
+        assert not bad
+        assert _same(got.to_pylist(), want)
+    if expect_table is not None:
+        assert (got is not None) is expect_table
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_random_chunks_decode_as_record_by_record(columns: dict[str, str]) -> None:
+    rng = random.Random(30)
+    for _ in range(20):
+        values = [_wire(_record(rng)) for _ in range(rng.randint(1, 60))]
+        _check(values, columns)
+    # a chunk of plain values is taken by the vectorised path
+    plain = [_wire({**_record(rng), "l": 5, "i": 3, "f": 1.5}) for _ in range(10)]
+    _check(plain, columns, expect_table=True)
+
+
+def _poison(rng: random.Random) -> list[bytes]:
+    good = _wire(_record(rng))
+    marker = _wire({**_record(rng), "s": "MARK"})
+    n_at = marker.index(b"MARK")
+    return [
+        good[:-1],  # truncated
+        good + b"\x00",  # a byte left over
+        good[:5] + b"\xff" * 11 + good[16:],  # a varint past 10 bytes
+        marker[:n_at] + b"\xff\xfe\xfd\xfc" + marker[n_at + 4:],  # not UTF-8
+        _wire({**_record(rng), "s": "nul\x00"}),  # NUL, which PostgreSQL text refuses
+        good[:5],  # no payload at all
+    ]
+
+
+@pytest.mark.parametrize("columns", COLUMNS)
+def test_poison_makes_the_chunk_take_the_record_by_record_path(
+        columns: dict[str, str]) -> None:
+    rng = random.Random(7)
+    for p in _poison(rng):
+        chunk = [_wire(_record(rng)) for _ in range(5)]
+        chunk.insert(2, p)
+        _check(chunk, columns, expect_table=False)
+
+
+class _Registry:
+    shown = "http://registry"
+
+    def schema_by_id(self, schema_id: int) -> RegisteredSchema | None:
+        return RegisteredSchema(5, "AVRO", json.dumps(WRITER)) if schema_id == 5 else None
+
+
+def test_deserialize_avro_names_the_bad_records_of_a_chunk_the_vector_path_refused() -> None:
+    rng = random.Random(3)
+    values: list[bytes | None] = [_wire(_record(rng)) for _ in range(4)]
+    good = values[0]
+    assert good is not None
+    values[1] = good[:-1]
+    cols = {"l": "long", "s": "string"}
+    table, bad, ok = deserialize_avro(values, ["t"] * 4, cols,
+                                      AvroDecoder(_Registry(), {"t": None}))  # type: ignore[arg-type]
+    assert ok == [0, 2, 3] and table.num_rows == 3
+    assert [b.index for b in bad] == [1] and "payload does not decode" in bad[0].reason
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "record", "name": "R", "fields": [{"name": "e", "type": {
+        "type": "enum", "name": "E", "symbols": ["A"]}}]},
+    {"type": "record", "name": "R", "fields": [{"name": "a", "type": {
+        "type": "array", "items": "long"}}]},
+    {"type": "record", "name": "R", "fields": [{"name": "u", "type": ["null", "long",
+                                                                      "string"]}]},
+    {"type": "record", "name": "R", "fields": [{"name": "m", "type": {
+        "type": "bytes", "logicalType": "decimal", "precision": 4, "scale": 2}}]},
+    {"type": "record", "name": "R", "fields": [{"name": "u", "type": {
+        "type": "string", "logicalType": "uuid"}}]},
+    "long",
+])
+def test_schemas_it_does_not_take_have_no_layout(schema: Any) -> None:
+    assert layout_of(schema) is None
