@@ -23,7 +23,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from offsetflow.extras import require
-from offsetflow.source.avro_fast import resolution_fix, same_record, typed_columns
+from offsetflow.source.avro_fast import Resolution, resolution_fix, typed_columns
 from offsetflow.source.avro_vector import Layout, decode_chunk, layout_of
 from offsetflow.source.deserialize import (
     arrow_schema,
@@ -139,17 +139,22 @@ class AvroDecoder:
             self._plans[key] = found
         return found
 
-    def as_written(self, schema_id: int, topics: set[str]) -> Layout | None:
-        """The vectorised layout of writer `schema_id` when its records on `topics` are
-        read as written (no resolution to a reader schema) and it has one."""
+    def vectorised(self, schema_id: int, topics: set[str]
+                   ) -> tuple[Layout, Resolution] | None:
+        """The column-wise layout of writer `schema_id` and how its records are resolved
+        (the same on all `topics`), when it has one and fastavro need not resolve them."""
+        fixes = []
         for topic in topics:
             plan = self.plan(schema_id, topic)
-            if isinstance(plan, str) or plan.reader is not None or \
-                    plan.fix not in (None, same_record):
+            if isinstance(plan, str) or plan.reader is not None:
                 return None
+            fixes.append(plan.fix or Resolution())
+        if any(f != fixes[0] for f in fixes):
+            return None
         if schema_id not in self._layouts:
             self._layouts[schema_id] = layout_of(json.loads(self._texts[schema_id]))
-        return self._layouts[schema_id]
+        layout = self._layouts[schema_id]
+        return None if layout is None else (layout, fixes[0])
 
     def decode(self, value: bytes, topic: str) -> tuple[int | None, Any]:
         """(schema id, the decoded datum); raises ValueError naming what is wrong."""
@@ -193,7 +198,7 @@ class _Plan:
 
     writer: Any
     reader: Any
-    fix: Callable[[dict[str, Any]], None] | None
+    fix: Resolution | None
     resolve_with: Any
 
 
@@ -355,10 +360,11 @@ def _vectorised(values: Sequence[bytes | None], topics: Sequence[str],
     head = first[:HEADER_BYTES]
     if not all(v is not None and v[:HEADER_BYTES] == head for v in values):
         return None
-    layout = decoder.as_written(int.from_bytes(head[1:], "big"), set(topics))
-    if layout is None:
+    found = decoder.vectorised(int.from_bytes(head[1:], "big"), set(topics))
+    if found is None:
         return None
-    return decode_chunk(values, layout, schema, target)  # type: ignore[arg-type]
+    return decode_chunk(values, found[0], schema, target, found[1],  # type: ignore[arg-type]
+                        avro_value)
 
 
 def _key_records(decoded: Sequence[tuple[int, int | None, Any]], keys: Sequence[bytes | None],

@@ -21,6 +21,7 @@ import io
 import json
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any
@@ -30,25 +31,43 @@ import pyarrow.compute as pc
 
 from offsetflow.source.deserialize import json_text, text_value
 
-# writer type -> reader type: what Avro's promotion does to a Python value of the writer
-_PROMOTIONS: dict[tuple[str, str], Callable[[Any], Any] | None] = {
-    ("int", "long"): None, ("int", "float"): float, ("int", "double"): float,
-    ("long", "float"): float, ("long", "double"): float, ("float", "double"): None}
+# writer type -> reader type: Avro's promotions of numbers (to float/double: float(v))
+_PROMOTIONS = {("int", "long"), ("int", "float"), ("int", "double"), ("long", "float"),
+               ("long", "double"), ("float", "double")}
 _IMMUTABLE = (type(None), bool, int, float, str, bytes, Decimal, date, datetime, uuid.UUID)
 
 
-def resolution_fix(fastavro: Any, writer_text: str, reader_text: str
-                   ) -> Callable[[dict[str, Any]], None] | None:
-    """A function that turns a record decoded with the writer schema into the record
-    fastavro gives when it resolves it to the reader schema, or None when the difference is
-    not one this compiles (then fastavro resolves each record)."""
+@dataclass(frozen=True)
+class Resolution:
+    """Avro resolution of a writer's record to a reader schema, as top-level patches:
+    fields the reader lacks dropped, fields promoted (name -> the reader's type), fields the
+    writer lacks given the reader's default (as fastavro decodes it)."""
+
+    drop: tuple[str, ...] = ()
+    promote: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, d: dict[str, Any]) -> None:
+        for n in self.drop:
+            d.pop(n, None)
+        for n, rt in self.promote.items():
+            if rt in ("float", "double"):  # int -> long: the same Python int
+                d[n] = float(d[n])
+        for n, v in self.defaults.items():  # each record its own list or dict
+            d[n] = v if isinstance(v, _IMMUTABLE) else copy.deepcopy(v)
+
+
+def resolution_fix(fastavro: Any, writer_text: str, reader_text: str) -> Resolution | None:
+    """How a record decoded with the writer schema becomes the record fastavro gives when
+    it resolves it to the reader schema, or None when the difference is not one this
+    compiles (then fastavro resolves each record)."""
     try:
         return _compile(fastavro, json.loads(writer_text), json.loads(reader_text))
     except Exception:  # noqa: BLE001 - anything unexpected: resolve record by record
         return None
 
 
-def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] | None:
+def _compile(fastavro: Any, w: Any, r: Any) -> Resolution | None:
     from fastavro.schema import expand_schema
 
     if not (isinstance(w, dict) and isinstance(r, dict) and w.get("type") == "record"
@@ -62,8 +81,8 @@ def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] 
     rf = {f["name"]: f for f in re_["fields"]}
     if any(f.get("aliases") for f in re_["fields"]) or len(wf) != len(we["fields"]):
         return None
-    drop = [n for n in wf if n not in rf]
-    promote: list[tuple[str, Callable[[Any], Any]]] = []
+    drop = tuple(n for n in wf if n not in rf)
+    promote: dict[str, str] = {}
     added: list[dict[str, Any]] = []
     for name, f in rf.items():
         if name not in wf:
@@ -75,9 +94,7 @@ def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] 
         if wt == rt:
             continue
         if isinstance(wt, str) and isinstance(rt, str) and (wt, rt) in _PROMOTIONS:
-            conv = _PROMOTIONS[(wt, rt)]
-            if conv is not None:
-                promote.append((name, conv))
+            promote[name] = rt
             continue
         # made nullable: the writer's type is the union's other branch (no earlier branch
         # it could be promoted to instead)
@@ -85,32 +102,14 @@ def _compile(fastavro: Any, w: Any, r: Any) -> Callable[[dict[str, Any]], None] 
                 and "null" in rt and wt in rt:
             continue
         return None
-    defaults: list[tuple[str, Any]] = []
+    defaults: dict[str, Any] = {}
     if added:  # fastavro fills them once, from an empty record: the same values it gives
         shell = {k: v for k, v in r.items() if k != "fields"}
         got = fastavro.schemaless_reader(
             io.BytesIO(b""), fastavro.parse_schema({**shell, "fields": []}),
             fastavro.parse_schema({**shell, "fields": added}))
-        defaults = [(str(f["name"]), got[f["name"]]) for f in added]
-    if not (drop or promote or defaults):
-        return same_record
-    fixed = [(n, v) for n, v in defaults if isinstance(v, _IMMUTABLE)]
-    fresh = [(n, v) for n, v in defaults if not isinstance(v, _IMMUTABLE)]
-
-    def fix(d: dict[str, Any]) -> None:
-        for n in drop:
-            d.pop(n, None)
-        for n, conv in promote:
-            d[n] = conv(d[n])
-        for n, v in fixed:
-            d[n] = v
-        for n, v in fresh:  # each record its own list or dict
-            d[n] = copy.deepcopy(v)
-    return fix
-
-
-def same_record(d: dict[str, Any]) -> None:
-    """The resolution of a reader schema that reads the writer's records as they are."""
+        defaults = {str(f["name"]): got[f["name"]] for f in added}
+    return Resolution(drop, promote, defaults)
 
 
 def typed_columns(records: Sequence[Mapping[str, Any] | None],

@@ -15,13 +15,15 @@ same answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from offsetflow.source.avro_fast import Resolution
 
 _PRIMITIVES = {"int", "long", "float", "double", "boolean", "string", "bytes", "null"}
 _LOGICAL = {("long", "timestamp-millis"), ("long", "timestamp-micros"),
@@ -78,31 +80,41 @@ class _Refused(Exception):
 
 
 def decode_chunk(values: Sequence[bytes], layout: Layout, schema: Mapping[str, str],
-                 target: pa.Schema) -> pa.Table | None:
-    """The declared columns of Confluent-framed `values` (all of `layout`'s writer, read as
-    written), or None: the record-by-record path decides."""
-    cols = _plan_columns(layout, schema)
+                 target: pa.Schema, resolution: Resolution,
+                 convert: Callable[[Any, str], Any]) -> pa.Table | None:
+    """The declared columns of Confluent-framed `values` (all of `layout`'s writer,
+    resolved to the reader schema by `resolution`), or None: the record-by-record path
+    decides. `convert`: `avro_value`, for a reader default's column."""
+    cols = _plan_columns(layout, schema, resolution)
     if cols is None:
         return None
     try:
-        return _decode(values, layout, schema, target, cols)
-    except _Refused:
+        consts = {name: convert(resolution.defaults[name], t) for name, t in schema.items()
+                  if name in resolution.defaults}
+        return _decode(values, layout, schema, target, cols, consts)
+    except (_Refused, ValueError, TypeError, OverflowError, pa.ArrowException):
         return None
 
 
-def _plan_columns(layout: Layout, schema: Mapping[str, str]) -> dict[str, _Field] | None:
-    """declared column -> the writer field it takes (a column the record lacks is NULL);
-    None when a declared type and its field's type convert in a way not done here."""
-    by_name = {f.name: f for f in layout.fields}
+def _plan_columns(layout: Layout, schema: Mapping[str, str], resolution: Resolution
+                  ) -> dict[str, _Field] | None:
+    """declared column -> the writer field it takes (a column the reader record lacks is
+    NULL, one the reader's default fills is that value); None when a declared type and its
+    field's type convert in a way not done here."""
+    by_name = {f.name: f for f in layout.fields if f.name not in resolution.drop}
     out = {}
     for name, t in schema.items():
         f = by_name.get(name)
-        if f is None:
+        if f is None or name in resolution.defaults:
             continue
+        promoted = resolution.promote.get(name, f.kind)
         ok = {"long": ("int", "long"), "int": ("int", "long"),
               "double": ("int", "long", "float", "double"), "float": ("float",),
               "boolean": ("boolean",), "string": ("string",)}.get(t)
-        takes = (ok is not None and f.kind in ok and f.logical is None) \
+        # int -> long keeps the value; one to float/double is float(v): only a double
+        # column takes that as it is
+        takes = (ok is not None and f.kind in ok and promoted in ok and f.logical is None
+                 and (promoted in (f.kind, "long") or t == "double")) \
             or (t == "timestamp" and f.kind == "long" and "timestamp" in (f.logical or "")) \
             or (t == "date" and f.logical == "date") or f.kind == "null"
         if not takes:
@@ -112,7 +124,7 @@ def _plan_columns(layout: Layout, schema: Mapping[str, str]) -> dict[str, _Field
 
 
 def _decode(values: Sequence[bytes], layout: Layout, schema: Mapping[str, str],
-            target: pa.Schema, cols: dict[str, _Field]) -> pa.Table:
+            target: pa.Schema, cols: dict[str, _Field], consts: dict[str, Any]) -> pa.Table:
     n = len(values)
     lengths = np.fromiter(map(len, values), dtype=np.int64, count=n)
     ends = np.cumsum(lengths)
@@ -141,6 +153,9 @@ def _decode(values: Sequence[bytes], layout: Layout, schema: Mapping[str, str],
     arrays = []
     for name, t in schema.items():
         at_type = target.field(name).type
+        if name in consts:
+            arrays.append(pa.array([consts[name]] * n, at_type))
+            continue
         if name not in got or cols[name].kind == "null":
             arrays.append(pa.nulls(n, at_type))
             continue

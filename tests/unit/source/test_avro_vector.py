@@ -15,7 +15,8 @@ import fastavro
 import pytest
 
 from offsetflow.source import AvroDecoder, arrow_schema, deserialize_avro
-from offsetflow.source.avro import record_fields
+from offsetflow.source.avro import avro_value, record_fields
+from offsetflow.source.avro_fast import Resolution
 from offsetflow.source.avro_vector import decode_chunk, layout_of
 from offsetflow.source.deserialize import rows_to_table
 from offsetflow.source.registry import RegisteredSchema
@@ -104,7 +105,8 @@ def _check(values: list[bytes], columns: dict[str, str], expect_table: bool | No
            ) -> None:
     layout = layout_of(WRITER)
     assert layout is not None
-    got = decode_chunk(values, layout, columns, arrow_schema(columns))
+    got = decode_chunk(values, layout, columns, arrow_schema(columns), Resolution(),
+                       avro_value)
     want, bad = _reference(values, columns)
     if got is not None:
         assert not bad
@@ -183,3 +185,54 @@ def test_deserialize_avro_names_the_bad_records_of_a_chunk_the_vector_path_refus
 ])
 def test_schemas_it_does_not_take_have_no_layout(schema: Any) -> None:
     assert layout_of(schema) is None
+
+
+READER = {"type": "record", "name": "V", "fields": [
+    {"name": "i", "type": "long"},  # int -> long
+    {"name": "l", "type": "double"},  # long -> double
+    {"name": "f", "type": "double"},  # float -> double
+    {"name": "s", "type": ["null", "string"], "default": None},  # made nullable
+    {"name": "n", "type": ["null", "string"]},
+    {"name": "extra", "type": "long", "default": 42},  # added
+    {"name": "tags", "type": {"type": "array", "items": "string"}, "default": ["x"]},
+    {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}}]}
+
+
+class _Evolved:
+    shown = "http://registry"
+
+    def schema_by_id(self, schema_id: int) -> RegisteredSchema | None:
+        return {5: RegisteredSchema(5, "AVRO", json.dumps(WRITER)),
+                6: RegisteredSchema(6, "AVRO", json.dumps(READER))}.get(schema_id)
+
+
+@pytest.mark.parametrize("columns", [
+    {"i": "long", "l": "double", "f": "double", "s": "string", "n": "string",
+     "extra": "long", "tags": "json", "ts": "timestamp", "b": "boolean"},
+    {"i": "int", "l": "long"},  # l is a double in the reader: every record is a dead letter
+    {"f": "float"},  # a float promoted to double: the record-by-record path
+])
+def test_a_chunk_resolved_to_another_reader_schema_decodes_as_fastavro_resolves_it(
+        columns: dict[str, str]) -> None:
+    rng = random.Random(11)
+    values: list[bytes | None] = [_wire({**_record(rng), "s": "é"}) for _ in range(30)]
+    decoder = AvroDecoder(_Evolved(), {"t": (6, json.dumps(READER))})  # type: ignore[arg-type]
+    found = decoder.vectorised(5, {"t"})
+    assert found is not None
+    if "extra" in columns:  # this chunk is one the column-wise path takes
+        assert decode_chunk(values, found[0], columns, arrow_schema(columns),  # type: ignore[arg-type]
+                            found[1], avro_value) is not None
+    table, bad, ok = deserialize_avro(values, ["t"] * 30, columns, decoder)
+    reader = fastavro.parse_schema(READER)
+    rows, refused = [], []
+    for j, v in enumerate(values):
+        assert v is not None
+        datum = fastavro.schemaless_reader(io.BytesIO(v[5:]), PARSED, reader)
+        try:
+            rows.append(record_fields(datum, columns))
+        except ValueError:
+            refused.append(j)
+    want, more = rows_to_table(rows, arrow_schema(columns))
+    assert not more
+    assert [b.index for b in bad] == refused
+    assert _same(table.to_pylist(), want.to_pylist())
