@@ -28,7 +28,8 @@ from offsetflow.source.avro_fast import Resolution
 _PRIMITIVES = {"int", "long", "float", "double", "boolean", "string", "bytes", "null"}
 _LOGICAL = {("long", "timestamp-millis"), ("long", "timestamp-micros"),
             ("long", "local-timestamp-millis"), ("long", "local-timestamp-micros"),
-            ("int", "date")}
+            ("int", "date"), ("string", "uuid")}
+_UUID = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"  # str(UUID)
 # years 1-9999 as Python's datetime holds them (fastavro's logical readers raise outside)
 _MIN_US, _MAX_US = -62_135_596_800_000_000, 253_402_300_799_999_999
 _MIN_DAY, _MAX_DAY = -719_162, 2_932_896
@@ -37,9 +38,10 @@ _MIN_DAY, _MAX_DAY = -719_162, 2_932_896
 @dataclass(frozen=True)
 class _Field:
     name: str
-    kind: str  # one of _PRIMITIVES
+    kind: str  # one of _PRIMITIVES, or enum
     logical: str | None
     nullable: int  # -1: not a union; else the branch index of null in ["null", T]
+    symbols: tuple[str, ...] = ()  # an enum's
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,12 @@ def layout_of(schema: Any) -> Layout | None:
             nullable = t.index("null")
             t = t[1 - nullable]
         logical = None
+        if isinstance(t, dict) and t.get("type") == "enum" and isinstance(t.get("symbols"), list) \
+                and not set(t) - {"type", "name", "namespace", "symbols", "doc", "aliases",
+                                  "default"}:
+            out.append(_Field(str(f["name"]), "enum", None, nullable,
+                              tuple(str(x) for x in t["symbols"])))
+            continue
         if isinstance(t, dict):
             logical = t.get("logicalType")
             if set(t) - {"type", "logicalType"} or (t.get("type"), logical) not in _LOGICAL:
@@ -116,7 +124,9 @@ def _plan_columns(layout: Layout, schema: Mapping[str, str], resolution: Resolut
         takes = (ok is not None and f.kind in ok and promoted in ok and f.logical is None
                  and (promoted in (f.kind, "long") or t == "double")) \
             or (t == "timestamp" and f.kind == "long" and "timestamp" in (f.logical or "")) \
-            or (t == "date" and f.logical == "date") or f.kind == "null"
+            or (t == "date" and f.logical == "date") or f.kind == "null" \
+            or (t == "string" and f.kind == "enum") \
+            or (t in ("string", "uuid") and f.kind == "string" and f.logical == "uuid")
         if not takes:
             return None
         out[name] = f
@@ -191,7 +201,7 @@ def _varint(data: np.ndarray, pos: np.ndarray, ends: np.ndarray
 
 def _read(data: np.ndarray, pos: np.ndarray, ends: np.ndarray, kind: str
           ) -> tuple[Any, np.ndarray]:
-    if kind in ("int", "long"):
+    if kind in ("int", "long", "enum"):
         return _varint(data, pos, ends)
     if kind == "null":
         return None, pos
@@ -236,12 +246,18 @@ def _column(vals: Any, valid: np.ndarray | None, n: int, t: str, f: _Field,
             raise _Refused from None
         if pc.any(pc.match_substring(arr, "\x00")).as_py():
             raise _Refused  # NUL: the record-by-record path names it
+        if f.logical == "uuid" and not pc.all(pc.match_substring_regex(arr, _UUID)).as_py():
+            raise _Refused  # not as str(UUID(...)) writes it: fastavro + avro_value decide
         return arr
     full_vals = vals
     if valid is not None:
         full_vals = np.zeros(n, dtype=vals.dtype)
         full_vals[valid] = vals
     live = full_vals if valid is None else full_vals[valid]
+    if f.kind == "enum":
+        if len(live) and (live.min() < 0 or live.max() >= len(f.symbols)):
+            raise _Refused
+        return pa.array(f.symbols, at).take(pa.array(full_vals, pa.int64(), mask=mask))
     if t == "int" and len(live) and (live.min() < -2**31 or live.max() >= 2**31):
         raise _Refused
     if t == "timestamp":
