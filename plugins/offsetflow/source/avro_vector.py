@@ -42,6 +42,8 @@ class _Field:
     logical: str | None
     nullable: int  # -1: not a union; else the branch index of null in ["null", T]
     symbols: tuple[str, ...] = ()  # an enum's
+    precision: int = 0  # a decimal's
+    scale: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ def layout_of(schema: Any) -> Layout | None:
                                   "default"}:
             out.append(_Field(str(f["name"]), "enum", None, nullable,
                               tuple(str(x) for x in t["symbols"])))
+            continue
+        if isinstance(t, dict) and t.get("type") == "bytes" \
+                and t.get("logicalType") == "decimal" \
+                and not set(t) - {"type", "logicalType", "precision", "scale"} \
+                and isinstance(t.get("precision"), int) and isinstance(t.get("scale", 0), int):
+            out.append(_Field(str(f["name"]), "bytes", "decimal", nullable,
+                              precision=t["precision"], scale=t.get("scale", 0)))
             continue
         if isinstance(t, dict):
             logical = t.get("logicalType")
@@ -126,6 +135,8 @@ def _plan_columns(layout: Layout, schema: Mapping[str, str], resolution: Resolut
             or (t == "timestamp" and f.kind == "long" and "timestamp" in (f.logical or "")) \
             or (t == "date" and f.logical == "date") or f.kind == "null" \
             or (t == "string" and f.kind == "enum") \
+            or (t.startswith("decimal(") and f.logical == "decimal"
+                and t.endswith(f",{f.scale})") and name not in resolution.promote) \
             or (t in ("string", "uuid") and f.kind == "string" and f.logical == "uuid")
         if not takes:
             return None
@@ -231,6 +242,8 @@ def _read(data: np.ndarray, pos: np.ndarray, ends: np.ndarray, kind: str
 def _column(vals: Any, valid: np.ndarray | None, n: int, t: str, f: _Field,
             at: pa.DataType) -> pa.Array:
     mask = None if valid is None else ~valid  # pyarrow: True = null
+    if f.logical == "decimal":
+        return _decimals(vals, valid, n, f, at)
     if f.kind == "string":
         offsets, raw = vals
         if valid is not None:  # nulls take no bytes: their offsets repeat
@@ -278,3 +291,42 @@ def _column(vals: Any, valid: np.ndarray | None, n: int, t: str, f: _Field,
     if t == "double" and f.kind in ("int", "long"):
         return pa.array(full_vals.astype(np.float64), at, mask=mask)
     return pa.array(full_vals, at, mask=mask)
+
+
+def _decimals(vals: Any, valid: np.ndarray | None, n: int, f: _Field, at: pa.DataType
+              ) -> pa.Array:
+    """Big-endian two's complement unscaled values (Avro's bytes decimal, at the declared
+    scale) as Arrow decimal128: each sign-extended into 16 little-endian bytes. Refused:
+    more than 16 bytes, more digits than the writer's precision (fastavro would round) or
+    the column's (a dead letter)."""
+    offsets, raw = vals
+    sizes = np.diff(offsets).astype(np.int64)
+    m = len(sizes)
+    if np.any(sizes > 16):
+        raise _Refused
+    out = np.zeros((m, 16), dtype=np.uint8)
+    if len(raw):
+        first = raw[np.minimum(offsets[:-1], len(raw) - 1)]
+        out[(sizes > 0) & (first >= 0x80)] = 0xFF
+        rows = np.repeat(np.arange(m), sizes)
+        j = np.arange(len(raw)) - np.repeat(offsets[:-1].astype(np.int64), sizes)
+        out[rows, np.repeat(sizes, sizes) - 1 - j] = raw
+    full = out
+    validity = None
+    if valid is not None:
+        full = np.zeros((n, 16), dtype=np.uint8)
+        full[valid] = out
+        validity = pa.array(valid).buffers()[1]
+    checks = [at] + ([pa.decimal128(f.precision, f.scale)]
+                     if 0 < f.precision < at.precision else [])
+    if f.precision <= 0:
+        raise _Refused
+    arr = None
+    for typ in checks:
+        a = pa.Array.from_buffers(typ, n, [validity, pa.py_buffer(full.tobytes())])
+        try:
+            a.validate(full=True)
+        except pa.ArrowInvalid:
+            raise _Refused from None
+        arr = arr if arr is not None else a
+    return arr
