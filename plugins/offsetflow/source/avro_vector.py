@@ -169,6 +169,8 @@ def _decode(values: Sequence[bytes], layout: Layout, schema: Mapping[str, str],
             pos[valid] = after
         if f.name in cols:
             got[f.name] = (vals, valid)
+        else:  # fastavro decodes every field: what it refuses in one is a bad record too
+            _check_unused(vals, f)
     if not np.array_equal(pos, ends):
         raise _Refused  # bytes left over, or read past a record's end
     arrays = []
@@ -330,3 +332,33 @@ def _decimals(vals: Any, valid: np.ndarray | None, n: int, f: _Field, at: pa.Dat
             raise _Refused from None
         arr = arr if arr is not None else a
     return arr
+
+
+def _check_unused(vals: Any, f: _Field) -> None:
+    """Refuse what fastavro refuses in a field no column takes: invalid UTF-8, a uuid it
+    might not read, a date or timestamp outside years 1-9999, an enum index out of range."""
+    if f.kind == "string":
+        offsets, raw = vals
+        arr = pa.StringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets.tobytes()),
+                                          pa.py_buffer(raw.tobytes()))
+        try:
+            arr.validate(full=True)
+        except pa.ArrowInvalid:
+            raise _Refused from None
+        if f.logical == "uuid" and not pc.all(pc.match_substring_regex(arr, _UUID)).as_py():
+            raise _Refused
+        return
+    if vals is None or f.kind == "bytes" or not len(vals):
+        return
+    if f.kind == "enum":
+        bad = vals.min() < 0 or vals.max() >= len(f.symbols)
+    elif f.logical == "date":
+        bad = vals.min() < _MIN_DAY or vals.max() > _MAX_DAY
+    elif f.logical and "millis" in f.logical:
+        bad = vals.min() < _MIN_US // 1000 or vals.max() > _MAX_US // 1000
+    elif f.logical and "micros" in f.logical:
+        bad = vals.min() < _MIN_US or vals.max() > _MAX_US
+    else:
+        bad = False
+    if bad:
+        raise _Refused

@@ -85,8 +85,7 @@ def _record(rng: random.Random) -> dict[str, Any]:
                          Decimal("-1.29"), Decimal("12.34")]),
         "nm": rng.choice([None, Decimal("0.000"), Decimal("123456789.123"),
                           Decimal("-9999999.999"), Decimal("-1.000"), Decimal("0.128")]),
-        "u": rng.choice([uuid.UUID(int=rng.getrandbits(128)),
-                         "0000000A-0000-0000-0000-00000000000B"]),
+        "u": uuid.UUID(int=rng.getrandbits(128)),
     }
 
 
@@ -147,6 +146,22 @@ def test_random_chunks_decode_as_record_by_record(columns: dict[str, str]) -> No
              for _ in range(10)]
     # (another scale than the writer's: record by record, for decimal_value's rounding)
     _check(plain, columns, expect_table=columns is not COLUMNS[2])
+
+
+def test_what_fastavro_refuses_in_a_field_no_column_takes_is_refused_too() -> None:
+    rng = random.Random(5)
+    marker = _wire({**_record(rng), "s": "MARK"})
+    at = marker.index(b"MARK")
+    chunk = [_wire(_record(rng)) for _ in range(3)]
+    not_utf8 = marker[:at] + b"\xff\xfe\xfd\xfc" + marker[at + 4:]
+    # "s" (not UTF-8 there) is not a column: fastavro still decodes it, and refuses
+    _check([*chunk, not_utf8], {"l": "long"}, expect_table=False)
+    assert _reference([*chunk, not_utf8], {"l": "long"})[1]
+    odd_uuid = _wire({**_record(rng), "u": "{00000000-0000-0000-0000-000000000001}"})
+    _check([*chunk, odd_uuid], {"l": "long"}, expect_table=False)
+    upper = _wire({**_record(rng), "u": "0000000A-0000-0000-0000-00000000000B"})
+    _check([*chunk, upper], {"u": "uuid"}, expect_table=False)  # str(UUID) lowercases
+    _check(chunk, {"l": "long"}, expect_table=True)
 
 
 def _poison(rng: random.Random) -> list[bytes]:
