@@ -38,6 +38,7 @@ from cluster import cluster_was_up, start_cluster
 from dag_path import DAG_SUFFIX
 from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
+from engines_avro import AVRO_ENGINES, ensure_avro_dataset
 from psycopg2 import sql
 
 from offsetflow.config import parse_pipeline
@@ -54,7 +55,9 @@ ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-bui
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka",
            # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
-           "spark-builtin-iceberg")
+           "spark-builtin-iceberg",
+           # Confluent wire-format Avro -> PostgreSQL (include/bench/engines_avro.py)
+           "spark-builtin-avro", "offsetflow-avro")
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # timings that run inside another stage's wall time, so not stacked in the chart: the
 # commit's tail insert is part of commit_s, its part moves run during read_stage_s
@@ -351,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     log.info("data sets: %s on %d partitions (+ %s, scaling %s)", main_label, args.partitions,
              small_label, args.scaling or "none")
     main_ds = ensure_dataset(bootstrap, args.records, args.partitions)
+    # the same records as Avro in the Confluent wire format, for the Avro engines
+    avro_ds = None
+    if set(engines) & set(AVRO_ENGINES):
+        ctx["registry_url"] = os.environ.get("OFFSETFLOW_SCHEMA_REGISTRY_URL")
+        if not ctx["registry_url"]:
+            raise SystemExit("OFFSETFLOW_SCHEMA_REGISTRY_URL is not set: the Avro engines "
+                             "need the stack's schema registry (make up starts it)")
+        avro_ds = ensure_avro_dataset(bootstrap, ctx["registry_url"], args.records,
+                                      args.partitions)
     small_ds = ensure_dataset(bootstrap, args.small_records, args.partitions)
     scaling = [ensure_dataset(bootstrap, int(n), args.partitions)
                for n in args.scaling.split(",") if n and int(n) != args.records]
@@ -398,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "offsetflow-kafka": [job(main_ds, args.runs)],
         "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
         "spark-builtin-iceberg": [job(main_ds, args.runs)],
+        **({e: [job(avro_ds, args.runs)] for e in AVRO_ENGINES} if avro_ds else {}),
     }
     raw: dict[str, Any] = {}
     connect_start_s = None
@@ -414,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                 ctx.update(start_cluster(metrics_dir))
             # every warm engine is warmed on the main data set's size, so the JIT of the
             # JVM engines has seen the real volume before anything is timed
-            raw[engine] = run_engine(engine, jobs[engine], main_ds, ctx, out, extra)
+            warm = avro_ds if engine in AVRO_ENGINES and avro_ds else main_ds
+            raw[engine] = run_engine(engine, jobs[engine], warm, ctx, out, extra)
         finally:
             if engine == "offsetflow-connect":  # it runs with bench metrics on: not for reuse
                 subprocess.run([*STACK, "connect-stop"], check=True)
@@ -470,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
                              if plan else None)
     goal_rows += report.speed_goals(summary, main_label, small_label, many_label)
     goal_rows += report.iceberg_ratios(summary, main_label)
+    goal_rows += report.avro_ratios(summary, main_label)
     goal_rows += report.memory_goal(summary, main_label, memory_label)
     doc = {"started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
            "duration_s": round(time.time() - started, 1),
@@ -493,6 +508,12 @@ def main(argv: list[str] | None = None) -> int:
                summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)}
            | {f"offsetflow-iceberg/spark-builtin-iceberg@{main_label}": report.ratio(
                summary, "offsetflow-iceberg", "spark-builtin-iceberg", main_label)}
+           # Confluent wire-format Avro: against Spark's from_avro, and against JSON on
+           # OffsetFlow's own path (the same records, the same columns)
+           | {f"offsetflow-avro/spark-builtin-avro@{main_label}": report.ratio(
+               summary, "offsetflow-avro", "spark-builtin-avro", main_label),
+              f"offsetflow-avro/offsetflow-local@{main_label}": report.ratio(
+               summary, "offsetflow-avro", "offsetflow-local", main_label)}
            | {f"{w}/floor@{main_label}": (round(summary[w][main_label]["wall_s"]["median"]
                                                 / low[1], 3))
               for w in report.WARM_OFFSETFLOW

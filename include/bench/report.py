@@ -168,6 +168,21 @@ def iceberg_ratios(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], label
     return out
 
 
+def avro_ratios(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], label: str
+                ) -> list[dict[str, Any]]:
+    """Issue 30: Confluent wire-format Avro into PostgreSQL, OffsetFlow (fastavro in the
+    tasks) against Spark's Kafka source + `from_avro` after `substring` strips the 5-byte
+    header, and against OffsetFlow reading the same records as JSON, warm local both."""
+    out: list[dict[str, Any]] = []
+    for other, what in (("spark-builtin-avro", "Spark's Kafka source + from_avro -> JDBC"),
+                        ("offsetflow-local", "OffsetFlow, the same records as JSON")):
+        r = ratio(summary, "offsetflow-avro", other, label)
+        if r is not None:
+            out.append({"goal": f"offsetflow-avro / {other} ({what}), records/s at {label}",
+                        "target": "reported", "measured": r, "met": None})
+    return out
+
+
 def memory_goal(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], main_label: str,
                 big_label: str | None, engine: str = "offsetflow-local"
                 ) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import engines
+import engines_avro
 import engines_kafka
 from dag_path import DAG_SUFFIX, dag_path_run
 from engines import dataset_from_dict, timed_runs
@@ -49,7 +50,7 @@ def main(spec_path: str) -> int:
     spark: Any = None
     t = time.perf_counter()
     if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
-                  "offsetflow-kafka", "offsetflow-iceberg"):
+                  "offsetflow-kafka", "offsetflow-iceberg", "offsetflow-avro"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
@@ -67,6 +68,8 @@ def main(spec_path: str) -> int:
                 import engines_iceberg
 
                 return engines_iceberg.offsetflow_iceberg_run(spark, ds, name, ctx)
+            if engine == "offsetflow-avro":
+                return engines_avro.offsetflow_avro_run(spark, ds, name, ctx)
             if engine == "offsetflow-connect" and f"{DAG_SUFFIX}_" in name:
                 return dag_path_run(ds, name, ctx)  # as a scheduled DAG run's tasks
             return engines.offsetflow_warm_run(spark, ds, name, ctx)
@@ -75,6 +78,11 @@ def main(spec_path: str) -> int:
 
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             return engines_kafka.builtin_kafka_run(spark, ds, name, ctx)
+    elif engine == "spark-builtin-avro":
+        spark = engines_avro.builtin_avro_session(f"bench-{engine}")
+
+        def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
+            return engines_avro.builtin_avro_run(spark, ds, name, ctx)
     elif engine == "spark-builtin":
         spark = engines.builtin_session(f"bench-{engine}")
 

@@ -338,8 +338,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     ids = spark.range(0, len(groups), 1, n)
     # the reader schemas the batch's first run resolved, for every run of it
     pinned = pinned_readers(cfg, ledger, batch.batch_id, specs)
+    pinned_keys = pinned_readers(cfg, ledger, batch.batch_id, specs, "key")
     if cfg.transform:
-        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned,
+                            pinned_keys)
         df = ids.mapInArrow(make_reader(cfg, batch.batch_id, dsn, specs, generation, groups,
                                         rc), spark_ddl(cfg))
         df = load_transform(cfg.transform, cfg.source_file)(df)
@@ -356,7 +358,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     else:
         # the reader schemas, resolved once for the run; under schema evolution their
         # fields beyond format.schema are columns too (`ReadContext.added`)
-        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned)
+        rc = ReadContext.of(cfg, batch.batch_id, dsn, specs, generation, pinned,
+                            pinned_keys)
         columns = stage_columns(cfg, rc.schema)
         added = rc.added(dict(cfg.schema))
         # an Iceberg append: the tasks write the table's data files (the table is loaded,

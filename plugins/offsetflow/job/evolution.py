@@ -114,17 +114,19 @@ def _check_read_by(cfg: PipelineConfig, topic: str, reader: tuple[int, str],
 
 
 def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
-                   specs: list[dict[str, Any]]) -> dict[str, tuple[int, str] | None] | None:
+                   specs: list[dict[str, Any]], part: str = "value"
+                   ) -> dict[str, tuple[int, str] | None] | None:
     """Avro (and Protobuf or JSON Schema under format.schema_evolution): each topic's
-    value reader schema (id, text) for this run of the batch: the ones its first run
-    resolved (pinned in the ledger), so a version registered between a failed run and its
-    retry changes neither the columns nor how the records decode (the retry reuses what
-    the first run staged). None for other formats."""
+    value reader schema (id, text) for this run of the batch (`part` key: its
+    `<topic>-key` reader schema, format.key avro): the ones its first run resolved (pinned
+    in the ledger), so a version registered between a failed run and its retry changes
+    neither the columns nor how the records (or keys) decode (the retry reuses what the
+    first run staged). None for other formats."""
     from offsetflow.source import SCHEMA_TYPES
 
-    kind = SCHEMA_TYPES.get(cfg.format_type)
-    if cfg.registry is None or kind is None or (kind != "AVRO"
-                                                and cfg.schema_evolution is None):
+    kind = "AVRO" if part == "key" else SCHEMA_TYPES.get(cfg.format_type)
+    if cfg.registry is None or kind is None or (part == "key" and cfg.key_format != "avro") \
+            or (part == "value" and kind != "AVRO" and cfg.schema_evolution is None):
         return None
     from offsetflow.errors import SchemaRegistryError
     from offsetflow.source import RegistryClient, reader_schemas, registry_settings, value_schemas
@@ -133,28 +135,32 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
     client = RegistryClient.of(registry_settings(reg.url, reg.username, reg.password,
                                                  reg.timeout_s))
     topics = [str(s["topic"]) for s in specs]
-    latest = reader_schemas(client, topics, reg.reader_version) if kind == "AVRO" \
-        else value_schemas(client, topics, kind)
+    if part == "key":
+        latest = reader_schemas(client, topics, None, part="key")
+    else:
+        latest = reader_schemas(client, topics, reg.reader_version) if kind == "AVRO" \
+            else value_schemas(client, topics, kind)
     ids = {t: None if r is None else r[0] for t, r in latest.items()}
-    pinned = ledger.pin_reader_schemas(batch_id, ids)
+    pinned = ledger.pin_reader_schemas(batch_id, ids, part)
+    what = "keys" if part == "key" else "records"
     out: dict[str, tuple[int, str] | None] = {}
     for topic, now in latest.items():
         want = pinned.get(topic, ids[topic])
         if want == ids[topic]:
             out[topic] = now
             continue
-        log.info("batch %d: topic %s is read with reader schema id %s, pinned by the "
-                 "batch's first run (the subject's latest is now %s)", batch_id, topic,
-                 want, ids[topic])
+        log.info("batch %d: the %s of topic %s are read with reader schema id %s, pinned by "
+                 "the batch's first run (the subject's latest is now %s)", batch_id, what,
+                 topic, want, ids[topic])
         if want is None:
             out[topic] = None
             continue
         found = client.schema_by_id(int(want), serialized=kind == "PROTOBUF")
         if found is None:
             raise SchemaRegistryError(
-                client.shown, f"schema id {want}", "the reader schema this batch's first run "
-                f"read {topic} with is gone from the registry (run the batch with "
-                f"--accept-config-change after a config change, or abandon it)",
+                client.shown, f"schema id {want}", f"the reader schema this batch's first run "
+                f"read the {what} of {topic} with is gone from the registry (run the batch "
+                f"with --accept-config-change after a config change, or abandon it)",
                 retriable=False)
         out[topic] = (int(want), found.schema)
     return out

@@ -77,9 +77,11 @@ class ReadContext:
     @classmethod
     def of(cls, cfg: PipelineConfig, batch_id: int, dsn: str, specs: list[dict[str, Any]],
            generation: int | None = None,
-           pinned: dict[str, tuple[int, str] | None] | None = None) -> ReadContext:
-        """`pinned`: the batch's value reader schemas, pinned by its first run
-        (`job.evolution.pinned_readers`); None: resolved here (the subject's latest)."""
+           pinned: dict[str, tuple[int, str] | None] | None = None,
+           pinned_keys: dict[str, tuple[int, str] | None] | None = None) -> ReadContext:
+        """`pinned` (`pinned_keys`): the batch's value (Avro key) reader schemas, pinned by
+        its first run (`job.evolution.pinned_readers`); None: resolved here (the subject's
+        latest)."""
         registry = readers = key_readers = None
         if cfg.registry is not None:
             from offsetflow.source import (
@@ -104,7 +106,8 @@ class ReadContext:
                 readers = pinned if pinned is not None else value_schemas(
                     client, topics, SCHEMA_TYPES[cfg.format_type])
             if cfg.key_format == "avro":
-                key_readers = reader_schemas(client, topics, None, part="key")
+                key_readers = pinned_keys if pinned_keys is not None \
+                    else reader_schemas(client, topics, None, part="key")
         schema = dict(cfg.schema)
         if cfg.schema_evolution == "add_columns" and readers:
             schema.update(added_columns(cfg, readers))

@@ -148,14 +148,16 @@ class Ledger(PlanningQueries):
                               (pipeline, kind, list(OPEN_STATUSES)), "LIMIT 1")
         return found[0] if found else None
 
-    def pin_reader_schemas(self, batch_id: int, ids: dict[str, int | None]
-                           ) -> dict[str, int | None]:
+    def pin_reader_schemas(self, batch_id: int, ids: dict[str, int | None],
+                           part: str = "value") -> dict[str, int | None]:
         """The reader schema ids of the batch's first run (`ids`, when this is it), in one
-        statement: two runs at once pin the same ones."""
+        statement: two runs at once pin the same ones. `part`: the values' (migration
+        0013) or, `key`, the Avro keys' (0015)."""
+        col = sql.Identifier("key_reader_schemas" if part == "key" else "reader_schemas")
         with self.transaction() as cur:
-            cur.execute("""UPDATE offsetflow.batches
-                              SET reader_schemas = COALESCE(reader_schemas, %s::jsonb)
-                            WHERE batch_id = %s RETURNING reader_schemas""",
+            cur.execute(sql.SQL("""UPDATE offsetflow.batches
+                                      SET {col} = COALESCE({col}, %s::jsonb)
+                                    WHERE batch_id = %s RETURNING {col}""").format(col=col),
                         (json.dumps(ids), batch_id))
             row = cur.fetchone()
         return dict(row[0]) if row and row[0] is not None else dict(ids)
@@ -258,9 +260,11 @@ class Ledger(PlanningQueries):
             if not b.is_open:
                 raise BatchStateError(f"batch {batch_id} is {b.status}; its config is final")
             self.drop_staging(cur, batch_id)
-            # the reader schemas are resolved again with the new config (migration 0013)
+            # the reader schemas are resolved again with the new config (migrations 0013,
+            # 0015)
             cur.execute("UPDATE offsetflow.batches SET config_fingerprint = %s, "
-                        "split_offsets = %s, reader_schemas = NULL WHERE batch_id = %s",
+                        "split_offsets = %s, reader_schemas = NULL, key_reader_schemas = NULL "
+                        "WHERE batch_id = %s",
                         (fingerprint, split_offsets, batch_id))
 
     def abandon(self, batch_id: int, reason: str,

@@ -24,6 +24,7 @@ import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, date, datetime
 from decimal import Decimal
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 import pyarrow as pa
 
 from offsetflow.extras import require
+from offsetflow.source.avro_fast import Resolution, resolution_fix, typed_columns
+from offsetflow.source.avro_vector import Layout, decode_chunk, layout_of
 from offsetflow.source.deserialize import (
     arrow_schema,
     decimal_value,
@@ -88,16 +91,24 @@ def reader_schemas(client: RegistryClient, topics: Sequence[str], version: int |
 
 
 class AvroDecoder:
-    """Decodes Confluent-framed Avro values; writer schemas cached per id."""
+    """Decodes Confluent-framed Avro values. Per writer id (a registry's ids are immutable)
+    it keeps the parsed writer schema and, per topic, how a record of that writer is read
+    as the topic's reader schema: worked out once (`avro_fast.resolution_fix`), not by
+    fastavro walking both schemas for every record."""
 
     def __init__(self, client: RegistryClient,
                  readers: Mapping[str, tuple[int, str] | None]) -> None:
         # in a Spark task: an executor environment without the avro extra is named as such
         self._fastavro = require("avro", "format.type: avro (the Spark tasks decode with it)")
+        self._read = self._fastavro.schemaless_reader
         self.client = client
         self._writers: dict[int, Any] = {}  # id -> parsed schema, or the reason it is unusable
-        self._readers: dict[str, tuple[int, Any] | None] = {
-            t: None if r is None else (r[0], self._parse(r[1])) for t, r in readers.items()}
+        self._texts: dict[int, str] = {}  # id -> the writer schema's text
+        self._readers: dict[str, tuple[int, Any, str] | None] = {
+            t: None if r is None else (r[0], self._parse(r[1]), r[1])
+            for t, r in readers.items()}
+        self._plans: dict[tuple[int, str], _Plan | str] = {}
+        self._layouts: dict[int, Layout | None] = {}
 
     def _parse(self, text: str) -> Any:
         return self._fastavro.parse_schema(json.loads(text))
@@ -107,20 +118,66 @@ class AvroDecoder:
         if schema_id not in self._writers:
             found = self.client.schema_by_id(schema_id)  # SchemaRegistryError: the batch's
             self._writers[schema_id] = _usable(schema_id, found, self._parse)
+            if found is not None:
+                self._texts[schema_id] = found.schema
         return self._writers[schema_id]
+
+    def plan(self, schema_id: int, topic: str) -> _Plan | str:
+        """How records of writer `schema_id` on `topic` are read, or why they cannot be."""
+        key = (schema_id, topic)
+        found = self._plans.get(key)
+        if found is None:
+            writer = self.writer(schema_id)
+            reader = self._readers.get(topic)
+            if isinstance(writer, str):
+                found = writer
+            elif reader is None or reader[0] == schema_id:
+                found = _Plan(writer, None, None, None)
+            else:
+                fix = resolution_fix(self._fastavro, self._texts[schema_id], reader[2])
+                found = _Plan(writer, reader[1] if fix is None else None, fix, reader[1])
+            self._plans[key] = found
+        return found
+
+    def vectorised(self, schema_id: int, topics: set[str]
+                   ) -> tuple[Layout, Resolution] | None:
+        """The column-wise layout of writer `schema_id` and how its records are resolved
+        (the same on all `topics`), when it has one and fastavro need not resolve them."""
+        fixes = []
+        for topic in topics:
+            plan = self.plan(schema_id, topic)
+            if isinstance(plan, str) or plan.reader is not None:
+                return None
+            fixes.append(plan.fix or Resolution())
+        if any(f != fixes[0] for f in fixes):
+            return None
+        if schema_id not in self._layouts:
+            self._layouts[schema_id] = layout_of(json.loads(self._texts[schema_id]))
+        layout = self._layouts[schema_id]
+        return None if layout is None else (layout, fixes[0])
 
     def decode(self, value: bytes, topic: str) -> tuple[int | None, Any]:
         """(schema id, the decoded datum); raises ValueError naming what is wrong."""
         schema_id = wire_schema_id(value)
-        writer = self.writer(schema_id)
-        if isinstance(writer, str):
-            raise _Bad(schema_id, writer)
-        reader = self._readers.get(topic)
+        plan = self._plans.get((schema_id, topic)) or self.plan(schema_id, topic)
+        if isinstance(plan, str):
+            raise _Bad(schema_id, plan)
+        if plan.fix is not None:
+            try:
+                datum = self._exact(value, schema_id, plan.writer, None)
+                plan.fix(datum)
+                return schema_id, datum
+            except Exception:  # noqa: BLE001 - fastavro's own resolution says what is wrong
+                pass
+            return schema_id, self._exact(value, schema_id, plan.writer, plan.resolve_with)
+        return schema_id, self._exact(value, schema_id, plan.writer, plan.reader)
+
+    def _exact(self, value: bytes, schema_id: int, writer: Any, reader: Any) -> Any:
+        """The payload after the header, decoded and consumed exactly."""
         buf = io.BytesIO(value)
         buf.seek(HEADER_BYTES)
         try:
-            datum = self._fastavro.schemaless_reader(
-                buf, writer, None if reader is None or reader[0] == schema_id else reader[1])
+            datum = self._read(buf, writer, reader)
         except Exception as e:  # noqa: BLE001 - any failure to decode is the record's
             # no object addresses in a dead letter's reason: a replay writes the same one
             why = _ADDRESS.sub("", str(e))[:200] or "truncated"
@@ -130,7 +187,19 @@ class AvroDecoder:
         if left:
             raise _Bad(schema_id, f"{left} bytes left after the record (not written with "
                                   f"the schema its id names?)")
-        return schema_id, datum
+        return datum
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """`writer` parsed; `reader`: what fastavro resolves each record to (None: read as
+    written); `fix`: the resolution to `resolve_with` compiled once, applied to the
+    writer's record (a record it cannot take is read by fastavro's resolution instead)."""
+
+    writer: Any
+    reader: Any
+    fix: Resolution | None
+    resolve_with: Any
 
 
 class _Bad(ValueError):
@@ -225,25 +294,49 @@ def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
     declared schema, the bad records, and the chunk indices of the good rows. A null value
     (a tombstone) is a good row of nulls: the tombstone policy decides its fate. With
     `key_decoder` (format.key avro) the fields of each Avro key fill the columns of their
-    names, over the value's (upsert keys; a tombstone's delete key)."""
+    names, over the value's (upsert keys; a tombstone's delete key).
+
+    Each payload is decoded once; the columns are then built column by column
+    (`avro_fast.typed_columns`). A chunk with a value that does not fit its column, or a
+    key that does not decode, is converted record by record from the decoded payloads,
+    which names each bad record and why."""
     target = arrow_schema(schema)
+    if key_decoder is None and values:
+        vector = _vectorised(values, topics, schema, decoder, target)
+        if vector is not None:
+            return vector, [], list(range(len(values)))
+    bad: list[BadRecord] = []
+    decoded: list[tuple[int, int | None, Any]] = []  # (index, schema id, datum)
+    for i, v in enumerate(values):
+        if v is None:
+            decoded.append((i, None, None))
+            continue
+        try:
+            schema_id, datum = decoder.decode(v, topics[i])
+        except ValueError as e:
+            sid = getattr(e, "schema_id", None)
+            bad.append(BadRecord(i, f"schema id {sid}: {e}" if sid is not None else str(e)))
+            continue
+        decoded.append((i, schema_id, datum))
+    table = None
+    if all(d is None or type(d) is dict for _, _, d in decoded):
+        keyed = None if key_decoder is None or keys is None \
+            else _key_records(decoded, keys, topics, key_decoder)
+        if key_decoder is None or keys is None or keyed is not None:
+            table = typed_columns([d for _, _, d in decoded], keyed, schema, target,
+                                  avro_value)
+    if table is not None:
+        return table, bad, [i for i, _, _ in decoded]
     rows: list[dict[str, Any]] = []
     good: list[int] = []
-    bad: list[BadRecord] = []
-    for i, v in enumerate(values):
-        schema_id: int | None = None
+    for i, schema_id, datum in decoded:
         try:
-            if v is None:
-                row: dict[str, Any] = dict.fromkeys(schema)
-            else:
-                schema_id, datum = decoder.decode(v, topics[i])
-                row = record_fields(datum, schema)
+            row = dict.fromkeys(schema) if values[i] is None else record_fields(datum, schema)
             if key_decoder is not None and keys is not None:
                 row.update(key_fields(keys[i], topics[i], schema, key_decoder))
         except ValueError as e:
-            sid = getattr(e, "schema_id", schema_id)
             why = str(e)  # a key's reason names the key's schema id itself
-            bad.append(BadRecord(i, f"schema id {sid}: {why}" if sid is not None
+            bad.append(BadRecord(i, f"schema id {schema_id}: {why}" if schema_id is not None
                                  and not why.startswith("key: ") else why))
             continue
         rows.append(row)
@@ -251,10 +344,48 @@ def deserialize_avro(values: Sequence[bytes | None], topics: Sequence[str],
     table, refused = rows_to_table(rows, target)
     if refused:
         gone = dict(refused)
-        bad = sorted(bad + [BadRecord(good[j], why) for j, why in refused],
-                     key=lambda b: b.index)
+        bad += [BadRecord(good[j], why) for j, why in refused]
         good = [g for j, g in enumerate(good) if j not in gone]
-    return table, bad, good
+    return table, sorted(bad, key=lambda b: b.index), good
+
+
+def _vectorised(values: Sequence[bytes | None], topics: Sequence[str],
+                schema: Mapping[str, str], decoder: AvroDecoder, target: pa.Schema
+                ) -> pa.Table | None:
+    """The chunk through `avro_vector` when every value is framed with one writer id whose
+    records are read as written and whose layout it takes; else None."""
+    first = values[0]
+    if first is None or len(first) < HEADER_BYTES or first[0] != MAGIC:
+        return None
+    head = first[:HEADER_BYTES]
+    if not all(v is not None and v[:HEADER_BYTES] == head for v in values):
+        return None
+    found = decoder.vectorised(int.from_bytes(head[1:], "big"), set(topics))
+    if found is None:
+        return None
+    return decode_chunk(values, found[0], schema, target, found[1],  # type: ignore[arg-type]
+                        avro_value)
+
+
+def _key_records(decoded: Sequence[tuple[int, int | None, Any]], keys: Sequence[bytes | None],
+                 topics: Sequence[str], key_decoder: AvroDecoder
+                 ) -> list[dict[str, Any] | None] | None:
+    """Each decoded record's key record (None: a null key), or None when a key is not a
+    record that decodes (the record-by-record path then says why)."""
+    out: list[dict[str, Any] | None] = []
+    for i, _, _ in decoded:
+        k = keys[i]
+        if k is None:
+            out.append(None)
+            continue
+        try:
+            _, datum = key_decoder.decode(k, topics[i])
+        except ValueError:
+            return None
+        if type(datum) is not dict:
+            return None
+        out.append(datum)
+    return out
 
 
 def avro_value(v: Any, t: str) -> Any:

@@ -5,16 +5,20 @@ only the key can key the rows. Two batches: the first inserts, the second update
 and deletes with a tombstone whose only key is the Avro one; the final rows are right, each
 once, and running a committed batch again changes nothing. Poison keys (not in the wire
 format, an unknown id, truncated) are dead letters with their coordinates, like poison
-values."""
+values. A retry reads the keys with the key reader schema its first run pinned, not a key
+version registered since."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import psycopg2
 import pytest
 from confluent_kafka import Producer
 
 from offsetflow.config import parse_pipeline
+from offsetflow.errors import SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ops import plan_only
 from tests.tooling.pipeline_data import query
@@ -116,3 +120,68 @@ def test_poison_avro_keys_are_dead_letters_with_coordinates(keyed: dict[str, Any
         assert (topic, part) == (keyed["topic"], k[-1] % 2) and offset >= 0
         assert why in err, (k, err)
     assert not query(pg_dsn, f"SELECT 1 FROM {keyed['table']} WHERE status = 'POISON'")
+
+
+KEY_V1 = {"type": "record", "name": "PinKey", "namespace": "offsetflow.test",
+          "fields": [{"name": "order_id", "type": "long"}]}
+# a key version registered between a failed run and its retry: read with it, every key
+# would fill `region` with its default, over the value's
+KEY_V2 = {**KEY_V1, "fields": [*KEY_V1["fields"],
+                               {"name": "region", "type": "string", "default": "zz"}]}
+PIN_VALUE = {"type": "record", "name": "PinValue", "namespace": "offsetflow.test",
+             "fields": [{"name": "region", "type": "string"},
+                        {"name": "status", "type": "string"}]}
+
+
+def test_a_retry_reads_keys_with_the_key_schema_its_first_run_pinned(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str) -> None:
+    from confluent_kafka.schema_registry import Schema, SchemaRegistryClient
+
+    url = registry_url()
+    topic = new_topic(kafka_bootstrap, "avro-keypin")
+    kser, vser = avro_serializer(url, KEY_V1), avro_serializer(url, PIN_VALUE)
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "linger.ms": 5})
+    for oid, region in ((1, "eu"), (2, "us")):
+        k = encode(kser, topic, {"order_id": oid}, key=True)
+        p.produce(topic, encode(vser, topic, {"region": region, "status": "NEW"}), key=k,
+                  partition=oid % 2)
+    assert p.flush(30) == 0
+    v1 = int.from_bytes(k[1:5], "big")
+    table = f"avro_keypin_{topic[-8:]}"
+    cfg = parse_pipeline({
+        "name": table, "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [topic], "starting": "earliest"},
+        "format": {"type": "avro", "key": {"type": "avro"},
+                   "schema": {"order_id": "long", "region": "string", "status": "string"},
+                   "schema_registry": {"url": url}},
+        "sink": {"connection": pg_dsn, "table": table, "mode": "upsert",
+                 "key": ["order_id", "region"]},
+        "spark": {"master": "local[2]"}}, f"<test {table}>", {})
+    # the first run resolves (and pins) its reader schemas, then stops before reading:
+    # the target holds rows its upsert key index cannot be built over
+    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
+        cur.execute(f"""CREATE TABLE public.{table} (topic text, partition int,
+                        "offset" bigint, "timestamp" timestamptz, timestamp_type int,
+                        key bytea, value bytea, headers jsonb, order_id bigint, region text,
+                        status text, _offsetflow_batch_id bigint NOT NULL)""")
+        cur.execute(f"""INSERT INTO public.{table} (order_id, region, _offsetflow_batch_id)
+                        VALUES (9, 'x', 0), (9, 'x', 0)""")
+    conn.close()
+    planned = plan_only(cfg, pg_dsn, started_by="test")
+    assert planned.batch is not None
+    bid = planned.batch.batch_id
+    with pytest.raises(SchemaMismatchError, match="no unique index"):
+        run_batch(spark, cfg, bid, pg_dsn)
+
+    SchemaRegistryClient({"url": url}).register_schema(f"{topic}-key",
+                                                       Schema(json.dumps(KEY_V2), "AVRO"))
+    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
+        cur.execute(f"DELETE FROM public.{table}")
+    conn.close()
+    report = run_batch(spark, cfg, bid, pg_dsn)
+    assert report.result.status == "committed", report.result
+    # read as the first run would have: the region is the value's, not KEY_V2's default
+    assert query(pg_dsn, f"SELECT order_id, region, status FROM {table} ORDER BY 1") == \
+        [(1, "eu", "NEW"), (2, "us", "NEW")]
+    assert query(pg_dsn, "SELECT key_reader_schemas FROM offsetflow.batches "
+                         "WHERE batch_id = %s", (bid,))[0][0] == {topic: v1}

@@ -130,6 +130,18 @@ def test_iceberg_ratios_set_the_sink_beside_spark_into_iceberg_and_the_postgres_
     assert [r["measured"] for r in report.iceberg_ratios(s, "1M")] == [0.5]
 
 
+def test_avro_ratios_set_offsetflow_avro_beside_from_avro_and_json() -> None:
+    s = report.summarise([run("offsetflow-avro", "1M", 30.0, 1.0),
+                          run("spark-builtin-avro", "1M", 20.0, 1.0),
+                          run("offsetflow-local", "1M", 60.0, 1.0)])
+    rows = report.avro_ratios(s, "1M")
+    assert [(r["goal"].split(" (")[0], r["measured"], r["met"]) for r in rows] == [
+        ("offsetflow-avro / spark-builtin-avro", 1.5, None),
+        ("offsetflow-avro / offsetflow-local", 0.5, None)]
+    del s["spark-builtin-avro"]  # an engine not run leaves its row out
+    assert [r["measured"] for r in report.avro_ratios(s, "1M")] == [0.5]
+
+
 def test_memory_goal_compares_the_python_worker_peak_at_10m_with_the_main_set() -> None:
     def mem(label: str, worker_mb: float) -> dict[str, Any]:
         return {**run("offsetflow-local", label, 1.0, 1.0), "peak_py_worker_rss_mb": worker_mb}
