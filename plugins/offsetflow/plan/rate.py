@@ -25,11 +25,12 @@ the rate, and `min_rate` only bounds the rate.
 What OffsetFlow observes of a batch (`observe`): its records are its offsets (Spark's direct
 Kafka stream counts its ranges' offsets too); its time is when it was planned; its
 processing time is its last run's steps as the driver timed them (`batches.timings`); its
-scheduling delay is Spark's, due -> started: from its real due time (`batches.due_at`, the
-DAG run's data interval end or the trigger's time, migration 0011) to the start of the run
-that committed it, as the batch's own statistics count it (`offsetflow.ledger.batch_stats`):
-a run that waited behind an overrunning one, for a slot, or through failed attempts is the
-backlog Spark's integral term reads; an idle gap is none (no run was due). A batch with no
+scheduling delay is the wait behind the previous run: from its real due time
+(`batches.due_at`, the DAG run's data interval end or the trigger's time, migration 0011)
+until the previous batch finished or its own run started, whichever came first. A run that
+waited behind an overrunning one is the backlog Spark's integral term reads; Airflow's
+start-up, a pool queue or a clock offset are not (the batch's own statistics, due ->
+started, still show them); an idle gap is none (no run was due). A batch with no
 real due time (planned before 0011, or by the CLI, whose due time is the plan itself) is
 estimated from plan times instead: how much later than one interval after the previous
 scheduled batch it was planned while that batch was still running (`scheduling_delay_ms`).
