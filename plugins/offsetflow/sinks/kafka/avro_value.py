@@ -30,7 +30,7 @@ from typing import Any
 
 MAGIC = 0
 _EPOCH_DATE = date(1970, 1, 1)
-_NUMERIC = re.compile(r"^numeric\((\d+),\s*(\d+)\)$")
+_NUMERIC = re.compile(r"^(?:numeric|decimal)\((\d+),\s*(\d+)\)$")
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -51,13 +51,16 @@ def avro_type(pg_type: str) -> Any:
     if m:
         return {"type": "bytes", "logicalType": "decimal", "precision": int(m.group(1)),
                 "scale": int(m.group(2))}
-    simple = {"bigint": "long", "integer": "int", "smallint": "int", "boolean": "boolean",
-              "real": "float", "double precision": "double", "bytea": "bytes"}
+    simple = {"bigint": "long", "int8": "long", "integer": "int", "int": "int", "int4": "int",
+              "smallint": "int", "int2": "int", "boolean": "boolean", "bool": "boolean",
+              "real": "float", "float4": "float", "double precision": "double",
+              "float8": "double", "bytea": "bytes"}
     if t in simple:
         return simple[t]
     if t == "date":
         return {"type": "int", "logicalType": "date"}
-    if t.startswith("timestamp") and "with time zone" in t and "without" not in t:
+    if t.startswith("timestamptz") or (t.startswith("timestamp") and "with time zone" in t
+                                       and "without" not in t):
         return {"type": "long", "logicalType": "timestamp-micros"}
     if t.startswith("timestamp"):
         return {"type": "long", "logicalType": "local-timestamp-micros"}
@@ -134,8 +137,20 @@ def _as_decimal(precision: int, scale: int) -> Callable[[Any], Decimal]:
 def _as_str(v: Any) -> str:
     if isinstance(v, str):
         return v
-    # a nested value (json/jsonb) or a number for a text field: its compact JSON text
-    return json.dumps(v, separators=(",", ":"), default=str)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, Decimal)):  # an unconstrained numeric: its digits as staged
+        return str(v)
+    # a nested value (json/jsonb): its compact JSON text
+    return json.dumps(v, separators=(",", ":"), default=_json_number)
+
+
+def _json_number(v: Any) -> Any:
+    """A fraction inside a nested value (read as Decimal): a float when that keeps its
+    digits (up to 15 significant: the shortest float repr gives them back), else its text."""
+    if isinstance(v, Decimal):
+        return float(v) if len(v.as_tuple().digits) <= 15 and v.is_finite() else str(v)
+    raise TypeError(f"{type(v).__name__} is not JSON")
 
 
 def _as_bytes(v: Any) -> bytes:
