@@ -34,7 +34,7 @@ _NUMERIC = re.compile(r"^(?:numeric|decimal)\((\d+),\s*(\d+)\)$")
 _NAME_BAD = re.compile(r"[^A-Za-z0-9_]")
 
 
-class ValueDoesNotFit(Exception):  # noqa: N818 - a record's verdict, not the batch's error
+class ValueDoesNotFit(ValueError):  # noqa: N818 - a record's verdict, not the batch's error
     """A staged value the Avro schema cannot hold (the reason names the field)."""
 
 

@@ -432,7 +432,8 @@ class KafkaTopicSink(KafkaTransaction):
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
                                  f"({self._failed[0].reason}); "
                                  f"{self._timed_out() or 'the transaction was aborted'}")
-        found = find_sources(cur, batch, self.sink, self.columns, failed, largest)
+        found = find_sources(cur, batch, self.sink, self.columns, failed, largest,
+                             None if self.encoder is None else self.encoder.encode)
         now = int(time.time() * 1000)
         # the broker checked each timestamp at some point of the pass, on its clock
         bounds = self.settings.timestamp_bounds(

@@ -201,6 +201,7 @@ def test_the_registry_down_at_the_start_fails_the_batch_before_anything_is_produ
     assert (res.status, res.rows_written) == ("committed", N)
 
 
+@pytest.mark.slow  # a batch process of its own (its Spark session): ~80 s on a loaded 2-core box
 def test_killed_after_the_kafka_commit_the_retry_keeps_the_pinned_schema_id(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         source: Source, tmp_path: Path) -> None:
