@@ -235,3 +235,39 @@ def test_killed_after_the_kafka_commit_the_retry_keeps_the_pinned_schema_id(
     assert len(records) == N  # not produced again
     assert {s for s, _, _ in decoded(out, records)} == {sid}
     assert pinned(pg_dsn, bid) == (subject, sid)
+
+
+def test_a_retry_writes_the_schema_id_the_batch_pinned_not_the_subjects_latest(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        source: Source) -> None:
+    """An earlier attempt pinned id X (a pin is committed before anything is produced, so
+    it outlives a failed attempt); a newer version is registered after it: the batch writes
+    X, registers nothing, and its values read back with X."""
+    from offsetflow.source import RegistryClient
+
+    out = make_topic("kav-pin", 2)
+    name = f"kavp_{unique}"
+    cfg = pipeline(name, source.topic, out, pg_dsn, kafka_bootstrap)
+    bid = planned(cfg, pg_dsn)
+    client = RegistryClient(registry_url())
+    subject = f"{out}-value"
+    first = {"type": "record", "name": "first", "fields": [
+        {"name": "id", "type": ["null", "long"], "default": None},
+        {"name": "name", "type": ["null", "string"], "default": None}]}
+    pinned_id = client.register(subject, json.dumps(first))
+    with psycopg2.connect(pg_dsn) as conn, conn.cursor() as cur:
+        cur.execute("INSERT INTO offsetflow.output_schemas (batch_id, subject, schema_id) "
+                    "VALUES (%s, %s, %s)", (bid, subject, pinned_id))
+    conn.close()
+    newer = {**first, "fields": [*first["fields"],
+                                 {"name": "extra", "type": ["null", "int"], "default": None}]}
+    newer_id = client.register(subject, json.dumps(newer))
+    assert pinned_id is not None and newer_id not in (None, pinned_id)
+    res = run_batch(spark, cfg, bid, pg_dsn).result
+    assert (res.status, res.rows_written) == ("committed", N)
+    got = list(decoded(out, read_topic(kafka_bootstrap, out)))
+    assert {s for s, _, _ in got} == {pinned_id}
+    assert {r.source[1:]: v for _, v, r in got} == {
+        k: {"id": v["id"], "name": v["name"]} for k, v in source.values.items()}
+    latest = client.subject_version(subject, None)
+    assert latest is not None and latest.schema_id == newer_id  # nothing registered since
