@@ -190,7 +190,18 @@ FIELDS: dict[str, Field] = {
     "sink.key_column": F("sink.kafka.key_column", "Column that becomes the record key; none: "
                          "the source record's key (or a transform's `key`).", sinks=("kafka",)),
     "sink.value_format": F("sink.kafka.value_format", "`json`: `value_columns` as an object; "
-                           "`raw`: the bytes of `value_column`.", sinks=("kafka",)),
+                           "`raw`: the bytes of `value_column`; `avro`: `value_columns` as a "
+                           "Confluent wire-format Avro record ([Avro values]"
+                           "(sinks/kafka.md#avro-values)).", sinks=("kafka",)),
+    "sink.value_subject": F("sink.kafka.value_subject", "avro: the registry subject of the "
+                            "value schema.", default="`<topic>-value`", sinks=("kafka",)),
+    "sink.value_schema": F("sink.kafka.value_schema", "avro: an Avro record schema (JSON "
+                           "text) instead of the one derived from the columns.",
+                           sinks=("kafka",)),
+    "sink.schema_registry": F("sink.kafka.registry", "avro: the registry the value schema is "
+                              "registered in (`url`, `username`, `password`, `timeout_s`, as "
+                              "`format.schema_registry`).", default="`format.schema_registry`",
+                              sinks=("kafka",)),
     "sink.value_columns": F("sink.kafka.value_columns", "json: the columns of the value "
                             "object; empty: every parsed column.", sinks=("kafka",),
                             type="list of strings"),
@@ -249,6 +260,9 @@ FIELDS: dict[str, Field] = {
 
 # PipelineConfig attributes that no YAML field of their own sets
 NOT_FROM_YAML = {
+    "sink.kafka.registry.reader_version": "a source setting; the sink registers its schema",
+    "sink.kafka.registry.conn_id": "format.schema_registry.conn_id only (the sink falls back "
+                                   "to format.schema_registry)",
     "source_file": "the file the config was loaded from",
     "sink.iceberg.namespace": "from sink.table",
     "sink.iceberg.table": "from sink.table",

@@ -362,6 +362,24 @@ class KafkaSinkError(OffsetFlowError):
     Nothing of the batch is visible to read_committed consumers unless it says so."""
 
 
+class OutputSchemaIncompatibleError(OffsetFlowError):
+    """The schema registry refused the Kafka sink's Avro value schema (sink.value_format:
+    avro) as incompatible with its subject's latest version. Raised before anything is
+    produced; names the subject, both schemas and the ways out. Not retried: the same
+    schema is refused again."""
+
+    def __init__(self, url: str, subject: str, latest: str, ours: str) -> None:
+        self.subject = subject
+        super().__init__(
+            f"schema registry {url}: subject {subject!r} refuses the sink's value schema as "
+            f"incompatible with its latest version ({latest}); the schema offered: {ours}. "
+            f"Nothing was produced and the batch was not committed. Ways out: make the "
+            f"columns compatible (add fields as nullable, do not change a field's type), or "
+            f"write to a new subject (sink.value_subject), or give the schema explicitly "
+            f"(sink.value_schema), or change the subject's compatibility level in the "
+            f"registry")
+
+
 class LedgerIdentityError(BatchStateError):
     """The ledger's identity (`offsetflow.ledger.identity`) was made in another database:
     a copy of a ledger (staging from a prod dump) must get its own (`offsetflow db

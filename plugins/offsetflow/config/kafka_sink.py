@@ -6,12 +6,20 @@ Pure, like `config_parse`, which calls it; the sink itself is `offsetflow.sinks.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from offsetflow.config.fields import FieldReader, did_you_mean, validate_identifier
-from offsetflow.config.schema import RESERVED_COLUMNS, TOPIC_RE, KafkaSinkConfig
-from offsetflow.config.tables import choices
+from offsetflow.config.schema import (
+    RESERVED_COLUMNS,
+    TOPIC_RE,
+    KafkaSinkConfig,
+    SchemaRegistryConfig,
+    redact_dsn,
+)
+from offsetflow.config.tables import choices, section_fields
 
 # a table's sink fields: refused with their own message (the sink's topic is sink.topic)
 KAFKA_REFUSED = {"table", "mode", "key"}
@@ -21,7 +29,8 @@ FORBIDDEN_PRODUCER_KEYS = {"transactional.id", "enable.idempotence", "bootstrap.
 
 def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str],
                      format_type: str, transform: str | None,
-                     columns_known: bool = True) -> KafkaSinkConfig:
+                     columns_known: bool = True, has_registry: bool = False
+                     ) -> KafkaSinkConfig:
     """`sink.type: kafka`. Columns are checked against format.schema when the config alone
     decides them (json format, no transform, `columns_known`: format.schema has no error);
     a transform's columns are checked at run time."""
@@ -60,14 +69,17 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         cols_raw = []
     value_cols = tuple(column(f"sink.value_columns[{i}]", c) for i, c in enumerate(cols_raw))
     format_known = r.ok("sink.value_format")
-    if format_known and value_cols and value_format != "json":
-        r.fail("sink.value_columns", "is for value_format: json (raw takes value_column)")
+    if format_known and value_cols and value_format == "raw":
+        r.fail("sink.value_columns", "is for value_format: json or avro (raw takes "
+                                     "value_column)")
     if format_known and sec.get("value_column") is not None and value_format != "raw":
         r.fail("sink.value_column", "is for value_format: raw (json takes value_columns)")
-    if format_known and value_format == "json" and not value_cols and not transform \
-            and not schema and columns_known:
-        r.fail("sink.value_columns", "raw format has no typed columns to write as JSON: "
-                                     "use value_format: raw, or list value_columns")
+    if format_known and value_format in ("json", "avro") and not value_cols \
+            and not transform and not schema and columns_known:
+        r.fail("sink.value_columns", f"raw format has no typed columns to write as "
+                                     f"{value_format}: use value_format: raw, or list "
+                                     f"value_columns")
+    registry = _avro_settings(r, sec, value_format if format_known else None, has_registry)
     producer_raw = sec.get("producer") or {}
     if not isinstance(producer_raw, Mapping):
         r.fail("sink.producer", "must be a mapping of librdkafka producer settings")
@@ -91,4 +103,52 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         headers=r.string(sec, "headers", "sink.", "carry", choices("sink.headers")) or "carry",
         partitioning=r.string(sec, "partitioning", "sink.", "key",
                               choices("sink.partitioning")) or "key",
-        producer=producer)
+        producer=producer, value_subject=r.string(sec, "value_subject", "sink."),
+        value_schema=r.string(sec, "value_schema", "sink."), registry=registry)
+
+
+def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | None,
+                   has_registry: bool) -> SchemaRegistryConfig | None:
+    """`sink.value_subject`, `sink.value_schema` (an Avro schema's JSON text) and
+    `sink.schema_registry` (url, username, password, timeout_s): only for value_format:
+    avro, which needs a registry, its own or format.schema_registry's."""
+    fld = "sink.schema_registry"
+    reg = sec.get("schema_registry")
+    if isinstance(reg, Mapping):  # a misspelt key is named as such first
+        r.unknown(reg, f"{fld}.", section_fields(fld))
+    if value_format is not None and value_format != "avro":
+        for name in ("value_subject", "value_schema", "schema_registry"):
+            if sec.get(name) is not None:
+                r.fail(f"sink.{name}", f"is for value_format: avro (it is {value_format})",
+                       at_key=True)
+        return None
+    schema_text = sec.get("value_schema")
+    if isinstance(schema_text, str):
+        try:
+            doc = json.loads(schema_text)
+            if not isinstance(doc, dict) or doc.get("type") != "record":
+                raise ValueError("not a record schema")
+        except ValueError as e:
+            r.fail("sink.value_schema", f"must be an Avro record schema as JSON text ({e})")
+    if reg is None:
+        if value_format == "avro" and not has_registry:
+            r.fail(fld, "value_format: avro registers its schema in a schema registry: give "
+                        "sink.schema_registry {url: http://host:8081} (or "
+                        "format.schema_registry)")
+        return None
+    if not isinstance(reg, Mapping):
+        r.fail(fld, f"must be a mapping (url, username, password, timeout_s), got "
+                    f"{type(reg).__name__}")
+        return None
+    url = r.string(reg, "url", f"{fld}.") or ""
+    if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
+        r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
+                             f"compatible Schema Registry")
+    user = r.string(reg, "username", f"{fld}.")
+    password = r.string(reg, "password", f"{fld}.")
+    if (user is None) != (password is None):
+        r.fail(f"{fld}.{'password' if user is not None else 'username'}",
+               "basic auth needs both username and password (give each as ${VAR})")
+    timeout = r.positive_int(reg, "timeout_s", f"{fld}.", 10) or 10
+    return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
+                                timeout_s=timeout)

@@ -186,7 +186,8 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
                                       "postgres connection)")
         if type_known and sink_type == "kafka":
             kafka_sink = parse_kafka_sink(r, sink_raw, schema, format_type, transform,
-                                          columns_known=schema_known)
+                                          columns_known=schema_known,
+                                          has_registry=registry is not None)
             # batches record where they write; a Kafka sink's "table" is its topic
             table = f"kafka:{kafka_sink.topic}"
             mode_known = True

@@ -82,13 +82,20 @@ class KafkaSinkConfig:
     topic: str
     replay_topic: str | None = None
     key_column: str | None = None  # None: the source record's key
-    value_format: str = "json"  # json: the value columns as an object | raw: one column's bytes
+    # json: the value columns as an object | raw: one column's bytes | avro: the value
+    # columns as a Confluent wire-format Avro record (offsetflow.sinks.kafka.avro_value)
+    value_format: str = "json"
     value_columns: tuple[str, ...] = ()  # json; empty: every column but the source's own
     value_column: str = "value"  # raw
     headers: str = "carry"  # carry | none (the offsetflow.* headers are always written)
     partitioning: str = "key"  # key | source (the source record's partition number)
     # librdkafka overrides; may hold credentials, so not in the repr
     producer: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # avro: the subject (None: `<output topic>-value`), an explicit Avro schema (JSON text;
+    # None: derived from the columns) and the registry (None: format.schema_registry's)
+    value_subject: str | None = None
+    value_schema: str | None = None
+    registry: SchemaRegistryConfig | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,11 @@ class PipelineConfig:
         if self.sink.kafka is not None:
             d["sink"]["kafka"]["producer"] = {k: redact_value(k, v) for k, v
                                               in self.sink.kafka.producer.items()}
+            reg = d["sink"]["kafka"].get("registry")
+            if reg:
+                reg["url"] = redact_dsn(reg["url"])
+                if reg.get("password") is not None:
+                    reg["password"] = "***"
         if d["sink"].get("iceberg"):
             props = d["sink"]["iceberg"]["properties"]
             d["sink"]["iceberg"]["properties"] = {k: redact_value(k, v) if k != "uri" else
@@ -284,7 +296,11 @@ class PipelineConfig:
 
 
 def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
-    return {k: v for k, v in asdict(sink).items() if k not in ("producer", "replay_topic")}
+    # not the registry's URL or credentials; the avro settings only when set (the
+    # fingerprints of pipelines planned before them stay the same)
+    return {k: v for k, v in asdict(sink).items()
+            if k not in ("producer", "replay_topic", "registry")
+            and not (k in ("value_subject", "value_schema") and v is None)}
 
 
 def redact_value(key: str, value: Any) -> Any:

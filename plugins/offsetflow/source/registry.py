@@ -34,6 +34,7 @@ ACCEPT = "application/vnd.schemaregistry.v1+json, application/json"
 # down fails the batch in a few seconds instead of wedging its tasks
 RETRY_BACKOFF_S = (0.2, 0.5, 1.0)
 NOT_FOUND_CODES = {40401, 40402, 40403}  # subject, version, schema not found
+CONFLICT = object()  # a POST the registry refused as incompatible (HTTP 409)
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,24 @@ class RegistryClient:
                                 str(doc["schema"]), int(doc["version"]),
                                 bool(doc.get("references")))
 
-    def _get(self, path: str, what: str) -> Any:
-        req = urllib.request.Request(self.url + path, headers=self._headers)
+    def register(self, subject: str, schema: str, schema_type: str = "AVRO") -> int | None:
+        """Register `schema` under `subject` (or find it there: the registry answers an
+        existing schema with its id), its global id; None when the registry refuses it as
+        incompatible with the subject's versions (HTTP 409)."""
+        body = {"schema": schema, **({} if schema_type == "AVRO" else
+                                     {"schemaType": schema_type})}
+        doc = self._get(f"/subjects/{urllib.parse.quote(subject, safe='')}/versions",
+                        f"registering a schema under subject {subject!r}", body)
+        return None if doc is CONFLICT else int(doc["id"])
+
+    def _get(self, path: str, what: str, body: Any = None) -> Any:
+        """GET `path` (with `body`: POST it as JSON)."""
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = "application/vnd.schemaregistry.v1+json"
+        req = urllib.request.Request(self.url + path, headers=headers,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     method="GET" if body is None else "POST")
         last = ""
         for attempt in range(len(self.backoff) + 1):
             if attempt:
@@ -111,15 +128,17 @@ class RegistryClient:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     return json.loads(resp.read())
             except urllib.error.HTTPError as e:
-                body = _error_body(e)
-                if e.code == 404 and (body.get("error_code") in NOT_FOUND_CODES
-                                      or "error_code" not in body):
+                err = _error_body(e)
+                if e.code == 409 and body is not None:
+                    return CONFLICT
+                if e.code == 404 and (err.get("error_code") in NOT_FOUND_CODES
+                                      or "error_code" not in err):
                     return None
                 if e.code in (401, 403):
                     raise SchemaRegistryError(self.shown, what, f"HTTP {e.code} (credentials "
                                               f"refused: check format.schema_registry."
                                               f"username/password)", retriable=False) from None
-                last = f"HTTP {e.code} {body.get('message') or e.reason}"
+                last = f"HTTP {e.code} {err.get('message') or e.reason}"
                 if e.code < 500 and e.code != 429:
                     raise SchemaRegistryError(self.shown, what, last, retriable=False) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:

@@ -123,6 +123,8 @@ SECTIONS = sorted({n.rsplit(".", 1)[0] if "." in n else "" for n in FIELDS})
 @pytest.mark.parametrize("sink", SINK_TYPES)
 @pytest.mark.parametrize("section", SECTIONS)
 def test_the_schema_has_the_fields_the_parser_accepts(section: str, sink: str) -> None:
+    if section in FIELDS and sink not in FIELDS[section].sinks:
+        pytest.skip(f"{section} is not a section of sink.type {sink}")
     assert schema_keys(section, sink) == parser_keys(section, sink)
 
 

@@ -34,6 +34,10 @@ _NOT_PRODUCED = "not_produced="
 METADATA_MAX_BYTES = 4000
 
 
+AVRO_UNFIT = ("the value did not fit the sink's Avro schema (sink.value_format: avro; the "
+              "commit's metadata keeps no reason)")
+
+
 @dataclass(frozen=True)
 class NotProduced:
     """A staged row the output topic can never take as it is: over the record size limit
@@ -49,8 +53,12 @@ class NotProduced:
     size: int | None
     timestamp: int | None = None
     limit: int | None = field(default=None, compare=False)
+    # sink.value_format: avro: why the value does not fit the Avro schema (`size` None)
+    reason: str | None = field(default=None, compare=False)
 
     def error(self, out: str, limit: int | None) -> str:
+        if self.reason is not None:
+            return f"kafka sink: not produced to {out}: {self.reason}"
         if self.timestamp is not None:
             return timestamp_error(out, self.timestamp)
         if self.size is None:
@@ -65,6 +73,8 @@ class NotProduced:
     @property
     def token(self) -> str:
         """How the commit's offset metadata lists it (`not_produced_in` reads it back)."""
+        if self.reason is not None:
+            return f"{self.offset}:avro"
         if self.timestamp is not None:
             return f"{self.offset}:ts{self.timestamp}"
         return f"{self.offset}:{'nullkey' if self.size is None else self.size}"
@@ -284,6 +294,9 @@ def not_produced_in(batch: Batch, mark: CommitMark,
             continue
         for item in meta.not_produced.split(","):
             off, size = item.split(":")
+            if size == "avro":
+                out.append(NotProduced(topic, partition, int(off), None, reason=AVRO_UNFIT))
+                continue
             if size.startswith("ts"):
                 out.append(NotProduced(topic, partition, int(off), None, int(size[2:])))
                 continue

@@ -38,7 +38,7 @@ class KafkaPipelineSink(Sink):
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> KafkaTopicSink:
-        return KafkaTopicSink(self.cfg, columns, spec or CommitSpec(columns=()))
+        return KafkaTopicSink(self.cfg, columns, spec or CommitSpec(columns=()), dsn=dsn)
 
     # -- backfill and replay ---------------------------------------------------------------
     def check_window_target(self, kind: str, target_table: str | None) -> None:

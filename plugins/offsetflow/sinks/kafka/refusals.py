@@ -13,7 +13,7 @@ from errors no record causes (`refusal_error` names the record and the setting).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import psycopg2.extensions
@@ -50,10 +50,12 @@ def primary(failed: Iterable[Failed]) -> list[Failed]:
 
 def find_sources(cur: psycopg2.extensions.cursor, batch: Batch, sink: KafkaSinkConfig,
                  columns: Mapping[str, str], failed: Sequence[Failed],
-                 largest: int) -> dict[Failed, list[Source]]:
+                 largest: int, encode: Callable[[str], bytes] | None = None
+                 ) -> dict[Failed, list[Source]]:
     """Each failed message's source records (several when staged rows make identical
     records, `judge` then tells them apart by their own size and timestamp): one scan of
-    the stage, as `select_sql` builds the records."""
+    the stage, as `select_sql` builds the records (`encode`: value_format avro's encoder,
+    so a value is compared as it was produced; one that does not encode was never)."""
     wanted: dict[tuple[bytes | None, bytes | None], list[Failed]] = {}
     for f in failed:
         wanted.setdefault((f.key, f.value), []).append(f)
@@ -69,6 +71,11 @@ def find_sources(cur: psycopg2.extensions.cursor, batch: Batch, sink: KafkaSinkC
                 key = None if key is None else bytes(key)
                 if value is not None and not isinstance(value, str):
                     value = bytes(value)
+                elif value is not None and encode is not None:
+                    try:
+                        value = encode(value)
+                    except ValueError:  # ValueDoesNotFit: left out, never produced
+                        continue
                 hits = wanted.get((key, value_digest(value)))
                 if not hits:
                     continue

@@ -47,6 +47,7 @@ from offsetflow.ledger import (
     stage_table,
 )
 from offsetflow.ranges import split_ranges
+from offsetflow.sinks.kafka.avro_value import AvroValueEncoder, ValueDoesNotFit
 from offsetflow.sinks.kafka.form import (
     check_columns,
     parts_select_sql,
@@ -76,6 +77,7 @@ from offsetflow.sinks.kafka.mark import (
     refuse_group_ahead,
 )
 from offsetflow.sinks.kafka.order import Segment, segments
+from offsetflow.sinks.kafka.output_schema import pinned_encoder
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
 from offsetflow.sinks.kafka.txn import (
@@ -120,9 +122,13 @@ class KafkaTopicSink(KafkaTransaction):
     read_parts = True
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
-                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S) -> None:
-        """`columns`: the stage's (None: only `find`, which reads no rows)."""
+                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "") -> None:
+        """`columns`: the stage's (None: only `find`, which reads no rows); `dsn`: the
+        ledger's (value_format: avro pins its schema id in a transaction of its own)."""
         super().__init__(cfg, timeout_s)
+        self.dsn = dsn
+        # value_format: avro: each record's value bytes (`pinned_encoder`, built in `write`)
+        self.encoder: AvroValueEncoder | None = None
         self.columns = dict(columns or ())
         if columns is not None:
             check_columns(self.sink, self.columns, cfg.source_file)
@@ -223,6 +229,9 @@ class KafkaTopicSink(KafkaTransaction):
                      else self._committed(batch, self._mark))
             refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
             refuse_window_repeat(cur, batch, topic)  # a replay planned before that refusal
+            if self.sink.value_format == "avro":  # the registry asked before any record
+                self.encoder = pinned_encoder(self.dsn, cur, self.cfg, batch, topic,
+                                              self.columns)
             return self._write(cur, batch, staged, topic)
         except BaseException:
             if self._open_txn:  # not left open: it would hold back read_committed readers
@@ -408,9 +417,11 @@ class KafkaTopicSink(KafkaTransaction):
         self._txn_began = time.monotonic()
         produced = 0
         # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
-        # encodes it as UTF-8): up to 4 bytes a character until counted exactly
-        text_value = self.sink.value_format == "json"
-        vmul = 4 if text_value else 1
+        # encodes it as UTF-8): up to 4 bytes a character until counted exactly. An Avro
+        # value arrives as that JSON text too and leaves `encode` as bytes
+        text_value = self.sink.value_format != "raw"
+        vmul = 4 if self.sink.value_format == "json" else 1
+        encode = None if self.encoder is None else self.encoder.encode
         batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
                                                         str(batch.batch_id).encode())
         produce = p.produce
@@ -457,6 +468,13 @@ class KafkaTopicSink(KafkaTransaction):
                         key = bytes(key)
                     if value is not None and not text_value:
                         value = bytes(value)
+                    elif value is not None and encode is not None:
+                        try:
+                            value = encode(value)
+                        except ValueDoesNotFit as e:
+                            skipped.append(self._not_produced(batch, topic, limit, NotProduced(
+                                s_topic, s_part, s_off, None, reason=self._unfit(e))))
+                            continue
                     headers: list[tuple[str, bytes | str | None]] = (
                         [batch_header, (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
                                if hdrs is None else
@@ -514,7 +532,8 @@ class KafkaTopicSink(KafkaTransaction):
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
                                  f"({self._failed[0].reason}); "
                                  f"{self._timed_out() or 'the transaction was aborted'}")
-        found = find_sources(cur, batch, self.sink, self.columns, failed, largest)
+        found = find_sources(cur, batch, self.sink, self.columns, failed, largest,
+                             None if self.encoder is None else self.encoder.encode)
         now = int(time.time() * 1000)
         # the broker checked each timestamp at some point of the pass, on its clock
         bounds = self.settings.timestamp_bounds(
@@ -528,6 +547,11 @@ class KafkaTopicSink(KafkaTransaction):
                                            self.batch_bytes))
 
     # --- records the output topic cannot take -----------------------------------------
+
+    def _unfit(self, e: ValueDoesNotFit) -> str:
+        assert self.encoder is not None
+        return (f"the value does not fit the Avro schema (sink.value_format: avro, schema "
+                f"id {self.encoder.schema_id}): {e}")
 
     def _not_produced(self, batch: Batch, topic: str, limit: int,
                       rec: NotProduced) -> NotProduced:
