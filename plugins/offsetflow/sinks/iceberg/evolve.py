@@ -67,11 +67,23 @@ def pending_changes(table_name: str, schema: Schema, columns: Sequence[tuple[str
     type, `add` | `widen`). A column there of a type it cannot be promoted to (and that is
     not wider already) is SchemaMismatchError, raised before anything is written."""
     out: list[tuple[str, IcebergType, str]] = []
+    # Spark and Trino resolve Iceberg columns without case: two names that differ only in
+    # case make the table ambiguous to them, so one is never added beside the other
+    folded = {f.name.lower(): f.name for f in schema.fields}
     for name, pg in columns:
         want = iceberg_type(pg)
         try:
             have = schema.find_field(name).field_type
         except ValueError:
+            clash = folded.get(name.lower())
+            if clash is not None:
+                raise SchemaMismatchError(
+                    f"Iceberg table {table_name} has column {clash!r}, and the reader "
+                    f"schema's field {name!r} differs from it only in case: adding it "
+                    f"would make the table ambiguous to engines that resolve names "
+                    f"without case (Spark, Trino). Nothing was written; rename the column "
+                    f"{clash!r} by hand, or rename the field in a new schema version") from None
+            folded[name.lower()] = name
             out.append((name, want, "add"))
             continue
         if have == want or _promotes(want, have):  # already it, or wider: the values fit
