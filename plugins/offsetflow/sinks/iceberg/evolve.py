@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from offsetflow.errors import SchemaMismatchError, StagedRowsLostError
+from offsetflow.errors import SchemaEvolutionError, SchemaMismatchError, StagedRowsLostError
 
 if TYPE_CHECKING:
     from pyiceberg.schema import Schema
@@ -67,11 +67,23 @@ def pending_changes(table_name: str, schema: Schema, columns: Sequence[tuple[str
     type, `add` | `widen`). A column there of a type it cannot be promoted to (and that is
     not wider already) is SchemaMismatchError, raised before anything is written."""
     out: list[tuple[str, IcebergType, str]] = []
+    # Spark and Trino resolve Iceberg columns without case: two names that differ only in
+    # case make the table ambiguous to them, so one is never added beside the other
+    folded = {f.name.lower(): f.name for f in schema.fields}
     for name, pg in columns:
         want = iceberg_type(pg)
         try:
             have = schema.find_field(name).field_type
         except ValueError:
+            clash = folded.get(name.lower())
+            if clash is not None:
+                raise SchemaMismatchError(
+                    f"Iceberg table {table_name} has column {clash!r}, and the reader "
+                    f"schema's field {name!r} differs from it only in case: adding it "
+                    f"would make the table ambiguous to engines that resolve names "
+                    f"without case (Spark, Trino). Nothing was written; rename the column "
+                    f"{clash!r} by hand, or rename the field in a new schema version") from None
+            folded[name.lower()] = name
             out.append((name, want, "add"))
             continue
         if have == want or _promotes(want, have):  # already it, or wider: the values fit
@@ -86,15 +98,36 @@ def pending_changes(table_name: str, schema: Schema, columns: Sequence[tuple[str
     return out
 
 
-def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]]
-                  ) -> list[str]:
+def refuse_on_branch(table_name: str, changes: Sequence[tuple[str, IcebergType, str]],
+                     audit_id: int | None) -> None:
+    """An audited window (`audit_id`) never changes the table's schema: an Iceberg schema
+    is table-wide, so an update committed with the branch's snapshot would be main's
+    current schema at once (the live pipeline would write with it, readers would see it
+    before publish, and a discard would leave it). SchemaEvolutionError, before anything is
+    written."""
+    if audit_id is None or not changes:
+        return
+    what = ", ".join(f"{how} {name!r} {want}" for name, want, how in changes)
+    raise SchemaEvolutionError(
+        f"audit {audit_id}: the window's reader schema would change the schema of Iceberg "
+        f"table {table_name} ({what}); an Iceberg schema is table-wide, so main and the "
+        f"live pipeline would see the change before publish and keep it after a discard. "
+        f"Nothing was written. Let the live pipeline add the columns first (its next batch "
+        f"of the new schema), then run the audited window again; or discard the audit and "
+        f"run the window without --audit")
+
+
+def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]],
+                  audit_id: int | None = None) -> list[str]:
     """Stage in `txn` the schema update that adds the evolved `columns` the table lacks
     (optional: rows already there read null) and promotes those of a narrower type; nothing
-    when there is nothing to change. Returns what changed, in words."""
+    when there is nothing to change. Returns what changed, in words. A batch of an audited
+    window (`audit_id`) with something to change is refused (`refuse_on_branch`)."""
     meta = txn.table_metadata
     changes = pending_changes(table_name, meta.schema(), columns)
     if not changes:
         return []
+    refuse_on_branch(table_name, changes, audit_id)
     with txn.update_schema() as update:
         for name, want, how in changes:
             if how == "add":
@@ -104,13 +137,18 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
     return [f"{how} {name} {want}" for name, want, how in changes]
 
 
-def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]]) -> TableMetadata:
+def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]],
+                     audit_id: int | None = None) -> TableMetadata:
     """The table's metadata with the evolution staged (never committed here): the schema,
-    with its field ids, that the tasks write their data files with."""
-    if not pending_changes(".".join(table.name()), table.schema(), columns):
+    with its field ids, that the tasks write their data files with. An audited window's
+    batch (`audit_id`) with something to change is refused here, before the tasks write."""
+    name = ".".join(table.name())
+    changes = pending_changes(name, table.schema(), columns)
+    if not changes:
         return table.metadata
+    refuse_on_branch(name, changes, audit_id)
     txn = table.transaction()
-    evolve_schema(txn, ".".join(table.name()), columns)
+    evolve_schema(txn, name, columns)
     return txn.table_metadata
 
 

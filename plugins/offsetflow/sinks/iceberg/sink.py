@@ -232,7 +232,7 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         # format.schema_evolution: the files are written with the evolved schema's field
         # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
-        meta = evolved_metadata(table, self.spec.add_columns)
+        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id)
         try:
             _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(self.columns))
         except ValueError as e:
@@ -288,7 +288,7 @@ class IcebergSink:
         name = self.identifier(batch)
 
         def evolve(txn: Transaction) -> None:
-            done = evolve_schema(txn, name, add)
+            done = evolve_schema(txn, name, add, batch.audit_id)
             if done:
                 log.info("batch %d: Iceberg table %s: %s, in the batch's commit",
                          batch.batch_id, name, ", ".join(done))

@@ -217,3 +217,56 @@ def test_narrowed_type_stops_the_batch_before_the_catalog_commit(
     assert table.schema() == schema and table.current_snapshot().snapshot_id == snapshot
     assert _positions(pg_dsn, name) == before
     assert len(_rows(cfg, pg_dsn)) == 16
+
+
+def test_audited_replay_never_changes_mains_schema(
+        pg_dsn: str, kafka_bootstrap: str, spark: Any, tmp_path: Any) -> None:
+    """An Iceberg schema is table-wide: a schema update committed with the audit branch's
+    snapshot would be main's current schema at once (seen by readers and the live pipeline
+    before publish, kept after a discard). The audited window whose reader schema would
+    evolve the table stops before its tasks write; main's schema and rows are untouched."""
+    from offsetflow.ops import kafka_for, plan_window, submit_window
+    from offsetflow.plan import parse_request
+
+    url = registry_url()
+    topic = new_topic(kafka_bootstrap, "iceevoaud", 1)
+    name = f"iceevoaud_{uuid.uuid4().hex[:8]}"
+    raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+           "source": {"topics": [topic], "starting": "earliest"},
+           "format": {"type": "avro", "schema": {"order_id": "long"},
+                      "schema_evolution": "add_columns", "schema_registry": {"url": url}},
+           "sink": {"type": "iceberg", "connection": pg_dsn, "table": f"lake.{name}",
+                    "catalog": {"warehouse": f"file://{tmp_path / 'warehouse'}"}},
+           "spark": {"master": "local[2]"}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_pipeline(path)
+    ser = avro_serializer(url, V1)
+    p = Producer({"bootstrap.servers": kafka_bootstrap})
+    for i in range(4):
+        p.produce(topic, encode(ser, topic, {"order_id": i, "qty": i}), partition=0)
+    assert p.flush(30) == 0
+    live = run_batch(spark, cfg, _plan(cfg, pg_dsn), pg_dsn)
+    assert live.result.status == "committed", live.result
+    # v2 registered (its records not read yet): the audited window's reader schema
+    ser2 = avro_serializer(url, V2)
+    p.produce(topic, encode(ser2, topic, {"order_id": 9, "qty": 9, "coupon": "c",
+                                          "tags": []}), partition=0)
+    assert p.flush(30) == 0
+    table = iceberg_table(cfg, pg_dsn)
+    schema, head = table.schema(), table.current_snapshot().snapshot_id
+    req = parse_request("replay", {"pipeline": name, "topic": topic, "from_offset": 0,
+                                   "until_offset": 4, "audit": True})
+    with Ledger(pg_dsn) as ledger:
+        [bid] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req),
+                              "test")
+    err: Exception | None = None
+    try:
+        run_batch(spark, cfg, bid, pg_dsn)
+    except SchemaEvolutionError as e:
+        err = e
+    table = iceberg_table(cfg, pg_dsn)
+    assert [f.name for f in table.schema().fields] == [f.name for f in schema.fields], \
+        f"main's schema changed by an audited window: {table.schema()}"
+    assert table.current_snapshot().snapshot_id == head
+    assert err is not None and "table-wide" in str(err) and "'coupon'" in str(err), err

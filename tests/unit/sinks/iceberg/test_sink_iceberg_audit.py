@@ -146,3 +146,42 @@ def test_snapshot_expiry_keeps_an_open_audit_branchs_own_snapshots(table: Any) -
     assert audit.open_audit_snapshots(table) == own
     audit.remove_branch(table, "audit-7")
     assert audit.open_audit_snapshots(table) == set()
+
+
+def test_an_audited_window_never_changes_mains_schema(table: Any) -> None:
+    """Iceberg's schema is table-wide: a schema update committed with a branch snapshot is
+    main's current schema at once (the live pipeline writes with it, readers see it, and a
+    discard leaves it). format.schema_evolution on an audited window is refused before
+    anything is written; nothing pending (the live pipeline added the column first) goes."""
+    from offsetflow.errors import SchemaEvolutionError
+    from offsetflow.sinks.iceberg.evolve import evolve_schema, evolved_metadata
+
+    add = (("coupon", "text"),)
+    b = batch(7, 2, 4, 7)
+    before = {f.name for f in table.schema().fields}
+    with pytest.raises(SchemaEvolutionError) as e:
+        evolved_metadata(table, add, b.audit_id)
+    assert "audit 7" in str(e.value) and "'coupon'" in str(e.value), e.value
+    summary = {"offsetflow.pipeline": "p", "offsetflow.batch-id": "7",
+               "offsetflow.ranges": '[["t",0,2,4]]', "offsetflow.rows": "2"}
+    with pytest.raises(SchemaEvolutionError):
+        commit_snapshot(table, b, rows(range(2, 4), "new", 7), summary,
+                        window=lambda t: window_filter(b),
+                        evolve=lambda txn: evolve_schema(txn, "lake.t", add, b.audit_id))
+    table.refresh()
+    assert {f.name for f in table.schema().fields} == before  # main's schema untouched
+    assert "audit-7" not in table.metadata.refs or values(table) == values(table, "main")
+    assert len(table.metadata.schemas) == 1
+    # the live pipeline adds the column first: the audited window has nothing to add
+    with table.update_schema() as u:
+        u.add_column("coupon", pa_string())
+    assert evolved_metadata(table, add, b.audit_id) is table.metadata
+    stage(table, b, rows(range(2, 4), "new", 7))
+    assert values(table, "audit-7") == sorted(
+        [f"v{o}" for o in range(10) if o not in (2, 3)] + ["new2", "new3"])
+
+
+def pa_string() -> Any:
+    from pyiceberg.types import StringType
+
+    return StringType()

@@ -80,3 +80,18 @@ def test_files_written_with_an_id_the_table_gave_another_column_are_refused(
     assert "field id 4 is 'coupon string' in its files, 'other string' in the table" \
         in str(e.value), e.value
     check_files_schema(txn.table_metadata.schema(), {1: [{}]}, "lake.t", 9)
+
+
+def test_a_field_differing_from_a_column_only_in_case_is_refused(table: Any) -> None:
+    """Spark and Trino resolve Iceberg names without case: `Coupon` beside `coupon` would
+    make the table ambiguous to them, so neither the table's column nor another evolved
+    field may differ from an added one only in case."""
+    with table.update_schema() as u:
+        u.add_column("Coupon", StringType())
+    for cols in ([("coupon", "text")], [("note", "text"), ("NOTE", "text")]):
+        with pytest.raises(SchemaMismatchError) as e:
+            pending_changes("lake.t", table.schema(), cols)
+        assert "differs from it only in case" in str(e.value), e.value
+        with pytest.raises(SchemaMismatchError):
+            evolved_metadata(table, cols)
+    assert [f.name for f in table.schema().fields] == ["order_id", "qty", "price", "Coupon"]
