@@ -221,13 +221,17 @@ def protobuf_fields(serialized: str) -> dict[str, Field]:
             base64.b64decode(serialized, validate=True))
     except Exception as e:  # noqa: BLE001 - .proto text, or not a descriptor
         raise ValueError(f"not a serialized Protobuf file: {e}") from None
-    prefix = f".{proto.package}." if proto.package else "."
-    used = {f.type_name for m in proto.message_type for f in m.field}
-    roots = [m for m in proto.message_type if prefix + m.name not in used]
-    if not roots:
+    if not proto.message_type:
         raise ValueError("the schema has no message")
+    prefix = f".{proto.package}." if proto.package else "."
+    # a message's use of itself (a tree: `Node parent`) does not make it a part of another
+    used = {f.type_name for m in proto.message_type for f in m.field
+            if f.type_name != prefix + m.name}
+    roots = [m for m in proto.message_type if prefix + m.name not in used]
+    # messages that all use each other: the first, as a record's default index [0] names
+    root = roots[0] if roots else proto.message_type[0]
     out: dict[str, Field] = {}
-    for f in roots[0].field:
+    for f in root.field:
         base, column = _PROTO_TYPES.get(f.type, (str(f.type), "json"))
         if f.type == 11:  # a message: a Timestamp is a timestamp, others are json
             base = f.type_name.lstrip(".")
@@ -243,8 +247,12 @@ def json_schema_fields(text: str) -> dict[str, Field]:
     one. Typed as the json format reads them: integer -> long, number -> double, a string
     with format date-time / date -> timestamp / date, boolean, anything else -> json."""
     doc = json.loads(text)
+    root = doc.get("type", "object") if isinstance(doc, dict) else None
+    # an object, or an object or null (a null value is a tombstone-like record: no fields)
+    is_object = root == "object" or (isinstance(root, list) and "object" in root
+                                     and all(x in ("object", "null") for x in root))
     if not isinstance(doc, dict) or not isinstance(doc.get("properties", {}), dict) \
-            or doc.get("type", "object") not in ("object", ["object"]):
+            or not is_object:
         raise ValueError("the schema is not an object with properties: format.schema names "
                          "its properties")
     required = set(doc.get("required") or [])
