@@ -107,3 +107,43 @@ def test_a_slow_registry_is_asked_within_a_bounded_time(slow_registry: str) -> N
     with_schema_versions(dataclasses.replace(cfg), again)
     assert sum(v["known"] for b in again for v in b["schema_versions"]["t"].values()) \
         > len(known)
+
+
+@pytest.fixture
+def cut_registry() -> Iterator[str]:
+    """A registry that dies mid-answer: it promises a body and closes after a part."""
+
+    class Cut(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'[{"subject"')
+            self.close_connection = True
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Cut)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_registry_cut_mid_answer_is_a_registry_error_not_a_crash(cut_registry: str) -> None:
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import RegistryClient
+
+    batches = _batches(range(200, 201))
+    error = with_schema_versions(_cfg("cut", cut_registry), batches)
+    assert error is not None and "IncompleteRead" in error, error
+    assert not batches[0]["schema_versions"]["t"]["200"]["known"]
+    # the tasks' and the driver's lookups: the batch's retriable registry error
+    with pytest.raises(SchemaRegistryError) as e:
+        RegistryClient(cut_registry, timeout_s=2, backoff=(0.01,)).schema_by_id(200)
+    assert e.value.retriable and "IncompleteRead" in str(e.value)
