@@ -160,6 +160,14 @@ def test_json_schema_root_the_rules_cannot_read_stops_naming_it(
     assert f"its first record in the batch is {topic}[0]@1" in msg, msg
     assert "remove format.schema_evolution and run the batch with --accept-config-change" \
         in msg, msg
+    # the way out it names: the same batch commits, each record once
+    plain = record_pipeline(name, topic, "json_schema", {"order_id": "long"}, pg_dsn,
+                            kafka_bootstrap)
+    bid = query(pg_dsn, "SELECT max(batch_id) FROM offsetflow.batches WHERE pipeline = %s",
+                (name,))[0][0]
+    done = run_batch(spark, plain, bid, pg_dsn, accept_config_change=True)
+    assert done.result.status == "committed", done.result
+    assert sorted(r[0] for r in query(pg_dsn, f"SELECT order_id FROM {name}")) == [1, 2]
 
 
 LONG = "l" * 63  # PostgreSQL's longest identifier
@@ -189,3 +197,56 @@ def test_json_schema_properties_named_as_sql_keywords_mixed_case_or_63_long_beco
     _, again = plan_and_run(spark, cfg, pg_dsn)
     assert again.result.status == "committed", again.result
     assert query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 3
+
+
+def test_json_schema_version_registered_between_the_alter_and_the_retry_changes_nothing(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str) -> None:
+    """The batch's reader (the subject's latest at its first run) is pinned: a version
+    registered while its commit waits after the ALTER, then a retry after the commit's
+    connection is cut, adds no column of the new version and writes each record once."""
+    import threading
+
+    from tests.tooling import chaos
+
+    url = registry_url()
+    topic = new_topic(kafka_bootstrap, "evo-jspin", partitions=1)
+    name = f"evojspin_{topic[-8:]}"
+    v2_schema = {**J_V1, "properties": {**J_V1["properties"], "coupon": {"type": "string"}}}
+    _produce_js(kafka_bootstrap, url, topic, J_V1, [{"order_id": 1}])
+    v2 = _produce_js(kafka_bootstrap, url, topic, v2_schema, [{"order_id": 2, "coupon": "c"}])
+    cfg = record_pipeline(name, topic, "json_schema", {"order_id": "long"}, pg_dsn,
+                          kafka_bootstrap, schema_evolution="add_columns")
+    bid = plan_batch(cfg, pg_dsn)
+    errors: list[BaseException] = []
+
+    def first_run() -> None:
+        try:
+            run_batch(spark, cfg, bid, pg_dsn)
+        except BaseException as e:  # noqa: BLE001 - the cut commit's error, asserted below
+            errors.append(e)
+
+    with chaos.hold_positions(pg_dsn, name):
+        t = threading.Thread(target=first_run)
+        t.start()
+        chaos.wait_for(lambda: chaos.commit_waiting(pg_dsn), 300, "the commit to wait at "
+                                                                  "its fence")
+        # v3 (a new property) registered while the commit holds the ALTER, not committed
+        v3_schema = {**v2_schema, "properties": {**v2_schema["properties"],
+                                                 "extra": {"type": "integer"}}}
+        _produce_js(kafka_bootstrap, url, topic, v3_schema,
+                    [{"order_id": 3, "coupon": "d", "extra": 9}])
+        assert chaos.cut_commit_connection(pg_dsn) >= 1
+        t.join(timeout=120)
+    assert errors, "the cut commit should have failed"
+    again = run_batch(spark, cfg, bid, pg_dsn)
+    assert again.result.status == "committed", again.result
+    assert "extra" not in _columns(pg_dsn, name)  # v3 is the next batch's reader
+    assert dict(query(pg_dsn, f"SELECT order_id, coupon FROM {name}")) == {1: None, 2: "c"}
+    schemas = query(pg_dsn, "SELECT schemas FROM offsetflow.batches WHERE batch_id = %s",
+                    (bid,))[0][0]
+    assert schemas["readers"] == {topic: v2}
+    # the next batch reads v3's record with v3 as its reader: the column comes then
+    _, nxt = plan_and_run(spark, cfg, pg_dsn)
+    assert nxt.result.status == "committed", nxt.result
+    assert dict(query(pg_dsn, f"SELECT order_id, extra FROM {name}")) == {
+        1: None, 2: None, 3: 9}
