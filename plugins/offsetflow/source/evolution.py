@@ -184,6 +184,12 @@ def unreadable(writer_text: str, reader_text: str, schema_type: str = "AVRO") ->
     added = {"JSON": "added as required", "PROTOBUF": "added as required"}.get(
         schema_type, "added without a default")
     out = []
+    if schema_type == "PROTOBUF" and protobuf_root(writer_text) != protobuf_root(reader_text):
+        # a message added before the old root (or the root renamed): the fields compared
+        # would be another message's, and the records still name theirs by index
+        out.append(f"the root message changed from {protobuf_root(writer_text)} to "
+                   f"{protobuf_root(reader_text)} (the fields are read from the file's "
+                   f"first top-level message no other uses)")
     for name, f in new.items():
         o = old.get(name)
         if o is None:
@@ -212,6 +218,25 @@ def protobuf_fields(serialized: str) -> dict[str, Field]:
     """The top-level fields of a Protobuf schema's root message (the file's first
     top-level message no other one uses as a field type), from the registry's base64
     FileDescriptorProto; ValueError when it cannot be read or has no message."""
+    root = _proto_root(serialized)[1]
+    out: dict[str, Field] = {}
+    for f in root.field:
+        base, column = _PROTO_TYPES.get(f.type, (str(f.type), "json"))
+        if f.type == 11:  # a message: a Timestamp is a timestamp, others are json
+            base = f.type_name.lstrip(".")
+            column = "timestamp" if base == "google.protobuf.Timestamp" else "json"
+        if f.label == 3:  # repeated (and maps)
+            base, column = f"repeated {base}", "json"
+        out[f.name] = Field(f.name, base, True, f.label != 2, column, f.number)
+    return out
+
+
+def protobuf_root(serialized: str) -> str:
+    """The full name of the message `protobuf_fields` reads (the file's root)."""
+    return _proto_root(serialized)[0]
+
+
+def _proto_root(serialized: str) -> tuple[str, Any]:
     import base64
 
     from google.protobuf import descriptor_pb2
@@ -230,16 +255,7 @@ def protobuf_fields(serialized: str) -> dict[str, Field]:
     roots = [m for m in proto.message_type if prefix + m.name not in used]
     # messages that all use each other: the first, as a record's default index [0] names
     root = roots[0] if roots else proto.message_type[0]
-    out: dict[str, Field] = {}
-    for f in root.field:
-        base, column = _PROTO_TYPES.get(f.type, (str(f.type), "json"))
-        if f.type == 11:  # a message: a Timestamp is a timestamp, others are json
-            base = f.type_name.lstrip(".")
-            column = "timestamp" if base == "google.protobuf.Timestamp" else "json"
-        if f.label == 3:  # repeated (and maps)
-            base, column = f"repeated {base}", "json"
-        out[f.name] = Field(f.name, base, True, f.label != 2, column, f.number)
-    return out
+    return (prefix + root.name).lstrip("."), root
 
 
 def json_schema_fields(text: str) -> dict[str, Field]:

@@ -74,6 +74,45 @@ def test_protobuf_self_referencing_message_adds_its_columns(
     assert rows == {1: "root", 2: "leaf"}
 
 
+def _order_file(note_first: bool) -> Any:
+    """Order (v1); v2 adds a field `coupon` and, first in the file, an unrelated `Note`."""
+    f = descriptor_pb2.FileDescriptorProto(name="offsetflow_evo_root.proto",
+                                           package="offsetflow.root", syntax="proto3")
+    if note_first:
+        f.message_type.add(name="Note").field.add(name="text", number=1,
+                                                  type=FD.TYPE_STRING, label=1)
+    m = f.message_type.add(name="Order")
+    m.field.add(name="order_id", number=1, type=FD.TYPE_INT64, label=FD.LABEL_OPTIONAL)
+    if note_first:
+        m.field.add(name="coupon", number=2, type=FD.TYPE_STRING, label=FD.LABEL_OPTIONAL)
+    return f
+
+
+def test_protobuf_root_message_switched_by_a_message_added_first_stops_the_batch(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str) -> None:
+    """The rules read a file by its first message no other uses; records name theirs by
+    index. A version that adds an unrelated message before Order (records still Order,
+    index [1]) must not silently evolve by the other message (a `text` column that never
+    gets a value, `coupon` never added): it stops, naming both messages."""
+    url = registry_url()
+    topic = new_topic(kafka_bootstrap, "evo-root", partitions=1)
+    name = f"evoroot_{topic[-8:]}"
+    v1 = dynamic_message_classes(_order_file(False))["Order"]
+    produce(kafka_bootstrap, topic, [encode(protobuf_serializer(url, v1), topic,
+                                            v1(order_id=1))])
+    v2 = dynamic_message_classes(_order_file(True))["Order"]
+    produce(kafka_bootstrap, topic, [encode(protobuf_serializer(url, v2), topic,
+                                            v2(order_id=2, coupon="c"))])
+    cfg = record_pipeline(name, topic, "protobuf", {"order_id": "long"}, pg_dsn,
+                          kafka_bootstrap, schema_evolution="add_columns")
+    with pytest.raises(SchemaEvolutionError) as e:
+        run_batch(spark, cfg, plan_batch(cfg, pg_dsn), pg_dsn)
+    assert "the root message changed from offsetflow.root.Order to offsetflow.root.Note" \
+        in str(e.value), e.value
+    assert query(pg_dsn, f"SELECT to_regclass('{name}') IS NULL")[0][0] or \
+        query(pg_dsn, f"SELECT count(*) FROM {name}")[0][0] == 0
+
+
 J_V1 = {"$schema": "http://json-schema.org/draft-07/schema#", "title": "Unread",
         "type": "object", "properties": {"order_id": {"type": "integer"}},
         "required": ["order_id"]}

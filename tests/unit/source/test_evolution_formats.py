@@ -154,3 +154,16 @@ def test_json_schema_root_object_or_null_is_read(root: list[str]) -> None:
 def test_json_schema_root_not_an_object_is_not_read(root: Any) -> None:
     with pytest.raises(ValueError, match="not an object"):
         schema_fields(json.dumps({"type": root, "properties": {}}), "JSON")
+
+
+def test_protobuf_root_message_switched_is_incompatible() -> None:
+    v1 = _proto(*P1)
+    f = descriptor_pb2.FileDescriptorProto(name="o.proto", package="t", syntax="proto3")
+    f.message_type.add(name="Note").field.add(name="text", number=1, type=9, label=1)
+    order = f.message_type.add(name="Order")
+    for name, number, type_, label in P1:
+        order.field.add(name=name, number=number, type=type_, label=label)
+    v2 = base64.b64encode(f.SerializeToString()).decode()
+    assert "the root message changed from t.Order to t.Note" in \
+        incompatibilities(v1, v2, "PROTOBUF")[0]
+    assert incompatibilities(v1, v1, "PROTOBUF") == []
