@@ -60,14 +60,25 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
         if cfg.schema_evolution == "add_columns" and reader is not None:
             chain.add(reader[0])
         texts: dict[int, str] = {}
-        for sid in sorted(chain):
+        # the reader is read under either policy: the pair-wise check below uses it
+        for sid in sorted(chain | ({reader[0]} if reader is not None else set())):
             found = client.schema_by_id(sid, serialized=kind == "PROTOBUF")
-            # an id the registry lacks, of another type or not a record (a Protobuf file
-            # the tasks cannot build either): its records are dead letters
-            if found is not None and found.schema_type == kind and _readable(fields,
-                                                                            found.schema):
+            # an id the registry lacks or of another type: its records are dead letters
+            if found is None or found.schema_type != kind:
+                continue
+            why_not = _unreadable_why(fields, found.schema)
+            if why_not is None:
                 texts[sid] = found.schema
-        ids = sorted(texts)
+            elif kind == "JSON" or (kind == "PROTOBUF" and sid in firsts
+                                    and _builds(sid, found.schema)):
+                # the tasks read its records (JSON Schema: they check the id only): a
+                # schema the rules cannot read is not passed unchecked
+                raise SchemaEvolutionError(_unchecked(cfg, topic, sid, why_not,
+                                                      firsts.get(sid), client))
+            # else its records are dead letters: an Avro writer that is not a record does
+            # not resolve to the reader, a Protobuf file the tasks cannot build either
+        reader_text = texts.get(reader[0]) if reader is not None else None
+        ids = sorted(i for i in texts if i in chain)
         # the ids the last batch read are checked only as the start of the chain
         start = max((i for i in ids if i in earlier), default=None)
         ids = [i for i in ids if i not in earlier or i == start]
@@ -80,7 +91,7 @@ def check_schema_changes(cfg: PipelineConfig, rc: ReadContext, ledger: Ledger,
                     client.version_in(old, subject_of(topic)),
                     client.version_in(new, subject_of(topic)),
                     reader is not None and reader[0] == new))
-        if reader is not None:
+        if reader is not None and reader_text is not None:
             _check_read_by(cfg, topic, reader, firsts, texts, client, readable)
 
 
@@ -166,12 +177,36 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
     return out
 
 
-def _readable(fields: Any, text: str) -> bool:
+def _unreadable_why(fields: Any, text: str) -> str | None:
+    """Why the evolution rules cannot read a schema's fields (None: they can)."""
     try:
         fields(text)
-    except (ValueError, KeyError, TypeError):
-        return False
-    return True
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def _builds(sid: int, text: str) -> bool:
+    """Whether the Spark tasks can build a Protobuf schema (else its records are dead
+    letters, as `source.protobuf` says)."""
+    from offsetflow.source import protobuf_builds
+
+    return protobuf_builds(sid, text)
+
+
+def _unchecked(cfg: PipelineConfig, topic: str, sid: int, why: str, first: list[int] | None,
+               client: Any) -> str:
+    from offsetflow.source import subject_of
+
+    where = (f"its first record in the batch is {topic}[{first[0]}]@{first[1]}"
+             if first is not None else "it is the subject's latest, the batch's reader")
+    return (f"pipeline {cfg.name}: topic {topic}: schema id {sid} (version "
+            f"{client.version_in(sid, subject_of(topic))} of {topic}-value) is one "
+            f"format.schema_evolution cannot read the fields of ({why}), while the tasks "
+            f"read its records; {where}. Nothing of the batch was written and no position "
+            f"moved; remove format.schema_evolution and run the batch with "
+            f"--accept-config-change (records are then read as format.schema declares), or "
+            f"register a version whose root is an object with properties (a message)")
 
 
 def _earlier_ids(before: dict[str, Any], topic: str) -> set[int]:

@@ -163,11 +163,16 @@ def added_columns(cfg: PipelineConfig, readers: dict[str, tuple[int, str] | None
                 raise ValueError(f"field {name!r}: {t} is not a decimal(p,s) type")
     except ValueError as e:
         ids = {t: r[0] for t, r in readers.items() if r is not None}
+        out = ("declare the field in format.schema, or pin "
+               "format.schema_registry.reader_version to an earlier version"
+               if cfg.format_type == "avro" else
+               "the reader is the subject's latest version: declare the field in "
+               "format.schema where its name can be a column, or remove "
+               "format.schema_evolution and run the batch with --accept-config-change (the "
+               "field is then ignored, as any field format.schema does not declare)")
         raise SchemaEvolutionError(
             f"pipeline {cfg.name}: the reader schema (ids {ids}) cannot add columns: {e}; "
-            f"declare the field in format.schema, or pin "
-            f"format.schema_registry.reader_version to an earlier version; nothing was "
-            f"read or committed") from None
+            f"{out}; nothing was read or committed") from None
     return added
 
 

@@ -23,14 +23,17 @@ from offsetflow.ops.runner import (
     run_until_caught_up,
 )
 from offsetflow.ops.status import (
+    STATUS_REGISTRY_TIMEOUT_S,
     Unread,
     format_status,
     pipeline_status,
     schema_summary,
     unread_now,
+    with_schema_versions,
 )
 
 __all__ = [
+    "STATUS_REGISTRY_TIMEOUT_S",
     "CycleResult",
     "Unread",
     "audit_pipeline",
@@ -53,4 +56,5 @@ __all__ = [
     "submit_window",
     "unread_now",
     "unreadable_in",
+    "with_schema_versions",
 ]

@@ -142,7 +142,13 @@ def pipeline_status(cfg: PipelineConfig, dsn: str, recent: int = 10) -> dict[str
 # A registry's ids are immutable and so is the version an id got in a subject: each is
 # asked once per process (the plugin's web server, a CLI call)
 _VERSIONS: dict[tuple[str, int, str], int | None] = {}
+# the registry's whole wait per pipeline's status (one try per id; the ids not answered
+# within it show `version unknown` and are asked on the next load)
 STATUS_REGISTRY_TIMEOUT_S = 2.0
+# a registry that did not answer is not asked again for this long (by any pipeline's
+# status in this process): a page of many pipelines on one registry waits for it once
+REGISTRY_QUIET_S = 30.0
+_DOWN: dict[str, tuple[float, str]] = {}  # registry URL -> (asked again after, its error)
 
 
 def with_schema_versions(cfg: PipelineConfig, batches: list[dict[str, Any]]) -> str | None:
@@ -161,7 +167,10 @@ def with_schema_versions(cfg: PipelineConfig, batches: list[dict[str, Any]]) -> 
     reg = cfg.registry
     client = RegistryClient(reg.url, reg.username, reg.password,
                             timeout_s=STATUS_REGISTRY_TIMEOUT_S, backoff=())
-    error: str | None = None
+    now = time.monotonic()
+    deadline = now + STATUS_REGISTRY_TIMEOUT_S
+    down = _DOWN.get(client.url)
+    error: str | None = down[1] if down is not None and down[0] > now else None
     for b in batches:
         schemas = b.get("schemas") or {}
         out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -170,10 +179,22 @@ def with_schema_versions(cfg: PipelineConfig, batches: list[dict[str, Any]]) -> 
             for sid in ids:
                 key = (client.url, sid, subject)
                 if key not in _VERSIONS and error is None:
+                    left = deadline - time.monotonic()
+                    late = (f"schema registry {client.shown}: not every version answered "
+                            f"in time ({STATUS_REGISTRY_TIMEOUT_S:g} s); the rest are asked "
+                            f"on the next load")
+                    client.timeout_s = left
                     try:
-                        _VERSIONS[key] = client.version_in(sid, subject)
+                        if left <= 0:
+                            error = late
+                        else:
+                            _VERSIONS[key] = client.version_in(sid, subject)
                     except SchemaRegistryError as e:
-                        error = str(e)
+                        if left < STATUS_REGISTRY_TIMEOUT_S / 2 and "timed out" in e.reason:
+                            error = late  # slow, not down: the budget's rest ran out
+                        else:  # the page's words, not a batch's way out
+                            error = f"schema registry {e.url}: {e.what}: {e.reason}"
+                            _DOWN[client.url] = (time.monotonic() + REGISTRY_QUIET_S, error)
                 out.setdefault(topic, {})[str(sid)] = {
                     "subject": subject, "version": _VERSIONS.get(key),
                     "known": key in _VERSIONS}

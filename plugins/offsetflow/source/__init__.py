@@ -24,7 +24,7 @@ from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
 from offsetflow.source.packed import read_ranges
-from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf
+from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf, protobuf_builds
 from offsetflow.source.reader import (
     MAX_CHUNK_BYTES,
     MAX_CHUNK_ROWS,
@@ -60,6 +60,7 @@ __all__ = [
     "evolved_columns",
     "field_defaults",
     "incompatibilities",
+    "protobuf_builds",
     "publish_positions",
     "range_consumer",
     "read_range",

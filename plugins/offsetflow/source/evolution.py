@@ -184,6 +184,12 @@ def unreadable(writer_text: str, reader_text: str, schema_type: str = "AVRO") ->
     added = {"JSON": "added as required", "PROTOBUF": "added as required"}.get(
         schema_type, "added without a default")
     out = []
+    if schema_type == "PROTOBUF" and protobuf_root(writer_text) != protobuf_root(reader_text):
+        # a message added before the old root (or the root renamed): the fields compared
+        # would be another message's, and the records still name theirs by index
+        out.append(f"the root message changed from {protobuf_root(writer_text)} to "
+                   f"{protobuf_root(reader_text)} (the fields are read from the file's "
+                   f"first top-level message no other uses)")
     for name, f in new.items():
         o = old.get(name)
         if o is None:
@@ -212,22 +218,9 @@ def protobuf_fields(serialized: str) -> dict[str, Field]:
     """The top-level fields of a Protobuf schema's root message (the file's first
     top-level message no other one uses as a field type), from the registry's base64
     FileDescriptorProto; ValueError when it cannot be read or has no message."""
-    import base64
-
-    from google.protobuf import descriptor_pb2
-
-    try:
-        proto = descriptor_pb2.FileDescriptorProto.FromString(
-            base64.b64decode(serialized, validate=True))
-    except Exception as e:  # noqa: BLE001 - .proto text, or not a descriptor
-        raise ValueError(f"not a serialized Protobuf file: {e}") from None
-    prefix = f".{proto.package}." if proto.package else "."
-    used = {f.type_name for m in proto.message_type for f in m.field}
-    roots = [m for m in proto.message_type if prefix + m.name not in used]
-    if not roots:
-        raise ValueError("the schema has no message")
+    root = _proto_root(serialized)[1]
     out: dict[str, Field] = {}
-    for f in roots[0].field:
+    for f in root.field:
         base, column = _PROTO_TYPES.get(f.type, (str(f.type), "json"))
         if f.type == 11:  # a message: a Timestamp is a timestamp, others are json
             base = f.type_name.lstrip(".")
@@ -238,13 +231,44 @@ def protobuf_fields(serialized: str) -> dict[str, Field]:
     return out
 
 
+def protobuf_root(serialized: str) -> str:
+    """The full name of the message `protobuf_fields` reads (the file's root)."""
+    return _proto_root(serialized)[0]
+
+
+def _proto_root(serialized: str) -> tuple[str, Any]:
+    import base64
+
+    from google.protobuf import descriptor_pb2
+
+    try:
+        proto = descriptor_pb2.FileDescriptorProto.FromString(
+            base64.b64decode(serialized, validate=True))
+    except Exception as e:  # noqa: BLE001 - .proto text, or not a descriptor
+        raise ValueError(f"not a serialized Protobuf file: {e}") from None
+    if not proto.message_type:
+        raise ValueError("the schema has no message")
+    prefix = f".{proto.package}." if proto.package else "."
+    # a message's use of itself (a tree: `Node parent`) does not make it a part of another
+    used = {f.type_name for m in proto.message_type for f in m.field
+            if f.type_name != prefix + m.name}
+    roots = [m for m in proto.message_type if prefix + m.name not in used]
+    # messages that all use each other: the first, as a record's default index [0] names
+    root = roots[0] if roots else proto.message_type[0]
+    return (prefix + root.name).lstrip("."), root
+
+
 def json_schema_fields(text: str) -> dict[str, Field]:
     """The top-level properties of a JSON Schema object schema; ValueError when it is not
     one. Typed as the json format reads them: integer -> long, number -> double, a string
     with format date-time / date -> timestamp / date, boolean, anything else -> json."""
     doc = json.loads(text)
+    root = doc.get("type", "object") if isinstance(doc, dict) else None
+    # an object, or an object or null (a null value is a tombstone-like record: no fields)
+    is_object = root == "object" or (isinstance(root, list) and "object" in root
+                                     and all(x in ("object", "null") for x in root))
     if not isinstance(doc, dict) or not isinstance(doc.get("properties", {}), dict) \
-            or doc.get("type", "object") not in ("object", ["object"]):
+            or not is_object:
         raise ValueError("the schema is not an object with properties: format.schema names "
                          "its properties")
     required = set(doc.get("required") or [])

@@ -127,6 +127,12 @@ def _build(schema_id: int, text: str) -> Any:
         return f"schema id {schema_id} cannot be parsed as a serialized Protobuf file: {e}"
 
 
+def protobuf_builds(schema_id: int, text: str) -> bool:
+    """Whether the tasks can build the registry's serialized schema `text` (else each of
+    its records is a dead letter naming why)."""
+    return not isinstance(_build(schema_id, text), str)
+
+
 def _well_known(name: str) -> Any:
     import importlib
 

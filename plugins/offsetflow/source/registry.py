@@ -13,6 +13,7 @@ messages has any `user:password@` removed.
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import time
@@ -141,7 +142,10 @@ class RegistryClient:
                 last = f"HTTP {e.code} {err.get('message') or e.reason}"
                 if e.code < 500 and e.code != 429:
                     raise SchemaRegistryError(self.shown, what, last, retriable=False) from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError,
+                    http.client.HTTPException) as e:
+                # HTTPException: an answer cut short (a registry killed mid-answer) or not
+                # HTTP: as transient as a refused connection
                 reason = getattr(e, "reason", e)
                 last = f"{type(reason).__name__}: {reason}"
             except ValueError as e:  # not JSON: a proxy's page, say

@@ -124,3 +124,46 @@ def test_schema_evolution_config_accepts_protobuf_and_json_schema(fmt: str) -> N
         "sink": {"table": "t"}}, "p.yaml", {"OFFSETFLOW_PG_DSN": "postgresql://x@y/z"})
     assert cfg.schema_evolution == "add_columns"
 
+
+
+def test_protobuf_self_referencing_and_mutually_referencing_messages_have_a_root() -> None:
+    f = descriptor_pb2.FileDescriptorProto(name="n.proto", package="t", syntax="proto3")
+    node = f.message_type.add(name="Node")
+    node.field.add(name="id", number=1, type=FD.TYPE_INT64, label=1)
+    node.field.add(name="parent", number=2, type=FD.TYPE_MESSAGE, label=1, type_name=".t.Node")
+    tree = base64.b64encode(f.SerializeToString()).decode()
+    assert {n: x.column for n, x in schema_fields(tree, "PROTOBUF").items()} == {
+        "id": "long", "parent": "json"}
+    # A <-> B: the first message, as a record's default message index [0] names it
+    g = descriptor_pb2.FileDescriptorProto(name="ab.proto", package="t", syntax="proto3")
+    g.message_type.add(name="A").field.add(name="b", number=1, type=FD.TYPE_MESSAGE, label=1,
+                                           type_name=".t.B")
+    g.message_type.add(name="B").field.add(name="a", number=1, type=FD.TYPE_MESSAGE, label=1,
+                                           type_name=".t.A")
+    assert list(schema_fields(base64.b64encode(g.SerializeToString()).decode(),
+                              "PROTOBUF")) == ["b"]
+
+
+@pytest.mark.parametrize("root", [["object", "null"], ["null", "object"], ["object"]])
+def test_json_schema_root_object_or_null_is_read(root: list[str]) -> None:
+    text = json.dumps({"type": root, "properties": {"coupon": {"type": "string"}}})
+    assert list(schema_fields(text, "JSON")) == ["coupon"]
+
+
+@pytest.mark.parametrize("root", [["object", "string"], "array", ["null"]])
+def test_json_schema_root_not_an_object_is_not_read(root: Any) -> None:
+    with pytest.raises(ValueError, match="not an object"):
+        schema_fields(json.dumps({"type": root, "properties": {}}), "JSON")
+
+
+def test_protobuf_root_message_switched_is_incompatible() -> None:
+    v1 = _proto(*P1)
+    f = descriptor_pb2.FileDescriptorProto(name="o.proto", package="t", syntax="proto3")
+    f.message_type.add(name="Note").field.add(name="text", number=1, type=9, label=1)
+    order = f.message_type.add(name="Order")
+    for name, number, type_, label in P1:
+        order.field.add(name=name, number=number, type=type_, label=label)
+    v2 = base64.b64encode(f.SerializeToString()).decode()
+    assert "the root message changed from t.Order to t.Note" in \
+        incompatibilities(v1, v2, "PROTOBUF")[0]
+    assert incompatibilities(v1, v1, "PROTOBUF") == []
