@@ -313,9 +313,17 @@ def redact_value(key: str, value: Any) -> Any:
     return value
 
 
+# query parameters of a URL that carry a secret (a registry's `?api_key=`, a token)
+SECRET_PARAMS = r"(?:api[_-]?key|api[_-]?secret|access[_-]?token|token|secret|password|passwd|key)"
+
+
 def redact_dsn(dsn: str) -> str:
-    """Hide the password of a URI or key=value DSN."""
-    dsn = re.sub(r"(://[^:/@]*:)[^/?#]*@", r"\1***@", dsn)  # user may be empty; to the last @
+    """Hide the password of a URI or key=value DSN, a secret query parameter of a URL, and
+    an http(s) URL's bare user part (a registry's API key given as `https://KEY@host`)."""
+    # user may be empty; to the last @ (an unencoded / or @ in the password stays hidden)
+    dsn = re.sub(r"(://[^:/@?#]*:).*@", r"\1***@", dsn)
+    dsn = re.sub(r"^(https?://)[^:/@?#]+@", r"\1***@", dsn)
+    dsn = re.sub(r"([?&;]" + SECRET_PARAMS + r"=)[^&;#\s]*", r"\1***", dsn, flags=re.I)
     # key=value: a quoted password may hold spaces and escaped quotes
     return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn)
 

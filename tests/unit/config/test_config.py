@@ -96,6 +96,9 @@ def test_env_interpolation_and_missing_variable() -> None:
 def test_redact_dsn_forms() -> None:
     assert redact_dsn("postgresql://u:pw@h:5/db") == "postgresql://u:***@h:5/db"
     assert "pw" not in redact_dsn("host=h password=pw user=u")
+    # what is no secret stays readable: a PostgreSQL user, a registry's plain URL
+    assert redact_dsn("postgresql://u@h:5/db") == "postgresql://u@h:5/db"
+    assert redact_dsn("http://registry:8081/?a=1") == "http://registry:8081/?a=1"
 
 
 @pytest.mark.parametrize("dsn, secret", [
@@ -103,6 +106,10 @@ def test_redact_dsn_forms() -> None:
     ("password='a\\'b c' user=u", "b c"),                 # escaped quote inside
     ("postgresql://:s3cret@h/db", "s3cret"),               # empty user
     ("postgresql://u:p@ss@h/db", "ss"),                    # unencoded @ in the password
+    ("https://u:pa/ss@registry:8081", "pa/ss"),            # unencoded / in the password
+    ("https://APIKEY123@registry:8081", "APIKEY123"),      # an API key as the user part
+    ("https://registry:8081/?api_key=SECRET9", "SECRET9"),  # a secret query parameter
+    ("http://r:8081/x?a=1&access_token=TOK7", "TOK7"),
 ])
 def test_redact_dsn_hides_the_whole_password(dsn: str, secret: str) -> None:
     out = redact_dsn(dsn)
