@@ -267,6 +267,8 @@ class KafkaTopicSink(KafkaTransaction):
         refused: dict[tuple[str, int, int], NotProduced] = {}
         why = ""  # why the last pass's transaction was aborted
         attempt = idle = 0  # passes; passes that found no new refused record
+        # the last pass met a record out of source order in the unsorted read (`_unsorted`)
+        resorted = False
         while True:
             attempt += 1
             began_ms = int(time.time() * 1000)
@@ -291,6 +293,11 @@ class KafkaTopicSink(KafkaTransaction):
                        f"{self._failed[0].reason}")
             except PassAborted as e:  # abortable with no record refused (so far)
                 why = e.reason
+            except _OutOfOrder as e:  # at most once: the next passes read sorted
+                log.warning("batch %d: %s; producing the batch again from the stage read "
+                            "sorted", batch.batch_id, e)
+                self._unsorted = None
+                resorted = True
             if self._open_txn:
                 self._abort(batch)
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
@@ -305,6 +312,8 @@ class KafkaTopicSink(KafkaTransaction):
                 log.warning("batch %d: the broker refused %d records of %s for themselves "
                             "(pass %d); producing the batch again without them",
                             batch.batch_id, len(refused), topic, attempt)
+            elif resorted:  # not a failed pass: the stage is read another way
+                resorted = False
             else:
                 idle += 1
                 if idle >= MAX_PASSES:
@@ -376,28 +385,11 @@ class KafkaTopicSink(KafkaTransaction):
         what the topic can never take is left out, checked before producing (the size
         limit, a keyless record for a compacted topic, a timestamp outside `bounds` when
         some are) or refused by the broker in an earlier pass (`refused`). Read from the
-        parts unsorted (`_unsorted`) unless a record comes out of source order: then that
-        transaction is aborted and this pass and the next read the stage sorted."""
-        if self._unsorted is not None:
-            try:
-                return self._produce_records(cur, batch, topic, partitions, limit, largest,
-                                             bounds, refused)
-            except _OutOfOrder as e:
-                log.warning("batch %d: %s; producing the batch again from the stage read "
-                            "sorted", batch.batch_id, e)
-                self._unsorted = None
-                self._abort(batch)
-                assert self._producer is not None
-                self._producer.poll(0)  # the purged messages' reports
-        return self._produce_records(cur, batch, topic, partitions, limit, largest, bounds,
-                                     refused)
-
-    def _produce_records(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
-                         partitions: int, limit: int, largest: int,
-                         bounds: tuple[int, int] | None,
-                         refused: dict[tuple[str, int, int], NotProduced]
-                         ) -> tuple[int, list[NotProduced]]:
-        """`_produce_stage`'s pass, from the query `_unsorted` says."""
+        parts unsorted (`_unsorted`) when set; a record out of source order there raises
+        `_OutOfOrder`, and `_write` ends that pass as any aborted one (the transaction
+        aborted, the records the broker refused in it kept, a new producer: neither the
+        purged records' reports nor a sequence number the refused ones spent reach the
+        next pass) and the next passes read the stage sorted."""
         p = self._producer
         assert p is not None
         near = limit - NEAR_LIMIT_BYTES
@@ -575,7 +567,7 @@ class _NotProducible(Exception):
 
 class _OutOfOrder(Exception):
     """The unsorted read of the stage parts gave a record before an earlier offset of its
-    partition (`KafkaTopicSink._produce_stage` reads it sorted instead)."""
+    partition: `KafkaTopicSink._write` aborts that pass and reads the stage sorted."""
 
 
 def committed_offsets(batch: Batch, group: str, found: Sequence[KTopicPartition]

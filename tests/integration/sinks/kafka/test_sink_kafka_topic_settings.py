@@ -11,6 +11,7 @@ test_sink_kafka_cluster.py.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -353,3 +354,82 @@ def test_too_many_refused_records_of_a_replay_name_its_side_topic(
     assert f"not produced to {side}" in msg and "too many to record" in msg, msg
     assert f"not produced to {out}" not in msg, msg
     assert read_topic(kafka_bootstrap, side) == []
+
+
+def test_a_record_refused_last_in_its_partition_then_a_stage_read_out_of_order_commits(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The unsorted stage read's pass sends a record the broker refuses, the last of its
+    output partition in that pass (no later request there fails out of order, so the abort
+    bumps no epoch), and then meets a record out of source order (here forced: the last two
+    segments swapped): the transaction is aborted and the sorted pass follows in the same
+    commit. It must start from a new producer, as every pass after an aborted one does
+    (`_reopen`), else its first request to that partition skips a sequence number. The
+    batch commits with the refused record a dead letter and every other record once."""
+    import offsetflow.sinks.kafka.sink as sink_module
+
+    real = sink_module.segments
+
+    def late_swap(*args: Any) -> Any:
+        got = real(*args)
+        return None if got is None else [*got[:-2], got[-1], got[-2]]
+
+    monkeypatch.setattr(sink_module, "segments", late_swap)
+    sinks: list[Any] = []
+    real_segments = sink_module.KafkaTopicSink._segments
+
+    def keep(self: Any, *args: Any) -> Any:
+        sinks.append(self)
+        return real_segments(self, *args)
+
+    real_prefetched = sink_module.prefetched
+
+    def delivered_before_the_surprise(*args: Any, **kw: Any) -> Any:
+        """The stage's rows as read, but every record produced before the first one out of
+        order is delivered (or refused) first: the refused record has spent its sequence
+        number when the pass is aborted."""
+        last: dict[tuple[str, int], int] = {}
+        for chunk in real_prefetched(*args, **kw):
+            held: list[Any] = []
+            for row in chunk:
+                if row[2] < last.get((row[0], row[1]), -1):
+                    yield held
+                    held = []
+                    sinks[-1]._producer.flush(30)
+                last[(row[0], row[1])] = row[2]
+                held.append(row)
+            yield held
+
+    monkeypatch.setattr(sink_module.KafkaTopicSink, "_segments", keep)
+    monkeypatch.setattr(sink_module, "prefetched", delivered_before_the_surprise)
+    src = make_topic("kmo-src", 2)
+    out = make_topic("kmo-out", 2, {"max.message.bytes": "2000"})
+    small = [(0, f"k{i}".encode(), f"{i:05d}".encode() * 40, 0) for i in range(10)]
+    bulk = [(1, f"b{i}".encode(), f"{i:06d}".encode() * 4, 0) for i in range(600)]
+    coords = produce(kafka_bootstrap, src,
+                     [*small, (0, b"noise", os.urandom(3000), 0), *bulk])
+    name = f"kmo_{unique}"
+    raw: dict[str, Any] = {
+        "name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
+        "source": {"topics": [src]}, "format": {"type": "raw"},
+        "sink": {"type": "kafka", "connection": pg_dsn, "topic": out, "value_format": "raw",
+                 "partitioning": "source", "producer": {"compression.type": "lz4"}},
+        "spark": {"master": "local[2]", "max_offsets_per_task": 500},
+        "bad_records": "dead_letter", "dead_letter_table": f"{name}_dead"}
+    cfg = parse_pipeline(raw, f"<test {name}>", {})
+    with caplog.at_level(logging.WARNING, logger="offsetflow.sinks.kafka.sink"):
+        res = run_batch(spark, cfg, planned(cfg, pg_dsn), pg_dsn).result
+    assert (res.status, res.rows_written, res.bad_records) == ("committed", 610, 1), res
+    assert "producing the batch again from the stage read sorted" in caplog.text
+    # no pass is lost to the aborted transaction's leftovers (its purged records' reports,
+    # a skipped sequence number): each such pass counts against MAX_PASSES
+    assert "failed with no record refused" not in caplog.text, caplog.text
+    got = read_topic(kafka_bootstrap, out)
+    assert sorted(r.value or b"" for r in got) == sorted(
+        v for _, _, v, _ in [*small, *bulk])
+    for part in (0, 1):
+        offsets = [r.source[2] for r in sorted(got, key=lambda r: r.offset)
+                   if r.partition == part]
+        assert offsets == sorted(offsets), part
+    dead = dead_letters(pg_dsn, f"{name}_dead", name)
+    assert [(d.topic, d.partition, d.offset) for d in dead] == [(src, *coords[10])]
