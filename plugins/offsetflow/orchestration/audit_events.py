@@ -62,7 +62,7 @@ def emit_in_airflow(cfg: PipelineConfig, published: Mapping[str, Any]) -> str:
     /api/v2/assets/events` does; the asset is created when Airflow does not know it yet
     (no publish task has emitted for this table). Returns what happened."""
     from airflow.assets.manager import asset_manager
-    from airflow.models.asset import AssetModel
+    from airflow.models.asset import AssetActive, AssetModel
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
@@ -71,9 +71,10 @@ def emit_in_airflow(cfg: PipelineConfig, published: Mapping[str, Any]) -> str:
     with create_session() as session:
         model = session.scalar(select(AssetModel).where(AssetModel.uri == uri,
                                                         AssetModel.name == uri).limit(1))
-        if model is None:
+        if model is None:  # as the scheduler would: known and active (listed by the API)
             model = AssetModel(name=uri, uri=uri)
             session.add(model)
+            session.add(AssetActive.for_asset(model))
             session.flush()
         event = asset_manager.register_asset_change(
             asset=model, extra=extra,
@@ -89,7 +90,7 @@ def emit_via_api(api: Any, cfg: PipelineConfig, published: Mapping[str, Any]) ->
     by URI, then `POST /api/v2/assets/events`. The REST API cannot create an asset: one
     Airflow does not know yet is an error naming it."""
     uri = target_uri(cfg, published)
-    found = api.call("GET", "/api/v2/assets?limit=100&uri_pattern="
+    found = api.call("GET", "/api/v2/assets?limit=100&only_active=false&uri_pattern="
                      + urllib.parse.quote(uri, safe=""))
     ids = [a["id"] for a in (found or {}).get("assets", []) if a.get("uri") == uri]
     if not ids:

@@ -31,7 +31,14 @@ from offsetflow.cli.airflow_api import request
 from offsetflow.cli.commands import main as offsetflow_cli
 from offsetflow.config import load_pipeline
 from offsetflow.ledger import Ledger
-from offsetflow.ops import kafka_for, plan_window, run_batches, run_until_caught_up, submit_window
+from offsetflow.ops import (
+    kafka_for,
+    plan_window,
+    run_batches,
+    run_until_caught_up,
+    show_audit,
+    submit_window,
+)
 from offsetflow.orchestration.assets import target_uris
 from offsetflow.orchestration.observe import batch_lineage
 from offsetflow.plan import parse_request
@@ -63,7 +70,7 @@ def api_server(tmp_path_factory: pytest.TempPathFactory, airflow_test_env: dict[
 def asset_events(token: str, uri: str) -> list[dict[str, Any]]:
     """Airflow's Asset events of `uri`, through its REST API (none when it knows no such
     asset)."""
-    found = request("GET", f"{URL}/api/v2/assets?uri_pattern="
+    found = request("GET", f"{URL}/api/v2/assets?only_active=false&uri_pattern="
                     f"{urllib.parse.quote(uri, safe='')}", token=token)
     ids = [a["id"] for a in found["assets"] if a["uri"] == uri]
     if not ids:
@@ -73,7 +80,8 @@ def asset_events(token: str, uri: str) -> list[dict[str, Any]]:
 
 
 def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
-        api_server: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
+        api_server: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     topic = f"uiaudit-{uuid.uuid4().hex[:8]}"
@@ -167,11 +175,29 @@ def test_audit_page_shows_the_diff_and_publishes_through_the_ui(
     assert ev["run"]["facets"]["offsetflow_batch"]["batches"][0]["batch_id"] == audit_id
 
     # publishing again (the CLI, with Airflow's REST API at hand) changes and emits nothing
-    os.environ["OFFSETFLOW_AIRFLOW_TOKEN"] = token
-    try:
-        assert offsetflow_cli(["audit", "publish", str(audit_id), "--pipeline-file", str(f),
-                               "--airflow-url", URL]) == 0
-    finally:
-        del os.environ["OFFSETFLOW_AIRFLOW_TOKEN"]
+    def cli_publish(audit: int) -> str:
+        os.environ["OFFSETFLOW_AIRFLOW_TOKEN"] = token
+        try:
+            assert offsetflow_cli(["--dsn", pg_dsn, "audit", "publish", str(audit),
+                                   "--pipeline-file", str(f), "--airflow-url", URL]) == 0
+        finally:
+            del os.environ["OFFSETFLOW_AIRFLOW_TOKEN"]
+        out = capsys.readouterr()
+        return out.out + out.err
+
+    assert "already published" in cli_publish(audit_id)
     assert len(asset_events(token, uri)) == 1
+
+    # the CLI's own publish sends its event through the REST API
+    req = parse_request("replay", {"pipeline": name, "from_offset": 10, "until_offset": 20,
+                                   "audit": True})
+    with Ledger(pg_dsn) as ledger:
+        [second] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req),
+                                 "test")
+    run_batches(cfg, pg_dsn, [second], spark)
+    show_audit(cfg, pg_dsn, second)
+    said = cli_publish(second)
+    assert "asset event" in said and "not sent" not in said, said
+    events = asset_events(token, uri)
+    assert [e["extra"]["audit_id"] for e in events] == [audit_id, second]
     admin.delete_topics([topic])
