@@ -15,6 +15,7 @@ returned as a message for the caller to report, never raised (the data is not ro
 from __future__ import annotations
 
 import logging
+import os
 import urllib.parse
 import uuid
 from collections.abc import Mapping
@@ -105,8 +106,6 @@ def emit_via_api(api: Any, cfg: PipelineConfig, published: Mapping[str, Any]) ->
 def openlineage_configured() -> bool:
     """An OpenLineage transport is set (Airflow's [openlineage] section, or the client's
     own OPENLINEAGE_URL / OPENLINEAGE_CONFIG) and OpenLineage is not disabled."""
-    import os
-
     try:
         from airflow.providers.openlineage import conf as ol_conf
     except ImportError:
