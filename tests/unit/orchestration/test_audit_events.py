@@ -46,3 +46,12 @@ def test_an_event_that_cannot_be_sent_is_reported_not_raised() -> None:
     notes = report_publish(CFG, PUBLISHED, no_asset="no --airflow-url given")
     assert notes[0] == ("audit 7 is published (committed), but its Airflow asset event was "
                         "not sent: no --airflow-url given")
+
+
+def test_an_unreachable_airflow_is_said_and_the_publish_stands() -> None:
+    from offsetflow.cli.airflow_api import AirflowApi
+
+    notes = report_publish(CFG, PUBLISHED, AirflowApi("http://127.0.0.1:9", "token"))
+    assert "Airflow asset event was not sent" in notes[0]
+    assert "cannot reach Airflow's API server" in notes[0]
+    assert notes[0].startswith("audit 7 is published (committed)")
