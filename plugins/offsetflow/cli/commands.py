@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from offsetflow.cli.common import dsn_of, pipeline_of
 from offsetflow.cli.console import setup_logging
@@ -233,11 +234,36 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"audit {res['audit_id']}: " + (
             f"published {res['rows']} rows into {res['target_table']}" if res["changed"]
             else "already published; nothing to do"))
+        if res["changed"]:
+            publish_events(args, cfg, res)
         return 0
     res = discard_audit(cfg, dsn, args.audit_id, by=by, reason=args.reason)
     print(f"audit {res['audit_id']}: " + ("discarded (shadow dropped, live table untouched)"
                                           if res["changed"] else "already discarded"))
     return 0
+
+
+def publish_events(args: argparse.Namespace, cfg: Any, res: dict[str, Any]) -> None:
+    """After a publish that changed something: the target's Asset event through Airflow's
+    REST API (with --airflow-url or OFFSETFLOW_AIRFLOW_URL) and the OpenLineage event (when
+    a transport is configured). Best effort: the publish has committed; what could not be
+    sent is said on stderr."""
+    import os
+
+    from offsetflow.cli.airflow_api import connect
+    from offsetflow.orchestration.audit_events import report_publish
+
+    api, why = None, None
+    if args.airflow_url or os.environ.get("OFFSETFLOW_AIRFLOW_URL"):
+        try:
+            api = connect(args.airflow_url)
+        except OffsetFlowError as e:
+            why = str(e)
+    else:
+        why = "no --airflow-url (nor OFFSETFLOW_AIRFLOW_URL) given"
+    for note in report_publish(cfg, res, api, no_asset=why):
+        print(f"audit {res['audit_id']}: {note}",
+              file=sys.stderr if "not sent" in note else sys.stdout)
 
 
 def version() -> str:
@@ -428,6 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             sp.add_argument("--reason", help=REASON)
         if verb == "publish":
+            sp.add_argument("--airflow-url",
+                            help="Airflow's API server to send the target table's Asset "
+                                 "event to (default: OFFSETFLOW_AIRFLOW_URL; credentials as "
+                                 "for backfill); without it no Asset event is sent")
             sp.add_argument("--if-within", type=int, metavar="N",
                             help="publish only if the diff adds, removes and changes at most "
                                  "N rows in all and the quality suite (if any) passed; else "

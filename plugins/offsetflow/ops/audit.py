@@ -268,8 +268,20 @@ def publish_audit(cfg: PipelineConfig, dsn: str, audit_or_batch_id: int, by: str
         _transition(cur, audit, "published", by, reason, closed_by=by, closed_at=_now(cur),
                     reason=reason)
     log.info("audit %d published: %d rows into %s", audit.audit_id, rows, audit.target_table)
+    # what the Asset and OpenLineage events of the publish carry (only on this first,
+    # changing publish: a rerun returns changed False above and emits nothing)
     return {"audit_id": audit.audit_id, "status": "published", "changed": True, "rows": rows,
-            "target_table": audit.target_table}
+            "target_table": audit.target_table, "pipeline": audit.pipeline,
+            "kind": audit.kind, "window": [dict(r) for r in audit.ranges],
+            "batches": [published_figures(b, audit.target_table) for b in batches]}
+
+
+def published_figures(b: Batch, target_table: str) -> dict[str, Any]:
+    """A batch of a published audit as a publish task reports one (`assets.batch_extra`):
+    now written into the live `target_table`."""
+    return {"batch_id": b.batch_id, "kind": b.kind, "rows_written": b.rows_written,
+            "records_read": b.records_read, "bad_records": b.bad_records,
+            "target_table": target_table, "ranges": window_ranges_json(b.ranges)}
 
 
 def discard_audit(cfg: PipelineConfig, dsn: str, audit_or_batch_id: int, by: str = "cli",

@@ -407,6 +407,12 @@ def audit_page(user: Any, pipeline: str, audit_id: int, action: str | None = Non
             res = act(cfg, cfg.sink.connection, audit_id, by=by, reason="Airflow UI")
             message = (f"audit {audit_id} {res['status']}" if res["changed"]
                        else f"audit {audit_id} was {res['status']} already")
+            if action == "publish":  # its rows are live now: the Asset and lineage events
+                from offsetflow.orchestration.audit_events import report_publish
+
+                failed = [n for n in report_publish(cfg, res) if "not sent" in n]
+                if failed:
+                    message += " (" + "; ".join(_clean(n, cfg) or "" for n in failed) + ")"
         out = show_audit(cfg, cfg.sink.connection, audit_id, by=by)
     except OffsetFlowError as e:
         message, error, status = _clean(str(e), cfg), True, 409

@@ -178,8 +178,13 @@ def test_audit_stages_beside_live_diffs_and_publishes_like_a_direct_replay(
     assert out["status"] == "audited" and out["audited_by"] == "alice"
 
     res = publish_audit(pair.a, pair.dsn, audit_id, by="bob", reason="fix amounts")
-    assert res == {"audit_id": audit_id, "status": "published", "changed": True, "rows": 79,
-                   "target_table": pair.a.sink.table}
+    assert {k: res[k] for k in ("audit_id", "status", "changed", "rows", "target_table")} == {
+        "audit_id": audit_id, "status": "published", "changed": True, "rows": 79,
+        "target_table": pair.a.sink.table}
+    # what the publish's Asset and OpenLineage events carry: the window and its batches
+    assert res["kind"] == "replay" and res["window"]
+    assert sum(b["rows_written"] for b in res["batches"]) == 79
+    assert {b["target_table"] for b in res["batches"]} == {pair.a.sink.table}
     assert pair.rows(pair.a) == pair.rows(pair.b)  # what the direct replay made, row by row
     assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
     assert not pair.exists(shadow)
