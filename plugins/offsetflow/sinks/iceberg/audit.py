@@ -177,6 +177,20 @@ def published_on_main(table: Table, audit_id: int, pipeline: str, ledger: str | 
     return False
 
 
+def refuse_published(table: Table, audit_id: int, pipeline: str, ledger: str | None,
+                     audit: Mapping[str, Any], doing: str) -> None:
+    """A publish whose catalog commit reached main but whose ledger transaction did not
+    commit (killed between them) leaves the audit `audited`: refused for anything but the
+    publish that finishes it (a discard would say the live table was left as it was)."""
+    staged = audit.get("shadow_digest")
+    if published_on_main(table, audit_id, pipeline, ledger, int(staged) if staged else None):
+        raise AuditStateError(
+            f"audit {audit_id}: an earlier publish reached main of Iceberg table "
+            f"{'.'.join(table.name())} (it stopped before the ledger recorded it), so it "
+            f"cannot be {doing}; run `offsetflow audit publish {audit_id}` to finish it (to "
+            f"undo it then, replay the window again)")
+
+
 def is_ancestor(table: Table, snapshot_id: int | None, of: Snapshot) -> bool:
     from pyiceberg.table.snapshots import ancestors_of
 

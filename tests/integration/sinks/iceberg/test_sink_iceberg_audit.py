@@ -335,3 +335,34 @@ def test_publish_stopped_at_every_step_then_rerun_publishes_once(
     assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
     assert pair.branches(pair.a) == set()
     assert [h["status"] for h in pair.audit_row(audit_id)["history"]].count("published") == 1
+
+
+def test_discard_after_a_publish_that_reached_main_is_refused(
+        pair: Pair, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish stopped after its catalog commit (a kill: the ledger's transaction rolls
+    back) leaves main published and the audit `audited`: a discard then must not say the
+    live table was left as it was (it holds the window); the rerun publish finishes it."""
+    lo, hi = 40, 45
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)  # main not moved: the fast-forward
+
+    def die(*_: Any, **__: Any) -> Any:
+        raise Died
+
+    with monkeypatch.context() as m:
+        m.setattr(auditing, "publish_dead_letters", die)
+        with pytest.raises(Died):
+            publish_audit(pair.a, pair.dsn, audit_id)
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    assert pair.rows(pair.a) == pair.rows(pair.b)  # main holds the window already
+    with pytest.raises(AuditStateError, match=rf"audit {audit_id}.*reached main.*"
+                                              rf"audit publish {audit_id}"):
+        discard_audit(pair.a, pair.dsn, audit_id)
+    with pytest.raises(AuditStateError, match=r"reached main"):
+        show_audit(pair.a, pair.dsn, audit_id, refresh=True)
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    assert publish_audit(pair.a, pair.dsn, audit_id)["changed"] is True
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+
