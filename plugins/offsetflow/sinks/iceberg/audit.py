@@ -199,6 +199,19 @@ def is_ancestor(table: Table, snapshot_id: int | None, of: Snapshot) -> bool:
     return any(s.snapshot_id == snapshot_id for s in ancestors_of(of, table.metadata))
 
 
+def missing_batches(table: Table, head: Snapshot, batches: Sequence[Batch],
+                    ledger: str | None) -> list[int]:
+    """The window's batches with no snapshot in the branch head's history."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    found: set[int] = set()
+    for snap in ancestors_of(head, table.metadata):
+        props = snap.summary.additional_properties if snap.summary else {}
+        found |= {b.batch_id for b in batches
+                  if summary_batch(props, b.pipeline, b.batch_id, ledger) is not None}
+    return [b.batch_id for b in batches if b.batch_id not in found]
+
+
 def staged_files(table: Table, head: Snapshot, batches: Sequence[Batch], ledger: str | None
                  ) -> list[DataFile]:
     """The data files the window's batches appended on the branch that its head still
@@ -258,6 +271,20 @@ def publish_branch(table: Table, audit_id: int, pipeline: str, branch: str,
                 f"coordinates changed since the diff (another replay or backfill committed "
                 f"there); nothing is published. Run `offsetflow audit show {audit_id} "
                 f"--refresh` to diff against main as it is now, then publish")
+        # whichever way it goes: the branch holds every batch of the window (a branch
+        # removed by hand and cut again by a later batch lacks the earlier ones)
+        files = staged_files(table, head, batches, ledger)
+        missing = missing_batches(table, head, batches, ledger)
+        rows = sum(int(f.record_count) for f in files)
+        want = sum(int(b.rows_written or 0) for b in batches)
+        if missing or rows != want:
+            raise AuditStateError(
+                f"audit {audit_id}: the branch {branch} of {name} holds {rows} staged rows "
+                f"of the window's batches, but they committed {want} there"
+                + (f" (batches {', '.join(map(str, missing))} have no snapshot on the "
+                   f"branch: it was removed and cut again)" if missing else "")
+                + "; nothing is published. Discard the audit and run the window with "
+                  "--audit again")
         no_rebase(table)
         txn = table.transaction()
         if main is not None and is_ancestor(table, main.snapshot_id, head):
@@ -268,14 +295,6 @@ def publish_branch(table: Table, audit_id: int, pipeline: str, branch: str,
             ms.commit()
         else:
             how = "replay"
-            files = staged_files(table, head, batches, ledger)
-            rows = sum(int(f.record_count) for f in files)
-            want = sum(int(b.rows_written or 0) for b in batches)
-            if rows != want:
-                raise AuditStateError(
-                    f"audit {audit_id}: the branch {branch} of {name} holds {rows} staged "
-                    f"rows of the window's batches, but they committed {want} there; nothing "
-                    f"is published. Discard the audit and run the window with --audit again")
             summary = {SUMMARY_PIPELINE: pipeline, SUMMARY_KIND: PUBLISH_KIND,
                        SUMMARY_AUDIT: str(audit_id),
                        SUMMARY_AUDIT_BATCHES: ",".join(str(b.batch_id) for b in batches)}

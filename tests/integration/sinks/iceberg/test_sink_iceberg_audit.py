@@ -366,3 +366,31 @@ def test_discard_after_a_publish_that_reached_main_is_refused(
     assert publish_audit(pair.a, pair.dsn, audit_id)["changed"] is True
     assert pair.rows(pair.a) == pair.rows(pair.b)
 
+
+def test_branch_removed_by_hand_between_the_window_batches_is_not_published(
+        pair: Pair, spark: Any) -> None:
+    """The branch removed by hand after the window's first batch committed on it: the next
+    batch cuts a new branch from main, without the first batch's rows. Publishing that
+    (a fast-forward: main did not move) would mark the first batch published while main
+    lacks its rows: refused, whatever way the publish would go."""
+    lo, hi = 30, 40
+    pair.damage(lo, hi)
+    req = parse_request("replay", {"pipeline": pair.a.name, "topic": pair.topic,
+                                   "from_offset": lo, "until_offset": hi, "audit": True,
+                                   "records_per_batch": 10})
+    with Ledger(pair.dsn) as ledger:
+        ids = submit_window(pair.a, ledger, plan_window(pair.a, ledger, kafka_for(pair.a),
+                                                        req), "test")
+    assert len(ids) >= 2
+    run_batches(pair.a, pair.dsn, ids[:1], spark)
+    t = pair.table(pair.a)
+    [branch] = pair.branches(pair.a)
+    t.manage_snapshots().remove_branch(branch).commit()  # by hand
+    run_batches(pair.a, pair.dsn, ids[1:], spark)
+    show_audit(pair.a, pair.dsn, ids[0])
+    before = pair.rows(pair.a)
+    with pytest.raises(AuditStateError,
+                       match=rf"batches {ids[0]}.* have no snapshot on the branch"):
+        publish_audit(pair.a, pair.dsn, ids[0])
+    assert pair.rows(pair.a) == before
+    discard_audit(pair.a, pair.dsn, ids[0])
