@@ -394,3 +394,25 @@ def test_branch_removed_by_hand_between_the_window_batches_is_not_published(
         publish_audit(pair.a, pair.dsn, ids[0])
     assert pair.rows(pair.a) == before
     discard_audit(pair.a, pair.dsn, ids[0])
+
+
+def test_a_window_of_several_batches_publishes_what_a_direct_replay_makes(
+        pair: Pair, spark: Any) -> None:
+    """Each batch of the window deletes and appends on the branch as its earlier batches
+    left it (not as main is): the fast-forward then equals the direct replay."""
+    lo, hi = 45, 50
+    pair.damage(lo, hi)
+    ids = {}
+    for cfg, audit in ((pair.b, False), (pair.a, True)):
+        req = parse_request("replay", {"pipeline": cfg.name, "topic": pair.topic,
+                                       "from_offset": lo, "until_offset": hi,
+                                       "audit": audit, "records_per_batch": 4})
+        with Ledger(pair.dsn) as ledger:
+            ids[audit] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg),
+                                                                req), "test")
+        run_batches(cfg, pair.dsn, ids[audit], spark)
+    assert len(ids[True]) >= 3
+    staged = show_audit(pair.a, pair.dsn, ids[True][0])["diff"]["shadow_digest"]
+    publish_audit(pair.a, pair.dsn, ids[True][0])
+    assert pair.table(pair.a).current_snapshot().snapshot_id == int(staged)
+    assert pair.rows(pair.a) == pair.rows(pair.b)
