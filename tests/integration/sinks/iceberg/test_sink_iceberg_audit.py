@@ -416,3 +416,31 @@ def test_a_window_of_several_batches_publishes_what_a_direct_replay_makes(
     publish_audit(pair.a, pair.dsn, ids[True][0])
     assert pair.table(pair.a).current_snapshot().snapshot_id == int(staged)
     assert pair.rows(pair.a) == pair.rows(pair.b)
+
+
+def test_a_window_change_between_the_check_and_the_commit_is_refused(
+        pair: Pair, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer commits on main at the window's coordinates after publish checked
+    main's digest and before its catalog commit: the commit asserts the main it checked,
+    so it conflicts, and the look again refuses; nothing is published."""
+    lo, hi = 5, 10
+    pair.damage(lo, hi)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)
+    real = auditing.no_rebase
+    raced: list[int] = []
+
+    def race(table: Any) -> None:  # right before publish builds its commit
+        if not raced:
+            other = pair.table(pair.a)
+            other.delete(ex.And(ex.EqualTo("partition", 0), ex.EqualTo("offset", hi - 1)))
+            raced.append(other.current_snapshot().snapshot_id)
+        real(table)
+
+    monkeypatch.setattr(auditing, "no_rebase", race)
+    with pytest.raises(AuditConflictError, match=r"changed since the diff"):
+        publish_audit(pair.a, pair.dsn, audit_id)
+    assert raced and pair.table(pair.a).current_snapshot().snapshot_id == raced[0]
+    assert pair.branches(pair.a) == {f"audit-{audit_id}"}
+    monkeypatch.undo()
+    discard_audit(pair.a, pair.dsn, audit_id)
