@@ -444,3 +444,53 @@ def test_a_window_change_between_the_check_and_the_commit_is_refused(
     assert pair.branches(pair.a) == {f"audit-{audit_id}"}
     monkeypatch.undo()
     discard_audit(pair.a, pair.dsn, audit_id)
+    pair.table(pair.b).delete(ex.And(ex.EqualTo("partition", 0), ex.EqualTo("offset", hi - 1)))
+
+
+KILL_PUBLISH = """
+import os, signal, sys
+from offsetflow.config import load_pipeline
+from offsetflow.ops import publish_audit
+from offsetflow.sinks.iceberg import audit, auditing
+
+def kill(*_a, **_kw):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+setattr(audit if sys.argv[3] == "remove_branch" else auditing, sys.argv[3], kill)
+publish_audit(load_pipeline(sys.argv[1]), sys.argv[2], int(sys.argv[4]))
+"""
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["replay-like", "fast-forward"])
+def test_publish_sigkilled_after_its_catalog_commit_then_rerun_publishes_once(
+        pair: Pair, spark: Any, moved: bool) -> None:
+    """A real SIGKILL of the publishing process (its ledger connection dies with the audit
+    row locked) after the catalog commit: the rerun finds the publish on main and finishes
+    the ledger's part, once."""
+    import signal
+    import subprocess
+    import sys
+
+    lo, hi = (10, 15) if moved else (25, 30)
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    if moved:
+        pair.live(spark, 2, 10_300)
+    staged = show_audit(pair.a, pair.dsn, audit_id)["diff"]["shadow_digest"]
+    step = "remove_branch" if moved else "publish_dead_letters"
+    proc = subprocess.run([sys.executable, "-c", KILL_PUBLISH, str(pair.files["a"]),
+                           pair.dsn, step, str(audit_id)], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    published = pair.publishes(pair.a, audit_id)  # main holds it, the ledger does not
+    if moved:
+        assert published >= 1
+    else:
+        assert pair.table(pair.a).current_snapshot().snapshot_id == int(staged)
+    res = publish_audit(pair.a, pair.dsn, audit_id)
+    assert res["changed"] is True
+    assert pair.publishes(pair.a, audit_id) == published
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+    assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
+    assert pair.branches(pair.a) == set()
