@@ -494,3 +494,25 @@ def test_publish_sigkilled_after_its_catalog_commit_then_rerun_publishes_once(
     assert pair.rows(pair.a) == pair.rows(pair.b)
     assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
     assert pair.branches(pair.a) == set()
+
+
+def test_maintenance_between_staging_and_publish_keeps_what_publish_needs(
+        pair: Pair, spark: Any) -> None:
+    """`offsetflow maintenance` at its most eager (every snapshot older than now expired,
+    every unreferenced file swept) while a window is staged and main moved on: publish
+    (replay-like, reading the staged files back along the branch) still makes what a
+    direct replay makes. Last in the module: it cuts main's history short."""
+    from offsetflow.sinks.iceberg import maint
+
+    lo, hi = 55, 60
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    pair.live(spark, 2, 10_500)
+    show_audit(pair.a, pair.dsn, audit_id)
+    assert maint.main(["--pipeline-file", str(pair.files["a"]), "--dsn", pair.dsn,
+                       "--orphans-older-than-hours", "0",
+                       "--expire-snapshots-older-than-days", "0"]) == 0
+    assert publish_audit(pair.a, pair.dsn, audit_id)["changed"] is True
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+    assert pair.branches(pair.a) == set()
