@@ -177,12 +177,39 @@ def published_on_main(table: Table, audit_id: int, pipeline: str, ledger: str | 
     return False
 
 
+def refuse_published(table: Table, audit_id: int, pipeline: str, ledger: str | None,
+                     audit: Mapping[str, Any], doing: str) -> None:
+    """A publish whose catalog commit reached main but whose ledger transaction did not
+    commit (killed between them) leaves the audit `audited`: refused for anything but the
+    publish that finishes it (a discard would say the live table was left as it was)."""
+    staged = audit.get("shadow_digest")
+    if published_on_main(table, audit_id, pipeline, ledger, int(staged) if staged else None):
+        raise AuditStateError(
+            f"audit {audit_id}: an earlier publish reached main of Iceberg table "
+            f"{'.'.join(table.name())} (it stopped before the ledger recorded it), so it "
+            f"cannot be {doing}; run `offsetflow audit publish {audit_id}` to finish it (to "
+            f"undo it then, replay the window again)")
+
+
 def is_ancestor(table: Table, snapshot_id: int | None, of: Snapshot) -> bool:
     from pyiceberg.table.snapshots import ancestors_of
 
     if snapshot_id is None:
         return True
     return any(s.snapshot_id == snapshot_id for s in ancestors_of(of, table.metadata))
+
+
+def missing_batches(table: Table, head: Snapshot, batches: Sequence[Batch],
+                    ledger: str | None) -> list[int]:
+    """The window's batches with no snapshot in the branch head's history."""
+    from pyiceberg.table.snapshots import ancestors_of
+
+    found: set[int] = set()
+    for snap in ancestors_of(head, table.metadata):
+        props = snap.summary.additional_properties if snap.summary else {}
+        found |= {b.batch_id for b in batches
+                  if summary_batch(props, b.pipeline, b.batch_id, ledger) is not None}
+    return [b.batch_id for b in batches if b.batch_id not in found]
 
 
 def staged_files(table: Table, head: Snapshot, batches: Sequence[Batch], ledger: str | None
@@ -244,6 +271,20 @@ def publish_branch(table: Table, audit_id: int, pipeline: str, branch: str,
                 f"coordinates changed since the diff (another replay or backfill committed "
                 f"there); nothing is published. Run `offsetflow audit show {audit_id} "
                 f"--refresh` to diff against main as it is now, then publish")
+        # whichever way it goes: the branch holds every batch of the window (a branch
+        # removed by hand and cut again by a later batch lacks the earlier ones)
+        files = staged_files(table, head, batches, ledger)
+        missing = missing_batches(table, head, batches, ledger)
+        rows = sum(int(f.record_count) for f in files)
+        want = sum(int(b.rows_written or 0) for b in batches)
+        if missing or rows != want:
+            raise AuditStateError(
+                f"audit {audit_id}: the branch {branch} of {name} holds {rows} staged rows "
+                f"of the window's batches, but they committed {want} there"
+                + (f" (batches {', '.join(map(str, missing))} have no snapshot on the "
+                   f"branch: it was removed and cut again)" if missing else "")
+                + "; nothing is published. Discard the audit and run the window with "
+                  "--audit again")
         no_rebase(table)
         txn = table.transaction()
         if main is not None and is_ancestor(table, main.snapshot_id, head):
@@ -254,14 +295,6 @@ def publish_branch(table: Table, audit_id: int, pipeline: str, branch: str,
             ms.commit()
         else:
             how = "replay"
-            files = staged_files(table, head, batches, ledger)
-            rows = sum(int(f.record_count) for f in files)
-            want = sum(int(b.rows_written or 0) for b in batches)
-            if rows != want:
-                raise AuditStateError(
-                    f"audit {audit_id}: the branch {branch} of {name} holds {rows} staged "
-                    f"rows of the window's batches, but they committed {want} there; nothing "
-                    f"is published. Discard the audit and run the window with --audit again")
             summary = {SUMMARY_PIPELINE: pipeline, SUMMARY_KIND: PUBLISH_KIND,
                        SUMMARY_AUDIT: str(audit_id),
                        SUMMARY_AUDIT_BATCHES: ",".join(str(b.batch_id) for b in batches)}

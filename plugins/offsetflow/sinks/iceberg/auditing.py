@@ -32,8 +32,10 @@ from offsetflow.errors import AuditStateError, RequestError
 from offsetflow.ledger import Batch, ledger_identity, qualified
 from offsetflow.sinks.iceberg.audit import (
     audit_branch,
+    branch_head,
     diff_branch,
     publish_branch,
+    refuse_published,
     remove_branch,
 )
 from offsetflow.sinks.iceberg.commit import no_rebase, unknown_window_rows, window_filter
@@ -97,6 +99,10 @@ def audit_diff(cfg: PipelineConfig, cur: psycopg2.extensions.cursor, audit: Audi
                 f"audit {audit.audit_id}: its live Iceberg table "
                 f"{_ident(cfg, audit.target_table)} is gone (dropped or renamed); recreate "
                 f"or rename it back, or discard the audit")
+        if branch_head(table, audit_branch(audit.audit_id)) is None:  # gone: published?
+            refuse_published(table, audit.audit_id, cfg.name,
+                             ledger_identity(cur).installation_id, audit.audit or {},
+                             "diffed again")
         return diff_branch(table, audit_branch(audit.audit_id), audit.ranges)
     finally:
         sink.close()
@@ -187,6 +193,9 @@ def discard_audit(cfg: PipelineConfig, cur: psycopg2.extensions.cursor, audit: A
         except NoSuchTableError:
             table = None
         if table is not None:
+            refuse_published(table, audit.audit_id, cfg.name,
+                             ledger_identity(cur).installation_id, audit.audit or {},
+                             "discarded")
             remove_branch(table, audit_branch(audit.audit_id))
     finally:
         sink.close()

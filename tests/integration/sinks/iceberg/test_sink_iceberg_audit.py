@@ -335,3 +335,184 @@ def test_publish_stopped_at_every_step_then_rerun_publishes_once(
     assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
     assert pair.branches(pair.a) == set()
     assert [h["status"] for h in pair.audit_row(audit_id)["history"]].count("published") == 1
+
+
+def test_discard_after_a_publish_that_reached_main_is_refused(
+        pair: Pair, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish stopped after its catalog commit (a kill: the ledger's transaction rolls
+    back) leaves main published and the audit `audited`: a discard then must not say the
+    live table was left as it was (it holds the window); the rerun publish finishes it."""
+    lo, hi = 40, 45
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)  # main not moved: the fast-forward
+
+    def die(*_: Any, **__: Any) -> Any:
+        raise Died
+
+    with monkeypatch.context() as m:
+        m.setattr(auditing, "publish_dead_letters", die)
+        with pytest.raises(Died):
+            publish_audit(pair.a, pair.dsn, audit_id)
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    assert pair.rows(pair.a) == pair.rows(pair.b)  # main holds the window already
+    with pytest.raises(AuditStateError, match=rf"audit {audit_id}.*reached main.*"
+                                              rf"audit publish {audit_id}"):
+        discard_audit(pair.a, pair.dsn, audit_id)
+    with pytest.raises(AuditStateError, match=r"reached main"):
+        show_audit(pair.a, pair.dsn, audit_id, refresh=True)
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    assert publish_audit(pair.a, pair.dsn, audit_id)["changed"] is True
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+
+
+def test_branch_removed_by_hand_between_the_window_batches_is_not_published(
+        pair: Pair, spark: Any) -> None:
+    """The branch removed by hand after the window's first batch committed on it: the next
+    batch cuts a new branch from main, without the first batch's rows. Publishing that
+    (a fast-forward: main did not move) would mark the first batch published while main
+    lacks its rows: refused, whatever way the publish would go."""
+    lo, hi = 30, 40
+    pair.damage(lo, hi)
+    req = parse_request("replay", {"pipeline": pair.a.name, "topic": pair.topic,
+                                   "from_offset": lo, "until_offset": hi, "audit": True,
+                                   "records_per_batch": 10})
+    with Ledger(pair.dsn) as ledger:
+        ids = submit_window(pair.a, ledger, plan_window(pair.a, ledger, kafka_for(pair.a),
+                                                        req), "test")
+    assert len(ids) >= 2
+    run_batches(pair.a, pair.dsn, ids[:1], spark)
+    t = pair.table(pair.a)
+    [branch] = pair.branches(pair.a)
+    t.manage_snapshots().remove_branch(branch).commit()  # by hand
+    run_batches(pair.a, pair.dsn, ids[1:], spark)
+    show_audit(pair.a, pair.dsn, ids[0])
+    before = pair.rows(pair.a)
+    with pytest.raises(AuditStateError,
+                       match=rf"batches {ids[0]}.* have no snapshot on the branch"):
+        publish_audit(pair.a, pair.dsn, ids[0])
+    assert pair.rows(pair.a) == before
+    discard_audit(pair.a, pair.dsn, ids[0])
+
+
+def test_a_window_of_several_batches_publishes_what_a_direct_replay_makes(
+        pair: Pair, spark: Any) -> None:
+    """Each batch of the window deletes and appends on the branch as its earlier batches
+    left it (not as main is): the fast-forward then equals the direct replay."""
+    lo, hi = 45, 50
+    pair.damage(lo, hi)
+    ids = {}
+    for cfg, audit in ((pair.b, False), (pair.a, True)):
+        req = parse_request("replay", {"pipeline": cfg.name, "topic": pair.topic,
+                                       "from_offset": lo, "until_offset": hi,
+                                       "audit": audit, "records_per_batch": 4})
+        with Ledger(pair.dsn) as ledger:
+            ids[audit] = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg),
+                                                                req), "test")
+        run_batches(cfg, pair.dsn, ids[audit], spark)
+    assert len(ids[True]) >= 3
+    staged = show_audit(pair.a, pair.dsn, ids[True][0])["diff"]["shadow_digest"]
+    publish_audit(pair.a, pair.dsn, ids[True][0])
+    assert pair.table(pair.a).current_snapshot().snapshot_id == int(staged)
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+
+
+def test_a_window_change_between_the_check_and_the_commit_is_refused(
+        pair: Pair, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer commits on main at the window's coordinates after publish checked
+    main's digest and before its catalog commit: the commit asserts the main it checked,
+    so it conflicts, and the look again refuses; nothing is published."""
+    lo, hi = 5, 10
+    pair.damage(lo, hi)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    show_audit(pair.a, pair.dsn, audit_id)
+    real = auditing.no_rebase
+    raced: list[int] = []
+
+    def race(table: Any) -> None:  # right before publish builds its commit
+        if not raced:
+            other = pair.table(pair.a)
+            other.delete(ex.And(ex.EqualTo("partition", 0), ex.EqualTo("offset", hi - 1)))
+            raced.append(other.current_snapshot().snapshot_id)
+        real(table)
+
+    monkeypatch.setattr(auditing, "no_rebase", race)
+    with pytest.raises(AuditConflictError, match=r"changed since the diff"):
+        publish_audit(pair.a, pair.dsn, audit_id)
+    assert raced and pair.table(pair.a).current_snapshot().snapshot_id == raced[0]
+    assert pair.branches(pair.a) == {f"audit-{audit_id}"}
+    monkeypatch.undo()
+    discard_audit(pair.a, pair.dsn, audit_id)
+    pair.table(pair.b).delete(ex.And(ex.EqualTo("partition", 0), ex.EqualTo("offset", hi - 1)))
+
+
+KILL_PUBLISH = """
+import os, signal, sys
+from offsetflow.config import load_pipeline
+from offsetflow.ops import publish_audit
+from offsetflow.sinks.iceberg import audit, auditing
+
+def kill(*_a, **_kw):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+setattr(audit if sys.argv[3] == "remove_branch" else auditing, sys.argv[3], kill)
+publish_audit(load_pipeline(sys.argv[1]), sys.argv[2], int(sys.argv[4]))
+"""
+
+
+@pytest.mark.parametrize("moved", [True, False], ids=["replay-like", "fast-forward"])
+def test_publish_sigkilled_after_its_catalog_commit_then_rerun_publishes_once(
+        pair: Pair, spark: Any, moved: bool) -> None:
+    """A real SIGKILL of the publishing process (its ledger connection dies with the audit
+    row locked) after the catalog commit: the rerun finds the publish on main and finishes
+    the ledger's part, once."""
+    import signal
+    import subprocess
+    import sys
+
+    lo, hi = (10, 15) if moved else (25, 30)
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    if moved:
+        pair.live(spark, 2, 10_300)
+    staged = show_audit(pair.a, pair.dsn, audit_id)["diff"]["shadow_digest"]
+    step = "remove_branch" if moved else "publish_dead_letters"
+    proc = subprocess.run([sys.executable, "-c", KILL_PUBLISH, str(pair.files["a"]),
+                           pair.dsn, step, str(audit_id)], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert pair.audit_row(audit_id)["status"] == "audited"
+    published = pair.publishes(pair.a, audit_id)  # main holds it, the ledger does not
+    if moved:
+        assert published >= 1
+    else:
+        assert pair.table(pair.a).current_snapshot().snapshot_id == int(staged)
+    res = publish_audit(pair.a, pair.dsn, audit_id)
+    assert res["changed"] is True
+    assert pair.publishes(pair.a, audit_id) == published
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+    assert pair.dead_letters(pair.a) == pair.dead_letters(pair.b)
+    assert pair.branches(pair.a) == set()
+
+
+def test_maintenance_between_staging_and_publish_keeps_what_publish_needs(
+        pair: Pair, spark: Any) -> None:
+    """`offsetflow maintenance` at its most eager (every snapshot older than now expired,
+    every unreferenced file swept) while a window is staged and main moved on: publish
+    (replay-like, reading the staged files back along the branch) still makes what a
+    direct replay makes. Last in the module: it cuts main's history short."""
+    from offsetflow.sinks.iceberg import maint
+
+    lo, hi = 55, 60
+    pair.damage(lo, hi)
+    pair.replay(pair.b, lo, hi, spark, audit=False)
+    [audit_id] = pair.replay(pair.a, lo, hi, spark, audit=True)
+    pair.live(spark, 2, 10_500)
+    show_audit(pair.a, pair.dsn, audit_id)
+    assert maint.main(["--pipeline-file", str(pair.files["a"]), "--dsn", pair.dsn,
+                       "--orphans-older-than-hours", "0",
+                       "--expire-snapshots-older-than-days", "0"]) == 0
+    assert publish_audit(pair.a, pair.dsn, audit_id)["changed"] is True
+    assert pair.rows(pair.a) == pair.rows(pair.b)
+    assert pair.branches(pair.a) == set()

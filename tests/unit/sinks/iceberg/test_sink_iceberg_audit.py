@@ -185,3 +185,23 @@ def pa_string() -> Any:
     from pyiceberg.types import StringType
 
     return StringType()
+
+
+def test_audit_of_an_upsert_iceberg_pipeline_is_refused_before_anything_is_written(
+        ) -> None:
+    """`--audit` on an upsert Iceberg pipeline: refused when planned (a RequestError naming
+    the pipeline and the mode), before any catalog or ledger access."""
+    from offsetflow.config import parse_pipeline
+    from offsetflow.errors import RequestError
+    from offsetflow.sinks.iceberg import auditing
+
+    cfg = parse_pipeline({"name": "ups", "kafka": {"bootstrap_servers": "k:9092"},
+                          "source": {"topics": ["t"]},
+                          "format": {"type": "json", "schema": {"event_id": "string"}},
+                          "sink": {"type": "iceberg", "table": "lake.t", "mode": "upsert",
+                                   "connection": "postgresql://u:pw@h:5432/db",
+                                   "key": ["event_id"],
+                                   "catalog": {"warehouse": "file:///nowhere"}}},
+                         "f.yaml", {})
+    with pytest.raises(RequestError, match=r"pipeline ups: --audit is for sink.mode append"):
+        auditing.audit_shadows(cfg, None, "lake.t", 0)  # type: ignore[arg-type]
