@@ -123,24 +123,37 @@ def typed_columns(records: Sequence[Mapping[str, Any] | None],
     take is converted value by value with it, as the slow path does."""
     cols = []
     for name, t in schema.items():
-        if keys is None:
-            values = [None if d is None else d.get(name) for d in records]
-        else:
-            values = [k[name] if k is not None and name in k
-                      else None if d is None else d.get(name)
-                      for d, k in zip(records, keys, strict=True)]
         at = target.field(name).type
-        try:
-            col = _column(values, t, at)
-        except (pa.ArrowException, ValueError, TypeError, OverflowError):
-            col = None
-        if col is None:
-            try:
-                col = pa.array([convert(v, t) for v in values], at)
-            except (pa.ArrowException, ValueError, TypeError, OverflowError):
+        values = [None if d is None else d.get(name) for d in records]
+        if keys is not None and any(k is not None and name in k for k in keys):
+            # record by record, the value's field is converted before the key's fills
+            # its column: one that does not fit makes the record a dead letter there, so
+            # it must here too (else a record's fate would hang on its chunk neighbours)
+            if _typed(values, t, at, convert) is None:
                 return None
+            values = [k[name] if k is not None and name in k else v
+                      for v, k in zip(values, keys, strict=True)]
+        col = _typed(values, t, at, convert)
+        if col is None:
+            return None
         cols.append(col)
     return pa.Table.from_arrays(cols, schema=target)
+
+
+def _typed(values: list[Any], t: str, at: pa.DataType, convert: Callable[[Any, str], Any]
+           ) -> pa.Array | None:
+    """One column: column-wise when `_column` takes it, else value by value with
+    `convert`; None when a value does not fit."""
+    try:
+        col = _column(values, t, at)
+    except (pa.ArrowException, ValueError, TypeError, OverflowError):
+        col = None
+    if col is None:
+        try:
+            col = pa.array([convert(v, t) for v in values], at)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            return None
+    return col
 
 
 def _column(values: list[Any], t: str, at: pa.DataType) -> pa.Array | None:

@@ -299,8 +299,9 @@ def _decimals(vals: Any, valid: np.ndarray | None, n: int, f: _Field, at: pa.Dat
               ) -> pa.Array:
     """Big-endian two's complement unscaled values (Avro's bytes decimal, at the declared
     scale) as Arrow decimal128: each sign-extended into 16 little-endian bytes. Refused:
-    more than 16 bytes, more digits than the writer's precision (fastavro would round) or
-    the column's (a dead letter)."""
+    more than 16 bytes, -2**127 (Arrow's validate passes it at any precision), more
+    digits than the writer's precision (fastavro would round) or the column's (a dead
+    letter)."""
     offsets, raw = vals
     sizes = np.diff(offsets).astype(np.int64)
     m = len(sizes)
@@ -313,6 +314,10 @@ def _decimals(vals: Any, valid: np.ndarray | None, n: int, f: _Field, at: pa.Dat
         rows = np.repeat(np.arange(m), sizes)
         j = np.arange(len(raw)) - np.repeat(offsets[:-1].astype(np.int64), sizes)
         out[rows, np.repeat(sizes, sizes) - 1 - j] = raw
+    # -2**127: Arrow's precision check takes its absolute value, which overflows int128
+    # to itself (negative), so validate() passes it for every precision (pyarrow 26)
+    if np.any((out[:, 15] == 0x80) & ~out[:, :15].any(axis=1)):
+        raise _Refused
     full = out
     validity = None
     if valid is not None:
