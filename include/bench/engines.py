@@ -229,26 +229,33 @@ def spark_ddl() -> str:
     return ", ".join(f"`{k}` {types[v]}" for k, v in SCHEMA.items())
 
 
+def builtin_kafka_frame(spark: SparkSession, ds: DataSet, ctx: dict[str, Any],
+                        headers: bool = True) -> Any:
+    """Spark's built-in Kafka source over exactly the data set's ranges (read_committed),
+    in as many Spark tasks as OffsetFlow splits the ranges into: the baselines' one read."""
+    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
+    starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
+    ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
+    reader = (spark.read.format("kafka")
+              .option("kafka.bootstrap.servers", ctx["bootstrap"])
+              .option("kafka.isolation.level", "read_committed")
+              .option("subscribe", ds.topic)
+              .option("startingOffsets", json.dumps(starting))
+              .option("endingOffsets", json.dumps(ending))
+              .option("failOnDataLoss", "true")
+              .option("minPartitions", str(tasks)))
+    if headers:
+        reader = reader.option("includeHeaders", "true")
+    return reader.load()
+
+
 def builtin_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
                 ) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     create_target(ctx["dsn"], name)
-    # the same number of Spark tasks as OffsetFlow splits the ranges into
-    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
-    starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
-    ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
     t0 = time.perf_counter()
-    df = (spark.read.format("kafka")
-          .option("kafka.bootstrap.servers", ctx["bootstrap"])
-          .option("kafka.isolation.level", "read_committed")
-          .option("subscribe", ds.topic)
-          .option("startingOffsets", json.dumps(starting))
-          .option("endingOffsets", json.dumps(ending))
-          .option("includeHeaders", "true")
-          .option("failOnDataLoss", "true")
-          .option("minPartitions", str(tasks))
-          .load())
+    df = builtin_kafka_frame(spark, ds, ctx)
     parsed = df.select(
         "topic", "partition", "offset", "timestamp",
         F.col("timestampType").alias("timestamp_type"), "key", "value",

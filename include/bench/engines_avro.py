@@ -32,6 +32,7 @@ from engines import (
     BENCH_SCHEMA,
     JDBC_PACKAGE,
     KAFKA_PACKAGE,
+    builtin_kafka_frame,
     create_target,
     offsetflow_config,
     timed_batch,
@@ -40,7 +41,7 @@ from engines import (
 
 from offsetflow.commit import LINEAGE_COLUMN
 from offsetflow.config import parse_pipeline
-from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.ranges import OffsetRange
 from offsetflow.source import KafkaMetadata
 
 if TYPE_CHECKING:
@@ -176,20 +177,8 @@ def builtin_avro_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str,
     from pyspark.sql.avro.functions import from_avro
 
     create_target(ctx["dsn"], name)
-    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
-    starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
-    ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
     t0 = time.perf_counter()
-    df = (spark.read.format("kafka")
-          .option("kafka.bootstrap.servers", ctx["bootstrap"])
-          .option("kafka.isolation.level", "read_committed")
-          .option("subscribe", ds.topic)
-          .option("startingOffsets", json.dumps(starting))
-          .option("endingOffsets", json.dumps(ending))
-          .option("includeHeaders", "true")
-          .option("failOnDataLoss", "true")
-          .option("minPartitions", str(tasks))
-          .load())
+    df = builtin_kafka_frame(spark, ds, ctx)
     # the Confluent header (magic byte, 4-byte schema id) off; one fixed writer schema
     payload = F.expr("substring(value, 6, length(value) - 5)")
     parsed = df.select(

@@ -13,7 +13,6 @@ and the topic is deleted afterwards.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -22,10 +21,9 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from dataset import DataSet
-from engines import offsetflow_config, spark_ddl, timed_batch
+from engines import builtin_kafka_frame, offsetflow_config, spark_ddl, timed_batch
 
 from offsetflow.config import parse_pipeline
-from offsetflow.ranges import split_ranges
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -81,19 +79,8 @@ def builtin_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str
 
     out = f"bench-out-{name.replace('_', '-')}"
     _create_topic(ctx["bootstrap"], out, ds.partitions)
-    tasks = len(split_ranges(ds.ranges, ctx["max_offsets_per_task"]))
-    starting = {ds.topic: {str(r.partition): r.from_offset for r in ds.ranges}}
-    ending = {ds.topic: {str(r.partition): r.until_offset for r in ds.ranges}}
     t0 = time.perf_counter()
-    df = (spark.read.format("kafka")
-          .option("kafka.bootstrap.servers", ctx["bootstrap"])
-          .option("kafka.isolation.level", "read_committed")
-          .option("subscribe", ds.topic)
-          .option("startingOffsets", json.dumps(starting))
-          .option("endingOffsets", json.dumps(ending))
-          .option("failOnDataLoss", "true")
-          .option("minPartitions", str(tasks))
-          .load())
+    df = builtin_kafka_frame(spark, ds, ctx, headers=False)
     parsed = df.select("key", F.from_json(F.col("value").cast("string"), spark_ddl())
                        .alias("d"))
     (parsed.select("key", F.to_json(F.col("d")).alias("value"))
