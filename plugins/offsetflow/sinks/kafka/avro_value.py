@@ -172,7 +172,7 @@ def _as_str(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, Decimal)):  # an unconstrained numeric: its digits as staged
-        return str(v)
+        return format(v, "f") if isinstance(v, Decimal) else str(v)  # str: 1E-7
     # a nested value (json/jsonb): its compact JSON text
     return json_text(v)
 

@@ -156,3 +156,11 @@ def test_a_value_nested_deeper_than_the_json_reader_goes_is_a_dead_letter() -> N
     deep = "[" * 5000 + "]" * 5000
     with pytest.raises(ValueDoesNotFit, match="nested too deeply"):
         encoder({"doc": "jsonb"}).encode('{"doc": ' + deep + "}")
+
+
+def test_an_unconstrained_numeric_is_its_digits_as_staged() -> None:
+    """numeric (no precision) is a string of its digits as PostgreSQL wrote them: never
+    Python's exponent form (str(Decimal) writes 0.0000001 as 1E-7)."""
+    enc = encoder({"loose": "numeric"})
+    for digits in ("0.0000001", "-0.00000012300", "123456789012345678901234567890.5", "0"):
+        assert read(enc, enc.encode('{"loose": ' + digits + "}"))["loose"] == digits
