@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from offsetflow.config.schema import CONN_ID_RE, ENV_RE, IDENT_RE
+from offsetflow.config.schema import CONN_ID_RE, ENV_RE, IDENT_RE, redact_value
 from offsetflow.errors import ConfigError
 
 T = TypeVar("T")
@@ -47,6 +47,14 @@ def did_you_mean(word: Any, candidates: Collection[str]) -> str:
     """"; did you mean 'x'?" when `word` is a likely typo of one of `candidates`, else ""."""
     close = difflib.get_close_matches(str(word), sorted(candidates), n=1, cutoff=0.6)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def shown(fld: str, v: Any) -> str:
+    """A bad value as an error may show it: a secret field's (a password given as a YAML
+    number) by its type only, as errors are logged and shown in Airflow."""
+    if redact_value(fld.rsplit(".", 1)[-1], v) == "***":
+        return f"a value of type {type(v).__name__} (not shown: a secret)"
+    return repr(v)
 
 
 class FieldReader:
@@ -149,7 +157,7 @@ class FieldReader:
             return None
         fallback = default if choices is None or default in choices else None
         if not isinstance(v, str):
-            self.fail(fld, f"must be a string, got {v!r}")
+            self.fail(fld, f"must be a string, got {shown(fld, v)}")
             return fallback
         v = self.resolve(v, fld, hint)
         if choices is not None and fld in self.unresolved:

@@ -293,3 +293,19 @@ def test_a_read_contexts_repr_shows_no_registry_password() -> None:
     rc = ReadContext(1, "dsn", "p", {}, {"id": "long"}, "avro", False, [], None,
                      registry_settings("http://sr:8081", "u", "rpw-4", 10), None, None)
     assert "rpw-4" not in repr(rc), repr(rc)
+
+
+@pytest.mark.parametrize("where", ["sink", "format"])
+def test_a_password_of_the_wrong_type_is_never_echoed_in_the_error(where: str) -> None:
+    """An unquoted numeric password in YAML is an int: the config error names the field
+    and the type, never the value (config errors are logged and shown in Airflow)."""
+    reg = {"url": "http://sr:8081", "username": "u", "password": 98765432}
+    raw = base(sink={"type": "kafka", "connection": "postgresql://x/y", "topic": "out",
+                     "value_format": "avro", **({"schema_registry": reg} if where == "sink"
+                                                else {})})
+    if where == "format":
+        raw["format"] = {"type": "avro", "schema_registry": reg}
+    with pytest.raises(ConfigError) as e:
+        parse_pipeline(raw, "p.yaml", {})
+    assert f"{'sink' if where == 'sink' else 'format'}.schema_registry.password" in str(e.value)
+    assert "98765432" not in str(e.value) and "int" in str(e.value)

@@ -19,8 +19,10 @@ broker refuses, never the batch's.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
+import math
 import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -89,14 +91,51 @@ def _nullable(t: Any) -> bool:
     return t == "null" or (isinstance(t, list) and "null" in t)
 
 
-def _as_float(v: Any) -> float:
-    if isinstance(v, bool):
-        raise ValueError("a boolean")
-    if isinstance(v, (int, float, Decimal)):
-        return float(v)
-    if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
-        return float(v.replace("Infinity", "inf"))
-    raise ValueError(f"{type(v).__name__} {v!r}")
+def _to32(f: float) -> float:
+    """`f` rounded to a 32-bit float as C does (infinity past its range; struct.pack
+    refuses even the largest float's own shortest text, 3.4028235e+38)."""
+    return float(ctypes.c_float(f).value)
+
+
+def _shortest32(f: float) -> str:
+    """The shortest decimal text that reads back as the 32-bit float `f`."""
+    for digits in range(1, 10):
+        text = f"{f:.{digits}g}"
+        if _to32(float(text)) == f:
+            return text
+    return repr(f)
+
+
+def _as_float(bits: int) -> Callable[[Any], float]:
+    """A double (`bits` 64) or float (32) that holds the value as it is: a number it would
+    round (a bigint past 2**53, a decimal's 17th digit, a double for a float) or overflow
+    to infinity does not fit (its shortest text must read back as the same number)."""
+    kind = "double" if bits == 64 else "float"
+
+    def conv(v: Any) -> float:
+        if isinstance(v, bool):
+            raise ValueError("a boolean")
+        if isinstance(v, str) and v in ("NaN", "Infinity", "-Infinity"):
+            return float(v.replace("Infinity", "inf"))
+        if not isinstance(v, (int, float, Decimal)):
+            raise ValueError(f"{type(v).__name__} {v!r}")
+        f = float(v)
+        if bits == 32:
+            f = _to32(f)
+        shown = repr(f) if bits == 64 else _shortest32(f)
+        if isinstance(v, int):  # a bigint: exactly, or not at all
+            held = math.isfinite(f) and int(f) == v
+        else:  # a fraction as staged: one of the float's shortest texts (several may be
+            # as short at a power of two, and PostgreSQL may pick another than Python)
+            digits = len((Decimal(repr(v)) if isinstance(v, float) else v
+                          ).normalize().as_tuple().digits)
+            held = math.isfinite(f) and digits <= len(
+                Decimal(shown).normalize().as_tuple().digits)
+        if not held:
+            raise ValueError(f"{v} is not exactly an Avro {kind} (it would be written as "
+                             f"{shown})")
+        return f
+    return conv
 
 
 def _as_int(bits: int) -> Callable[[Any], int]:
@@ -140,17 +179,24 @@ def _as_str(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, Decimal)):  # an unconstrained numeric: its digits as staged
-        return str(v)
+        return format(v, "f") if isinstance(v, Decimal) else str(v)  # str: 1E-7
     # a nested value (json/jsonb): its compact JSON text
-    return json.dumps(v, separators=(",", ":"), default=_json_number)
+    return json_text(v)
 
 
-def _json_number(v: Any) -> Any:
-    """A fraction inside a nested value (read as Decimal): a float when that keeps its
-    digits (up to 15 significant: the shortest float repr gives them back), else its text."""
+def json_text(v: Any) -> str:
+    """Compact JSON text of a nested value as `json.loads(parse_float=Decimal)` read it: a
+    fraction keeps its digits as written (`1.10`, a double's 17th digit) and stays a
+    number (json.dumps has no way to write a Decimal as one)."""
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{json.dumps(str(k))}:{json_text(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(json_text(x) for x in v) + "]"
     if isinstance(v, Decimal):
-        return float(v) if len(v.as_tuple().digits) <= 15 and v.is_finite() else str(v)
-    raise TypeError(f"{type(v).__name__} is not JSON")
+        if not v.is_finite():
+            raise ValueError(f"{v} is not a JSON number")
+        return format(v, "f")
+    return json.dumps(v)
 
 
 def _as_bytes(v: Any) -> bytes:
@@ -171,6 +217,36 @@ def _as_date(v: Any) -> int:
     return (date.fromisoformat(v) - _EPOCH_DATE).days
 
 
+def _millis(local: bool) -> Callable[[Any], int]:
+    """timestamp-millis: a timestamp with sub-millisecond digits does not fit (it would be
+    cut)."""
+    micros = _micros(local)
+
+    def conv(v: Any) -> int:
+        us = micros(v)
+        if us % 1000:
+            raise ValueError(f"{v} has sub-millisecond digits a timestamp-millis cannot hold")
+        return us // 1000
+    return conv
+
+
+def _of(kind: type, v: Any) -> Any:
+    if not isinstance(v, kind):
+        raise ValueError(f"{type(v).__name__} {v!r} (not a JSON {kind.__name__})")
+    return v
+
+
+def _record(fields: Sequence[Mapping[str, Any]]) -> Callable[[Any], dict[str, Any]]:
+    """A nested record (an explicit schema's): each present field converted as its type
+    (a missing one: fastavro writes its default or refuses)."""
+    convs = [(str(f["name"]), _converter(f["type"])) for f in fields]
+
+    def conv(v: Any) -> dict[str, Any]:
+        row = _of(dict, v)
+        return {name: c(row[name]) for name, c in convs if name in row}
+    return conv
+
+
 def _micros(local: bool) -> Callable[[Any], int]:
     def conv(v: Any) -> int:
         if not isinstance(v, str):
@@ -187,7 +263,13 @@ def _micros(local: bool) -> Callable[[Any], int]:
 
 def _converter(t: Any) -> Callable[[Any], Any]:
     """How a JSON value (as `json.loads` with Decimal numbers reads it) becomes the datum
-    fastavro writes for Avro type `t`; raises ValueError when it cannot."""
+    fastavro writes for Avro type `t`; raises ValueError when it cannot (also inside an
+    explicit schema's arrays, maps and records: fastavro itself would truncate a fraction
+    into a long or write a long into an int)."""
+    if _nullable(t) and t != "null":
+        inner = _converter(_branch(t)) if _branch(t) is not t else None
+        if inner is not None:
+            return lambda v: None if v is None else inner(v)
     t = _branch(t)
     if isinstance(t, dict):
         logical, base = t.get("logicalType"), t.get("type")
@@ -198,13 +280,20 @@ def _converter(t: Any) -> Callable[[Any], Any]:
         if logical in ("timestamp-micros", "local-timestamp-micros"):
             return _micros(logical.startswith("local"))
         if logical in ("timestamp-millis", "local-timestamp-millis"):
-            micros = _micros(logical.startswith("local"))
-            return lambda v: micros(v) // 1000
-        if isinstance(base, str) and base not in ("record", "array", "map", "enum", "fixed"):
+            return _millis(logical.startswith("local"))
+        if base == "array":
+            items = _converter(t["items"])
+            return lambda v: [items(x) for x in _of(list, v)]
+        if base == "map":
+            values = _converter(t["values"])
+            return lambda v: {k: values(x) for k, x in _of(dict, v).items()}
+        if base == "record":
+            return _record(t.get("fields") or [])
+        if isinstance(base, str) and base not in ("enum", "fixed"):
             return _converter(base)
         return lambda v: v  # an explicit schema's complex type: fastavro checks it
-    return {"long": _as_int(64), "int": _as_int(32), "float": _as_float,
-            "double": _as_float, "string": _as_str, "bytes": _as_bytes,
+    return {"long": _as_int(64), "int": _as_int(32), "float": _as_float(32),
+            "double": _as_float(64), "string": _as_str, "bytes": _as_bytes,
             "boolean": _as_bool}.get(t, lambda v: v) if isinstance(t, str) else (lambda v: v)
 
 
@@ -227,6 +316,8 @@ class AvroValueEncoder:
 
         try:
             row = json.loads(value, parse_float=Decimal)
+        except RecursionError:  # a nested value deeper than Python's JSON reader goes
+            raise ValueDoesNotFit("the value is nested too deeply to re-encode") from None
         except ValueError as e:
             raise ValueDoesNotFit(f"the value is not a JSON object: {e}") from None
         if not isinstance(row, dict):
@@ -242,13 +333,17 @@ class AvroValueEncoder:
                 continue
             try:
                 datum[name] = conv(v)
+            except RecursionError:
+                raise ValueDoesNotFit(f"field {name!r} is nested too deeply to re-encode"
+                                      ) from None
             except (ValueError, TypeError, OverflowError) as e:
                 raise ValueDoesNotFit(f"field {name!r}: {e}") from None
         buf = io.BytesIO()
         buf.write(self.header)
         try:
             schemaless_writer(buf, self.parsed, datum)
-        except (ValueError, TypeError, OverflowError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, OverflowError, KeyError, AttributeError,
+                RecursionError, struct.error) as e:
             raise ValueDoesNotFit(f"fastavro refused the record: {type(e).__name__}: {e}"
                                   ) from None
         return buf.getvalue()

@@ -8,10 +8,20 @@ with nothing produced, retriably): the pinned id, if any, is read and its schema
 id; otherwise the schema (`sink.value_schema`, or derived from the columns) is registered
 under the subject and the id pinned in its own committed transaction (one statement: two
 attempts at once pin the same id).
+
+A pin holds only for the registry, subject and schema it was registered for (`offered`,
+migration 0017): an attempt whose config or columns make another schema (an accepted
+config change, a transform's new column), or that uses another registry (its URL is no
+part of the config's fingerprint; the same id there may be another subject's schema),
+pins its own. Safe: `write` runs only when the batch's Kafka
+transaction is not committed (`find`), so no record of the batch is visible with the old
+id, and a zombie attempt still writing the old one is fenced by this attempt's producer.
+Writing the old schema instead would drop the new columns and null the renamed ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -44,13 +54,31 @@ def sink_registry(cfg: PipelineConfig) -> SchemaRegistryConfig:
     return reg
 
 
-def value_schema(sink: KafkaSinkConfig, topic: str, columns: Mapping[str, str]
-                 ) -> dict[str, object]:
-    """The explicit `sink.value_schema`, else one derived from the value's columns."""
-    if sink.value_schema:
-        return dict(json.loads(sink.value_schema))
+def value_schema(sink: KafkaSinkConfig, topic: str, columns: Mapping[str, str],
+                 source_file: str = "") -> dict[str, object]:
+    """The explicit `sink.value_schema`, else one derived from the value's columns. An
+    explicit schema's fields must be value columns (a field filled from no column would be
+    null in every record, or every record a dead letter)."""
     fields = list(sink.value_columns) or payload_columns(list(columns))
-    return derive_schema(topic, columns, fields)
+    if not sink.value_schema:
+        return derive_schema(topic, columns, fields)
+    schema = dict(json.loads(sink.value_schema))
+    names = [str(f.get("name")) for f in schema.get("fields") or [] if isinstance(f, dict)]
+    missing = [n for n in names if n not in fields]
+    if missing:
+        raise KafkaSinkError(
+            f"sink.value_schema in {source_file or 'the pipeline config'}: field(s) "
+            f"{missing} are no value column (the value's columns: {fields}); fields are "
+            f"filled by name and nothing was produced. Rename the fields to columns, or add "
+            f"the columns to sink.value_columns (or with a transform)")
+    return schema
+
+
+def offered_digest(registry: str, subject: str, text: str) -> str:
+    """What a pin was registered for: the registry (its URL without credentials: an id
+    means nothing in another registry, where it may be another subject's schema), the
+    subject and the schema text offered."""
+    return hashlib.sha256(f"{registry}\n{subject}\n{text}".encode()).hexdigest()
 
 
 def pinned_encoder(dsn: str, cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
@@ -61,12 +89,19 @@ def pinned_encoder(dsn: str, cur: psycopg2.extensions.cursor, cfg: PipelineConfi
     reg = sink_registry(cfg)
     client = RegistryClient(reg.url, reg.username, reg.password, float(reg.timeout_s))
     subject = output_subject(sink, topic)
-    cur.execute("SELECT schema_id, subject FROM offsetflow.output_schemas WHERE batch_id = %s",
-                (batch.batch_id,))
+    schema = value_schema(sink, topic, columns, cfg.source_file)
+    text = json.dumps(schema, separators=(",", ":"))
+    offered = offered_digest(client.shown, subject, text)
+    cur.execute("SELECT schema_id, subject, offered FROM offsetflow.output_schemas "
+                "WHERE batch_id = %s", (batch.batch_id,))
     row = cur.fetchone()
+    if row is not None and row[2] is not None and row[2] != offered:
+        log.warning("batch %d: its pinned value schema id %s (subject %s) was registered for "
+                    "another registry, subject or schema than this attempt's (the config or "
+                    "the columns changed); nothing of the batch is in Kafka: registering and "
+                    "pinning this attempt's", batch.batch_id, row[0], row[1])
+        row = None
     if row is None:
-        schema = value_schema(sink, topic, columns)
-        text = json.dumps(schema, separators=(",", ":"))
         sid = client.register(subject, text)
         if sid is None:
             latest = client.subject_version(subject, None)
@@ -75,7 +110,7 @@ def pinned_encoder(dsn: str, cur: psycopg2.extensions.cursor, cfg: PipelineConfi
                 "unknown" if latest is None else
                 f"version {latest.version}, schema id {latest.schema_id}: {latest.schema}",
                 text)
-        pinned = _pin(dsn, batch.batch_id, subject, sid)
+        pinned = pin_schema(dsn, batch.batch_id, subject, sid, offered)
         if pinned == sid:
             log.info("batch %d: value schema id %d of subject %s pinned", batch.batch_id,
                      sid, subject)
@@ -94,19 +129,28 @@ def pinned_encoder(dsn: str, cur: psycopg2.extensions.cursor, cfg: PipelineConfi
     return AvroValueEncoder(json.loads(found.schema), sid)
 
 
-def _pin(dsn: str, batch_id: int, subject: str, schema_id: int) -> int:
-    """The batch's pinned schema id: `schema_id` unless another attempt pinned one first;
-    committed at once, in a connection of its own (see the module's docstring)."""
+def pin_schema(dsn: str, batch_id: int, subject: str, schema_id: int, offered: str) -> int:
+    """The batch's pinned schema id: `schema_id` unless another attempt pinned one for the
+    same schema first (a pin for another is replaced); committed at once, in a connection
+    of its own (see the module's docstring). Never another schema's id: two attempts that
+    offer different schemas at once (a zombie of the old config) each write their own."""
     conn = psycopg2.connect(dsn)
     try:
         conn.autocommit = True
         with conn.cursor() as c:
-            c.execute("""INSERT INTO offsetflow.output_schemas (batch_id, subject, schema_id)
-                         VALUES (%s, %s, %s) ON CONFLICT (batch_id) DO NOTHING""",
-                      (batch_id, subject, schema_id))
-            c.execute("SELECT schema_id FROM offsetflow.output_schemas WHERE batch_id = %s",
-                      (batch_id,))
-            found = c.fetchone()
+            c.execute("""INSERT INTO offsetflow.output_schemas
+                                (batch_id, subject, schema_id, offered)
+                         VALUES (%s, %s, %s, %s)
+                         ON CONFLICT (batch_id) DO UPDATE
+                         SET subject = EXCLUDED.subject, schema_id = EXCLUDED.schema_id,
+                             offered = EXCLUDED.offered, pinned_at = now()
+                         WHERE output_schemas.offered IS DISTINCT FROM EXCLUDED.offered
+                         RETURNING schema_id""", (batch_id, subject, schema_id, offered))
+            if c.fetchone() is not None:  # ours: inserted, or another schema's replaced
+                return schema_id
+            c.execute("SELECT schema_id FROM offsetflow.output_schemas "
+                      "WHERE batch_id = %s AND offered = %s", (batch_id, offered))
+            found = c.fetchone()  # the same schema's, pinned first
     finally:
         conn.close()
     return int(found[0]) if found else schema_id

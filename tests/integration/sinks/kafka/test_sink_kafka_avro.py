@@ -271,3 +271,58 @@ def test_a_retry_writes_the_schema_id_the_batch_pinned_not_the_subjects_latest(
         k: {"id": v["id"], "name": v["name"]} for k, v in source.values.items()}
     latest = client.subject_version(subject, None)
     assert latest is not None and latest.schema_id == newer_id  # nothing registered since
+
+
+def test_a_config_change_accepted_after_a_pinned_attempt_writes_the_new_columns(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, unique: str, source: Source) -> None:
+    """Attempt 1 pins the schema of value_columns [id, name] and fails before producing
+    (its output topic is missing); the topic is created and value_columns widened, accepted
+    with --accept-config-change: the records carry `price` under a schema that has it (the
+    old pin would drop it from every record), the pin is the new schema's, and the old one
+    is never written."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from offsetflow.errors import KafkaSinkError
+
+    out = f"kav-cfg-{unique}"
+    name = f"kavc_{unique}"
+    narrow = pipeline(name, source.topic, out, pg_dsn, kafka_bootstrap,
+                      value_columns=["id", "name"])
+    bid = planned(narrow, pg_dsn)
+    with pytest.raises(KafkaSinkError, match="create it before"):
+        run_batch(spark, narrow, bid, pg_dsn)
+    first = pinned(pg_dsn, bid)
+    assert first is not None  # committed on its own, before the topic was looked at
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(out, 2, 1)])[out].result(timeout=30)
+    try:
+        wide = pipeline(name, source.topic, out, pg_dsn, kafka_bootstrap,
+                        value_columns=["id", "name", "price"])
+        res = run_batch(spark, wide, bid, pg_dsn, accept_config_change=True).result
+        assert (res.status, res.rows_written) == ("committed", N)
+        got = list(decoded(out, read_topic(kafka_bootstrap, out)))
+        assert {r.source[1:]: v for _, v, r in got} == {
+            k: {"id": v["id"], "name": v["name"], "price": v["price"]}
+            for k, v in source.values.items()}
+        now = pinned(pg_dsn, bid)
+        assert now is not None and now[1] != first[1]
+        assert {s for s, _, _ in got} == {now[1]}
+    finally:
+        for f in admin.delete_topics([out]).values():
+            f.result(timeout=30)
+
+
+def test_two_attempts_offering_different_schemas_each_pin_and_write_their_own(
+        pg_dsn: str, unique: str) -> None:
+    """A zombie of the old config and a run of the new one pin at once (the pin is written
+    outside the commit transaction): each gets its own schema's id, never the other's (the
+    other's schema would null or drop its columns); the same schema pinned again keeps the
+    first id."""
+    from offsetflow.sinks.kafka.output_schema import pin_schema
+
+    bid = -int(unique, 16) - 1  # no batch's: the pin has no foreign key (migration 0016)
+    assert pin_schema(pg_dsn, bid, "s-value", 7, "old") == 7
+    assert pin_schema(pg_dsn, bid, "s-value", 9, "new") == 9  # another schema: replaced
+    assert pin_schema(pg_dsn, bid, "s-value", 11, "new") == 9  # the same schema: the first id
+    assert pin_schema(pg_dsn, bid, "s-value", 7, "old") == 7  # the zombie again: its own
+    assert pinned(pg_dsn, bid) == ("s-value", 7)

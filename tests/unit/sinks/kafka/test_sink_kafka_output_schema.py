@@ -70,3 +70,40 @@ def test_the_incompatible_error_names_the_subject_both_schemas_and_the_ways_out(
     assert "'out-value'" in text and "version 3, schema id 11" in text
     assert '{"type":"record"}' in text and "sink.value_subject" in text
     assert "compatibility level" in text and "Nothing was produced" in text
+
+
+def test_an_explicit_schema_field_that_is_no_value_column_is_refused() -> None:
+    """Fields are filled by name: a field no column fills (a typo, a column left out of
+    value_columns) would be null in every record, silently; refused before anything is
+    produced, naming the fields and the columns."""
+    from offsetflow.config import KafkaSinkConfig
+    from offsetflow.errors import KafkaSinkError
+    from offsetflow.sinks.kafka.output_schema import value_schema
+
+    explicit = {"type": "record", "name": "r", "fields": [
+        {"name": "id", "type": "long"}, {"name": "amount_eur", "type": ["null", "double"]}]}
+    sink = KafkaSinkConfig(topic="out", value_format="avro", value_schema=json.dumps(explicit))
+    columns = {"topic": "text", "id": "bigint", "amount": "double precision"}
+    with pytest.raises(KafkaSinkError, match=r"\['amount_eur'\] are no value column.*"
+                                             r"\['id', 'amount'\]"):
+        value_schema(sink, "out", columns)
+    ok = {**explicit, "fields": explicit["fields"][:1]}
+    assert value_schema(KafkaSinkConfig(topic="out", value_format="avro",
+                                        value_schema=json.dumps(ok)), "out", columns) == ok
+    narrowed = KafkaSinkConfig(topic="out", value_format="avro", value_columns=("id",),
+                               value_schema=json.dumps(explicit))
+    with pytest.raises(KafkaSinkError, match="amount_eur"):
+        value_schema(narrowed, "out", columns)
+
+
+def test_a_pin_is_for_one_registry_subject_and_schema() -> None:
+    """An id means nothing in another registry (the registry URL is no part of the config
+    fingerprint): a pin made there is not this attempt's, nor one for another subject or
+    schema."""
+    from offsetflow.sinks.kafka.output_schema import offered_digest
+
+    base = offered_digest("http://sr-a:8081", "out-value", '{"type":"record"}')
+    assert base == offered_digest("http://sr-a:8081", "out-value", '{"type":"record"}')
+    assert len({base, offered_digest("http://sr-b:8081", "out-value", '{"type":"record"}'),
+                offered_digest("http://sr-a:8081", "other-value", '{"type":"record"}'),
+                offered_digest("http://sr-a:8081", "out-value", '{"type":"enum"}')}) == 4
