@@ -91,9 +91,12 @@ def pending_changes(table_name: str, schema: Schema, columns: Sequence[tuple[str
         if not _promotes(have, want):
             raise SchemaMismatchError(
                 f"Iceberg table {table_name} has column {name!r} of type {have}, but the "
-                f"reader schema's field {name!r} needs {want} (format.schema_evolution "
-                f"cannot change it in place); rename or drop the column, or declare "
-                f"{name} in format.schema with a type that fits {have}")
+                f"reader schema's field {name!r} needs {want}, and Iceberg promotes a "
+                f"column only int -> long, float -> double or a decimal to a higher "
+                f"precision, so format.schema_evolution cannot change it in place. Nothing "
+                f"was written; rename or drop the column by hand (the next batch adds it "
+                f"with the new type); declaring {name} in format.schema as {have} works only "
+                f"if every value of the new schema fits {have}")
         out.append((name, want, "widen"))
     return out
 

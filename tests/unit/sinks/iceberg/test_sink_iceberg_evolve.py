@@ -95,3 +95,20 @@ def test_a_field_differing_from_a_column_only_in_case_is_refused(table: Any) -> 
         with pytest.raises(SchemaMismatchError):
             evolved_metadata(table, cols)
     assert [f.name for f in table.schema().fields] == ["order_id", "qty", "price", "Coupon"]
+
+
+def test_a_change_iceberg_cannot_promote_names_the_promotions_and_the_way_out() -> None:
+    """int -> double is a widening Avro allows but Iceberg cannot make in place: the error
+    says which promotions Iceberg makes and that renaming or dropping the column is the way
+    out (declaring the old type only helps if the values fit it)."""
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import IntegerType, NestedField
+
+    from offsetflow.errors import SchemaMismatchError
+    from offsetflow.sinks.iceberg.evolve import pending_changes
+
+    schema = Schema(NestedField(1, "qty", IntegerType(), required=False))
+    with pytest.raises(SchemaMismatchError) as e:
+        pending_changes("lake.t", schema, [("qty", "double precision")])
+    text = str(e.value)
+    assert "int -> long, float -> double" in text and "rename or drop the column" in text, text
