@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from confluent_kafka import Producer
@@ -50,7 +51,15 @@ def topic_name(records: int, partitions: int) -> str:
 
 def ensure_dataset(bootstrap: str, records: int, partitions: int) -> DataSet:
     """Produce the data set unless the topic already holds exactly it."""
-    topic = topic_name(records, partitions)
+    return ensure_topic(bootstrap, topic_name(records, partitions), records, partitions,
+                        lambda topic: _produce(bootstrap, topic, records, partitions))
+
+
+def ensure_topic(bootstrap: str, topic: str, records: int, partitions: int,
+                 produce: Callable[[str], None]) -> DataSet:
+    """The data set in `topic`: reused when the topic holds exactly `records` records from
+    offset 0 on `partitions` partitions, else the topic is made again and `produce` fills
+    it (the JSON and the Avro data sets differ only in what they produce)."""
     meta = KafkaMetadata({"bootstrap.servers": bootstrap})
     admin = AdminClient({"bootstrap.servers": bootstrap})
     existing = admin.list_topics(timeout=30).topics
@@ -69,7 +78,7 @@ def ensure_dataset(bootstrap: str, records: int, partitions: int) -> DataSet:
                                         config={"retention.ms": "-1",
                                                 "segment.bytes": str(512 << 20)})])
     fut[topic].result(timeout=60)
-    _produce(bootstrap, topic, records, partitions)
+    produce(topic)
     ranges = _ranges(meta, topic, partitions)
     got = sum(r.span for r in ranges)
     if got != records:

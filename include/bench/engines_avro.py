@@ -26,23 +26,17 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Producer
-from confluent_kafka.admin import AdminClient, NewTopic
-from dataset import NOTE, SCHEMA, DataSet
+from dataset import NOTE, SCHEMA, DataSet, ensure_topic
 from engines import (
-    BENCH_SCHEMA,
     JDBC_PACKAGE,
     KAFKA_PACKAGE,
-    builtin_kafka_frame,
-    create_target,
+    builtin_jdbc_run,
     offsetflow_config,
     timed_batch,
     verify_and_drop,
 )
 
-from offsetflow.commit import LINEAGE_COLUMN
 from offsetflow.config import parse_pipeline
-from offsetflow.ranges import OffsetRange
-from offsetflow.source import KafkaMetadata
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -88,36 +82,8 @@ def ensure_avro_dataset(bootstrap: str, url: str, records: int, partitions: int)
     """Produce the Avro data set unless its topic already holds exactly it."""
     topic = avro_topic_name(records, partitions)
     schema_id = register(url, f"{topic}-value")
-    meta = KafkaMetadata({"bootstrap.servers": bootstrap})
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    existing = admin.list_topics(timeout=30).topics
-    if topic in existing:
-        ranges = _ranges(meta, topic, partitions)
-        if len(existing[topic].partitions) == partitions and \
-                sum(r.span for r in ranges) == records and all(r.from_offset == 0
-                                                                 for r in ranges):
-            log.info("data set %s: reusing %d records", topic, records)
-            return DataSet(topic, records, partitions, tuple(ranges))
-        admin.delete_topics([topic])[topic].result(timeout=60)
-        deadline = time.monotonic() + 60
-        while topic in admin.list_topics(timeout=30).topics:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"topic {topic} was not deleted in 60s")
-            time.sleep(0.5)
-    admin.create_topics([NewTopic(topic, partitions, 1, config={
-        "retention.ms": "-1", "segment.bytes": str(512 << 20)})])[topic].result(timeout=60)
-    _produce(bootstrap, topic, schema_id, records, partitions)
-    ranges = _ranges(meta, topic, partitions)
-    if sum(r.span for r in ranges) != records:
-        raise RuntimeError(f"data set {topic}: produced {records} records but the partitions "
-                           f"hold {sum(r.span for r in ranges)}")
-    return DataSet(topic, records, partitions, tuple(ranges))
-
-
-def _ranges(meta: KafkaMetadata, topic: str, partitions: int) -> list[OffsetRange]:
-    offs = meta.partition_offsets([(topic, p) for p in range(partitions)])
-    return [OffsetRange(topic, p, offs[(topic, p)].earliest, offs[(topic, p)].latest)
-            for p in range(partitions)]
+    return ensure_topic(bootstrap, topic, records, partitions,
+                        lambda t: _produce(bootstrap, t, schema_id, records, partitions))
 
 
 def _produce(bootstrap: str, topic: str, schema_id: int, records: int, partitions: int) -> None:
@@ -176,23 +142,7 @@ def builtin_avro_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str,
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
-    create_target(ctx["dsn"], name)
-    t0 = time.perf_counter()
-    df = builtin_kafka_frame(spark, ds, ctx)
     # the Confluent header (magic byte, 4-byte schema id) off; one fixed writer schema
-    payload = F.expr("substring(value, 6, length(value) - 5)")
-    parsed = df.select(
-        "topic", "partition", "offset", "timestamp",
-        F.col("timestampType").alias("timestamp_type"), "key", "value",
-        F.to_json("headers").alias("headers"),
-        from_avro(payload, json.dumps(AVRO_SCHEMA), {"mode": "FAILFAST"}).alias("d"),
-    ).select("*", "d.*").drop("d").withColumn(LINEAGE_COLUMN, F.lit(0).cast("bigint"))
-    (parsed.write.mode("append")
-     .option("batchsize", 10_000).option("isolationLevel", "READ_COMMITTED")
-     .jdbc(ctx["jdbc_url"], f"{BENCH_SCHEMA}.{name}",
-           properties={"user": ctx["pg_user"], "password": ctx["pg_password"],
-                       "driver": "org.postgresql.Driver"}))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "window": (t0, t0 + wall),
-            "stages": {"plan_s": 0.0, "spark_start_s": 0.0, "read_parse_write_s": round(wall, 3)},
-            **verify_and_drop(ctx["dsn"], name, ds)}
+    return builtin_jdbc_run(spark, ds, name, ctx, lambda value: from_avro(
+        F.expr("substring(value, 6, length(value) - 5)"), json.dumps(AVRO_SCHEMA),
+        {"mode": "FAILFAST"}))
