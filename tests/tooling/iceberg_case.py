@@ -49,27 +49,8 @@ class IcebergCase(Case):
         return set(self.warehouse.rglob("*.parquet"))
 
     def died_between_the_commits(self, spark: Any, batch_id: int, after: str) -> None:
-        """Run the batch and stop where a killed driver would, in this process (no job JVM
-        of its own): `after` "files" (the tasks' data files written and listed in their
-        markers, no catalog commit) or "iceberg" (the snapshot committed, the ledger's
-        transaction not)."""
-        import pytest
-
-        from offsetflow.commit import protocol
-        from offsetflow.job import run_batch
-        from offsetflow.sinks.iceberg import commit
-
-        def die(*_: Any) -> None:
-            raise RuntimeError(f"test: died after {after}")
-
-        with pytest.MonkeyPatch.context() as m:
-            if after == "files":
-                m.setattr(commit, "_fault", lambda point: die() if point == "after-files"
-                          else None)
-            else:
-                m.setattr(protocol, "record_batch", die)
-            with pytest.raises(RuntimeError, match="test: died"):
-                run_batch(spark, self.cfg, batch_id, self.dsn)
+        """`died_between_the_commits` for this case's pipeline; the batch is not committed."""
+        died_between_the_commits(spark, self.cfg, batch_id, self.dsn, after)
         assert self.batch(batch_id).status != "committed"
 
 
@@ -81,3 +62,28 @@ def window(case: IcebergCase, spark: Any, kind: str, **conf: Any) -> list[int]:
         ids = submit_window(cfg, ledger, plan_window(cfg, ledger, kafka_for(cfg), req), "test")
     run_batches(cfg, case.dsn, ids, spark)
     return ids
+
+
+def died_between_the_commits(spark: Any, cfg: Any, batch_id: int, dsn: str, after: str
+                             ) -> None:
+    """Run the batch and stop where a killed driver would, in this process (no job JVM of
+    its own): `after` "files" (the tasks' data files written and listed in their markers,
+    no catalog commit) or "iceberg" (the snapshot committed, the ledger's transaction not).
+    Either way the ledger's transaction rolls back, as a killed driver's connection does."""
+    import pytest
+
+    from offsetflow.commit import protocol
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.iceberg import commit
+
+    def die(*_: Any) -> None:
+        raise RuntimeError(f"test: died after {after}")
+
+    with pytest.MonkeyPatch.context() as m:
+        if after == "files":
+            m.setattr(commit, "_fault", lambda point: die() if point == "after-files"
+                      else None)
+        else:
+            m.setattr(protocol, "record_batch", die)
+        with pytest.raises(RuntimeError, match="test: died"):
+            run_batch(spark, cfg, batch_id, dsn)

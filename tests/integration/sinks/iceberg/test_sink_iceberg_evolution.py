@@ -30,7 +30,7 @@ from offsetflow.errors import SchemaEvolutionError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from offsetflow.ops import plan_only
-from offsetflow.sinks.iceberg import commit
+from tests.tooling.iceberg_case import died_between_the_commits
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
 from tests.tooling.registry_case import avro_serializer, encode, new_topic, registry_url
 
@@ -77,25 +77,10 @@ def _rows(cfg: Any, dsn: str) -> list[dict[str, Any]]:
 
 
 def _die(spark: Any, cfg: Any, bid: int, dsn: str, after: str) -> None:
-    """Run the batch and stop where a killed driver would, in this process (no job JVM of
-    its own: seconds, not a minute): `after` "files" (the tasks' files written and the
-    schema update staged in the commit's transaction, the catalog commit not made) or
-    "iceberg" (the catalog commit made, the ledger's transaction not). Either way the
-    ledger's transaction rolls back, as a killed driver's connection does; the sinks'
-    SIGKILL at those points is `sinks/iceberg/test_sink_iceberg.py`'s."""
-    from offsetflow.commit import protocol
-
-    def die(*_: Any) -> None:
-        raise RuntimeError(f"test: died after {after}")
-
-    with pytest.MonkeyPatch.context() as m:
-        if after == "files":
-            m.setattr(commit, "_fault", lambda point: die() if point == "after-files"
-                      else None)
-        else:
-            m.setattr(protocol, "record_batch", die)
-        with pytest.raises(RuntimeError, match="test: died"):
-            run_batch(spark, cfg, bid, dsn)
+    """Stop the batch in this process where a killed driver would (no job JVM of its own:
+    seconds, not a minute); the sinks' SIGKILL at those points is
+    `sinks/iceberg/test_sink_iceberg.py`'s."""
+    died_between_the_commits(spark, cfg, bid, dsn, after)
 
 
 @pytest.fixture(scope="module")
