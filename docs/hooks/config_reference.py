@@ -199,8 +199,8 @@ FIELDS: dict[str, Field] = {
                            "text) instead of the one derived from the columns.",
                            sinks=("kafka",)),
     "sink.schema_registry": F("sink.kafka.registry", "avro: the registry the value schema is "
-                              "registered in (`url`, `username`, `password`, `timeout_s`, as "
-                              "`format.schema_registry`).", default="`format.schema_registry`",
+                              "registered in (`url`, `username`, `password`, `timeout_s`, or `conn_id`: "
+                              "an Airflow `http` connection; as `format.schema_registry`).", default="`format.schema_registry`",
                               sinks=("kafka",)),
     "sink.value_columns": F("sink.kafka.value_columns", "json: the columns of the value "
                             "object; empty: every parsed column.", sinks=("kafka",),

@@ -110,7 +110,7 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
 def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | None,
                    has_registry: bool) -> SchemaRegistryConfig | None:
     """`sink.value_subject`, `sink.value_schema` (an Avro schema's JSON text) and
-    `sink.schema_registry` (url, username, password, timeout_s): only for value_format:
+    `sink.schema_registry` (url or conn_id, username, password, timeout_s): only for value_format:
     avro, which needs a registry, its own or format.schema_registry's."""
     fld = "sink.schema_registry"
     reg = sec.get("schema_registry")
@@ -140,8 +140,14 @@ def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | N
         r.fail(fld, f"must be a mapping (url, username, password, timeout_s), got "
                     f"{type(reg).__name__}")
         return None
+    conn_id = r.conn_id(reg, f"{fld}.", "url")
+    if conn_id is not None:
+        for secret in ("username", "password"):
+            if reg.get(secret) is not None:
+                r.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
+                                          f"password) or {fld}.{secret}, not both")
     url = r.string(reg, "url", f"{fld}.") or ""
-    if r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
+    if conn_id is None and r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
         r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
                              f"compatible Schema Registry")
     user = r.string(reg, "username", f"{fld}.")
@@ -151,4 +157,4 @@ def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | N
                "basic auth needs both username and password (give each as ${VAR})")
     timeout = r.positive_int(reg, "timeout_s", f"{fld}.", 10) or 10
     return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
-                                timeout_s=timeout)
+                                timeout_s=timeout, conn_id=conn_id)

@@ -107,6 +107,8 @@ FIELDS: dict[str, Spec] = {
     "sink.value_schema": S("string", sinks=("kafka",), nullable=True),
     "sink.schema_registry": S("section", sinks=("kafka",), nullable=True),
     "sink.schema_registry.url": S("string", nullable=True, env=True),
+    "sink.schema_registry.conn_id": S("string", pattern=CONN_ID_RE.pattern, nullable=True,
+                                      env=True),
     "sink.schema_registry.username": S("string", nullable=True, env=True),
     "sink.schema_registry.password": S("string", nullable=True, env=True),
     "sink.schema_registry.timeout_s": S("integer", minimum=1, nullable=True),

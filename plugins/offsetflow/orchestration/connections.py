@@ -2,7 +2,8 @@
 and a schema registry.
 
 A pipeline names `kafka.conn_id` (a `kafka` connection), `sink.conn_id` (a `postgres`
-connection) and/or `format.schema_registry.conn_id` (an `http` connection: URL from host,
+connection) and/or `format.schema_registry.conn_id` / a Kafka sink's
+`sink.schema_registry.conn_id` (an `http` connection: URL from host,
 scheme and port, basic auth from login and password; `registry_of`). Kafka's and
 PostgreSQL's become client settings through the providers' own hooks, so whatever the
 pinned providers support works here too:
@@ -41,7 +42,13 @@ from typing import Any
 import psycopg2
 import psycopg2.extensions
 
-from offsetflow.config import FORBIDDEN_CLIENT_KEYS, KafkaConfig, PipelineConfig, redact_value
+from offsetflow.config import (
+    FORBIDDEN_CLIENT_KEYS,
+    KafkaConfig,
+    PipelineConfig,
+    SchemaRegistryConfig,
+    redact_value,
+)
 from offsetflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -180,17 +187,32 @@ def resolve(cfg: PipelineConfig, lookup: Lookup | None = None) -> PipelineConfig
         dsn = _convert(cfg, "sink.conn_id", conn, postgres_dsn)
     if dsn is not None:
         out = replace(out, sink=replace(out.sink, connection=str(dsn)))
-    reg = cfg.registry
-    if reg is not None and reg.conn_id:
-        fld = "format.schema_registry.conn_id"
-        found = handed.get("registry")
-        if found is None:
-            conn = _lookup(cfg, fld, reg.conn_id, "http", lookup or airflow_lookup)
-            found = _convert(cfg, fld, conn, registry_of)
-        out = replace(out, registry=replace(reg, url=str(found["url"]),
-                                            username=found.get("username"),
-                                            password=found.get("password")))
+    reg = _resolved_registry(cfg, cfg.registry, "format.schema_registry.conn_id",
+                             handed.get("registry"), lookup)
+    if reg is not None:
+        out = replace(out, registry=reg)
+    sink_reg = _resolved_registry(cfg, cfg.sink.kafka.registry if cfg.sink.kafka else None,
+                                  "sink.schema_registry.conn_id", handed.get("sink_registry"),
+                                  lookup)
+    if sink_reg is not None and out.sink.kafka is not None:
+        out = replace(out, sink=replace(out.sink, kafka=replace(out.sink.kafka,
+                                                                registry=sink_reg)))
     return out
+
+
+def _resolved_registry(cfg: PipelineConfig, reg: SchemaRegistryConfig | None, fld: str,
+                       handed: Mapping[str, Any] | None, lookup: Lookup | None
+                       ) -> SchemaRegistryConfig | None:
+    """A registry named by an Airflow `http` connection (`fld`), filled in from what the
+    task handed over or from Airflow; None when `reg` names no connection."""
+    if reg is None or not reg.conn_id:
+        return None
+    found = handed
+    if found is None:
+        conn = _lookup(cfg, fld, reg.conn_id, "http", lookup or airflow_lookup)
+        found = _convert(cfg, fld, conn, registry_of)
+    return replace(reg, url=str(found["url"]), username=found.get("username"),
+                   password=found.get("password"))
 
 
 def registry_of(conn: Any) -> dict[str, Any]:
@@ -282,9 +304,10 @@ def handover_env(cfg: PipelineConfig, lookup: Lookup | None = None) -> dict[str,
             values["kafka"] = {"conn_id": conn.conn_id, "extra": dict(conn.extra_dejson)}
     if cfg.sink.conn_id:
         values["sink"] = cfg.sink.connection
-    if cfg.registry is not None and cfg.registry.conn_id:
-        values["registry"] = {"url": cfg.registry.url, "username": cfg.registry.username,
-                              "password": cfg.registry.password}
+    for key, reg in (("registry", cfg.registry),
+                     ("sink_registry", cfg.sink.kafka.registry if cfg.sink.kafka else None)):
+        if reg is not None and reg.conn_id:
+            values[key] = {"url": reg.url, "username": reg.username, "password": reg.password}
     return {HANDOVER_ENV: json.dumps({cfg.name: values})} if values else {}
 
 

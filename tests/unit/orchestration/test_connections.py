@@ -352,3 +352,64 @@ def test_schema_registry_connection_of_another_type_is_refused_naming_it(
     with pytest.raises(ConfigError) as e:
         connections.resolve(parse_pipeline(d, "p.yaml", env={}), CONNS.__getitem__)
     assert e.value.field == "format.schema_registry.conn_id" and "not 'http'" in e.value.message
+
+
+def _kafka_sink_avro(registry: dict[str, Any]) -> dict[str, Any]:
+    return raw(format={"type": "json", "schema": {"id": "long"}},
+               sink={"type": "kafka", "conn_id": "pc", "topic": "out", "value_format": "avro",
+                     "schema_registry": registry})
+
+
+def test_the_kafka_sinks_registry_from_an_http_connection_is_resolved_masked_and_handed_over(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sink.schema_registry.conn_id` (a Kafka sink writing Avro values to a registry of its
+    own, not the source's): resolved like format.schema_registry.conn_id, masked, handed to
+    the driver, never in the config's repr or fingerprint."""
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    masked: list[str] = []
+    monkeypatch.setattr(connections, "_mask_value", masked.append)
+    conns = {**CONNS, "out-sr": Conn("out-sr", "http", host="https://out-sr.example",
+                                     port=8443, login="writer", password="w-s3cret")}
+    cfg = parse_pipeline(_kafka_sink_avro({"conn_id": "out-sr", "timeout_s": 7}), "p.yaml",
+                         env={})
+    reg = cfg.sink.kafka.registry
+    assert reg is not None and reg.conn_id == "out-sr" and reg.url == ""
+    out = connections.resolve(cfg, conns.__getitem__)
+    got = out.sink.kafka.registry
+    assert got is not None
+    assert (got.url, got.username, got.password, got.timeout_s) == (
+        "https://out-sr.example:8443", "writer", "w-s3cret", 7)
+    assert "w-s3cret" in masked
+    assert "w-s3cret" not in repr(out) and "w-s3cret" not in json.dumps(out.redacted(),
+                                                                          default=str)
+    assert out.fingerprint() == cfg.fingerprint()
+    env = connections.handover_env(out, conns.__getitem__)
+    assert "w-s3cret" in env[connections.HANDOVER_ENV]  # only in the driver's environment
+    monkeypatch.setenv(connections.HANDOVER_ENV, env[connections.HANDOVER_ENV])
+
+    def no_lookup(conn_id: str) -> Any:
+        raise AssertionError("the driver must not look connections up")
+
+    assert connections.resolve(cfg, no_lookup) == out
+
+
+@pytest.mark.parametrize("registry,field_,words", [
+    ({"conn_id": "sr", "url": "http://x"}, "sink.schema_registry.url", "not both"),
+    ({"conn_id": "sr", "password": "p", "username": "u"}, "sink.schema_registry.username",
+     "not both"),
+    ({"conn_id": "s r"}, "sink.schema_registry.conn_id", "not an Airflow connection id"),
+])
+def test_the_kafka_sinks_registry_conn_id_refusals(registry: dict[str, Any], field_: str,
+                                                   words: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_pipeline(_kafka_sink_avro(registry), "p.yaml", env={})
+    assert e.value.field == field_ and words in e.value.message, e.value
+
+
+def test_the_kafka_sinks_registry_connection_of_another_type_is_refused_naming_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(connections.HANDOVER_ENV, raising=False)
+    with pytest.raises(ConfigError) as e:
+        connections.resolve(parse_pipeline(_kafka_sink_avro({"conn_id": "pc"}), "p.yaml",
+                                           env={}), CONNS.__getitem__)
+    assert e.value.field == "sink.schema_registry.conn_id" and "not 'http'" in e.value.message
