@@ -48,19 +48,24 @@ PARTITIONS = 2
 FD = descriptor_pb2.FieldDescriptorProto
 
 # Avro: v2 adds coupon and widens qty; v3 makes qty a double (an Avro promotion of long)
-A_V1: dict[str, Any] = {"type": "record", "name": "IceEvF", "namespace": "offsetflow.test", "fields": [
-    {"name": "order_id", "type": "long"}, {"name": "qty", "type": "int"}]}
-A_V2: dict[str, Any] = {**A_V1, "fields": [{"name": "order_id", "type": "long"}, {"name": "qty", "type": "long"},
-                           {"name": "coupon", "type": ["null", "string"], "default": None}]}
-A_V3: dict[str, Any] = {**A_V1, "fields": [A_V2["fields"][0], {"name": "qty", "type": "double"},
-                           A_V2["fields"][2]]}
+A_V1: dict[str, Any] = {
+    "type": "record", "name": "IceEvF", "namespace": "offsetflow.test",
+    "fields": [{"name": "order_id", "type": "long"}, {"name": "qty", "type": "int"}]}
+A_V2: dict[str, Any] = {**A_V1, "fields": [
+    {"name": "order_id", "type": "long"}, {"name": "qty", "type": "long"},
+    {"name": "coupon", "type": ["null", "string"], "default": None}]}
+A_V3: dict[str, Any] = {**A_V1, "fields": [
+    A_V2["fields"][0], {"name": "qty", "type": "double"}, A_V2["fields"][2]]}
 # JSON Schema: v2 adds coupon; v3 makes qty a number (integer -> number)
-J_V1: dict[str, Any] = {"$schema": "http://json-schema.org/draft-07/schema#", "title": "IceEvF",
-        "type": "object", "properties": {"order_id": {"type": "integer"},
-                                         "qty": {"type": "integer"}},
-        "required": ["order_id", "qty"]}
-J_V2: dict[str, Any] = {**J_V1, "properties": {**J_V1["properties"], "coupon": {"type": ["null", "string"]}}}
-J_V3: dict[str, Any] = {**J_V2, "properties": {**J_V2["properties"], "qty": {"type": "number"}}}
+J_V1: dict[str, Any] = {
+    "$schema": "http://json-schema.org/draft-07/schema#", "title": "IceEvF",
+    "type": "object", "properties": {"order_id": {"type": "integer"},
+                                     "qty": {"type": "integer"}},
+    "required": ["order_id", "qty"]}
+J_V2: dict[str, Any] = {**J_V1, "properties": {**J_V1["properties"],
+                                               "coupon": {"type": ["null", "string"]}}}
+J_V3: dict[str, Any] = {**J_V2, "properties": {**J_V2["properties"],
+                                               "qty": {"type": "number"}}}
 
 
 def _order_file(qty_type: int, coupon: bool) -> Any:
