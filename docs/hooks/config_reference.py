@@ -142,12 +142,14 @@ FIELDS: dict[str, Field] = {
                          "(subject `<topic>-key`); its record's fields fill the `schema` "
                          "columns of their names (upsert keys, a tombstone's delete). avro, "
                          "json_schema and protobuf formats only.", default="none (raw key bytes)"),
-    "format.schema_evolution": F("schema_evolution", "avro into PostgreSQL: `add_columns`: "
+    "format.schema_evolution": F("schema_evolution", "avro, protobuf, json_schema into "
+                                 "PostgreSQL or Iceberg (append or upsert): `add_columns`: "
                                  "the reader schema's fields `schema` does not declare "
-                                 "become columns, added in the commit's transaction; "
+                                 "become columns, added in the commit's transaction "
+                                 "(Iceberg: its catalog commit); "
                                  "`fail`: a batch holding a schema change stops. Either way "
                                  "an incompatible change stops the batch (see Formats, "
-                                 "Schema evolution).", sinks=("postgres",),
+                                 "Schema evolution).", sinks=("postgres", "iceberg"),
                                  default="none (the `schema` columns only)"),
     "format.schema_registry.url": F("registry.url", "avro, json_schema, protobuf: the "
                                     "Confluent-compatible Schema Registry (`${VAR}` allowed); writer "

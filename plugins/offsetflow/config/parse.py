@@ -202,7 +202,7 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
                     else _table_columns(format_type, schema))
 
     evolution = _schema_evolution(r, raw, format_type if schema_known else None,
-                                  sink_type, transform, mode)
+                                  sink_type, transform)
     bad_records = r.string(raw, "bad_records", "", "fail", choices("bad_records")) or "fail"
     tombstones = r.string(raw, "tombstones", "") or ""
     allowed = TOMBSTONE_POLICIES[mode]
@@ -261,11 +261,10 @@ def _parse(r: FieldReader, raw: Mapping[str, Any]) -> PipelineConfig:
 
 
 def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str | None,
-                      sink_type: str, transform: str | None, mode: str = "append"
-                      ) -> str | None:
+                      sink_type: str, transform: str | None) -> str | None:
     """`format.schema_evolution`: add_columns | fail (None: format.schema's columns only,
     other fields of the records ignored). Avro, Protobuf or JSON Schema values into
-    PostgreSQL on the fused path, or Avro values into an Iceberg append: the reader schema
+    PostgreSQL or Iceberg (append or upsert) on the fused path: the reader schema
     (Protobuf, JSON Schema: the subject's latest) decides the added columns there, and the
     commit adds them with the rows (PostgreSQL: in its own transaction; Iceberg: in the
     snapshot's catalog commit)."""
@@ -283,12 +282,6 @@ def _schema_evolution(r: FieldReader, raw: Mapping[str, Any], format_type: str |
     elif sink_type not in ("postgres", "iceberg"):
         r.fail(fld, f"is built for sink.type postgres and iceberg only (their commit adds "
                     f"the columns with the rows); sink.type is {sink_type}")
-    elif sink_type == "iceberg" and mode == "upsert":
-        r.fail(fld, "is built for an Iceberg table in mode append only (an upsert's commit "
-                    "does not evolve the table's schema yet); sink.mode is upsert")
-    elif sink_type == "iceberg" and format_type != "avro":
-        r.fail(fld, f"into an Iceberg table is built for format.type avro only (not yet "
-                    f"tested for the others); format.type is {format_type}")
     elif transform:
         r.fail(fld, "does not work with a transform yet (the transform decides the columns); "
                     "remove one of them")

@@ -115,6 +115,14 @@ def test_schema_evolution_config_where_it_is_built_and_in_the_fingerprint() -> N
     assert _pipeline(sink={"type": "iceberg", "table": "lake.t", "catalog": {
         "warehouse": "file:///w"}}).schema_evolution == "add_columns"
     assert cfg.schema_evolution == "add_columns"
+    # into Iceberg in mode upsert, and for Protobuf and JSON Schema values too
+    iceberg = {"type": "iceberg", "table": "lake.t", "catalog": {"warehouse": "file:///w"}}
+    assert _pipeline(sink={**iceberg, "mode": "upsert", "key": ["id"]}
+                     ).schema_evolution == "add_columns"
+    for fmt in ("protobuf", "json_schema"):
+        for mode in ({}, {"mode": "upsert", "key": ["id"]}):
+            assert _pipeline(format={"type": fmt}, sink={**iceberg, **mode}
+                             ).schema_evolution == "add_columns"
     assert _pipeline(format={"schema_evolution": "fail"}).fingerprint() != cfg.fingerprint()
     assert _pipeline(format={"schema_evolution": None}).schema_evolution is None
     for over, words in [
@@ -122,12 +130,6 @@ def test_schema_evolution_config_where_it_is_built_and_in_the_fingerprint() -> N
         ({"format": {"type": "json", "schema_registry": None}}, "schema-registry formats"),
         ({"sink": {"type": "kafka", "topic": "out"}}, "built for sink.type postgres and "
                                                       "iceberg only"),
-        ({"sink": {"type": "iceberg", "mode": "upsert", "key": ["id"], "table": "lake.t",
-                   "catalog": {"warehouse": "file:///w"}}},
-         "in mode append only"),
-        ({"format": {"type": "protobuf"}, "sink": {"type": "iceberg", "table": "lake.t",
-                                                    "catalog": {"warehouse": "file:///w"}}},
-         "into an Iceberg table is built for format.type avro only"),
         ({"transform": "pkg.mod.fn"}, "does not work with a transform yet"),
     ]:
         with pytest.raises(ConfigError, match=words):

@@ -120,17 +120,38 @@ def refuse_on_branch(table_name: str, changes: Sequence[tuple[str, IcebergType, 
         f"run the window without --audit")
 
 
+def refuse_key_changes(table_name: str, changes: Sequence[tuple[str, IcebergType, str]],
+                       key: Sequence[str]) -> None:
+    """An upsert's key column (`key`) is never added or changed by evolution: the merge
+    matches the table's rows by it, and rows already there would read null (added) or
+    match by another type (promoted). The config keeps the key in format.schema, whose
+    columns evolution does not touch; this says so by name if one ever reaches here.
+    SchemaEvolutionError, before anything is written."""
+    hit = [(name, want, how) for name, want, how in changes if name in key]
+    if not hit:
+        return
+    what = ", ".join(f"{how} {name!r} {want}" for name, want, how in hit)
+    raise SchemaEvolutionError(
+        f"Iceberg table {table_name}: the reader schema would change the upsert key "
+        f"column(s) ({what}); format.schema_evolution never adds or changes a column of "
+        f"sink.key (the merge matches rows by it). Nothing was written; declare the key "
+        f"column in format.schema with the type the table has, or upsert into a new "
+        f"sink.table")
+
+
 def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]],
-                  audit_id: int | None = None) -> list[str]:
+                  audit_id: int | None = None, key: Sequence[str] = ()) -> list[str]:
     """Stage in `txn` the schema update that adds the evolved `columns` the table lacks
     (optional: rows already there read null) and promotes those of a narrower type; nothing
     when there is nothing to change. Returns what changed, in words. A batch of an audited
-    window (`audit_id`) with something to change is refused (`refuse_on_branch`)."""
+    window (`audit_id`) with something to change is refused (`refuse_on_branch`), and so
+    is a change to an upsert's `key` column (`refuse_key_changes`)."""
     meta = txn.table_metadata
     changes = pending_changes(table_name, meta.schema(), columns)
     if not changes:
         return []
     refuse_on_branch(table_name, changes, audit_id)
+    refuse_key_changes(table_name, changes, key)
     with txn.update_schema() as update:
         for name, want, how in changes:
             if how == "add":
@@ -141,15 +162,17 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
 
 
 def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]],
-                     audit_id: int | None = None) -> TableMetadata:
+                     audit_id: int | None = None, key: Sequence[str] = ()) -> TableMetadata:
     """The table's metadata with the evolution staged (never committed here): the schema,
     with its field ids, that the tasks write their data files with. An audited window's
-    batch (`audit_id`) with something to change is refused here, before the tasks write."""
+    batch (`audit_id`) with something to change, or a change to an upsert's `key`
+    column, is refused here, before the tasks write."""
     name = ".".join(table.name())
     changes = pending_changes(name, table.schema(), columns)
     if not changes:
         return table.metadata
     refuse_on_branch(name, changes, audit_id)
+    refuse_key_changes(name, changes, key)
     txn = table.transaction()
     evolve_schema(txn, name, columns)
     return txn.table_metadata

@@ -46,14 +46,21 @@ class IcebergPipelineSink(Sink):
                    evolved: Sequence[str] = ()) -> TaskFiles | None:
         """The table's metadata as loaded, or created, now (the tasks need its schema and
         partition spec; the rows must fit the schema), with the `evolved` columns' schema
-        update staged (their field ids are the files'; the commit makes the update)."""
-        if not self.tasks_write_files:
+        update staged (their field ids are the files'; the commit makes the update).
+        When the tasks stage in PostgreSQL instead (upsert, a quality suite), None, after
+        the `evolved` columns are checked against the table as it is: a change the
+        commit would refuse stops the batch here, before the tasks read."""
+        if not self.tasks_write_files and not evolved:
             return None
+        cfg = self.cfg
         sink = self.external(dsn, columns, CommitSpec(
-            columns=tuple(c for c, _ in columns), tombstones=self.cfg.tombstone_policy,
-            dead_letter_table=self.cfg.dead_letter_table,
+            columns=tuple(c for c, _ in columns), mode=cfg.sink.mode, key=tuple(cfg.sink.key),
+            tombstones=cfg.tombstone_policy, dead_letter_table=cfg.dead_letter_table,
             add_columns=tuple((c, t) for c, t in columns if c in set(evolved))))
         try:
+            if not self.tasks_write_files:
+                sink.check_evolution(batch)
+                return None
             return sink.task_files(batch)
         finally:
             sink.close()

@@ -242,6 +242,18 @@ class IcebergSink:
         return TaskFiles.of(table, batch.batch_id, batch_file_prefix(batch), target,
                             self.spec.routes_tombstones, meta)
 
+    def check_evolution(self, batch: Batch) -> None:
+        """The stage path (upsert, a quality suite): format.schema_evolution's changes to
+        the table as it is now, checked on the driver before the tasks read (the commit
+        makes them, and checks again): a type Iceberg cannot promote, a change to the
+        upsert key or an audited window's change stops the batch here. No table yet: the
+        commit creates it with the columns."""
+        if not self.spec.add_columns:
+            return
+        table = self.existing_table(self.identifier(batch))
+        if table is not None:
+            evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key)
+
     # -- helpers -----------------------------------------------------------------------
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
                           staged: int) -> Moved:

@@ -56,6 +56,7 @@ from offsetflow.stage import binary_encoder
 
 if TYPE_CHECKING:
     from pyiceberg.table import FileScanTask, Table, Transaction
+    from pyiceberg.table.metadata import TableMetadata
 
     from offsetflow.sinks.iceberg.sink import IcebergSink
 
@@ -156,20 +157,40 @@ class _Plan:
         self.written = self._count_inserts()
         summary = self.sink.summary(self.cur, batch, self.written, self.dead)
         txn = table.transaction()  # its files named by the batch (`commit_snapshot`)
+        self._evolve(txn, table)
         commit_uuid, counter = uuid.uuid4(), itertools.count(0)
         self.rewritten = 0
         with txn.update_snapshot(snapshot_properties=summary).overwrite(commit_uuid) as snap:
             for path, positions in drop.items():
                 task = tasks[path]
+                # a file's rows kept as it had them: with the table's schema as loaded
+                # (an evolved column reads null in them, as in any older file)
                 kept = _without(self._read(table, task, None), positions)
                 snap.delete_data_file(task.file)
-                for f in self._files(table, kept, commit_uuid, counter):
+                for f in self._files(table.metadata, table, kept, commit_uuid, counter):
                     snap.append_data_file(f)
                 self.rewritten += 1
-            for chunk in self._inserts(table):
-                for f in self._files(table, chunk, commit_uuid, counter):
+            # the winners with the schema the commit makes current (its field ids)
+            for chunk in self._inserts(table, txn.table_metadata):
+                for f in self._files(txn.table_metadata, table, chunk, commit_uuid, counter):
                     snap.append_data_file(f)
         return txn
+
+    def _evolve(self, txn: Transaction, table: Table) -> None:
+        """format.schema_evolution: the schema update first in the snapshot's transaction,
+        so the columns and the batch's rows are one catalog commit (`sink_iceberg_evolve`);
+        never to a key column (`refuse_key_changes`). Decided again on each round's load
+        of the table, as the rows are."""
+        from offsetflow.sinks.iceberg.evolve import evolve_schema
+
+        add = self.sink.spec.add_columns
+        if not add:
+            return
+        name = ".".join(table.name())
+        done = evolve_schema(txn, name, add, self.batch.audit_id, self.key)
+        if done:
+            log.info("batch %d: Iceberg table %s: %s, in the upsert's commit",
+                     self.batch.batch_id, name, ", ".join(done))
 
     def _refuse_unremembered(self, table: Table) -> None:
         """A replay/backfill decides only when no other batch the table holds is open in the
@@ -328,8 +349,9 @@ class _Plan:
         return int(row[0]) if row else 0
 
     # -- step 4: the files ----------------------------------------------------------------
-    def _inserts(self, table: Table) -> Iterator[pa.Table]:
-        """The written winners as Arrow in the table's schema, KEY_CHUNK rows at a time."""
+    def _inserts(self, table: Table, meta: TableMetadata) -> Iterator[pa.Table]:
+        """The written winners as Arrow in the schema of `meta` (the table's, evolved in
+        the commit's transaction), KEY_CHUNK rows at a time."""
         from offsetflow.sinks.iceberg.stage import read_stage
 
         cols = [*self.sink.columns, (TOPIC_ID_COLUMN, "text")]
@@ -345,15 +367,16 @@ class _Plan:
                           "rn <= {hi}) w").format(n=names, lo=sql.Literal(lo),
                                                   hi=sql.Literal(lo + KEY_CHUNK))
             data = read_stage(self.cur, self.batch.batch_id, cols, False, source=src)
-            yield _in_schema(data, table, self.batch)
+            yield _in_schema(data, table, meta, self.batch)
 
-    def _files(self, table: Table, data: pa.Table, commit_uuid: uuid.UUID,
-               counter: itertools.count[int]) -> list[Any]:
+    def _files(self, meta: TableMetadata, table: Table, data: pa.Table,
+               commit_uuid: uuid.UUID, counter: itertools.count[int]) -> list[Any]:
+        """`data` as data files of `meta`'s schema (its field ids) and partition spec."""
         from pyiceberg.io.pyarrow import _dataframe_to_data_files  # noqa: PLC2701 - no public API
 
         if not data.num_rows:
             return []
-        return list(_dataframe_to_data_files(table_metadata=table.metadata, df=data,
+        return list(_dataframe_to_data_files(table_metadata=meta, df=data,
                                              io=table.io, write_uuid=commit_uuid,
                                              counter=counter))
 
@@ -364,15 +387,16 @@ def _missing(table: Table, sink: IcebergSink) -> list[str]:
             if c not in names]
 
 
-def _in_schema(data: pa.Table, table: Table, batch: Batch) -> pa.Table:
-    """The winners as the table takes them, else the append path's SchemaMismatchError."""
+def _in_schema(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) -> pa.Table:
+    """The winners as the table (its schema in `meta`) takes them, else the append
+    path's SchemaMismatchError."""
     from pyiceberg.io.pyarrow import _check_pyarrow_schema_compatible  # noqa: PLC2701 - no public API
 
     from offsetflow.sinks.iceberg.commit import schema_mismatch
 
     try:
-        _check_pyarrow_schema_compatible(table.schema(), provided_schema=data.schema,
-                                         format_version=table.metadata.format_version)
+        _check_pyarrow_schema_compatible(meta.schema(), provided_schema=data.schema,
+                                         format_version=meta.format_version)
     except ValueError as e:
         raise schema_mismatch(batch, table, e) from e
     return data

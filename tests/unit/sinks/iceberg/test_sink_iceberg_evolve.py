@@ -112,3 +112,89 @@ def test_a_change_iceberg_cannot_promote_names_the_promotions_and_the_way_out() 
         pending_changes("lake.t", schema, [("qty", "double precision")])
     text = str(e.value)
     assert "int -> long, float -> double" in text and "rename or drop the column" in text, text
+
+
+def _iceberg_columns(text: str, schema_type: str) -> list[tuple[str, str]]:
+    """A reader schema's evolved columns as the stage types them (`stage_columns`)."""
+    from offsetflow.commit.tables import pg_type
+    from offsetflow.job.tasks import PG_TYPES, SPARK_TYPES
+    from offsetflow.source import evolved_columns
+
+    cols = evolved_columns({"t": text}, {"order_id": "long"}, {"topic"}, schema_type)
+    return [(n, PG_TYPES.get(t) or pg_type(SPARK_TYPES.get(t, t))) for n, t in cols.items()]
+
+
+def _schema_of(columns: list[tuple[str, str]]) -> Any:
+    from pyiceberg.schema import Schema
+    from pyiceberg.types import NestedField
+
+    from offsetflow.sinks.iceberg.evolve import iceberg_type
+
+    return Schema(*(NestedField(i + 1, n, iceberg_type(t), required=False)
+                    for i, (n, t) in enumerate(columns)))
+
+
+@pytest.mark.parametrize(("old", "new", "changes"), [
+    ("TYPE_INT32", "TYPE_INT64", [("qty", "long", "widen")]),
+    ("TYPE_SINT32", "TYPE_SINT64", [("qty", "long", "widen")]),
+    ("TYPE_UINT32", "TYPE_UINT64", []),  # both long columns already
+    ("TYPE_UINT32", "TYPE_INT64", []),
+])
+def test_protobufs_widenings_are_iceberg_promotions(old: str, new: str,
+                                                    changes: list[Any]) -> None:
+    """Each wire-compatible Protobuf widening (`source.evolution`) lands as a column type
+    Iceberg promotes in place (int -> long) or as the same type: none stops the batch."""
+    import base64
+
+    from google.protobuf import descriptor_pb2
+
+    fd = descriptor_pb2.FieldDescriptorProto
+
+    def proto(t: str) -> str:
+        f = descriptor_pb2.FileDescriptorProto(name="o.proto", package="t", syntax="proto3")
+        m = f.message_type.add(name="Order")
+        m.field.add(name="order_id", number=1, type=fd.TYPE_INT64, label=1)
+        m.field.add(name="qty", number=2, type=getattr(fd, t), label=1)
+        return base64.b64encode(f.SerializeToString()).decode()
+
+    schema = _schema_of(_iceberg_columns(proto(old), "PROTOBUF"))
+    got = pending_changes("lake.t", schema, _iceberg_columns(proto(new), "PROTOBUF"))
+    assert [(n, str(t), how) for n, t, how in got] == changes
+
+
+def test_json_schemas_integer_to_number_is_refused_naming_the_way_out() -> None:
+    """JSON Schema's integer -> number is long -> double in Iceberg, which it cannot
+    promote: SchemaMismatchError before anything is written, naming the column, both
+    types and the way out (the same words as Avro's int -> double)."""
+    import json
+
+    def js(t: str) -> str:
+        return json.dumps({"type": "object", "properties": {
+            "order_id": {"type": "integer"}, "qty": {"type": t}}})
+
+    schema = _schema_of(_iceberg_columns(js("integer"), "JSON"))
+    assert str(schema.find_field("qty").field_type) == "long"
+    with pytest.raises(SchemaMismatchError) as e:
+        pending_changes("lake.t", schema, _iceberg_columns(js("number"), "JSON"))
+    text = str(e.value)
+    assert "column 'qty' of type long" in text and "needs double" in text, text
+    assert "int -> long, float -> double" in text and "rename or drop the column" in text
+
+
+def test_an_upsert_key_column_is_never_added_or_changed(table: Any) -> None:
+    """The merge matches rows by the key: evolution refuses to add or promote a key column
+    (SchemaEvolutionError naming it), on the driver before the tasks write
+    (`evolved_metadata`) and in the commit's transaction (`evolve_schema`); other columns
+    of the same reader schema evolve as before."""
+    from offsetflow.errors import SchemaEvolutionError
+
+    for cols in ([("qty", "bigint")], [("region", "text")]):
+        with pytest.raises(SchemaEvolutionError) as e:
+            evolved_metadata(table, cols, key=("order_id", cols[0][0]))
+        assert f"upsert key column(s) ({'widen' if cols[0][0] == 'qty' else 'add'} " \
+               f"{cols[0][0]!r}" in str(e.value), e.value
+        with pytest.raises(SchemaEvolutionError):
+            evolve_schema(table.transaction(), "lake.t", cols, key=(cols[0][0],))
+    assert evolve_schema(table.transaction(), "lake.t", [("region", "text")],
+                         key=("order_id",)) == ["add region string"]
+    assert [f.name for f in table.schema().fields] == ["order_id", "qty", "price"]
