@@ -249,6 +249,8 @@ def nested_additions(schema: Schema, nested: Mapping[str, pa.DataType]
     """The fields of the reader's nested types (`nested`: column -> Arrow type) that the
     table's struct, list and map columns lack: (path, Arrow type), outermost first. A
     column the table holds as text, or not at all, adds nothing here."""
+    if not nested:
+        return []
     have = table_nested_types(schema)
     out: list[tuple[tuple[str, ...], pa.DataType]] = []
     for name, want in nested.items():
