@@ -8,6 +8,8 @@ optional doubles), one Iceberg append pipeline (a module fixture, one batch):
   - every value read back with pyiceberg equals what was produced;
   - a record whose decimal inside the array has more digits than its schema allows (a
     producer that does not check precision) is a dead letter with its coordinates, alone;
+  - a transform added later (the stage path) parses into the same columns, and routes a
+    poison record to the dead-letter table in the commit;
 then the subject gains a field inside the nested record:
   - without format.schema_evolution the batch is refused by name before the tasks write
     (never a field silently dropped), positions unmoved;
@@ -22,6 +24,7 @@ import json
 import uuid
 from datetime import UTC, date, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -175,6 +178,36 @@ def test_a_nested_value_that_does_not_fit_is_a_dead_letter_alone(
     assert "lines[0].price" in dead[0].error, dead
     with Ledger(pg_dsn) as ledger:
         assert ledger.positions(cfg.name) == {(nested["topic"], 0): 7}
+
+
+def test_the_stage_path_parses_into_the_tables_structs_and_routes_what_does_not_fit(
+        nested: dict[str, Any], pg_dsn: str, kafka_bootstrap: str, spark: Any) -> None:
+    """A transform added later (the stage path: the driver writes the files from the
+    PostgreSQL stage, where the nested values are text) keeps the table's struct, list and
+    map columns: each value parsed, a poison one its record's dead letter in the commit."""
+    cfg, topic = nested["cfg"], nested["topic"]
+    ser = avro_serializer(registry_url(), V1)
+    sid = int.from_bytes(encode(ser, topic, _order(0))[1:5], "big")
+    produce(kafka_bootstrap, topic, [encode(ser, topic, _order(10)), _poison(topic, sid, 98),
+                                     encode(ser, topic, _order(11))])  # offsets 7, 8, 9
+    raw = yaml.safe_load(Path(cfg.source_file).read_text())
+    raw["transform"] = "tests.tooling.chaos.maybe_fail_task"  # rows pass through
+    path = nested["tmp"] / f"{cfg.name}_transform.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    staged = load_pipeline(path)
+    report = run_batch(spark, staged, plan_batch(staged, pg_dsn), pg_dsn)
+    assert report.result.status == "committed", report.result
+    rows = _rows(cfg, pg_dsn)
+    assert sorted(rows) == [*range(6), 10, 11]
+    for i in (10, 11):
+        got = rows[i]
+        assert {"address": got["address"], "lines": got["lines"],
+                "tags": sorted(got["tags"])} == _as_read(i), i
+    dead = {d.offset: d for d in chaos.dead_letters(pg_dsn, cfg.dead_letter_table, cfg.name)}
+    assert sorted(dead) == [3, 8], dead
+    assert "does not fit in decimal(9,2)" in dead[8].error, dead[8]
+    with Ledger(pg_dsn) as ledger:
+        assert ledger.positions(cfg.name) == {(topic, 0): 10}
 
 
 def test_a_field_added_inside_a_record_is_refused_by_name_without_evolution(
