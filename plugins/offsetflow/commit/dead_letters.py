@@ -44,9 +44,11 @@ def dead_letters_from(cur: psycopg2.extensions.cursor, batch: Batch, dead_letter
 
 def route_quality_failures(cur: psycopg2.extensions.cursor, batch: Batch,
                            dead_letter_table: str, stage: sql.Composable,
-                           rows: Mapping[Coordinate, list[str]], columns: Sequence[str]) -> int:
+                           rows: Mapping[Coordinate, list[str]], columns: Sequence[str],
+                           prefix: str = "quality: failed ", label: str = "quality") -> int:
     """Move the rows that broke the quality suite (by coordinates) from the stage to the
-    dead-letter table, inside the commit."""
+    dead-letter table, inside the commit (their error `prefix` + what they broke; the
+    dead letters' stage `label`: another check of the commit's may route its own)."""
     if not rows:
         return 0
     cur.execute("CREATE TEMP TABLE IF NOT EXISTS offsetflow_route (topic text, "
@@ -55,12 +57,12 @@ def route_quality_failures(cur: psycopg2.extensions.cursor, batch: Batch,
     buf = io.BytesIO(csv_bytes(pa.table({
         "topic": [c[0] for c in rows], "partition": [c[1] for c in rows],
         "offset": [c[2] for c in rows],
-        "error": ["quality: failed " + ", ".join(errs) for errs in rows.values()]})))
+        "error": [prefix + ", ".join(errs) for errs in rows.values()]})))
     cur.copy_expert("COPY offsetflow_route FROM STDIN WITH (FORMAT csv)", buf)
     routed = dead_letters_from(
         cur, batch, dead_letter_table,
         sql.SQL("{} s JOIN offsetflow_route r USING (topic, partition, \"offset\")").format(
-            stage), columns, sql.SQL("true"), sql.SQL("r.error"), "quality")
+            stage), columns, sql.SQL("true"), sql.SQL("r.error"), label)
     cur.execute(sql.SQL("DELETE FROM {st} s USING offsetflow_route r WHERE s.topic = r.topic "
                         "AND s.partition = r.partition AND s.\"offset\" = r.\"offset\"")
                 .format(st=stage))

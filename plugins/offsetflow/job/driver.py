@@ -364,7 +364,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         added = rc.added(dict(cfg.schema))
         # an Iceberg append: the tasks write the table's data files (the table is loaded,
         # or created, here: they need its schema and partition spec)
-        files = sink.task_files(dsn, batch, columns, tuple(added))
+        files = sink.task_files(dsn, batch, columns, tuple(added), rc.readers)
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation, groups, files, rc),
                                  STATS_DDL)

@@ -43,10 +43,13 @@ class Sink(ABC):
         return False
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
-                   evolved: Sequence[str] = ()) -> TaskFiles | None:
+                   evolved: Sequence[str] = (),
+                   readers: Mapping[str, tuple[int, str] | None] | None = None
+                   ) -> TaskFiles | None:
         """What the tasks need to write the batch's data files (`tasks_write_files`), the
         `evolved` columns (format.schema_evolution's) in their schema; None when they
-        stage the rows in PostgreSQL."""
+        stage the rows in PostgreSQL. `readers`: the run's reader schemas (topic -> id,
+        text), which say what a nested (`json`) field is."""
         return None
 
     def check_before_read(self, batch: Batch) -> None:

@@ -23,6 +23,7 @@ from offsetflow.source.json_fast import BadRecord
 from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
+from offsetflow.source.nested import avro_nested_types, common_nested_types
 from offsetflow.source.packed import read_ranges
 from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf, protobuf_builds
 from offsetflow.source.reader import (
@@ -53,6 +54,8 @@ __all__ = [
     "SCHEMA_TYPES",
     "SHARED_MAX_SPAN",
     "arrow_schema",
+    "avro_nested_types",
+    "common_nested_types",
     "deserialize_avro",
     "deserialize_json",
     "deserialize_json_schema",

@@ -135,6 +135,12 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                 if files is not None:
                     with clock.stage("files"):
                         written, rest = files.write(b)
+                    unfit = files.take_unfit()  # values the table's types refuse
+                    if unfit:
+                        assert bad is not None
+                        if bad.write_rows:
+                            copy_dead(cur, batch_id, bad.pipeline, unfit)
+                        tally.add(unfit)
                     if written.num_rows:
                         rows += written.num_rows
                         _count_coordinates(written, per_tp)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from offsetflow.errors import SchemaEvolutionError, SchemaMismatchError, StagedRowsLostError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyiceberg.schema import Schema
     from pyiceberg.table import Table, Transaction
     from pyiceberg.table.metadata import TableMetadata
@@ -140,17 +141,25 @@ def refuse_key_changes(table_name: str, changes: Sequence[tuple[str, IcebergType
 
 
 def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]],
-                  audit_id: int | None = None, key: Sequence[str] = ()) -> list[str]:
+                  audit_id: int | None = None, key: Sequence[str] = (),
+                  nested: Mapping[str, pa.DataType] | None = None) -> list[str]:
     """Stage in `txn` the schema update that adds the evolved `columns` the table lacks
-    (optional: rows already there read null) and promotes those of a narrower type; nothing
+    (optional: rows already there read null) and promotes those of a narrower type, then
+    adds the fields of the reader's `nested` types (column -> Arrow struct/list/map) that
+    the table's nested columns lack (`nested.nested_additions`, optional too); nothing
     when there is nothing to change. Returns what changed, in words. A batch of an audited
     window (`audit_id`) with something to change is refused (`refuse_on_branch`), and so
     is a change to an upsert's `key` column (`refuse_key_changes`)."""
+    from offsetflow.sinks.iceberg.nested import iceberg_type_of, nested_additions
+
     meta = txn.table_metadata
     changes = pending_changes(table_name, meta.schema(), columns)
-    if not changes:
+    inner = [(path, iceberg_type_of(t))
+             for path, t in nested_additions(meta.schema(), nested or {})]
+    if not changes and not inner:
         return []
-    refuse_on_branch(table_name, changes, audit_id)
+    refuse_on_branch(table_name, [*changes, *((".".join(p), t, "add") for p, t in inner)],
+                     audit_id)
     refuse_key_changes(table_name, changes, key)
     with txn.update_schema() as update:
         for name, want, how in changes:
@@ -158,23 +167,23 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
                 update.add_column(name, want, required=False)
             else:
                 update.update_column(name, want)
-    return [f"{how} {name} {want}" for name, want, how in changes]
+        for path, want in inner:  # pyiceberg numbers them after the columns, in order
+            update.add_column(path, want, required=False)
+    return ([f"{how} {name} {want}" for name, want, how in changes]
+            + [f"add {'.'.join(p)} {want}" for p, want in inner])
 
 
 def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]],
-                     audit_id: int | None = None, key: Sequence[str] = ()) -> TableMetadata:
+                     audit_id: int | None = None, key: Sequence[str] = (),
+                     nested: Mapping[str, pa.DataType] | None = None) -> TableMetadata:
     """The table's metadata with the evolution staged (never committed here): the schema,
     with its field ids, that the tasks write their data files with. An audited window's
     batch (`audit_id`) with something to change, or a change to an upsert's `key`
     column, is refused here, before the tasks write."""
     name = ".".join(table.name())
-    changes = pending_changes(name, table.schema(), columns)
-    if not changes:
-        return table.metadata
-    refuse_on_branch(name, changes, audit_id)
-    refuse_key_changes(name, changes, key)
     txn = table.transaction()
-    evolve_schema(txn, name, columns)
+    if not evolve_schema(txn, name, columns, audit_id, key, nested):
+        return table.metadata
     return txn.table_metadata
 
 

@@ -6,10 +6,11 @@ name."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg2.extensions
+import pyarrow as pa
 
 from offsetflow.commit import Audit, CommitSpec
 from offsetflow.config import IcebergConfig, PipelineConfig, resolve_identifier
@@ -21,6 +22,7 @@ from offsetflow.sinks.iceberg.maint import (
     sweep_after_retry,
     sweep_batch_orphans,
 )
+from offsetflow.sinks.iceberg.nested import nested_column_types
 from offsetflow.sinks.iceberg.sink import IcebergSink, sink_of
 from offsetflow.sinks.iceberg.tasks import TaskFiles
 
@@ -32,6 +34,8 @@ class IcebergPipelineSink(Sink):
         super().__init__(cfg)
         assert cfg.sink.iceberg is not None
         self.iceberg: IcebergConfig = cfg.sink.iceberg
+        # the run's nested column types (`task_files`): name -> Arrow struct/list/map
+        self.nested: dict[str, pa.DataType] = {}
 
     # -- the run ---------------------------------------------------------------------------
     @property
@@ -43,16 +47,22 @@ class IcebergPipelineSink(Sink):
         return cfg.sink.mode == "append" and not cfg.transform and not cfg.quality_suite
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
-                   evolved: Sequence[str] = ()) -> TaskFiles | None:
+                   evolved: Sequence[str] = (),
+                   readers: Mapping[str, tuple[int, str] | None] | None = None
+                   ) -> TaskFiles | None:
         """The table's metadata as loaded, or created, now (the tasks need its schema and
         partition spec; the rows must fit the schema), with the `evolved` columns' schema
-        update staged (their field ids are the files'; the commit makes the update).
+        update staged (their field ids are the files'; the commit makes the update). A
+        `json` column whose Avro reader schema (`readers`) is a record, array or map is a
+        struct, list or map column of a table created here (`sink_iceberg_nested`).
         When the tasks stage in PostgreSQL instead (upsert, a quality suite), None, after
         the `evolved` columns are checked against the table as it is: a change the
         commit would refuse stops the batch here, before the tasks read."""
         if not self.tasks_write_files and not evolved:
             return None
         cfg = self.cfg
+        if self.tasks_write_files:
+            self.nested = nested_column_types(cfg.format_type, columns, readers)
         sink = self.external(dsn, columns, CommitSpec(
             columns=tuple(c for c, _ in columns), mode=cfg.sink.mode, key=tuple(cfg.sink.key),
             tombstones=cfg.tombstone_policy, dead_letter_table=cfg.dead_letter_table,
@@ -67,7 +77,10 @@ class IcebergPipelineSink(Sink):
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> IcebergSink:
-        return sink_of(self.cfg, dsn, columns, spec)
+        sink = sink_of(self.cfg, dsn, columns, spec)
+        sink.nested = dict(self.nested)  # the commit evolves nested fields as the tasks saw
+        sink.nested_evolution = self.cfg.schema_evolution == "add_columns"
+        return sink
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,
                        columns: Sequence[tuple[str, str]], evolved: Sequence[str] = ()

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg2.extensions
@@ -64,7 +64,7 @@ from offsetflow.config import (
     resolve_identifier,
     snapshot_summary,
 )
-from offsetflow.errors import StagedRowsLostError
+from offsetflow.errors import BadRecordError, StagedRowsLostError
 from offsetflow.ledger import Batch, Ledger, ledger_identity, stage_table
 from offsetflow.sinks.iceberg.commit import (
     batch_snapshot_id,
@@ -81,6 +81,7 @@ from offsetflow.sinks.iceberg.layout import (
     layout_for_new_table,
     warn_layout_drift,
 )
+from offsetflow.sinks.iceberg.nested import check_nested, fit_table, table_nested_types
 from offsetflow.sinks.iceberg.stage import arrow_schema, read_stage
 from offsetflow.sinks.iceberg.staged import (
     check_files_exist,
@@ -147,6 +148,11 @@ class IcebergSink:
     _task_dead: int = 0  # bad records the tasks staged, of the last `route_dead_letters`
     _layout_checked: bool = False  # the table's layout was compared with the config
     stage_gone: bool = False  # `offsetflow complete`: the dead-letter count is the snapshot's
+    # jsonb columns a new table gets as struct/list/map (name -> Arrow type), from the
+    # run's Avro reader schemas (`sink_iceberg_nested`); empty: JSON text
+    nested: Mapping[str, Any] = field(default_factory=dict)
+    # format.schema_evolution: add_columns: fields added inside them join the table too
+    nested_evolution: bool = False
 
     @property
     def catalog(self) -> Catalog:
@@ -208,8 +214,13 @@ class IcebergSink:
         t = time.monotonic()
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
         read_s = time.monotonic() - t
-        _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
         table = self.table(self.identifier(batch))
+        # a table's struct/list/map column: its JSON text parsed; values that do not fit
+        # are their records' dead letters, never a batch that fails on every retry
+        data, unfit = fit_table(data, table.schema(), ".".join(table.name()))
+        if unfit:
+            moved.dead += self._route_unfit(cur, batch, unfit)
+        _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
         summary = self.summary(cur, batch, data.num_rows, moved.dead)
         t = time.monotonic()
         rows = commit_snapshot(table, batch, data, summary, ledger=self.ledger_id,
@@ -232,9 +243,13 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         # format.schema_evolution: the files are written with the evolved schema's field
         # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
-        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id)
-        try:
-            _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(self.columns))
+        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key,
+                                self.nested if self.nested_evolution else None)
+        # nested fields the reader has and the table's struct lacks: refused by name
+        check_nested(".".join(table.name()), meta.schema(), self.nested, batch.batch_id)
+        try:  # a jsonb column the table holds as struct/list/map: the tasks parse its text
+            _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(
+                self.columns, table_nested_types(meta.schema())))
         except ValueError as e:
             raise schema_mismatch(batch, table, e) from e
         target = int(table.properties.get("write.target-file-size-bytes",
@@ -291,16 +306,30 @@ class IcebergSink:
         moved.rows = files.records if rows is None else rows
         return moved
 
+    def _route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                     unfit: Mapping[tuple[str, int, int], str]) -> int:
+        """Staged rows whose nested values the table's types refuse: dead letters (out of
+        the stage, in the commit's transaction), or under `bad_records: fail` the batch
+        fails naming the first."""
+        dl = self.spec.dead_letter_table
+        if dl is None or not self.spec.bad_records_staged:
+            (topic, partition, offset), why = min(unfit.items())
+            raise BadRecordError(topic, partition, offset, why, more=len(unfit) - 1)
+        return route_quality_failures(cur, batch, dl, stage_table(batch.batch_id),
+                                      {c: [why] for c, why in unfit.items()},
+                                      self.spec.columns, prefix="", label="iceberg")
+
     def _evolve(self, batch: Batch) -> Callable[[Transaction], None] | None:
         """format.schema_evolution's schema update, staged in the batch's catalog commit
         (None: no evolved columns)."""
         add = self.spec.add_columns
-        if not add:
+        nested = self.nested if self.nested_evolution else {}
+        if not add and not nested:
             return None
         name = self.identifier(batch)
 
         def evolve(txn: Transaction) -> None:
-            done = evolve_schema(txn, name, add, batch.audit_id)
+            done = evolve_schema(txn, name, add, batch.audit_id, self.spec.key, nested)
             if done:
                 log.info("batch %d: Iceberg table %s: %s, in the batch's commit",
                          batch.batch_id, name, ", ".join(done))
@@ -434,7 +463,8 @@ class IcebergSink:
         columns = self.columns
         if self.spec is not None and self.spec.mode == "upsert":  # the rule reads it
             columns = [*columns, (TOPIC_ID_COLUMN, "text")]
-        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(columns))
+        schema, spec, order = layout_for_new_table(self.iceberg,
+                                                   arrow_schema(columns, self.nested))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
             with writing_to(self.iceberg.properties.get("warehouse", "?"),
                             f"creating table {ident}", None):

@@ -6,7 +6,7 @@ Python runs per row; the batch is held in the driver's memory."""
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import psycopg2.extensions
@@ -35,8 +35,13 @@ def arrow_type(pg_type: str) -> pa.DataType:
     return _ARROW[pg_type]
 
 
-def arrow_schema(columns: Sequence[tuple[str, str]]) -> pa.Schema:
-    return pa.schema([pa.field(n, arrow_type(t)) for n, t in columns]
+def arrow_schema(columns: Sequence[tuple[str, str]],
+                 nested: Mapping[str, pa.DataType] | None = None) -> pa.Schema:
+    """The stage columns' Arrow schema; with `nested`, those named there (jsonb in the
+    stage) as their struct, list or map type (a new table's, `sink_iceberg_nested`)."""
+    nested = nested or {}
+    return pa.schema([pa.field(n, nested[n] if n in nested and t == "jsonb"
+                               else arrow_type(t)) for n, t in columns]
                      + [pa.field(LINEAGE_COLUMN, pa.int64())])
 
 

@@ -39,6 +39,7 @@ from offsetflow.errors import IcebergLayoutError, SchemaMismatchError
 from offsetflow.sinks.iceberg.datafiles import encode_data_file
 from offsetflow.sinks.iceberg.evolve import schema_signature
 from offsetflow.sinks.iceberg.layout import CORE_PIN
+from offsetflow.sinks.iceberg.nested import keep_mask, rows_fit
 from offsetflow.sinks.iceberg.warehouse import writing_to
 from offsetflow.stage import stage_form
 
@@ -127,6 +128,9 @@ class PartFiles:
         self._seq = 0
         self.peak_open = 0  # most writers open at once (MAX_OPEN_WRITERS bounds it)
         self.closed_early = 0  # files closed to make room for another partition value
+        # records whose nested values do not fit the table's types: dead letters, taken
+        # by the staging transaction (`take_unfit`)
+        self.unfit: list[dict[str, Any]] = []
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         """Write a raw chunk (reader columns + typed fields) to the part's files. Returns
@@ -144,7 +148,12 @@ class PartFiles:
             tombstones = batch.filter(is_null)
             batch = batch.filter(pc.invert(is_null))
         if batch.num_rows:
-            table = self._to_table(batch)
+            table, refused = self._to_table(batch)
+            if refused:  # those records only: dead letters with their coordinates
+                self._refuse(batch, refused)
+                keep = keep_mask(batch.num_rows, refused)
+                batch, table = batch.filter(keep), table.filter(keep)
+        if batch.num_rows:
             if self.spec.is_unpartitioned():
                 self._write(None, table)
             else:
@@ -171,6 +180,20 @@ class PartFiles:
                 f"([{fields}]): {e}; nothing was committed. Install {CORE_PIN} where the "
                 f"Spark workers run (the driver has it), or evolve the table's spec") from None
 
+    def take_unfit(self) -> list[dict[str, Any]]:
+        """The records refused since the last call (a nested value that does not fit the
+        table's type), as dead-letter rows with their coordinates and why."""
+        out, self.unfit = self.unfit, []
+        return out
+
+    def _refuse(self, batch: pa.RecordBatch, refused: dict[int, str]) -> None:
+        idx = sorted(refused)
+        rows = batch.select(["topic", "partition", "offset", "timestamp", "key", "value"]
+                            ).take(pa.array(idx)).to_pylist()
+        for i, row in zip(idx, rows, strict=True):
+            self.unfit.append({**row, "error": f"iceberg {self.tf.table_name}: "
+                                               f"{refused[i]}"})
+
     def close(self) -> list[dict[str, Any]]:
         """Close every open file; the encoded data files the part wrote."""
         with writing_to(self.meta.location, f"closing part {self.part}'s data files",
@@ -186,10 +209,13 @@ class PartFiles:
         return self.files
 
     # -- helpers -----------------------------------------------------------------------
-    def _to_table(self, batch: pa.RecordBatch) -> pa.Table:
-        """The chunk in the table's Arrow schema (field ids), with the lineage column."""
+    def _to_table(self, batch: pa.RecordBatch) -> tuple[pa.Table, dict[int, str]]:
+        """The chunk in the table's Arrow schema (field ids), with the lineage column;
+        and the rows whose nested values do not fit the table's types (index -> why)."""
         formed = stage_form(batch, hex_binary=False)
-        have = dict(zip(formed.schema.names, formed.columns, strict=True))
+        types = [(n, f.type) for n, f in zip(self.names, self.arrow, strict=True)]
+        have, refused = rows_fit(types, dict(zip(formed.schema.names, formed.columns,
+                                                 strict=True)))
         have[LINEAGE_COLUMN] = pa.array([self.tf.batch_id] * batch.num_rows, pa.int64())
         extra = sorted(set(have) - set(self.names))
         if extra:
@@ -201,7 +227,7 @@ class PartFiles:
             col = have.get(name)
             cols.append(pa.nulls(batch.num_rows, field.type) if col is None
                         else col.cast(field.type))
-        return pa.Table.from_arrays(cols, schema=self.arrow)
+        return pa.Table.from_arrays(cols, schema=self.arrow), refused
 
     def _write(self, key: Any, table: pa.Table) -> None:
         """Append to the open file of `key`'s partition value (opened on first use, after

@@ -1,0 +1,77 @@
+"""JSON text of nested values -> the Iceberg table's struct/list/map types, record by
+record; and the nested fields a table lacks."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime
+from decimal import Decimal
+
+import pyarrow as pa
+import pytest
+
+from offsetflow.errors import SchemaMismatchError
+from offsetflow.sinks.iceberg.nested import (
+    check_nested,
+    nested_additions,
+    nested_from_json,
+    rows_fit,
+)
+
+LINE = pa.struct([pa.field("sku", pa.string(), nullable=False),
+                  pa.field("price", pa.decimal128(5, 2), nullable=False),
+                  pa.field("at", pa.timestamp("us", tz="UTC")),
+                  pa.field("day", pa.date32()),
+                  pa.field("blob", pa.binary())])
+LINES = pa.list_(pa.field("element", LINE, nullable=False))
+TAGS = pa.map_(pa.string(), pa.field("value", pa.int64()))
+
+
+def test_values_parse_into_their_types() -> None:
+    text = ('[{"sku":"A","price":123.45,"at":"2026-01-02T03:04:05.123000+00:00",'
+            '"day":"2026-01-02","blob":"AAE="}]')
+    arr, refused = nested_from_json(pa.array([text, None, "[]"]), LINES, "lines")
+    assert refused == {}
+    assert arr.to_pylist() == [
+        [{"sku": "A", "price": Decimal("123.45"),
+          "at": datetime(2026, 1, 2, 3, 4, 5, 123000, tzinfo=UTC),
+          "day": date(2026, 1, 2), "blob": b"\x00\x01"}], None, []]
+    arr, refused = nested_from_json(pa.array(['{"a":1,"b":null}']), TAGS, "tags")
+    assert refused == {} and arr.to_pylist() == [[("a", 1), ("b", None)]]
+
+
+def test_a_value_that_does_not_fit_refuses_its_row_only() -> None:
+    good = '[{"sku":"A","price":1.5}]'
+    overflow = '[{"sku":"A","price":1.5},{"sku":"B","price":1234.5}]'
+    null_required = '[{"sku":null,"price":1}]'
+    unknown = '[{"sku":"A","price":1,"colour":"red"}]'
+    arr, refused = nested_from_json(pa.array([good, overflow, null_required, unknown]),
+                                    LINES, "lines")
+    assert sorted(refused) == [1, 2, 3]
+    assert "lines[1].price: 1234.5 does not fit in decimal(5,2)" in refused[1]
+    assert "lines[0].sku is null" in refused[2]
+    assert "['colour']" in refused[3]
+    assert arr.to_pylist()[0] == [{"sku": "A", "price": Decimal("1.50"), "at": None,
+                                   "day": None, "blob": None}]
+
+
+def test_rows_fit_parses_only_text_columns_the_table_holds_nested() -> None:
+    cols = {"lines": pa.array(['[{"sku":"A","price":1}]']), "note": pa.array(['{"a":1}'])}
+    out, refused = rows_fit([("lines", LINES), ("note", pa.string())], cols)
+    assert refused == {}
+    assert out["note"] is cols["note"]  # a string column keeps its JSON text
+    assert out["lines"].type == LINES
+
+
+def test_fields_the_table_lacks_are_named() -> None:
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.schema import assign_fresh_schema_ids
+
+    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(  # noqa: SLF001
+        pa.schema([pa.field("lines", LINES), pa.field("tags", TAGS)])))
+    newer = pa.list_(pa.field("element", pa.struct(
+        [*LINE, pa.field("qty", pa.int32())]), nullable=False))
+    assert nested_additions(schema, {"lines": LINES, "tags": TAGS}) == []
+    assert nested_additions(schema, {"lines": newer}) == [
+        (("lines", "element", "qty"), pa.int32())]
+    with pytest.raises(SchemaMismatchError, match=r"lines\.element\.qty"):
+        check_nested("db.t", schema, {"lines": newer}, 7)
