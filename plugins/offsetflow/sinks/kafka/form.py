@@ -130,9 +130,10 @@ def record_key(hex_key: str | None) -> bytes | None:
 
 def select_sql(sink: KafkaSinkConfig, columns: Mapping[str, str],
                stage: sql.Composable) -> sql.Composed:
-    """topic, partition, offset, key (hex text of its bytes: `record_key`), value (bytes; a JSON value: text), headers (jsonb
-    or NULL), timestamp (epoch ms or NULL) of every staged row, in source order. A tombstone
-    (the source `value` is NULL) stays one: a NULL value, whatever the value format."""
+    """topic, partition, offset, key (the hex text of its bytes: `record_key`), value
+    (bytes; a JSON value: text), headers (jsonb or NULL), timestamp (epoch ms or NULL) of
+    every staged row, in source order. A tombstone (the source `value` is NULL) stays one:
+    a NULL value, whatever the value format."""
     return sql.SQL("{} ORDER BY s.topic, s.partition, s.\"offset\"").format(
         _records_sql(sink, columns, stage))
 
