@@ -503,9 +503,6 @@ class KafkaTopicSink(KafkaTransaction):
                             ts if check_ts and ts and not lo <= ts <= hi else None)))
                         continue
                     produced += 1
-                # the delivery reports of what the broker took so far: a delivered record
-                # stays in librdkafka's queue (and its 100,000-message cap) until served
-                p.poll(0)
         self.phases["kafka_read_wait_s"] = round(
             self.phases.get("kafka_read_wait_s", 0.0) + waited, 3)
         self._phase("kafka_produce_s", began)
