@@ -1,11 +1,17 @@
-"""A/B of the Kafka sink's stage read, interleaved in one warm local Spark session:
-`sorted` (one query that sorts the whole stage by topic, partition, offset) against
-`parts` (the stage parts read segment by segment as stored, no sort:
-`offsetflow.sinks.kafka.order`), on the same data set, each run into a fresh output topic
-checked with read_committed; then Spark's built-in at-least-once Kafka -> Kafka path on the
-same data in a process of its own (`worker.py`), for the ratio.
+"""A/B of one switch of the Kafka sink's commit, interleaved in one warm local Spark session:
+`off` and `on` are the runs with the `KafkaTopicSink` class attribute named by `--switch`
+False and True (`read_parts`: the stage sorted against read part by part,
+`offsetflow.sinks.kafka.order`; `plain_loop`: the general produce loop against the one for
+records that need no check, `offsetflow.sinks.kafka.sink`), on the same data set, each run
+into a fresh output topic checked with read_committed; then Spark's built-in at-least-once
+Kafka -> Kafka path on the same data in a process of its own (`worker.py`), for the ratio.
+`--before FILE` instead of a switch: `off` runs the produce pass (`_produce_stage`) of
+another tree's `offsetflow/sinks/kafka/sink.py` (e.g. main's), `on` this tree's.
+`--profile`: cProfile of the driver's main thread (the produce loop; the stage's fetching
+thread is not in it) over the timed runs of each mode, top functions in `profile-<mode>.txt`.
 
     python include/bench/kafka_ab.py [--records 200000] [--partitions 6] [--runs 3]
+                                     [--switch read_parts | --before FILE] [--profile]
                                      [--out bench-results/kafka-ab] [--no-builtin]
 
 Needs the stack (`stack.sh up`, `source .stack/env.sh`). Prints a table of medians.
@@ -14,9 +20,13 @@ Needs the stack (`stack.sh up`, `source .stack/env.sh`). Prints a table of media
 from __future__ import annotations
 
 import argparse
+import cProfile
+import importlib.util
+import io
 import json
 import logging
 import os
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -43,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="bench-results/kafka-ab")
     ap.add_argument("--no-builtin", action="store_true")
+    ap.add_argument("--switch", default="read_parts")
+    ap.add_argument("--before", default=None)
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("py4j", "offsetflow", "pyspark"):
@@ -63,14 +76,29 @@ def main(argv: list[str] | None = None) -> int:
     raw = engines.offsetflow_config(ds, "ab_session", "OFFSETFLOW_BENCH_DSN", bootstrap,
                                     "submit", ctx["connect_url"], ctx["max_offsets_per_task"])
     spark = build_spark(parse_pipeline(raw, "<ab>", os.environ), "bench-kafka-ab")
-    results: dict[str, list[dict[str, float]]] = {"sorted": [], "parts": []}
-    order = [("sorted", "parts"), ("parts", "sorted")]
+    passes = {"on": KafkaTopicSink._produce_stage}
+    if args.before:
+        passes["off"] = _before(Path(args.before)).KafkaTopicSink._produce_stage
+        args.switch = f"before={args.before}"
+    elif not isinstance(getattr(KafkaTopicSink, args.switch, None), bool):
+        raise SystemExit(f"KafkaTopicSink has no switch {args.switch!r}")
+    results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    profiles = {m: cProfile.Profile() for m in results}
+    order = [("off", "on"), ("on", "off")]
     n = 0
     for i in range(args.runs + 1):  # the first round warms up (untimed)
         for mode in order[i % 2]:
-            KafkaTopicSink.read_parts = mode == "parts"
+            if args.before:
+                KafkaTopicSink._produce_stage = passes[mode]  # type: ignore[method-assign]
+            else:
+                setattr(KafkaTopicSink, args.switch, mode == "on")
             n += 1
+            prof = profiles[mode] if args.profile and i else None
+            if prof is not None:
+                prof.enable()
             r = engines_kafka.offsetflow_kafka_run(spark, ds, f"ab_{mode}_{n}", ctx)
+            if prof is not None:
+                prof.disable()
             row = {"wall_s": round(r["wall_s"], 3), **{k: r["stages"].get(k, 0.0)
                                                       for k in KEYS if k != "wall_s"}}
             logging.info("%s%s: %s (load %s)", mode, " (warm-up)" if i == 0 else "", row,
@@ -78,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             if i:
                 results[mode].append(row)
     spark.stop()
+    for mode, prof in profiles.items():
+        if args.profile:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            (out / f"profile-{mode}.txt").write_text(text.getvalue())
     summary = {m: {k: statistics.median(r[k] for r in rows) for k in KEYS}
                for m, rows in results.items()}
     builtin = None
@@ -86,13 +119,36 @@ def main(argv: list[str] | None = None) -> int:
                          [{"label": "ab", "dataset": dataset_to_dict(ds), "runs": args.runs}],
                          ds, {**ctx, "warmup_runs": 1}, out, [])
         builtin = statistics.median(float(r["wall_s"]) for r in got["results"])
-    (out / "ab.json").write_text(json.dumps({"runs": results, "median": summary,
-                                             "builtin": builtin}, indent=1, default=str))
-    print(f"{'median of ' + str(args.runs):<22}" + "".join(f"{m:>12}" for m in summary))
+    (out / "ab.json").write_text(json.dumps({"switch": args.switch, "runs": results,
+                                             "median": summary, "builtin": builtin},
+                                            indent=1, default=str))
+    print(f"{args.switch + ', median of ' + str(args.runs):<22}"
+          + "".join(f"{m:>12}" for m in summary))
     for k in KEYS:
         print(f"{k:<22}" + "".join(f"{summary[m][k]:>12.3f}" for m in summary))
     print("spark-builtin-kafka wall_s median:", builtin)
     return 0
+
+
+def _before(path: Path) -> Any:
+    """Another tree's sink module, loaded under a name of its own, with what it takes from
+    `form` (the record query and its rules) from that tree's `form.py` next to it; its other
+    imports resolve to this tree's packages. Only its produce pass is used."""
+    from offsetflow.sinks.kafka import form
+
+    def load(name: str, file: Path) -> Any:
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    old_form = load("offsetflow_ab_before_form", path.parent / "form.py")
+    mod = load("offsetflow_ab_before_sink", path)
+    for name, value in list(vars(mod).items()):
+        if getattr(value, "__module__", None) == form.__name__ and hasattr(old_form, name):
+            setattr(mod, name, getattr(old_form, name))
+    return mod
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from offsetflow.config import KafkaSinkConfig
 from offsetflow.ledger import Batch, stage_table
 from offsetflow.sinks.kafka.form import (
     record_headers,
+    record_key,
     record_size,
     rows_per_fetch,
     select_sql,
@@ -68,7 +69,7 @@ def find_sources(cur: psycopg2.extensions.cursor, batch: Batch, sink: KafkaSinkC
                             ) as chunks:
         for chunk in chunks:
             for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
-                key = None if key is None else bytes(key)
+                key = record_key(key)
                 if value is not None and not isinstance(value, str):
                     value = bytes(value)
                 elif value is not None and encode is not None:

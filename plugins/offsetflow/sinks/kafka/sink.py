@@ -416,7 +416,7 @@ class KafkaTopicSink(KafkaTransaction):
         encode = None if self.encoder is None else self.encoder.encode
         batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
                                                         str(batch.batch_id).encode())
-        produce = p.produce
+        produce, fromhex = p.produce, bytes.fromhex
         began = time.monotonic()
         waited = 0.0  # for the stage's rows (PostgreSQL building them)
         query = (select_sql(self.sink, self.columns, stage_table(batch.batch_id))
@@ -428,6 +428,7 @@ class KafkaTopicSink(KafkaTransaction):
         # the current run of one partition, and of every partition met before
         last: dict[tuple[str, int], int] = {}
         run_topic, run_part, run_off = "", -1, -1
+        out_part, source_of = -1, ""  # the current run's output partition, header prefix
         with contextlib.closing(prefetched(
                 cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}", query,
                 rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as fetches:
@@ -443,21 +444,24 @@ class KafkaTopicSink(KafkaTransaction):
                         last[(run_topic, run_part)] = run_off
                         run_topic, run_part = s_topic, s_part
                         run_off = last.get((s_topic, s_part), -1)
+                        # what is the same for every record of this run of one partition
+                        if by_source and s_part >= partitions:
+                            raise KafkaSinkError(
+                                f"batch {batch.batch_id}: sink.partitioning: source puts "
+                                f"{s_topic}[{s_part}] into partition {s_part} of {topic}, "
+                                f"which has {partitions} partitions; add partitions to "
+                                f"{topic} or use partitioning: key")
+                        out_part = s_part if by_source else -1
+                        source_of = f"{s_topic}/{s_part}/"
                     if s_off < run_off:  # equal: rows a transform made of one record
                         raise _OutOfOrder(f"the stage gave {s_topic}/{s_part}/{s_off} after "
                                           f"offset {run_off} of that partition")
                     run_off = s_off
-                    if by_source and s_part >= partitions:
-                        raise KafkaSinkError(
-                            f"batch {batch.batch_id}: sink.partitioning: source puts "
-                            f"{s_topic}[{s_part}] into partition {s_part} of {topic}, which "
-                            f"has {partitions} partitions; add partitions to {topic} or use "
-                            f"partitioning: key")
                     if refused and (s_topic, s_part, s_off) in refused:
                         skipped.append(refused[(s_topic, s_part, s_off)])
                         continue
                     if key is not None:
-                        key = bytes(key)
+                        key = fromhex(key)  # `record_key`, inlined
                     if value is not None and not text_value:
                         value = bytes(value)
                     elif value is not None and encode is not None:
@@ -468,7 +472,7 @@ class KafkaTopicSink(KafkaTransaction):
                                 s_topic, s_part, s_off, None, reason=self._unfit(e))))
                             continue
                     headers: list[tuple[str, bytes | str | None]] = (
-                        [batch_header, (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
+                        [batch_header, (SOURCE_HEADER, source_of + str(s_off))]
                                if hdrs is None else
                                record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
                     size = (0 if key is None else len(key)) + (
@@ -478,11 +482,12 @@ class KafkaTopicSink(KafkaTransaction):
                                 size > near and record_size(key, value, headers) > limit) or (
                                 check_ts and ts and not lo <= ts <= hi):
                             raise _NotProducible
-                        produce(topic, value, key, s_part if by_source else -1,
-                                timestamp=ts or 0, headers=headers)
+                        # positional (callback, on_delivery: the producer's): parsing
+                        # keywords costs more than the rest of the call's arguments
+                        produce(topic, value, key, out_part, None, None, ts or 0, headers)
                     except BufferError:  # the local queue is full: let deliveries drain it
-                        if not self._produce(p, topic, key, value, headers,
-                                             s_part if by_source else -1, ts or 0):
+                        if not self._produce(p, topic, key, value, headers, out_part,
+                                             ts or 0):
                             skipped.append(self._not_produced(batch, topic, limit, NotProduced(
                                 s_topic, s_part, s_off, record_size(key, value, headers))))
                             continue
