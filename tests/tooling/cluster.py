@@ -69,6 +69,10 @@ def spark_conf(event_dir: Path, executors: int = 2) -> dict[str, str]:
         "spark.network.timeout": "30s",
         "spark.network.timeoutInterval": "10s",
         "spark.executor.heartbeatInterval": "3s",
+        # short executor JVMs on small data (as SPARK_SUBMIT_OPTS makes the drivers, tests/
+        # conftest.py): C1 only and the serial collector halve what each one burns
+        "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 "
+                                           "-XX:+UseSerialGC",
     }
 
 
