@@ -5,7 +5,7 @@ STACK := bash include/stack/stack.sh
 ENV := set -a; source .stack/env.sh; set +a;
 PYTEST_ARGS ?=
 
-.PHONY: venv system system-browser up down status demo test check unit lint bench soak clean wheel spark-env docs
+.PHONY: venv system system-browser up down status demo test check unit lint bench soak clean wheel spark-env docs pyc
 
 venv: .venv/.installed
 
@@ -66,14 +66,27 @@ PYTEST := $(PY) -m pytest -v -rs --timeout=900 --durations=25
 RESULTS := .stack/test-results
 # the serial stream's ports, exported for its stack.sh calls and its tests alike (the tests'
 # kills and restarts call stack.sh: ports set in the caller's environment must not win)
+# The serial stack starts no Spark Connect server and no schema registry: of its tests only
+# test_connect_session.py uses the server (its spark_connect_url fixture starts it) and none
+# the registry; both would idle beside the whole stream
 SERIAL_ENV := OFFSETFLOW_STACK_DIR=$(CURDIR)/.stack/serial OFFSETFLOW_AIRFLOW=0 \
+	OFFSETFLOW_CONNECT=0 OFFSETFLOW_SCHEMA_REGISTRY=0 \
 	OFFSETFLOW_KAFKA_PORT=19192 OFFSETFLOW_KAFKA_CONTROLLER_PORT=19193 OFFSETFLOW_PG_PORT=15532 \
 	OFFSETFLOW_AIRFLOW_PORT=18180 OFFSETFLOW_SPARK_CONNECT_PORT=15102 \
 	OFFSETFLOW_SPARK_MASTER_PORT=17177 OFFSETFLOW_SPARK_MASTER_UI_PORT=17180 \
 	OFFSETFLOW_SPARK_WORKER_PORT=17181 OFFSETFLOW_KAFKA_CLUSTER_PORT=17192 \
 	OFFSETFLOW_SCHEMA_REGISTRY_PORT=18185
 SERIAL_STACK := $(SERIAL_ENV) $(STACK)
-test: system-browser up
+# the test stacks' JVMs (brokers, Spark Connect, the clusters' daemons) C1-only with the serial
+# collector (include/stack/stack.sh, OFFSETFLOW_JVM_LEAN): for `up` as a prerequisite of these
+# too, and for the clusters the tests start. A stack already up keeps the flags it started with
+test check: export OFFSETFLOW_JVM_LEAN = 1
+# the repo's own modules compiled once into __pycache__ (git-ignored): where
+# PYTHONDONTWRITEBYTECODE is set every process that imports offsetflow (job processes, Spark's
+# Python workers, Airflow's task processes) compiled it from source again, ~0.2 CPU s each
+pyc:
+	@$(PY) -m compileall -q -j 0 plugins dags spark_jobs include tests >/dev/null
+test: system-browser up pyc
 ifeq ($(strip $(PYTEST_ARGS)),)
 	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.xml $(RESULTS)/serial.log; start=$$(date +%s); \
 	( export $(SERIAL_ENV) && $(STACK) up && set -a && source .stack/serial/env.sh && set +a && \
@@ -91,15 +104,20 @@ else
 endif
 
 # the inner loop (under 5 minutes): the unit tests and the commit protocol's and the faults'
-# integration core, in the same two phases as `make test`. Test by test on the workers
-# (`--dist load`): these files have no module fixtures, and test_faults.py alone (~165 s)
-# kept on one worker would outlast the rest of the phase
+# integration core, in the same two streams at once as `make test` (the serial one on
+# .stack/serial: it mostly waits on the restarts it causes, so run after the other it added
+# its whole length). Test by test on the workers (`--dist load`): these files have no module
+# fixtures, and test_faults.py alone (~165 s) kept on one worker would outlast the rest
 CHECK_TESTS := tests/unit tests/integration/commit tests/integration/job/test_faults.py
-check: up
-	@start=$$(date +%s); \
+check: up pyc
+	@mkdir -p $(RESULTS); start=$$(date +%s); \
+	( export $(SERIAL_ENV) && $(STACK) up && set -a && source .stack/serial/env.sh && set +a && \
+	  $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m serial ) >$(RESULTS)/check-serial.log 2>&1 & \
+	serial=$$!; \
 	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m "not serial" \
 		-n $(TEST_WORKERS) --dist load; rc1=$$?; \
-	$(ENV) $(PY) -m pytest -q -rs --timeout=900 $(CHECK_TESTS) -m serial; rc2=$$?; \
+	echo "[check] the serial tests (on .stack/serial), run beside the others:"; \
+	wait $$serial; rc2=$$?; cat $(RESULTS)/check-serial.log; \
 	echo "[check] done in $$(( $$(date +%s) - start )) s"; test $$rc1 -eq 0 -a $$rc2 -eq 0
 
 # ruff (with PLC2701: no private name imported across modules) and import-linter's

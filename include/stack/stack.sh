@@ -31,7 +31,8 @@ HERE="$ROOT/include/stack"
 # checkout started with other OFFSETFLOW_*_PORT values keeps them in later calls.
 if [[ -f "$STACK/ports" ]]; then
   while IFS='=' read -r k v; do
-    [[ ( "$k" == OFFSETFLOW_*_PORT || "$k" == OFFSETFLOW_AIRFLOW ) && -z "${!k:-}" ]] && export "$k=$v"
+    [[ ( "$k" == OFFSETFLOW_*_PORT || "$k" == OFFSETFLOW_AIRFLOW || "$k" == OFFSETFLOW_JVM_LEAN ) \
+       && -z "${!k:-}" ]] && export "$k=$v"
   done < "$STACK/ports"
 fi
 KAFKA_PORT="${OFFSETFLOW_KAFKA_PORT:-19092}"
@@ -68,6 +69,18 @@ SPARK_CLUSTER_TIMEOUT="${SPARK_CLUSTER_START_TIMEOUT:-180}"
 KAFKA_CLUSTER_PORT="${OFFSETFLOW_KAFKA_CLUSTER_PORT:-17092}"
 KAFKA_CLUSTER_HEAP="${OFFSETFLOW_KAFKA_CLUSTER_HEAP:--Xms128m -Xmx384m}"
 KAFKA_CLUSTER_ID3="b2Zmc2V0Zmxvdy1jbHVzdA"   # fixed: the local three-node quorum
+# OFFSETFLOW_JVM_LEAN=1 (make test and make check set it; a stack remembers it in .stack/ports):
+# the test stacks' long-lived JVMs (brokers, Spark Connect, the Spark cluster's daemons) on
+# small data beside a CPU-bound suite on 2 cores. C1 only with one compiler thread, and the
+# serial collector (no concurrent GC threads): the JIT's C2 compiles and G1's background
+# work are most of what these JVMs burn while the tests barely use them. Off by default:
+# `make up` for the demo and `make bench` measure the product's own settings.
+JVM_LEAN="${OFFSETFLOW_JVM_LEAN:-0}"
+if [[ "$JVM_LEAN" == 1 ]]; then
+  JVM_OPTS="-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC -XX:-UsePerfData"
+else
+  JVM_OPTS="-XX:+UseG1GC"
+fi
 
 KAFKA_DIR="$STACK/kafka"
 KAFKA_LOG="$KAFKA_DIR/kafka.log"
@@ -164,7 +177,7 @@ EOF
     "OFFSETFLOW_SPARK_CONNECT_PORT=$CONNECT_PORT" "OFFSETFLOW_SPARK_MASTER_PORT=$SPARK_MASTER_PORT" \
     "OFFSETFLOW_SPARK_MASTER_UI_PORT=$SPARK_MASTER_UI_PORT" "OFFSETFLOW_SPARK_WORKER_PORT=$SPARK_WORKER_PORT" \
     "OFFSETFLOW_KAFKA_CLUSTER_PORT=$KAFKA_CLUSTER_PORT" "OFFSETFLOW_SCHEMA_REGISTRY_PORT=$REGISTRY_PORT" \
-    "OFFSETFLOW_AIRFLOW=${OFFSETFLOW_AIRFLOW:-1}" > "$STACK/ports"
+    "OFFSETFLOW_AIRFLOW=${OFFSETFLOW_AIRFLOW:-1}" "OFFSETFLOW_JVM_LEAN=$JVM_LEAN" > "$STACK/ports"
 }
 
 cmd_env() { write_env; cat "$STACK/env.sh"; }
@@ -241,7 +254,7 @@ kafka_start() {
   fi
   log "starting Kafka $(kafka_version) on 127.0.0.1:$KAFKA_PORT (controller 127.0.0.1:$CONTROLLER_PORT, SASL/SCRAM 127.0.0.1:$KAFKA_SASL_PORT)"
   # shellcheck disable=SC2086
-  setsid nohup java $KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true "${jvm_log[@]}" \
+  setsid nohup java $KAFKA_HEAP $JVM_OPTS -Djava.awt.headless=true "${jvm_log[@]}" \
       -cp "$cp" kafka.Kafka "$KAFKA_DIR/server.properties" \
       >"$KAFKA_DIR/stdout.log" 2>&1 < /dev/null &
   echo $! > "$KAFKA_DIR/kafka.pid"
@@ -544,6 +557,8 @@ connect_start() {
   connect_stop
   port_open "$CONNECT_PORT" && fail_service spark-connect "127.0.0.1:$CONNECT_PORT" "" "the port is taken by a process not started by this stack"
   log "starting Spark Connect server ($CONNECT_MASTER) on 127.0.0.1:$CONNECT_PORT"
+  local -a connect_lean=()
+  [[ "$JVM_LEAN" != 1 ]] || connect_lean=(--driver-java-options "$JVM_OPTS")
   # the server needs no credentials (each batch's client passes what its tasks use), and
   # anything that can reach its port can run code in it: it gets none in its environment
   local -a no_secrets=()
@@ -557,6 +572,7 @@ connect_start() {
     --conf "spark.connect.grpc.binding.port=$CONNECT_PORT" \
     --conf spark.ui.enabled=false --conf spark.sql.session.timeZone=UTC \
     --conf "spark.driver.memory=${OFFSETFLOW_SPARK_CONNECT_DRIVER_MEMORY:-2g}" \
+    ${connect_lean[@]+"${connect_lean[@]}"} \
     >"$CONNECT_LOG" 2>&1 < /dev/null &
   echo $! > "$CONNECT_DIR/connect.pid"
   local deadline=$((SECONDS + CONNECT_TIMEOUT))
@@ -584,7 +600,8 @@ spark_home() {
 spark_worker_ports() { echo "$((SPARK_WORKER_PORT + 2 * ($1 - 1))) $((SPARK_WORKER_PORT + 2 * ($1 - 1) + 1))"; }
 
 spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's daemons start with
-  local java_home
+  local java_home lean=""
+  [[ "$JVM_LEAN" != 1 ]] || lean=" $JVM_OPTS"
   local airflow_db="export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=\"postgresql+psycopg2://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/airflow\""
   # a stack without Airflow (OFFSETFLOW_AIRFLOW=0) names no metadata database it lacks
   [[ "${OFFSETFLOW_AIRFLOW:-1}" != 0 ]] || airflow_db="# no Airflow metadata database (OFFSETFLOW_AIRFLOW=0)"
@@ -594,7 +611,7 @@ spark_clean_env() {  # sets SPARK_CLEAN_ENV: the environment a cluster node's da
     "SPARK_DAEMON_MEMORY=${OFFSETFLOW_SPARK_DAEMON_MEMORY:-256m}" "LANG=C.UTF-8" "TZ=UTC"
     # no REST submission server (port 6066 for every cluster on the machine); a taken port
     # is an error, not a silent move to the next one (a worker's port, say)
-    "SPARK_DAEMON_JAVA_OPTS=-Dspark.master.rest.enabled=false -Dspark.port.maxRetries=0")
+    "SPARK_DAEMON_JAVA_OPTS=-Dspark.master.rest.enabled=false -Dspark.port.maxRetries=0$lean")
 }
 
 # The cluster ports sit in Linux's ephemeral range (32768-60999 by default): an outgoing
@@ -809,7 +826,7 @@ kafka_cluster_node_start() {  # N
     "port $port or $cport is taken by a process not started by this stack"
   log "starting Kafka node $n on 127.0.0.1:$port (controller 127.0.0.1:$cport)"
   # shellcheck disable=SC2086
-  setsid nohup java $KAFKA_CLUSTER_HEAP -XX:+UseG1GC -Djava.awt.headless=true "${jvm_log[@]}" \
+  setsid nohup java $KAFKA_CLUSTER_HEAP $JVM_OPTS -Djava.awt.headless=true "${jvm_log[@]}" \
       -cp "$cp" kafka.Kafka "$dir/server.properties" >"$dir/stdout.log" 2>&1 < /dev/null &
   echo $! > "$dir/kafka.pid"
 }

@@ -1,16 +1,19 @@
 """Fixtures more than one integration test module uses: a Great Expectations project with the
-quality suites, and a pipelines + DAGs folder for `airflow dags test`."""
+quality suites, a pipelines + DAGs folder for `airflow dags test`, and the three-broker Kafka
+cluster (`kafka3`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.tooling.cluster import SharedKafkaCluster
 from tests.tooling.pipeline_data import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,3 +73,35 @@ def airflow_project(tmp_path: Path, secret_dsn: tuple[str, str], kafka_bootstrap
             os.environ["OFFSETFLOW_PIPELINES_DIR"] = old
     return {"name": name, "topic": topic, "table": f"dag_{unique}", "env": env,
             "dags": dags, "pipelines": pipelines, "password": secret_dsn[1]}
+
+
+_kafka3: list[SharedKafkaCluster] = []  # the session's, for the teardown hook below
+
+
+@pytest.fixture(scope="session")
+def _shared_kafka3() -> Iterator[SharedKafkaCluster]:
+    shared = SharedKafkaCluster()
+    _kafka3.append(shared)
+    yield shared
+    shared.stop()
+    _kafka3.remove(shared)
+
+
+@pytest.fixture
+def kafka3(_shared_kafka3: SharedKafkaCluster) -> str:
+    """The three-broker Kafka cluster's bootstrap servers (tests/tooling/cluster.py): one
+    start for the files that use it (test_cluster_kafka.py, test_sink_kafka_cluster.py),
+    not one per module: three broker JVMs started and stopped once less."""
+    return _shared_kafka3.get()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Stop the three-broker cluster after a test that used it when the next one does not."""
+    yield
+    if "kafka3" not in getattr(item, "fixturenames", ()):
+        return
+    if nextitem is not None and "kafka3" in getattr(nextitem, "fixturenames", ()):
+        return
+    for shared in _kafka3:
+        shared.stop()

@@ -13,7 +13,7 @@ import os
 import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,10 @@ def spark_conf(event_dir: Path, executors: int = 2) -> dict[str, str]:
         "spark.network.timeout": "30s",
         "spark.network.timeoutInterval": "10s",
         "spark.executor.heartbeatInterval": "3s",
+        # short executor JVMs on small data (as SPARK_SUBMIT_OPTS makes the drivers, tests/
+        # conftest.py): C1 only and the serial collector halve what each one burns
+        "spark.executor.extraJavaOptions": "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 "
+                                           "-XX:+UseSerialGC",
     }
 
 
@@ -118,6 +122,34 @@ def kafka_cluster() -> Iterator[str]:
     finally:
         if not was_up:
             stack("kafka-cluster-stop")
+
+
+class SharedKafkaCluster:
+    """The three-broker cluster for every test that asks for `kafka3` (tests/integration/
+    conftest.py): started by the first `get()`, stopped by `stop()` after the last test that
+    uses it (its two files run one after the other on one worker, tests/tooling/
+    xdist_groups.py), so it starts once, not once per module, and idles beside no other
+    file; a `get()` after a `stop()` starts it again."""
+
+    def __init__(self) -> None:
+        self._stack: ExitStack | None = None
+        self._bootstrap: str | None = None
+
+    def get(self) -> str:
+        if self._bootstrap is None:
+            stack = ExitStack()
+            try:
+                self._bootstrap = stack.enter_context(kafka_cluster())
+            except BaseException:
+                stack.close()
+                raise
+            self._stack = stack
+        return self._bootstrap
+
+    def stop(self) -> None:
+        stack, self._stack, self._bootstrap = self._stack, None, None
+        if stack is not None:
+            stack.close()
 
 
 def worker_pids() -> dict[int, int]:

@@ -30,8 +30,9 @@ GROUPS = {
     **{f"tests/integration/orchestration/{name}": "airflow-standalone"
        for name in ("test_ui_window_forms.py", "test_rest_api.py", "test_public_api.py")},
     # the 3-broker Kafka cluster (tests/tooling/cluster.py): one file kills its leaders while
-    # another counts its in-sync replicas, and the file that started it stops it at its end,
-    # under a file another worker is still running: one after the other, on one worker
+    # another counts its in-sync replicas, and it stops after the last test that uses it
+    # (`kafka3`, tests/integration/conftest.py), under a file another worker might still be
+    # running: one after the other, on one worker, sharing one start
     **{path: "kafka-cluster" for path in (
         "tests/integration/source/test_cluster_kafka.py",
         "tests/integration/sinks/kafka/test_sink_kafka_cluster.py")},

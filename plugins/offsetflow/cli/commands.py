@@ -101,16 +101,22 @@ def parse_batch_ids(values: Sequence[str]) -> list[int]:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from offsetflow.job import build_spark, run_batch
+    from offsetflow.job import build_spark, committed_report, run_batch
 
     cfg = pipeline_of(args)
     ids = parse_batch_ids(args.batch_id)
-    t = time.monotonic()
-    spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
-    spark_start_s = round(time.monotonic() - t, 3)
+    dsn = dsn_of(args, cfg)
+    spark = None
+    spark_start_s = 0.0
     for bid in ids:  # in order: window batches are consecutive
-        rep = run_batch(spark, cfg, bid, dsn_of(args, cfg),
-                        accept_config_change=args.accept_config_change)
+        # a retry of a batch that committed needs no Spark session (a JVM and its workers)
+        rep = committed_report(cfg, bid, dsn)
+        if rep is None:
+            if spark is None:
+                t = time.monotonic()
+                spark = build_spark(cfg, f"offsetflow-{cfg.name}-{ids[0]}")
+                spark_start_s = round(time.monotonic() - t, 3)
+            rep = run_batch(spark, cfg, bid, dsn, accept_config_change=args.accept_config_change)
         print(rep.result.message, flush=True)
         # one machine-readable line per batch, so a cold run's JVM start can be told apart
         log.info("batch %d timings %s", bid,

@@ -122,6 +122,24 @@ def to_stage_form(df: DataFrame) -> DataFrame:
     return df.select(*cols)
 
 
+def committed_report(cfg: PipelineConfig, batch_id: int, dsn: str) -> RunReport | None:
+    """The report of a batch that is already committed (what `run_batch` would return for
+    it), else None: a retry of a committed batch (Airflow's, after its task died past the
+    commit) answers from the ledger without starting a Spark session. The batch must be
+    the pipeline's own, as in `run_batch`."""
+    with Ledger(dsn) as ledger:
+        batch = ledger.get_batch(batch_id)
+    if batch.pipeline != cfg.name:
+        raise BatchStateError(f"batch {batch_id} belongs to pipeline {batch.pipeline}, "
+                              f"not {cfg.name}")
+    if batch.status != "committed":
+        return None
+    log.info("batch %d is already committed; nothing to do", batch_id)
+    return RunReport(batch_id, CommitResult(batch_id, "already_committed",
+                                            batch.rows_written or 0, batch.bad_records or 0,
+                                            {}))
+
+
 def run_batch(spark: SparkSession, cfg: PipelineConfig, batch_id: int, dsn: str,
               accept_config_change: bool = False) -> RunReport:
     """Read, stage and commit one planned batch. Safe to retry: a committed batch is a

@@ -143,7 +143,10 @@ def test_killed_after_commit_retry_is_a_noop(case: Case, spark: Any) -> None:
     before = len(chaos.sink_rows(case.dsn, case.table))
     proc = case.job(bid)  # Airflow's retry of a task whose job had committed
     assert proc.wait(timeout=300) == 0
-    assert f"batch {bid} was already committed; nothing to do" in case.job_output()
+    out = case.job_output()
+    assert f"batch {bid} was already committed; nothing to do" in out
+    # answered from the ledger: the retry started no Spark session (no JVM, no workers)
+    assert f'batch {bid} timings {{"spark_start_s": 0.0}}' in out, out[-3000:]
     assert len(chaos.sink_rows(case.dsn, case.table)) == before
     case.assert_exactly_once()
 

@@ -9,7 +9,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,6 @@ from tests.tooling import chaos, cluster
 from tests.tooling.fault_case import Case
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def kafka3() -> Iterator[str]:
-    with cluster.kafka_cluster() as bootstrap:
-        yield bootstrap
 
 
 def replicated_topic(bootstrap: str, leader: int, partitions: int = 2) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,12 +23,6 @@ from tests.tooling import chaos, cluster
 from tests.tooling.topic_checker import read_topic
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def kafka3() -> Iterator[str]:
-    with cluster.kafka_cluster() as bootstrap:
-        yield bootstrap
 
 
 def topic_on(bootstrap: str, prefix: str, config: dict[str, str]) -> str:

@@ -59,38 +59,27 @@ def test_killed_mid_produce_the_open_transaction_is_aborted_by_the_next_run(
 
 
 @pytest.mark.slow
-def test_killed_between_kafka_commit_and_ledger_commit_writes_no_second_copy(
+def test_killed_between_kafka_commit_and_ledger_commit_no_second_copy_nor_abandon(
         spark: Any, case: KafkaCase, caplog: pytest.LogCaptureFixture) -> None:
+    """The driver dies between the Kafka commit and the ledger's. The re-run writes no
+    second copy. Review s23 H1: before it, an operator abandons the batch (or a
+    config-drift error advised it); abandoning would plan the same ranges again and write
+    them a second time: it is refused, and the re-run completes it. (One killed job for
+    both: they reached this state alike, each with a job process of its own.)"""
     proc = case.start("kill_after_commit")
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     assert case.status() != "committed"  # the ledger never heard of the Kafka commit
     assert len(read_topic(case.bootstrap, case.out, "read_committed")) == RECORDS
-    with caplog.at_level("INFO", logger="offsetflow"):
-        rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)
-    assert rep.result.status == "committed" and rep.result.rows_written == RECORDS
-    assert case.status() == "committed"
-    v = case.verdict()
-    assert v.in_log == RECORDS  # not even an aborted second copy
-    assert "nothing is produced again" in caplog.text
-
-
-@pytest.mark.slow
-def test_abandoning_a_batch_its_topic_already_holds_is_refused(
-        spark: Any, case: KafkaCase) -> None:
-    """Review s23 H1: the driver dies between the Kafka commit and the ledger's, and an
-    operator abandons the batch (or a config-drift error advised it). Abandoning would plan
-    the same ranges again and write them a second time: it is refused, and a re-run completes it."""
-    proc = case.start("kill_after_commit")
-    with killed_at_end(proc):
-        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
-    assert case.status() != "committed"
     rc = cli(["--dsn", case.dsn, "abandon", "--pipeline-file", str(case.file), "--batch-id",
               str(case.batch_id), "--reason", "operator thinks it is dead"])
     assert rc != 0  # refused: not abandoned
     assert case.status() != "abandoned"
-    rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)  # what the error says to do
+    with caplog.at_level("INFO", logger="offsetflow"):
+        rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)  # what the error says to do
     assert rep.result.status == "committed" and rep.result.rows_written == RECORDS
+    assert case.status() == "committed"
+    assert "nothing is produced again" in caplog.text
     run_until_caught_up(case.cfg, case.dsn, spark)
     v = case.verdict()
     assert v.in_log == RECORDS  # no second copy, not even an aborted one
