@@ -50,7 +50,7 @@ def written(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, 
     case.raw["sink"]["catalog"]["name"] = "lake"  # readers use the sink's catalog name
     case.raw["source"]["max_records_per_partition"] = 400
     case.write_config()
-    case.workload.mixed(1500, random.Random(17))
+    case.workload.mixed(900, random.Random(17))
     assert run_until_caught_up(case.cfg, case.dsn, spark)
     assert len(window(case, spark, "replay", partitions="0", from_offset=0,
                        until_offset=200)) == 1
@@ -105,6 +105,6 @@ def test_spark_sql_reads_the_same_rows_as_the_checker_and_compacts_the_table(
     assert digest([r[c] for c in COLUMNS] for r in after) == want == checker_digest(written)
     # the compaction's replace snapshot is on top of main; the sink's next batch finds its
     # base moved, commits on top of it, and the whole table is still each record once
-    written.workload.mixed(600, random.Random(18))
+    written.workload.mixed(300, random.Random(18))
     assert run_until_caught_up(written.cfg, written.dsn, spark)
     written.assert_exactly_once()

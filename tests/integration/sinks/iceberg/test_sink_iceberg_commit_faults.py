@@ -58,7 +58,7 @@ def test_a_table_replaced_between_the_tasks_files_and_the_commit_is_refused(
     ids and sit in its location: the commit refuses them naming the table and both UUIDs,
     commits nothing (no snapshot, no position moved), drops their parts, and the re-run
     writes the batch into the new table once."""
-    bid = case.planned_batch(2000, seed=61)
+    bid = case.planned_batch(800, seed=61)
     before = case.positions()
     flag = tmp_path / "paused"
     proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
@@ -101,7 +101,7 @@ def test_postgresql_crash_after_the_catalog_commit_of_the_tasks_files_commits_on
     markers listing those files. The re-run finds no marker, so its tasks write the batch's
     files again, but the commit finds the batch's snapshot and appends nothing: the batch
     is committed once, and the re-run's own files, referenced by no snapshot, are swept."""
-    bid = case.planned_batch(2000, seed=62)
+    bid = case.planned_batch(800, seed=62)
     before = case.positions()
     proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]

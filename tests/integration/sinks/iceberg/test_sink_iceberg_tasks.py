@@ -5,9 +5,13 @@ its marker commits; the checker reads the table back with a pyiceberg scan."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+import traceback
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,39 @@ def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
     return IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
 
 
+@contextlib.contextmanager
+def task_fault(spark: Any, fault: str) -> Iterator[None]:
+    """TASK_FAULT_ENV for the Python workers of this process's Spark session, no job
+    process (no JVM) of its own: PySpark hands `SparkContext.environment` to every function
+    it wraps, and Spark starts a worker daemon per distinct environment."""
+    env = spark.sparkContext.environment
+    env[TASK_FAULT_ENV] = fault
+    try:
+        yield
+    finally:
+        env.pop(TASK_FAULT_ENV, None)
+
+
+@contextlib.contextmanager
+def running(spark: Any, case: IcebergCase, batch_id: int) -> Iterator[Future[Any]]:
+    """`run_batch` of `batch_id` in a thread of this process (its Spark session), while
+    the test breaks things around it; the block waits for it to end."""
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(run_batch, spark, case.cfg, batch_id, case.dsn)
+        try:
+            yield run
+        finally:
+            with contextlib.suppress(Exception):
+                run.exception(timeout=300)
+
+
+def _failure(run: Future[Any]) -> str:
+    """What a failed run says: its error and traceback (a job process's output)."""
+    err = run.exception(timeout=300)
+    assert err is not None, "the run did not fail"
+    return "".join(traceback.format_exception(err))
+
+
 def _unreferenced(case: IcebergCase) -> set[str]:
     referenced = referenced_files(iceberg_table(case.cfg, case.dsn))
     return {str(p) for p in case.data_files()} - referenced
@@ -47,7 +84,7 @@ def test_the_driver_commits_the_tasks_files_without_reading_the_stage(
     """The rows are in the tasks' data files when the driver commits: the stage holds no
     row with a value (tombstones only, routed to dead letters in PostgreSQL), and the
     driver's stage reader is never called."""
-    bid = case.planned_batch(3000, seed=40)
+    bid = case.planned_batch(1500, seed=40)  # parts >= 2
     seen: dict[str, int] = {}
     write = sink_iceberg.IcebergSink.write
 
@@ -87,7 +124,7 @@ def test_a_task_attempt_killed_after_its_files_leaves_orphans_that_are_swept(
     commit, in the same run (the batch's first)."""
     case.raw["spark"]["master"] = "local[2,2]"
     case.write_config()
-    bid = case.planned_batch(3000, seed=41)
+    bid = case.planned_batch(1500, seed=41)
     flag = tmp_path / "killed"
     proc = case.job_with(bid, **{TASK_FAULT_ENV: f"kill-after-files:{flag}"})
     assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
@@ -114,18 +151,18 @@ def test_two_attempts_of_one_part_both_write_files_only_the_winning_markers_comm
     commits; its PostgreSQL session is killed (as a network cut or an idle timeout
     would), run B writes part 0's files again and commits the batch; then A wakes up. A's
     files are never committed, and B's commit swept them."""
-    bid = case.planned_batch(3000, seed=42)
+    bid = case.planned_batch(1000, seed=42)
     flag = tmp_path / "paused"
-    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
-    chaos.wait_for(flag.exists, 300, "run A's part 0 to write its files")
-    a_files = _written(flag)
-    assert a_files and all(Path(p).exists() for p in a_files), a_files
-    worker = int(flag.read_text().splitlines()[0])
-    _terminate_sessions_of(worker, pg_dsn)
-    rep = run_batch(spark, case.cfg, bid, case.dsn)  # run B
-    assert rep.result.status == "committed"
-    flag.unlink()  # A wakes up: its marker's session is gone
-    proc.wait(timeout=300)
+    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run_a:
+        chaos.wait_for(lambda: flag.exists() or run_a.done(), 300,
+                       "run A's part 0 to write its files")
+        a_files = _written(flag)
+        assert a_files and all(Path(p).exists() for p in a_files), a_files
+        worker = int(flag.read_text().splitlines()[0])
+        _terminate_sessions_of(worker, pg_dsn)
+        rep = run_batch(spark, case.cfg, bid, case.dsn)  # run B
+        assert rep.result.status == "committed"
+        flag.unlink()  # A wakes up: its marker's session is gone
     table = iceberg_table(case.cfg, case.dsn)
     referenced = referenced_files(table)
     assert not a_files & referenced, "a file of the losing attempt was committed"
@@ -189,17 +226,17 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
     partition field returns every row."""
     from pyiceberg.expressions import EqualTo
 
-    bid = case.planned_batch(2000, seed=43)
+    bid = case.planned_batch(800, seed=43)
     flag = tmp_path / "paused"
-    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
-    chaos.wait_for(flag.exists, 300, "part 0 to write its files")
-    table = iceberg_table(case.cfg, case.dsn)
-    old_spec = table.spec().spec_id
-    with table.update_spec() as update:
-        update.add_identity("timestamp_type")
-    flag.unlink()
-    proc.wait(timeout=300)
-    out = case.job_output()
+    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
+        chaos.wait_for(lambda: flag.exists() or run.done(), 300,
+                       "part 0 to write its files")
+        table = iceberg_table(case.cfg, case.dsn)
+        old_spec = table.spec().spec_id
+        with table.update_spec() as update:
+            update.add_identity("timestamp_type")
+        flag.unlink()
+        out = _failure(run)
     assert "IndexError" not in out, out[-3000:]
     assert "partition spec" in out and str(old_spec) in out, out[-3000:]
     assert case.batch(bid).status != "committed"
@@ -211,7 +248,7 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
     assert new_spec != old_spec
     every = table.scan(selected_fields=("timestamp_type",)).to_arrow()
     values = set(every.column("timestamp_type").to_pylist())
-    assert every.num_rows == 2000 and values, values
+    assert every.num_rows == case.workload.committed_count and values, values
     for v in values:  # a file with wrong partition values is pruned away here
         want = every.filter(pc.equal(every.column("timestamp_type"), v)).num_rows
         assert table.scan(row_filter=EqualTo("timestamp_type", v)).to_arrow().num_rows == want
@@ -220,7 +257,7 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
 
 @pytest.mark.slow
 def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
-        case: IcebergCase, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
     """identity(offset): every row of a part is its own partition value (600 per part).
     A task attempt keeps at most MAX_OPEN_WRITERS files open (the least recently used is
     closed and stays a valid data file), not one per value (about 1 MB and an fd each,
@@ -231,8 +268,8 @@ def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
     bid = case.planned_batch(2400, seed=44)
     notes = tmp_path / "open"
     notes.mkdir()
-    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"note-open:{notes}"})
-    assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
+    with task_fault(spark, f"note-open:{notes}"):
+        assert run_batch(spark, case.cfg, bid, case.dsn).result.status == "committed"
     peaks = {p.name: int(p.read_text()) for p in notes.iterdir()}
     assert peaks, "no task attempt noted its open writers"
     assert max(peaks.values()) <= MAX_OPEN_WRITERS, peaks
@@ -246,22 +283,24 @@ def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
 
 
 def test_a_first_run_sweeps_only_the_folders_its_files_went_to(
-        case: IcebergCase, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
     """The orphan sweep after a batch's first run lists the folders of the files the batch
     added, not the table's whole data tree (whose listing grows with the table): a file
     with the batch's prefix in a partition folder the batch never wrote to is not seen
     (the maintenance command's age-based sweep takes such files), while the folders the
     batch wrote to are still swept (test_a_task_attempt_killed_after_its_files_...)."""
-    bid = case.planned_batch(1000, seed=45)
+    bid = case.planned_batch(400, seed=45)
     flag = tmp_path / "paused"
-    proc = case.job_with(bid, **{TASK_FAULT_ENV: f"pause-after-files:{flag}"})
-    chaos.wait_for(flag.exists, 300, "part 0 to write its files")
-    prefix = Path(next(iter(_written(flag)))).name.split("p0-")[0]
-    elsewhere = next(case.warehouse.rglob("data")) / "partition=99" / f"{prefix}p9-0.parquet"
-    elsewhere.parent.mkdir()
-    elsewhere.write_bytes(b"not listed by the batch's sweep")
-    flag.unlink()
-    assert proc.wait(timeout=300) == 0, case.job_output()[-3000:]
+    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
+        chaos.wait_for(lambda: flag.exists() or run.done(), 300,
+                       "part 0 to write its files")
+        prefix = Path(next(iter(_written(flag)))).name.split("p0-")[0]
+        elsewhere = (next(case.warehouse.rglob("data")) / "partition=99" /
+                     f"{prefix}p9-0.parquet")
+        elsewhere.parent.mkdir()
+        elsewhere.write_bytes(b"not listed by the batch's sweep")
+        flag.unlink()
+        assert run.result(timeout=300).result.status == "committed"
     assert case.batch(bid).status == "committed" and case.batch(bid).attempts == 1
     assert elsewhere.exists(), "the sweep listed a folder the batch never wrote to"
     assert _unreferenced(case) == {str(elsewhere)}

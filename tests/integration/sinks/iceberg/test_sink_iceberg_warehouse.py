@@ -87,7 +87,7 @@ def test_a_full_warehouse_under_the_tasks_is_one_error_not_a_spark_traceback(
     case.workload.plain(40)
     run_until_caught_up(case.cfg, case.dsn, spark)
     snaps, positions = snapshot_batches(case.cfg, case.dsn), case.positions()
-    case.workload.plain(1000)
+    case.workload.plain(500)
     planned = plan_only(case.cfg, case.dsn).batch
     assert planned is not None
     bid = planned.batch_id
