@@ -25,7 +25,7 @@ def test_float_values_keep_every_bit_whatever_the_sessions_float_output_setting(
     """A session whose extra_float_digits is 0 (PostgreSQL's default before 12, a common
     role setting of older clients) renders a double with 15 significant digits: 0.3 for
     0.30000000000000004. The output must carry the staged double exactly, as it does with
-    the default setting."""
+    the default setting, in the JSON value and in a key made of it (`key_column`)."""
     src = make_topic("kb-src", 1)
     out = make_topic("kb-out", 1)
     p = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
@@ -36,13 +36,16 @@ def test_float_values_keep_every_bit_whatever_the_sessions_float_output_setting(
     dsn = psycopg2.extensions.make_dsn(pg_dsn, options=(
         "-c extra_float_digits=0 -c bytea_output=escape -c IntervalStyle=iso_8601"))
     cfg = kafka_sink_pipeline(f"kb_{unique}", src, dsn, kafka_bootstrap, topic=out,
-                              headers="none")
+                              headers="none", key_column="amount")
     planned = plan_only(cfg, dsn)
     assert planned.batch is not None
     rep = run_batch(spark, cfg, planned.batch.batch_id, dsn)
     assert rep.result.status == "committed", rep.result
-    values = [r.value or b"" for r in read_topic(kafka_bootstrap, out)]
+    records = read_topic(kafka_bootstrap, out)
+    values = [r.value or b"" for r in records]
     got = [json.loads(v)["amount"] for v in values]
     assert got == AMOUNTS, values
     for v, amount in zip(values, AMOUNTS, strict=True):
         assert f'"amount":{amount!r}'.encode() in v, v
+    # a key_column's text (`to_json`) is rendered by the same session
+    assert [r.key for r in records] == [repr(a).encode() for a in AMOUNTS]
