@@ -49,3 +49,29 @@ def test_float_values_keep_every_bit_whatever_the_sessions_float_output_setting(
         assert f'"amount":{amount!r}'.encode() in v, v
     # a key_column's text (`to_json`) is rendered by the same session
     assert [r.key for r in records] == [repr(a).encode() for a in AMOUNTS]
+
+
+def test_text_keeps_its_characters_whatever_the_sessions_client_encoding(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> None:
+    """A session whose client_encoding is not UTF8 (a role or database default, or the DSN's
+    options): the staged text and the JSON the commit reads back must still be the source's
+    characters, one that encoding cannot hold included, not mojibake nor an error on every
+    run."""
+    src = make_topic("ke-src", 1)
+    out = make_topic("ke-out", 1)
+    ids = [f"ke{unique}-caf\u00e9", f"ke{unique}-\U0001f600", f"ke{unique}-\u4e2d"]
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    for i, event_id in enumerate(ids):
+        body = {"event_id": event_id, "seq": i, "amount": 1.5, "checksum": "c"}
+        p.produce(src, json.dumps(body, ensure_ascii=False).encode(), partition=0)
+    assert p.flush(30) == 0
+    dsn = psycopg2.extensions.make_dsn(pg_dsn, options="-c client_encoding=LATIN1")
+    cfg = kafka_sink_pipeline(f"ke_{unique}", src, dsn, kafka_bootstrap, topic=out,
+                              headers="none", key_column="event_id")
+    planned = plan_only(cfg, dsn)
+    assert planned.batch is not None
+    rep = run_batch(spark, cfg, planned.batch.batch_id, dsn)
+    assert rep.result.status == "committed", rep.result
+    records = read_topic(kafka_bootstrap, out)
+    assert [json.loads(r.value or b"")["event_id"] for r in records] == ids
+    assert [r.key for r in records] == [i.encode() for i in ids]
