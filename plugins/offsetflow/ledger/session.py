@@ -21,6 +21,11 @@ import psycopg2.extensions
 SESSION_OPTIONS = ("-c default_transaction_isolation=read\\ committed -c timezone=UTC "
                    "-c tcp_keepalives_idle=30 -c tcp_keepalives_interval=10 "
                    "-c tcp_keepalives_count=3")
+# The text every OffsetFlow session sends and reads is UTF-8 (binary COPY of the stage, the
+# Kafka sink's JSON): a libpq startup parameter of its own, so it beats a role's or
+# database's client_encoding, PGCLIENTENCODING, and a DSN's client_encoding or `options`.
+# With LATIN1 there, staged text became mojibake ("café" read back as "cafÃ©") silently
+CLIENT_ENCODING = "UTF8"
 # libpq's keepalives: the client side notices a dead server the same way
 CLIENT_KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 30,
                                      "keepalives_interval": 10, "keepalives_count": 3}
@@ -32,5 +37,5 @@ def connect(dsn: str) -> psycopg2.extensions.connection:
     dsn_opts = psycopg2.extensions.parse_dsn(dsn).get("options", "")
     conn = psycopg2.connect(dsn, application_name="offsetflow", connect_timeout=10,
                             options=f"{SESSION_OPTIONS} {dsn_opts}".strip(),
-                            **CLIENT_KEEPALIVES)
+                            client_encoding=CLIENT_ENCODING, **CLIENT_KEEPALIVES)
     return conn

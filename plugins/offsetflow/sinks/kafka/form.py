@@ -28,6 +28,15 @@ RECORD_OVERHEAD = 36
 HEADER_OVERHEAD = 10
 BATCH_OVERHEAD = 61
 PRODUCER_MAX_BYTES = 1_000_000  # librdkafka's default message.max.bytes
+# The session settings the records' text depends on (`row_to_json`, a key's JSON scalar
+# text), set in the commit's transaction before the stage is read, whatever the role, the
+# database, PGOPTIONS or the DSN's `options` set: timestamps in UTC; a double or real as
+# its exact shortest text (extra_float_digits 0 rounds it to 15 digits: 0.3 for
+# 0.30000000000000004, 1 for 1.0000000000000002; any value above 0 is the shortest exact
+# text since PostgreSQL 12, 3 the exact 17 digits before); bytea as hex; an interval as
+# PostgreSQL prints it by default
+OUTPUT_SETTINGS = ("SET LOCAL TimeZone = 'UTC'; SET LOCAL extra_float_digits = 3; "
+                   "SET LOCAL bytea_output = 'hex'; SET LOCAL IntervalStyle = 'postgres'")
 
 
 def record_limit(producer: Mapping[str, Any], topic_max: int | None) -> int:

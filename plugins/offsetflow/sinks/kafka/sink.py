@@ -49,6 +49,7 @@ from offsetflow.ledger import (
 from offsetflow.ranges import split_ranges
 from offsetflow.sinks.kafka.avro_value import AvroValueEncoder, ValueDoesNotFit
 from offsetflow.sinks.kafka.form import (
+    OUTPUT_SETTINGS,
     check_columns,
     parts_select_sql,
     record_headers,
@@ -254,7 +255,7 @@ class KafkaTopicSink(KafkaTransaction):
         cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
         largest, ts_min, ts_max = cur.fetchone()  # type: ignore[misc]
         self._phase("kafka_extent_s", t)
-        cur.execute("SET LOCAL TimeZone = 'UTC'")  # JSON timestamps the same every run
+        cur.execute(OUTPUT_SETTINGS)  # the same JSON text every run, whatever the session
         # a streamed cursor: compiling its expressions (JIT) costs more than it saves
         cur.execute("SET LOCAL jit = off")
         # no index on the stage here: a CREATE INDEX on an UNLOGGED stage part in this
