@@ -187,6 +187,9 @@ class IcebergSink:
             return None
         self._record_commit(cur, batch, table)
         moved = self.route_dead_letters(cur, batch)  # they commit with the ledger, so again
+        if not self.spec.task_files and self.spec.mode != "upsert" and not self.stage_gone:
+            # and so do the stage path's nested values the table's types refused
+            moved.dead += self._route_unfit_again(cur, batch, table)
         if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
             from offsetflow.sinks.iceberg.upsert import prepare
 
@@ -307,17 +310,38 @@ class IcebergSink:
         return moved
 
     def _route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                     unfit: Mapping[tuple[str, int, int], str]) -> int:
+                     unfit: Mapping[tuple[str, int, int], str], always: bool = False) -> int:
         """Staged rows whose nested values the table's types refuse: dead letters (out of
-        the stage, in the commit's transaction), or under `bad_records: fail` the batch
-        fails naming the first."""
+        the stage, in the commit's transaction), or under `bad_records: fail` (unless
+        `always`) the batch fails naming the first."""
         dl = self.spec.dead_letter_table
-        if dl is None or not self.spec.bad_records_staged:
+        if dl is None or not (self.spec.bad_records_staged or always):
             (topic, partition, offset), why = min(unfit.items())
             raise BadRecordError(topic, partition, offset, why, more=len(unfit) - 1)
         return route_quality_failures(cur, batch, dl, stage_table(batch.batch_id),
                                       {c: [why] for c, why in unfit.items()},
                                       self.spec.columns, prefix="", label="iceberg")
+
+    def _route_unfit_again(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                           table: Table) -> int:
+        """`find` on the stage path: the rows whose nested values `write` refused (their dead
+        letters rolled back with the ledger transaction of the attempt that made the
+        snapshot) routed again, decided by the types of the snapshot's own schema, the ones
+        `write` fitted them to (the same staged rows give the same dead letters). Without
+        this they are in neither the table nor the dead letters."""
+        snap = table.snapshot_by_id(batch_snapshot_id(table, batch, self.ledger_id) or -1)
+        schema = table.schemas().get(snap.schema_id) if snap is not None and \
+            snap.schema_id is not None else None
+        schema = schema or table.schema()
+        if not table_nested_types(schema):
+            return 0
+        data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
+        _, unfit = fit_table(data, schema, ".".join(table.name()))
+        if not unfit:
+            return 0
+        # the snapshot was made without them: a dead-letter table takes them whatever
+        # bad_records says now (the attempt that made it routed them there)
+        return self._route_unfit(cur, batch, unfit, always=True)
 
     def _evolve(self, batch: Batch) -> Callable[[Transaction], None] | None:
         """format.schema_evolution's schema update, staged in the batch's catalog commit
