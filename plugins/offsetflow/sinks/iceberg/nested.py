@@ -263,12 +263,25 @@ def _missing(have: pa.DataType, want: pa.DataType, path: tuple[str, ...],
              out: list[tuple[tuple[str, ...], pa.DataType]]) -> None:
     if pa.types.is_struct(have) and pa.types.is_struct(want):
         names = {have.field(i).name: have.field(i) for i in range(have.num_fields)}
+        folded = {n.lower(): n for n in names}
         for i in range(want.num_fields):
             w = want.field(i)
             if w.name in names:
                 _missing(names[w.name].type, w.type, (*path, w.name), out)
-            else:
-                out.append(((*path, w.name), w.type))
+                continue
+            # Spark and Trino resolve nested fields without case too (as `evolve` guards a
+            # top-level column): one differing from a field there only in case is refused
+            clash = folded.get(w.name.lower())
+            if clash is not None:
+                raise SchemaMismatchError(
+                    f"the reader schema's nested field {'.'.join((*path, w.name))!r} differs "
+                    f"from the Iceberg table's field {'.'.join((*path, clash))!r} only in "
+                    f"case: adding it would make the table ambiguous to engines that "
+                    f"resolve names without case (Spark, Trino). Nothing was written; "
+                    f"rename the table's field by hand, or rename the field in a new schema "
+                    f"version")
+            folded[w.name.lower()] = w.name
+            out.append(((*path, w.name), w.type))
     elif _is_list(have) and _is_list(want):
         _missing(have.value_type, want.value_type, (*path, "element"), out)
     elif pa.types.is_map(have) and pa.types.is_map(want):

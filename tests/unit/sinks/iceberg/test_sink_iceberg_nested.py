@@ -101,3 +101,21 @@ def test_fields_the_reader_makes_optional_or_wider_are_named() -> None:
         (("address", "zip"), None), (("lines", "element"), None)]
     with pytest.raises(SchemaMismatchError, match=r"address\.street \(optional\)"):
         check_nested("db.t", schema, {"address": newer}, 7)
+
+
+def test_a_nested_field_differing_only_in_case_is_refused() -> None:
+    """A reader's nested field `Street` beside the table's `street` is never added (Spark
+    and Trino could no longer resolve either), as a top-level column is not."""
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.schema import assign_fresh_schema_ids
+
+    addr = pa.struct([pa.field("street", pa.string())])
+    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(  # noqa: SLF001
+        pa.schema([pa.field("address", addr), pa.field("lines", LINES)])))
+    newer = pa.struct([pa.field("street", pa.string()), pa.field("Street", pa.string())])
+    with pytest.raises(SchemaMismatchError, match=r"'address\.Street'.*'address\.street'"):
+        nested_additions(schema, {"address": newer})
+    renamed = pa.list_(pa.field("element", pa.struct(
+        [*LINE, pa.field("SKU", pa.string())]), nullable=False))
+    with pytest.raises(SchemaMismatchError, match=r"lines\.element\.SKU"):
+        check_nested("db.t", schema, {"lines": renamed}, 7)
