@@ -150,16 +150,24 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
     when there is nothing to change. Returns what changed, in words. A batch of an audited
     window (`audit_id`) with something to change is refused (`refuse_on_branch`), and so
     is a change to an upsert's `key` column (`refuse_key_changes`)."""
-    from offsetflow.sinks.iceberg.nested import iceberg_type_of, nested_additions
+    from offsetflow.sinks.iceberg.nested import (
+        iceberg_type_of,
+        nested_additions,
+        nested_relaxations,
+    )
 
     meta = txn.table_metadata
     changes = pending_changes(table_name, meta.schema(), columns)
-    inner = [(path, iceberg_type_of(t))
-             for path, t in nested_additions(meta.schema(), nested or {})]
-    if not changes and not inner:
+    inner = [(path, iceberg_type_of(a))
+             for path, a in nested_additions(meta.schema(), nested or {})]
+    # a required nested field the reader makes optional (or drops), a promoted one
+    loose = nested_relaxations(meta.schema(), nested or {})
+    if not changes and not inner and not loose:
         return []
-    refuse_on_branch(table_name, [*changes, *((".".join(p), t, "add") for p, t in inner)],
-                     audit_id)
+    refuse_on_branch(table_name, [
+        *changes, *((".".join(p), w, "add") for p, w in inner),
+        *((".".join(p), w or meta.schema().find_field(".".join(p)).field_type,
+           "optional" if w is None else "widen") for p, w in loose)], audit_id)
     refuse_key_changes(table_name, changes, key)
     with txn.update_schema() as update:
         for name, want, how in changes:
@@ -169,8 +177,15 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
                 update.update_column(name, want)
         for path, want in inner:  # pyiceberg numbers them after the columns, in order
             update.add_column(path, want, required=False)
+        for path, wider in loose:  # no new ids: the files' ids are the same either way
+            if wider is None:
+                update.make_column_optional(path)
+            else:
+                update.update_column(path, wider)
     return ([f"{how} {name} {want}" for name, want, how in changes]
-            + [f"add {'.'.join(p)} {want}" for p, want in inner])
+            + [f"add {'.'.join(p)} {want}" for p, want in inner]
+            + [f"{'optional' if w is None else f'widen to {w}'} {'.'.join(p)}"
+               for p, w in loose])
 
 
 def evolved_metadata(table: Table, columns: Sequence[tuple[str, str]],

@@ -263,24 +263,110 @@ def _missing(have: pa.DataType, want: pa.DataType, path: tuple[str, ...],
              out: list[tuple[tuple[str, ...], pa.DataType]]) -> None:
     if pa.types.is_struct(have) and pa.types.is_struct(want):
         names = {have.field(i).name: have.field(i) for i in range(have.num_fields)}
+        folded = {n.lower(): n for n in names}
         for i in range(want.num_fields):
             w = want.field(i)
             if w.name in names:
                 _missing(names[w.name].type, w.type, (*path, w.name), out)
-            else:
-                out.append(((*path, w.name), w.type))
+                continue
+            # Spark and Trino resolve nested fields without case too (as `evolve` guards a
+            # top-level column): one differing from a field there only in case is refused
+            clash = folded.get(w.name.lower())
+            if clash is not None:
+                raise SchemaMismatchError(
+                    f"the reader schema's nested field {'.'.join((*path, w.name))!r} differs "
+                    f"from the Iceberg table's field {'.'.join((*path, clash))!r} only in "
+                    f"case: adding it would make the table ambiguous to engines that "
+                    f"resolve names without case (Spark, Trino). Nothing was written; "
+                    f"rename the table's field by hand, or rename the field in a new schema "
+                    f"version")
+            folded[w.name.lower()] = w.name
+            out.append(((*path, w.name), w.type))
     elif _is_list(have) and _is_list(want):
         _missing(have.value_type, want.value_type, (*path, "element"), out)
     elif pa.types.is_map(have) and pa.types.is_map(want):
         _missing(have.item_type, want.item_type, (*path, "value"), out)
 
 
+def nested_relaxations(schema: Schema, nested: Mapping[str, pa.DataType]
+                       ) -> list[tuple[tuple[str, ...], IcebergType | None]]:
+    """What the table's struct, list and map columns must loosen to take the reader's
+    `nested` types (column -> Arrow type) as they are: (path, None) for a required field,
+    list element or map value the reader makes optional or no longer has (its records
+    carry null there), (path, the wider Iceberg type) for a field the reader promotes
+    (int -> long, float -> double, a decimal's precision at the same scale). Without it a
+    null the reader allows is a dead letter, and a double is cut to the table's float."""
+    out: list[tuple[tuple[str, ...], IcebergType | None]] = []
+    if not nested:
+        return out
+    from pyiceberg.types import ListType, MapType, StructType
+
+    for name, want in nested.items():
+        try:
+            have = schema.find_field(name).field_type
+        except ValueError:
+            continue
+        if isinstance(have, (StructType, ListType, MapType)):
+            _loosen(have, iceberg_type_of(want), (name,), out)
+    return out
+
+
+def _loosen(have: IcebergType, want: IcebergType, path: tuple[str, ...],
+            out: list[tuple[tuple[str, ...], IcebergType | None]]) -> None:
+    from pyiceberg import types as t
+
+    if isinstance(have, t.StructType) and isinstance(want, t.StructType):
+        wanted = {f.name: f for f in want.fields}
+        for h in have.fields:
+            w = wanted.get(h.name)
+            if h.required and (w is None or not w.required):
+                out.append(((*path, h.name), None))
+            if w is not None:
+                _loosen(h.field_type, w.field_type, (*path, h.name), out)
+    elif isinstance(have, t.ListType) and isinstance(want, t.ListType):
+        if have.element_required and not want.element_required:
+            out.append(((*path, "element"), None))
+        _loosen(have.element_type, want.element_type, (*path, "element"), out)
+    elif isinstance(have, t.MapType) and isinstance(want, t.MapType):
+        if have.value_required and not want.value_required:
+            out.append(((*path, "value"), None))
+        _loosen(have.value_type, want.value_type, (*path, "value"), out)
+    elif _promotes(have, want):
+        out.append((path, want))
+
+
+def _promotes(have: IcebergType, want: IcebergType) -> bool:
+    """Iceberg's in-place promotions (as `evolve` makes them for a top-level column)."""
+    from pyiceberg import types as t
+
+    if isinstance(have, t.IntegerType) and isinstance(want, t.LongType):
+        return True
+    if isinstance(have, t.FloatType) and isinstance(want, t.DoubleType):
+        return True
+    return (isinstance(have, t.DecimalType) and isinstance(want, t.DecimalType)
+            and have.scale == want.scale and want.precision > have.precision)
+
+
 def check_nested(table_name: str, schema: Schema, nested: Mapping[str, pa.DataType],
                  batch_id: int) -> None:
     """Fields the reader schema has inside a nested column and the table's `schema` (with
     format.schema_evolution's update staged, which adds them under `add_columns`) lacks are
-    never dropped: SchemaMismatchError naming them, before the tasks write."""
+    never dropped, and a field the reader makes optional or wider is never a dead letter
+    per null or a value cut to the narrower type (`nested_relaxations`; the update loosens
+    them under `add_columns`): SchemaMismatchError naming them, before the tasks write."""
     missing = nested_additions(schema, nested)
+    loose = nested_relaxations(schema, nested)
+    if loose and not missing:
+        what = ", ".join(f"{'.'.join(p)} ({'optional' if t is None else t})"
+                         for p, t in loose)
+        raise SchemaMismatchError(
+            f"batch {batch_id}: the Avro reader schema makes nested field(s) of Iceberg "
+            f"table {table_name} optional or wider: {what}; the table's types would refuse "
+            f"its nulls or cut its values. Nothing was written. Set "
+            f"format.schema_evolution: add_columns (the batch's commit loosens them), or "
+            f"change them by hand (e.g. Spark ALTER TABLE {table_name} ALTER COLUMN "
+            f"{'.'.join(loose[0][0])} DROP NOT NULL / TYPE ...), or pin "
+            f"format.schema_registry.reader_version to the version the table was made from")
     if not missing:
         return
     what = ", ".join(f"{'.'.join(p)} ({t})" for p, t in missing)

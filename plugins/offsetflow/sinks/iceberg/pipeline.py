@@ -56,13 +56,16 @@ class IcebergPipelineSink(Sink):
         `json` column whose Avro reader schema (`readers`) is a record, array or map is a
         struct, list or map column of a table created here (`sink_iceberg_nested`).
         When the tasks stage in PostgreSQL instead (upsert, a quality suite), None, after
-        the `evolved` columns are checked against the table as it is: a change the
-        commit would refuse stops the batch here, before the tasks read."""
-        if not self.tasks_write_files and not evolved:
-            return None
+        the `evolved` columns, and an append's nested fields (`readers`: a table whose
+        column is a struct), are checked against the table as it is: a change the commit
+        would refuse stops the batch here, before the tasks read, and a nested field the
+        table's struct lacks is refused by name (or evolved under add_columns), never
+        each record a dead letter."""
         cfg = self.cfg
-        if self.tasks_write_files:
-            self.nested = nested_column_types(cfg.format_type, columns, readers)
+        self.nested = nested_column_types(cfg.format_type, columns, readers) \
+            if cfg.sink.mode == "append" else {}
+        if not self.tasks_write_files and not evolved and not self.nested:
+            return None
         sink = self.external(dsn, columns, CommitSpec(
             columns=tuple(c for c, _ in columns), mode=cfg.sink.mode, key=tuple(cfg.sink.key),
             tombstones=cfg.tombstone_policy, dead_letter_table=cfg.dead_letter_table,
@@ -80,6 +83,7 @@ class IcebergPipelineSink(Sink):
         sink = sink_of(self.cfg, dsn, columns, spec)
         sink.nested = dict(self.nested)  # the commit evolves nested fields as the tasks saw
         sink.nested_evolution = self.cfg.schema_evolution == "add_columns"
+        sink.typed_tables = self.tasks_write_files  # a new table of the stage path: text
         return sink
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,

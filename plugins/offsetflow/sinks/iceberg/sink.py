@@ -96,6 +96,7 @@ from offsetflow.sinks.iceberg.warehouse import writing_to
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table, Transaction
+    from pyiceberg.table.metadata import TableMetadata
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,9 @@ class IcebergSink:
     nested: Mapping[str, Any] = field(default_factory=dict)
     # format.schema_evolution: add_columns: fields added inside them join the table too
     nested_evolution: bool = False
+    # a table created here gets `nested` as its types (the task-files path); the stage path
+    # creates JSON text columns, and uses `nested` for an existing table's checks only
+    typed_tables: bool = True
 
     @property
     def catalog(self) -> Catalog:
@@ -187,6 +191,9 @@ class IcebergSink:
             return None
         self._record_commit(cur, batch, table)
         moved = self.route_dead_letters(cur, batch)  # they commit with the ledger, so again
+        if not self.spec.task_files and self.spec.mode != "upsert" and not self.stage_gone:
+            # and so do the stage path's nested values the table's types refused
+            moved.dead += self._route_unfit_again(cur, batch, table)
         if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
             from offsetflow.sinks.iceberg.upsert import prepare
 
@@ -215,9 +222,12 @@ class IcebergSink:
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
         read_s = time.monotonic() - t
         table = self.table(self.identifier(batch))
-        # a table's struct/list/map column: its JSON text parsed; values that do not fit
-        # are their records' dead letters, never a batch that fails on every retry
-        data, unfit = fit_table(data, table.schema(), ".".join(table.name()))
+        # a table's struct/list/map column: its JSON text parsed into the types the commit
+        # makes current (format.schema_evolution's nested fields too: `check_nested` refused
+        # them before the read without it); values that do not fit are their records'
+        # dead letters, never a batch that fails on every retry
+        schema = self._nested_checked(table, batch).schema()
+        data, unfit = fit_table(data, schema, ".".join(table.name()))
         if unfit:
             moved.dead += self._route_unfit(cur, batch, unfit)
         _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
@@ -243,10 +253,8 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         # format.schema_evolution: the files are written with the evolved schema's field
         # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
-        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key,
-                                self.nested if self.nested_evolution else None)
         # nested fields the reader has and the table's struct lacks: refused by name
-        check_nested(".".join(table.name()), meta.schema(), self.nested, batch.batch_id)
+        meta = self._nested_checked(table, batch)
         try:  # a jsonb column the table holds as struct/list/map: the tasks parse its text
             _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(
                 self.columns, table_nested_types(meta.schema())))
@@ -259,15 +267,26 @@ class IcebergSink:
 
     def check_evolution(self, batch: Batch) -> None:
         """The stage path (upsert, a quality suite): format.schema_evolution's changes to
-        the table as it is now, checked on the driver before the tasks read (the commit
-        makes them, and checks again): a type Iceberg cannot promote, a change to the
-        upsert key or an audited window's change stops the batch here. No table yet: the
-        commit creates it with the columns."""
-        if not self.spec.add_columns:
+        the table as it is now, and the reader's nested fields against its struct/list/map
+        columns (`check_nested`), checked on the driver before the tasks read (the commit
+        makes the changes, and checks again): a type Iceberg cannot promote, a change to
+        the upsert key, an audited window's change or a nested field the table lacks
+        without add_columns stops the batch here. No table yet: the commit creates it
+        with the columns (JSON text ones on this path)."""
+        if not self.spec.add_columns and not self.nested:
             return
         table = self.existing_table(self.identifier(batch))
         if table is not None:
-            evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key)
+            self._nested_checked(table, batch)
+
+    def _nested_checked(self, table: Table, batch: Batch) -> TableMetadata:
+        """The table's metadata with format.schema_evolution's update staged (the one the
+        commit makes), after the reader's nested fields are checked against it (refused
+        by name when the table lacks one or must loosen one: `check_nested`)."""
+        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key,
+                                self.nested if self.nested_evolution else None)
+        check_nested(".".join(table.name()), meta.schema(), self.nested, batch.batch_id)
+        return meta
 
     # -- helpers -----------------------------------------------------------------------
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
@@ -307,17 +326,38 @@ class IcebergSink:
         return moved
 
     def _route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch,
-                     unfit: Mapping[tuple[str, int, int], str]) -> int:
+                     unfit: Mapping[tuple[str, int, int], str], always: bool = False) -> int:
         """Staged rows whose nested values the table's types refuse: dead letters (out of
-        the stage, in the commit's transaction), or under `bad_records: fail` the batch
-        fails naming the first."""
+        the stage, in the commit's transaction), or under `bad_records: fail` (unless
+        `always`) the batch fails naming the first."""
         dl = self.spec.dead_letter_table
-        if dl is None or not self.spec.bad_records_staged:
+        if dl is None or not (self.spec.bad_records_staged or always):
             (topic, partition, offset), why = min(unfit.items())
             raise BadRecordError(topic, partition, offset, why, more=len(unfit) - 1)
         return route_quality_failures(cur, batch, dl, stage_table(batch.batch_id),
                                       {c: [why] for c, why in unfit.items()},
                                       self.spec.columns, prefix="", label="iceberg")
+
+    def _route_unfit_again(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                           table: Table) -> int:
+        """`find` on the stage path: the rows whose nested values `write` refused (their dead
+        letters rolled back with the ledger transaction of the attempt that made the
+        snapshot) routed again, decided by the types of the snapshot's own schema, the ones
+        `write` fitted them to (the same staged rows give the same dead letters). Without
+        this they are in neither the table nor the dead letters."""
+        snap = table.snapshot_by_id(batch_snapshot_id(table, batch, self.ledger_id) or -1)
+        schema = table.schemas().get(snap.schema_id) if snap is not None and \
+            snap.schema_id is not None else None
+        schema = schema or table.schema()
+        if not table_nested_types(schema):
+            return 0
+        data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
+        _, unfit = fit_table(data, schema, ".".join(table.name()))
+        if not unfit:
+            return 0
+        # the snapshot was made without them: a dead-letter table takes them whatever
+        # bad_records says now (the attempt that made it routed them there)
+        return self._route_unfit(cur, batch, unfit, always=True)
 
     def _evolve(self, batch: Batch) -> Callable[[Transaction], None] | None:
         """format.schema_evolution's schema update, staged in the batch's catalog commit
@@ -463,8 +503,8 @@ class IcebergSink:
         columns = self.columns
         if self.spec is not None and self.spec.mode == "upsert":  # the rule reads it
             columns = [*columns, (TOPIC_ID_COLUMN, "text")]
-        schema, spec, order = layout_for_new_table(self.iceberg,
-                                                   arrow_schema(columns, self.nested))
+        schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(
+            columns, self.nested if self.typed_tables else None))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
             with writing_to(self.iceberg.properties.get("warehouse", "?"),
                             f"creating table {ident}", None):

@@ -75,3 +75,47 @@ def test_fields_the_table_lacks_are_named() -> None:
         (("lines", "element", "qty"), pa.int32())]
     with pytest.raises(SchemaMismatchError, match=r"lines\.element\.qty"):
         check_nested("db.t", schema, {"lines": newer}, 7)
+
+
+def test_fields_the_reader_makes_optional_or_wider_are_named() -> None:
+    """A required field the reader makes optional (or no longer has), a list element it
+    makes optional, a float it makes a double: the table must loosen them (under
+    add_columns its update does), else the batch is refused by name before it writes."""
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.schema import assign_fresh_schema_ids
+    from pyiceberg.types import DoubleType
+
+    from offsetflow.sinks.iceberg.nested import nested_relaxations
+
+    addr = pa.struct([pa.field("street", pa.string(), nullable=False),
+                      pa.field("w", pa.float32(), nullable=False),
+                      pa.field("zip", pa.int32(), nullable=False)])
+    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(  # noqa: SLF001
+        pa.schema([pa.field("address", addr), pa.field("lines", LINES)])))
+    assert nested_relaxations(schema, {"address": addr, "lines": LINES}) == []
+    newer = pa.struct([pa.field("street", pa.string()),  # optional now; zip gone
+                       pa.field("w", pa.float64(), nullable=False)])
+    loose_lines = pa.list_(pa.field("element", LINE))
+    assert nested_relaxations(schema, {"address": newer, "lines": loose_lines}) == [
+        (("address", "street"), None), (("address", "w"), DoubleType()),
+        (("address", "zip"), None), (("lines", "element"), None)]
+    with pytest.raises(SchemaMismatchError, match=r"address\.street \(optional\)"):
+        check_nested("db.t", schema, {"address": newer}, 7)
+
+
+def test_a_nested_field_differing_only_in_case_is_refused() -> None:
+    """A reader's nested field `Street` beside the table's `street` is never added (Spark
+    and Trino could no longer resolve either), as a top-level column is not."""
+    from pyiceberg.catalog import Catalog
+    from pyiceberg.schema import assign_fresh_schema_ids
+
+    addr = pa.struct([pa.field("street", pa.string())])
+    schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(  # noqa: SLF001
+        pa.schema([pa.field("address", addr), pa.field("lines", LINES)])))
+    newer = pa.struct([pa.field("street", pa.string()), pa.field("Street", pa.string())])
+    with pytest.raises(SchemaMismatchError, match=r"'address\.Street'.*'address\.street'"):
+        nested_additions(schema, {"address": newer})
+    renamed = pa.list_(pa.field("element", pa.struct(
+        [*LINE, pa.field("SKU", pa.string())]), nullable=False))
+    with pytest.raises(SchemaMismatchError, match=r"lines\.element\.SKU"):
+        check_nested("db.t", schema, {"lines": renamed}, 7)
