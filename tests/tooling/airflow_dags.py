@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,3 +29,13 @@ def dags_test(project: dict[str, Any], dag_id: str, conf: dict[str, Any] | None 
 def _final_state(out: str) -> str:
     lines = [ln for ln in out.splitlines() if "DagRun Finished" in ln or "state=" in ln]
     return lines[-1] if lines else ""
+
+
+def launch_connect(project: dict[str, Any], connect_url: str) -> None:
+    """The project's pipeline runs its later batches on the warm Spark Connect server
+    (`spark.launch: connect`) instead of a spark-submit JVM per run: for the tests that
+    assert what the DAGs do, not how spark-submit starts the job."""
+    path = project["pipelines"] / f"{project['name']}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["spark"] = {"launch": "connect", "connect_url": connect_url}
+    path.write_text(yaml.safe_dump(cfg))
