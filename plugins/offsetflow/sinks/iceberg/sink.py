@@ -247,12 +247,17 @@ class IcebergSink:
         the table as it is now, checked on the driver before the tasks read (the commit
         makes them, and checks again): a type Iceberg cannot promote, a change to the
         upsert key or an audited window's change stops the batch here. No table yet: the
-        commit creates it with the columns."""
+        commit creates it with the columns. The batch's snapshot there already (a run
+        killed between the catalog and the ledger commits): nothing is checked, the
+        commit's `find` completes it whatever the table's schema became since (a column
+        retyped by hand or by another pipeline would otherwise refuse a batch that is in
+        the table, and its way out would be to drop that column)."""
         if not self.spec.add_columns:
             return
         table = self.existing_table(self.identifier(batch))
-        if table is not None:
-            evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key)
+        if table is None or find_batch(table, batch, self.ledger_id) is not None:
+            return
+        evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key)
 
     # -- helpers -----------------------------------------------------------------------
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
