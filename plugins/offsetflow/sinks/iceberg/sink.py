@@ -95,6 +95,7 @@ from offsetflow.sinks.iceberg.warehouse import writing_to
 if TYPE_CHECKING:
     from pyiceberg.catalog import Catalog
     from pyiceberg.table import Table, Transaction
+    from pyiceberg.table.metadata import TableMetadata
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,8 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         # format.schema_evolution: the files are written with the evolved schema's field
         # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
-        meta = evolved_metadata(table, self.spec.add_columns, batch.audit_id)
+        meta = self._committed_metadata(table, batch) or evolved_metadata(
+            table, self.spec.add_columns, batch.audit_id)
         try:
             _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(self.columns))
         except ValueError as e:
@@ -260,6 +262,22 @@ class IcebergSink:
         evolved_metadata(table, self.spec.add_columns, batch.audit_id, self.spec.key)
 
     # -- helpers -----------------------------------------------------------------------
+    def _committed_metadata(self, table: Table, batch: Batch) -> TableMetadata | None:
+        """The batch's snapshot there already (a run killed between the catalog and the
+        ledger commits): the table's metadata with the schema that snapshot was committed
+        with, for this run's tasks, whose files the commit never adds (its `find`
+        completes the batch; the sweep removes them). Their rows fit that schema whatever
+        the table's became since: a column retyped by hand or by another pipeline never
+        refuses a batch that is in the table. None when the batch is not there."""
+        sid = batch_snapshot_id(table, batch, self.ledger_id)
+        if sid is None:
+            return None
+        snap = table.metadata.snapshot_by_id(sid)
+        schema_id = None if snap is None else snap.schema_id
+        if schema_id is None:
+            return table.metadata
+        return table.metadata.model_copy(update={"current_schema_id": schema_id})
+
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
                           staged: int) -> Moved:
         """Commit the data files the batch's markers list (the tasks wrote them)."""

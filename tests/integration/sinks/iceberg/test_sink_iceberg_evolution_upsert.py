@@ -52,9 +52,11 @@ def _produce(case: dict[str, Any], schema: dict[str, Any], records: list[dict[st
 
 
 @pytest.fixture
-def case(spark: Any, pg_dsn: str, kafka_bootstrap: str, tmp_path: Any) -> dict[str, Any]:
-    """A pipeline whose first batch (v1, keys 1..6) made the table; v2 records produced
-    (keys 4, 5 replaced with a coupon, key 9 new) and their batch planned."""
+def case(request: Any, spark: Any, pg_dsn: str, kafka_bootstrap: str, tmp_path: Any
+         ) -> dict[str, Any]:
+    """A pipeline (mode upsert, or `request.param`) whose first batch (v1, keys 1..6)
+    made the table; v2 records produced (keys 4, 5 replaced with a coupon, key 9 new) and
+    their batch planned."""
     topic = new_topic(kafka_bootstrap, "iceevu", PARTITIONS)
     name = f"iceevu_{uuid.uuid4().hex[:8]}"
     raw = {"name": name, "kafka": {"bootstrap_servers": kafka_bootstrap},
@@ -64,14 +66,17 @@ def case(spark: Any, pg_dsn: str, kafka_bootstrap: str, tmp_path: Any) -> dict[s
                       "schema_registry": {"url": registry_url()}},
            "sink": {"type": "iceberg", "connection": pg_dsn, "table": f"lake.{name}",
                     "catalog": {"warehouse": f"file://{tmp_path / 'warehouse'}"},
-                    "partition_by": ["partition"], "mode": "upsert", "key": ["order_id"]},
+                    "partition_by": ["partition"]},
            "bad_records": "dead_letter", "dead_letter_table": f"dl_{name}",
            "spark": {"master": "local[2]", "max_offsets_per_task": 4}}
+    if getattr(request, "param", "upsert") == "upsert":
+        raw["sink"].update(mode="upsert", key=["order_id"])
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     cfg = load_pipeline(path)
     c: dict[str, Any] = {"cfg": cfg, "name": name, "topic": topic, "url": registry_url(),
-                         "bootstrap": kafka_bootstrap}
+                         "bootstrap": kafka_bootstrap,
+                         "mode": getattr(request, "param", "upsert")}
     _produce(c, V1, [{"order_id": i, "qty": i} for i in range(1, 7)])
     c["first"] = plan_batch(cfg, pg_dsn)
     assert run_batch(spark, cfg, c["first"], pg_dsn).result.status == "committed"
@@ -127,11 +132,13 @@ def test_a_schema_change_and_an_append_between_load_and_commit_decide_again(
     assert snapshot_batches(cfg, pg_dsn) == [case["first"], case["second"]]
 
 
+@pytest.mark.parametrize("case", ["upsert", "append"], indirect=True)
 def test_retry_after_the_catalog_commit_completes_though_the_column_was_retyped_by_hand(
         case: dict[str, Any], pg_dsn: str, spark: Any) -> None:
     """The second batch dies between its catalog commit (coupon added, rows there) and the
     ledger's; then `coupon` is dropped and added again as a long by hand (or another
-    pipeline's schema). The batch is in the table: its retry completes it from its
+    pipeline's schema). Upsert (the stage path) and append (the tasks write the files).
+    The batch is in the table: its retry completes it from its
     snapshot (the ledger commits, positions move), never refuses it as a change it would
     make (`Nothing was written` would be false) nor asks to drop a column to go on."""
     from pyiceberg.types import LongType
@@ -153,3 +160,7 @@ def test_retry_after_the_catalog_commit_completes_though_the_column_was_retyped_
         assert ledger.get_batch(case["second"]).status == "committed"
         pos = ledger.positions(case["name"])
     assert pos == {(case["topic"], 0): 4, (case["topic"], 1): 5}
+    ids = sorted(r["order_id"] for r in
+                 iceberg_table(cfg, pg_dsn).scan().to_arrow().to_pylist())
+    assert ids == ([1, 2, 3, 4, 5, 6, 9] if case["mode"] == "upsert"
+                   else [1, 2, 3, 4, 4, 5, 5, 6, 9])  # once each: nothing appended again
