@@ -253,8 +253,9 @@ class IcebergSink:
         table = self.table(self.identifier(batch))
         # format.schema_evolution: the files are written with the evolved schema's field
         # ids; the commit makes the same update with the snapshot (`sink_iceberg_evolve`)
-        # nested fields the reader has and the table's struct lacks: refused by name
-        meta = self._nested_checked(table, batch)
+        # nested fields the reader has and the table's struct lacks: refused by name. The
+        # batch's snapshot there already: the schema it was committed with (find completes it)
+        meta = self._committed_metadata(table, batch) or self._nested_checked(table, batch)
         try:  # a jsonb column the table holds as struct/list/map: the tasks parse its text
             _check_pyarrow_schema_compatible(meta.schema(), arrow_schema(
                 self.columns, table_nested_types(meta.schema())))
@@ -272,12 +273,17 @@ class IcebergSink:
         makes the changes, and checks again): a type Iceberg cannot promote, a change to
         the upsert key, an audited window's change or a nested field the table lacks
         without add_columns stops the batch here. No table yet: the commit creates it
-        with the columns (JSON text ones on this path)."""
+        with the columns (JSON text ones on this path). The batch's snapshot there already
+        (a run killed between the catalog and the ledger commits): nothing is checked, the
+        commit's `find` completes it whatever the table's schema became since (a column
+        retyped by hand or by another pipeline would otherwise refuse a batch that is in
+        the table, and its way out would be to drop that column)."""
         if not self.spec.add_columns and not self.nested:
             return
         table = self.existing_table(self.identifier(batch))
-        if table is not None:
-            self._nested_checked(table, batch)
+        if table is None or find_batch(table, batch, self.ledger_id) is not None:
+            return
+        self._nested_checked(table, batch)
 
     def _nested_checked(self, table: Table, batch: Batch) -> TableMetadata:
         """The table's metadata with format.schema_evolution's update staged (the one the
@@ -289,6 +295,22 @@ class IcebergSink:
         return meta
 
     # -- helpers -----------------------------------------------------------------------
+    def _committed_metadata(self, table: Table, batch: Batch) -> TableMetadata | None:
+        """The batch's snapshot there already (a run killed between the catalog and the
+        ledger commits): the table's metadata with the schema that snapshot was committed
+        with, for this run's tasks, whose files the commit never adds (its `find`
+        completes the batch; the sweep removes them). Their rows fit that schema whatever
+        the table's became since: a column retyped by hand or by another pipeline never
+        refuses a batch that is in the table. None when the batch is not there."""
+        sid = batch_snapshot_id(table, batch, self.ledger_id)
+        if sid is None:
+            return None
+        snap = table.metadata.snapshot_by_id(sid)
+        schema_id = None if snap is None else snap.schema_id
+        if schema_id is None:
+            return table.metadata
+        return table.metadata.model_copy(update={"current_schema_id": schema_id})
+
     def _write_task_files(self, cur: psycopg2.extensions.cursor, batch: Batch,
                           staged: int) -> Moved:
         """Commit the data files the batch's markers list (the tasks wrote them)."""
