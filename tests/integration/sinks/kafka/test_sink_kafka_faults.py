@@ -11,6 +11,7 @@ it right after the Kafka commit."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
@@ -75,6 +76,7 @@ def test_killed_between_kafka_commit_and_ledger_commit_no_second_copy_nor_abando
               str(case.batch_id), "--reason", "operator thinks it is dead"])
     assert rc != 0  # refused: not abandoned
     assert case.status() != "abandoned"
+    logging.getLogger().addHandler(caplog.handler)  # the CLI's setup_logging replaced them
     with caplog.at_level("INFO", logger="offsetflow"):
         rep = run_batch(spark, case.cfg, case.batch_id, case.dsn)  # what the error says to do
     assert rep.result.status == "committed" and rep.result.rows_written == RECORDS
