@@ -12,7 +12,7 @@ from offsetflow.plan import parse_request
 from tests.tooling import chaos
 from tests.tooling.checker import check
 from tests.tooling.fault_case import Case
-from tests.tooling.iceberg_rows import iceberg_sink_rows
+from tests.tooling.iceberg_rows import iceberg_sink_rows, snapshot_batches
 
 
 class IcebergCase(Case):
@@ -44,6 +44,25 @@ class IcebergCase(Case):
 
     def job_with(self, batch_id: int, **env: str) -> Any:
         return chaos.run_batch_process(self.file, batch_id, self.log, env=env)
+
+    def two_runs_at_once(self, spark: Any, batch_id: int) -> None:
+        """A job process runs the batch; once it has taken it (running), a second run starts
+        in this process's warm Spark session, so both work on it at once (no JVM of its own
+        for the second). The commit's fencing must let exactly one commit it, once."""
+        from offsetflow.job import run_batch
+
+        proc = self.job_with(batch_id)
+        chaos.wait_for(lambda: self.batch(batch_id).status == "running"
+                       or proc.poll() is not None, 300, "the job process to take the batch")
+        try:
+            here = run_batch(spark, self.cfg, batch_id, self.dsn).result.status
+        except Exception as e:  # noqa: BLE001 - the losing run may fail; one must commit
+            here = repr(e)
+        code = proc.wait(timeout=600)
+        assert code == 0 or here in ("committed", "already_committed"), (
+            here, self.job_output()[-4000:])
+        assert self.batch(batch_id).status == "committed"
+        assert snapshot_batches(self.cfg, self.dsn) == [batch_id]
 
     def data_files(self) -> set[Path]:
         return set(self.warehouse.rglob("*.parquet"))

@@ -182,18 +182,7 @@ def test_two_runs_of_one_batch_at_once_commit_it_once(case: IcebergCase, spark: 
     starts in this process's warm Spark session: both work on it at once (no JVM of its
     own for the second), the commit's fencing lets one commit it."""
     bid = case.planned_batch(1000, seed=24)
-    proc = case.job_with(bid)
-    chaos.wait_for(lambda: case.batch(bid).status == "running" or proc.poll() is not None,
-                   300, "the job process to take the batch")
-    try:
-        here = run_batch(spark, case.cfg, bid, case.dsn).result.status
-    except Exception as e:  # noqa: BLE001 - the losing run may fail; one must commit
-        here = repr(e)
-    code = proc.wait(timeout=600)
-    assert code == 0 or here in ("committed", "already_committed"), (
-        here, case.job_output()[-4000:])
-    assert case.batch(bid).status == "committed"
-    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    case.two_runs_at_once(spark, bid)
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 

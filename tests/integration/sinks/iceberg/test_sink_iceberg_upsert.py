@@ -20,7 +20,6 @@ from offsetflow.ledger import Ledger
 from offsetflow.ops import plan_only, run_until_caught_up
 from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.iceberg.upsert import memory_name
-from tests.tooling import chaos
 from tests.tooling.iceberg_case import IcebergCase, died_between_the_commits
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
 from tests.tooling.pipeline_data import SCHEMA, ev, produce, query
@@ -216,18 +215,7 @@ def test_two_runs_of_one_upsert_batch_at_once_commit_it_once(
     case.raw["sink"].update(mode="upsert", key=["event_id"])
     case.write_config()
     bid = case.planned_batch(800, seed=61)
-    proc = case.job_with(bid)
-    chaos.wait_for(lambda: case.batch(bid).status == "running" or proc.poll() is not None,
-                   300, "the job process to take the batch")
-    try:
-        here = run_batch(spark, case.cfg, bid, case.dsn).result.status
-    except Exception as e:  # noqa: BLE001 - the losing run may fail; one must commit
-        here = repr(e)
-    code = proc.wait(timeout=600)
-    assert code == 0 or here in ("committed", "already_committed"), (
-        here, case.job_output()[-4000:])
-    assert case.batch(bid).status == "committed"
-    assert snapshot_batches(case.cfg, case.dsn) == [bid]
+    case.two_runs_at_once(spark, bid)
     case.assert_exactly_once()  # keys unique: 0 lost, 0 duplicated
 
 
