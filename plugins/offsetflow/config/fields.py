@@ -17,7 +17,14 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from offsetflow.config.schema import CONN_ID_RE, ENV_RE, IDENT_RE, redact_value
+from offsetflow.config.schema import (
+    CONN_ID_RE,
+    ENV_RE,
+    IDENT_RE,
+    SchemaRegistryConfig,
+    redact_dsn,
+    redact_value,
+)
 from offsetflow.errors import ConfigError
 
 T = TypeVar("T")
@@ -177,6 +184,30 @@ class FieldReader:
             self.fail(prefix + literal, f"give either {prefix}conn_id or {prefix}{literal}, "
                                         f"not both")
         return v
+
+    def registry(self, sec: Mapping[str, Any], fld: str) -> SchemaRegistryConfig:
+        """A schema registry section (`format.schema_registry`, `sink.schema_registry`):
+        `url` or `conn_id` (an Airflow http connection, never beside url, username or
+        password), basic auth as both username and password or neither, `timeout_s`."""
+        conn_id = self.conn_id(sec, f"{fld}.", "url")
+        if conn_id is not None:
+            for secret in ("username", "password"):
+                if sec.get(secret) is not None:
+                    self.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
+                                                 f"password) or {fld}.{secret}, not both")
+        url = self.string(sec, "url", f"{fld}.") or ""
+        if conn_id is None and self.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+",
+                                                                       url):
+            self.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a "
+                                    f"Confluent-compatible Schema Registry")
+        user = self.string(sec, "username", f"{fld}.")
+        password = self.string(sec, "password", f"{fld}.")
+        if (user is None) != (password is None):
+            self.fail(f"{fld}.{'password' if user is not None else 'username'}",
+                      "basic auth needs both username and password (give each as ${VAR})")
+        timeout = self.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
+        return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
+                                    timeout_s=timeout, conn_id=conn_id)
 
     def positive_int(self, sec: Mapping[str, Any], key: str, prefix: str,
                      default: int | None, minimum: int = 1) -> int | None:

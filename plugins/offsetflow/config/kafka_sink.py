@@ -7,7 +7,6 @@ Pure, like `config_parse`, which calls it; the sink itself is `offsetflow.sinks.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +16,6 @@ from offsetflow.config.schema import (
     TOPIC_RE,
     KafkaSinkConfig,
     SchemaRegistryConfig,
-    redact_dsn,
 )
 from offsetflow.config.tables import choices, section_fields
 
@@ -140,21 +138,4 @@ def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | N
         r.fail(fld, f"must be a mapping (url, username, password, timeout_s), got "
                     f"{type(reg).__name__}")
         return None
-    conn_id = r.conn_id(reg, f"{fld}.", "url")
-    if conn_id is not None:
-        for secret in ("username", "password"):
-            if reg.get(secret) is not None:
-                r.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
-                                          f"password) or {fld}.{secret}, not both")
-    url = r.string(reg, "url", f"{fld}.") or ""
-    if conn_id is None and r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
-        r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
-                             f"compatible Schema Registry")
-    user = r.string(reg, "username", f"{fld}.")
-    password = r.string(reg, "password", f"{fld}.")
-    if (user is None) != (password is None):
-        r.fail(f"{fld}.{'password' if user is not None else 'username'}",
-               "basic auth needs both username and password (give each as ${VAR})")
-    timeout = r.positive_int(reg, "timeout_s", f"{fld}.", 10) or 10
-    return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
-                                timeout_s=timeout, conn_id=conn_id)
+    return r.registry(reg, fld)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,6 @@ from offsetflow.config.schema import (
     StartingPolicy,
     connect_address,
     default_tombstones,
-    redact_dsn,
 )
 from offsetflow.config.tables import FIELDS, choices, section_fields
 from offsetflow.errors import ConfigError
@@ -449,28 +448,12 @@ def _registry(r: FieldReader, fmt: Mapping[str, Any], format_type: str | None
         r.fail(fld, f"{format_type} format needs a schema registry: {{url: http://host:8081}}"
                     f" (writer schemas are looked up by the id in each record)")
         return None
-    conn_id = r.conn_id(sec, f"{fld}.", "url")
-    if conn_id is not None:
-        for secret in ("username", "password"):
-            if sec.get(secret) is not None:
-                r.fail(f"{fld}.{secret}", f"give either {fld}.conn_id (its login and "
-                                          f"password) or {fld}.{secret}, not both")
-    url = r.string(sec, "url", f"{fld}.") or ""
-    if conn_id is None and r.ok(f"{fld}.url") and not re.match(r"^https?://[^/\s]+", url):
-        r.fail(f"{fld}.url", f"{redact_dsn(url)!r} is not an http(s) URL of a Confluent-"
-                             f"compatible Schema Registry")
-    user = r.string(sec, "username", f"{fld}.")
-    password = r.string(sec, "password", f"{fld}.")
-    if (user is None) != (password is None):
-        r.fail(f"{fld}.{'password' if user is not None else 'username'}",
-               "basic auth needs both username and password (give each as ${VAR})")
+    reg = r.registry(sec, fld)
     version = r.positive_int(sec, "reader_version", f"{fld}.", None)
     if version is not None and format_type != "avro":
         r.fail(f"{fld}.reader_version", f"pins an Avro reader schema; {format_type} records "
                                         f"are read as written (remove it)")
-    timeout = r.positive_int(sec, "timeout_s", f"{fld}.", 10) or 10
-    return SchemaRegistryConfig(url=url.rstrip("/"), username=user, password=password,
-                                reader_version=version, timeout_s=timeout, conn_id=conn_id)
+    return replace(reg, reader_version=version)
 
 
 def _table_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str, str] | None,
