@@ -20,7 +20,7 @@ from typing import Any
 
 from offsetflow.config import PipelineConfig
 from offsetflow.errors import SchemaEvolutionError
-from offsetflow.job.tasks import ReadContext
+from offsetflow.job.tasks import ReadContext, resolves_latest
 from offsetflow.ledger import Ledger
 from offsetflow.stage import staged_schema_ids
 
@@ -127,7 +127,7 @@ def _check_read_by(cfg: PipelineConfig, topic: str, reader: tuple[int, str],
 def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
                    specs: list[dict[str, Any]], part: str = "value"
                    ) -> dict[str, tuple[int, str] | None] | None:
-    """Avro (and Protobuf or JSON Schema under format.schema_evolution): each topic's
+    """Avro (and Protobuf or JSON Schema, `resolves_latest`): each topic's
     value reader schema (id, text) for this run of the batch (`part` key: its
     `<topic>-key` reader schema, format.key avro): the ones its first run resolved (pinned
     in the ledger), so a version registered between a failed run and its retry changes
@@ -137,7 +137,7 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
 
     kind = "AVRO" if part == "key" else SCHEMA_TYPES.get(cfg.format_type)
     if cfg.registry is None or kind is None or (part == "key" and cfg.key_format != "avro") \
-            or (part == "value" and kind != "AVRO" and cfg.schema_evolution is None):
+            or (part == "value" and kind != "AVRO" and not resolves_latest(cfg)):
         return None
     from offsetflow.errors import SchemaRegistryError
     from offsetflow.source import RegistryClient, reader_schemas, registry_settings, value_schemas

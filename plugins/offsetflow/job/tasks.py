@@ -68,7 +68,8 @@ class ReadContext:
     # format avro: the registry (`source.registry_settings`) and each topic's reader schema
     # (id, text; None: records are read with their writer schema), resolved once per run
     # (its password: not in a repr, as `dsn`); protobuf and json_schema under
-    # format.schema_evolution: the subject's latest, which decides the columns only
+    # format.schema_evolution or with a json column (`resolves_latest`): the subject's
+    # latest, which decides the columns and nested types only
     registry: dict[str, Any] | None = field(default=None, repr=False)
     readers: dict[str, tuple[int, str] | None] | None = None
     # format.key avro: each topic's `<topic>-key` reader schema (latest), as `readers`
@@ -100,9 +101,9 @@ class ReadContext:
             if cfg.format_type == "avro":
                 readers = pinned if pinned is not None \
                     else reader_schemas(client, topics, reg.reader_version)
-            elif cfg.schema_evolution is not None:
+            elif resolves_latest(cfg):
                 # protobuf, json_schema: records are read with their writer schema; the
-                # subject's latest decides the evolved columns
+                # subject's latest decides the evolved columns and the nested types
                 readers = pinned if pinned is not None else value_schemas(
                     client, topics, SCHEMA_TYPES[cfg.format_type])
             if cfg.key_format == "avro":
@@ -141,6 +142,15 @@ class ReadContext:
         from offsetflow.source import arrow_schema
 
         return arrow_schema(self.schema) if self.fmt in TYPED_FORMATS else None
+
+
+def resolves_latest(cfg: PipelineConfig) -> bool:
+    """Protobuf and JSON Schema values: whether a run resolves (and its batch pins) the
+    subject's latest version as its reader, which records are not decoded with: under
+    format.schema_evolution (its fields beyond format.schema are columns) or with a `json`
+    column (its message, object or array is an Iceberg table's struct, list or map)."""
+    return cfg.format_type in ("protobuf", "json_schema") and (
+        cfg.schema_evolution is not None or "json" in cfg.schema.values())
 
 
 def added_columns(cfg: PipelineConfig, readers: dict[str, tuple[int, str] | None]

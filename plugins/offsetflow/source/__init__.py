@@ -24,6 +24,7 @@ from offsetflow.source.json_schema import JsonSchemaIds, deserialize_json_schema
 from offsetflow.source.lag import publish_positions
 from offsetflow.source.meta import KafkaMetadata
 from offsetflow.source.nested import avro_nested_types, common_nested_types
+from offsetflow.source.nested_formats import nested_types
 from offsetflow.source.packed import read_ranges
 from offsetflow.source.protobuf import ProtobufDecoder, deserialize_protobuf, protobuf_builds
 from offsetflow.source.reader import (
@@ -63,6 +64,7 @@ __all__ = [
     "evolved_columns",
     "field_defaults",
     "incompatibilities",
+    "nested_types",
     "protobuf_builds",
     "publish_positions",
     "range_consumer",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime, time
 from decimal import Decimal, InvalidOperation, localcontext
@@ -144,6 +145,7 @@ def _value(v: Any, t: pa.DataType, path: str) -> Any:
 
 
 def _scalar(v: Any, t: pa.DataType, path: str) -> Any:
+    v = json_mapping_number(v, t)
     if pa.types.is_decimal(t):
         if isinstance(v, bool) or not isinstance(v, (int, Decimal)):
             raise ValueError(f"{path}: expected a decimal, got {v!r}")
@@ -151,6 +153,22 @@ def _scalar(v: Any, t: pa.DataType, path: str) -> Any:
             ctx.prec = 2 * t.precision + 2  # quantize never rounds here, nor raises
             return _decimal(Decimal(v), t, path)
     return _other(v, t, path)
+
+
+_JSON_INT = re.compile(r"-?[0-9]+")
+_NON_FINITE = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def json_mapping_number(v: Any, t: pa.DataType) -> Any:
+    """Protobuf's JSON mapping (the staged text of a Protobuf message) writes 64-bit
+    integers and integer map keys as strings, and non-finite floats as "NaN", "Infinity",
+    "-Infinity": the number they name where the column is one; anything else as it is."""
+    if isinstance(v, str):
+        if pa.types.is_integer(t) and _JSON_INT.fullmatch(v):
+            return int(v)
+        if pa.types.is_floating(t) and v in _NON_FINITE:
+            return _NON_FINITE[v]
+    return v
 
 
 def _decimal(d: Decimal, t: pa.Decimal128Type, path: str) -> Decimal:
@@ -213,17 +231,18 @@ def _other(v: Any, t: pa.DataType, path: str) -> Any:  # noqa: PLR0911 - one per
 def nested_column_types(format_type: str, columns: Sequence[tuple[str, str]],
                         readers: Mapping[str, tuple[int, str] | None] | None
                         ) -> dict[str, pa.DataType]:
-    """The jsonb (format.schema `json`) columns whose Avro reader schema, the same in every
-    topic, gives them a struct, list or map form: name -> that Arrow type. Other formats
-    (and a topic read with its writer schemas) keep JSON text."""
-    if format_type != "avro" or not readers:
+    """The jsonb (format.schema `json`) columns whose reader schema (Avro; Protobuf and
+    JSON Schema: the subject's latest), the same in every topic, gives them a struct, list
+    or map form: name -> that Arrow type. Other formats (and a topic read with its writer
+    schemas) keep JSON text."""
+    if not readers:
         return {}
-    from offsetflow.source import avro_nested_types, common_nested_types
+    from offsetflow.source import common_nested_types, nested_types
 
     json_cols = {c: "json" for c, t in columns if t == "jsonb"}
     if not json_cols or any(r is None for r in readers.values()):
         return {}
-    return common_nested_types({topic: avro_nested_types(r[1], json_cols)
+    return common_nested_types({topic: nested_types(format_type, r[1], json_cols)
                                 for topic, r in readers.items() if r is not None})
 
 
@@ -360,22 +379,22 @@ def check_nested(table_name: str, schema: Schema, nested: Mapping[str, pa.DataTy
         what = ", ".join(f"{'.'.join(p)} ({'optional' if t is None else t})"
                          for p, t in loose)
         raise SchemaMismatchError(
-            f"batch {batch_id}: the Avro reader schema makes nested field(s) of Iceberg "
+            f"batch {batch_id}: the reader schema makes nested field(s) of Iceberg "
             f"table {table_name} optional or wider: {what}; the table's types would refuse "
             f"its nulls or cut its values. Nothing was written. Set "
             f"format.schema_evolution: add_columns (the batch's commit loosens them), or "
             f"change them by hand (e.g. Spark ALTER TABLE {table_name} ALTER COLUMN "
-            f"{'.'.join(loose[0][0])} DROP NOT NULL / TYPE ...), or pin "
+            f"{'.'.join(loose[0][0])} DROP NOT NULL / TYPE ...), or (Avro) pin "
             f"format.schema_registry.reader_version to the version the table was made from")
     if not missing:
         return
     what = ", ".join(f"{'.'.join(p)} ({t})" for p, t in missing)
     raise SchemaMismatchError(
-        f"batch {batch_id}: the Avro reader schema has nested field(s) {what} that Iceberg "
+        f"batch {batch_id}: the reader schema has nested field(s) {what} that Iceberg "
         f"table {table_name} does not have; their values would be lost. Nothing was "
         f"written. Set format.schema_evolution: add_columns (the batch's commit adds them), "
         f"or add them to the table by hand (e.g. Spark ALTER TABLE {table_name} ADD COLUMN "
-        f"{'.'.join(missing[0][0])} ...), or pin format.schema_registry.reader_version to "
+        f"{'.'.join(missing[0][0])} ...), or (Avro) pin format.schema_registry.reader_version to "
         f"the version the table was made from")
 
 
