@@ -369,6 +369,9 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                               f"{cfg.transform} dropped the source coordinates {missing}; "
                               f"target rows must keep topic, partition and offset")
         columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
+        # the stage path stages in PostgreSQL (no data files from the tasks); the sink
+        # learns what the reader schemas say of its columns (an Iceberg table's nested ones)
+        sink.task_files(dsn, batch, columns, (), rc.readers)
         staging = to_stage_form(df).mapInArrow(
             make_writer(dsn, batch.batch_id,
                         BadRows(cfg.name, cfg.bad_records == "dead_letter"), generation),

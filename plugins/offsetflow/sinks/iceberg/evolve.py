@@ -140,11 +140,41 @@ def refuse_key_changes(table_name: str, changes: Sequence[tuple[str, IcebergType
         f"sink.table")
 
 
+def nested_columns(schema: Schema, columns: Sequence[tuple[str, str]],
+                   nested: Mapping[str, pa.DataType]
+                   ) -> tuple[list[tuple[str, str]], dict[str, IcebergType]]:
+    """The evolved `columns` split for `pending_changes`: a `json` (jsonb) one whose reader
+    schema gives it a struct, list or map form (`nested`: column -> Arrow type) is added
+    as that Iceberg type where the table lacks it (returned second: name -> type, the
+    column kept in the first list so that its name is checked like any other); one the
+    table holds as a struct, list or map is left out (the fields inside evolve by
+    `nested.nested_additions`); one it holds as a string keeps getting the JSON text."""
+    from pyiceberg.types import ListType, MapType, StructType
+
+    from offsetflow.sinks.iceberg.nested import iceberg_type_of
+
+    plain: list[tuple[str, str]] = []
+    typed: dict[str, IcebergType] = {}
+    for name, pg in columns:
+        arrow = nested.get(name) if pg == "jsonb" else None
+        if arrow is not None:
+            try:
+                have = schema.find_field(name).field_type
+            except ValueError:
+                typed[name] = iceberg_type_of(arrow)
+            else:
+                if isinstance(have, (StructType, ListType, MapType)):
+                    continue
+        plain.append((name, pg))
+    return plain, typed
+
+
 def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str, str]],
                   audit_id: int | None = None, key: Sequence[str] = (),
                   nested: Mapping[str, pa.DataType] | None = None) -> list[str]:
     """Stage in `txn` the schema update that adds the evolved `columns` the table lacks
-    (optional: rows already there read null) and promotes those of a narrower type, then
+    (optional: rows already there read null; a `json` one with a nested reader type as
+    that struct, list or map: `nested_columns`) and promotes those of a narrower type, then
     adds the fields of the reader's `nested` types (column -> Arrow struct/list/map) that
     the table's nested columns lack (`nested.nested_additions`, optional too); nothing
     when there is nothing to change. Returns what changed, in words. A batch of an audited
@@ -157,7 +187,9 @@ def evolve_schema(txn: Transaction, table_name: str, columns: Sequence[tuple[str
     )
 
     meta = txn.table_metadata
-    changes = pending_changes(table_name, meta.schema(), columns)
+    plain, typed = nested_columns(meta.schema(), columns, nested or {})
+    changes = [(name, typed.get(name, want) if how == "add" else want, how)
+               for name, want, how in pending_changes(table_name, meta.schema(), plain)]
     inner = [(path, iceberg_type_of(a))
              for path, a in nested_additions(meta.schema(), nested or {})]
     # a required nested field the reader makes optional (or drops), a promoted one

@@ -54,16 +54,18 @@ class IcebergPipelineSink(Sink):
         partition spec; the rows must fit the schema), with the `evolved` columns' schema
         update staged (their field ids are the files'; the commit makes the update). A
         `json` column whose Avro reader schema (`readers`) is a record, array or map is a
-        struct, list or map column of a table created here (`sink_iceberg_nested`).
-        When the tasks stage in PostgreSQL instead (upsert, a quality suite), None, after
-        the `evolved` columns, and an append's nested fields (`readers`: a table whose
-        column is a struct), are checked against the table as it is: a change the commit
-        would refuse stops the batch here, before the tasks read, and a nested field the
-        table's struct lacks is refused by name (or evolved under add_columns), never
-        each record a dead letter."""
+        struct, list or map column of a table created here or by the stage path's commit
+        (`sink_iceberg_nested`; never a column of sink.key). When the tasks stage in
+        PostgreSQL instead (a transform, whose run calls this with its output columns,
+        upsert, a quality suite), None, after the `evolved` columns and the nested fields
+        (`readers`: a table whose column is a struct) are checked against the table as it
+        is: a change the commit would refuse stops the batch here, before the tasks read,
+        and a nested field the table's struct lacks is refused by name (or evolved under
+        add_columns), never each record a dead letter."""
         cfg = self.cfg
-        self.nested = nested_column_types(cfg.format_type, columns, readers) \
-            if cfg.sink.mode == "append" else {}
+        self.nested = {c: t for c, t in nested_column_types(
+            cfg.format_type, self.json_columns(columns), readers).items()
+            if c not in cfg.sink.key}  # an upsert's key is never nested
         if not self.tasks_write_files and not evolved and not self.nested:
             return None
         sink = self.external(dsn, columns, CommitSpec(
@@ -78,12 +80,23 @@ class IcebergPipelineSink(Sink):
         finally:
             sink.close()
 
+    def json_columns(self, columns: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`columns` with those holding a `json` field's JSON text as jsonb (what
+        `nested_column_types` types): the fused path's jsonb ones; after a transform, a
+        string column under a format.schema `json` field's name (the text passed on), never
+        a struct, array or map the transform made (its own type, not the reader's: JSON
+        text, as before)."""
+        if not self.cfg.transform:
+            return list(columns)
+        schema = self.cfg.schema
+        return [(c, "jsonb" if t == "text" and schema.get(c) == "json" else
+                 "text" if t == "jsonb" else t) for c, t in columns]
+
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> IcebergSink:
         sink = sink_of(self.cfg, dsn, columns, spec)
         sink.nested = dict(self.nested)  # the commit evolves nested fields as the tasks saw
         sink.nested_evolution = self.cfg.schema_evolution == "add_columns"
-        sink.typed_tables = self.tasks_write_files  # a new table of the stage path: text
         return sink
 
     def prepare_target(self, cur: psycopg2.extensions.cursor, batch: Batch,

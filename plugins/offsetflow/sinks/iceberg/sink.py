@@ -76,6 +76,7 @@ from offsetflow.sinks.iceberg.commit import (
 from offsetflow.sinks.iceberg.evolve import check_files_schema, evolve_schema, evolved_metadata
 from offsetflow.sinks.iceberg.files import batch_file_prefix
 from offsetflow.sinks.iceberg.identity import OWN, Check, adopt_table, check, record_commit
+from offsetflow.sinks.iceberg.keys import COORDINATES
 from offsetflow.sinks.iceberg.layout import (
     check_table_layout,
     layout_for_new_table,
@@ -149,14 +150,12 @@ class IcebergSink:
     _task_dead: int = 0  # bad records the tasks staged, of the last `route_dead_letters`
     _layout_checked: bool = False  # the table's layout was compared with the config
     stage_gone: bool = False  # `offsetflow complete`: the dead-letter count is the snapshot's
-    # jsonb columns a new table gets as struct/list/map (name -> Arrow type), from the
-    # run's Avro reader schemas (`sink_iceberg_nested`); empty: JSON text
+    # jsonb columns (a transform's: text) a new table gets as struct/list/map (name ->
+    # Arrow type), from the run's Avro reader schemas (`sink_iceberg_nested`), on the
+    # task-files and the stage path alike; empty: JSON text
     nested: Mapping[str, Any] = field(default_factory=dict)
     # format.schema_evolution: add_columns: fields added inside them join the table too
     nested_evolution: bool = False
-    # a table created here gets `nested` as its types (the task-files path); the stage path
-    # creates JSON text columns, and uses `nested` for an existing table's checks only
-    typed_tables: bool = True
 
     @property
     def catalog(self) -> Catalog:
@@ -191,8 +190,9 @@ class IcebergSink:
             return None
         self._record_commit(cur, batch, table)
         moved = self.route_dead_letters(cur, batch)  # they commit with the ledger, so again
-        if not self.spec.task_files and self.spec.mode != "upsert" and not self.stage_gone:
-            # and so do the stage path's nested values the table's types refused
+        if not self.spec.task_files and not self.stage_gone:
+            # and so do the stage path's nested values the table's types refused (before
+            # an upsert's winners: they are decided without them, as `write` did)
             moved.dead += self._route_unfit_again(cur, batch, table)
         if self.spec.mode == "upsert":  # and so do the upsert's and its deletions memory
             from offsetflow.sinks.iceberg.upsert import prepare
@@ -346,6 +346,24 @@ class IcebergSink:
                      batch.batch_id)
         moved.rows = files.records if rows is None else rows
         return moved
+
+    def route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch, table: Table
+                    ) -> int:
+        """An upsert's `write`, before its winners are decided: the staged rows whose nested
+        values the types of the commit's schema (`_nested_checked`: the table's, with
+        format.schema_evolution's update) refuse, as dead letters out of the stage, so that
+        a record that does not fit never wins its key. Only the coordinates and the
+        table's nested columns are read. Returns the dead letters routed."""
+        schema = self._nested_checked(table, batch).schema()
+        nested = table_nested_types(schema)
+        cols = [(c, t) for c, t in self.columns if c in nested]
+        if not cols:
+            return 0
+        have = dict(self.columns)
+        data = read_stage(cur, batch.batch_id, [(c, have[c]) for c in COORDINATES] + cols,
+                          False)
+        _, unfit = fit_table(data, schema, ".".join(table.name()))
+        return self._route_unfit(cur, batch, unfit) if unfit else 0
 
     def _route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch,
                      unfit: Mapping[tuple[str, int, int], str], always: bool = False) -> int:
@@ -526,7 +544,7 @@ class IcebergSink:
         if self.spec is not None and self.spec.mode == "upsert":  # the rule reads it
             columns = [*columns, (TOPIC_ID_COLUMN, "text")]
         schema, spec, order = layout_for_new_table(self.iceberg, arrow_schema(
-            columns, self.nested if self.typed_tables else None))
+            columns, self.nested))
         try:  # one commit with its layout: a kill cannot leave it unpartitioned
             with writing_to(self.iceberg.properties.get("warehouse", "?"),
                             f"creating table {ident}", None):

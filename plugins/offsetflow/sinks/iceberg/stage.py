@@ -38,9 +38,10 @@ def arrow_type(pg_type: str) -> pa.DataType:
 def arrow_schema(columns: Sequence[tuple[str, str]],
                  nested: Mapping[str, pa.DataType] | None = None) -> pa.Schema:
     """The stage columns' Arrow schema; with `nested`, those named there (jsonb in the
-    stage) as their struct, list or map type (a new table's, `sink_iceberg_nested`)."""
+    stage, a transform's text) as their struct, list or map type (a new table's,
+    `sink_iceberg_nested`)."""
     nested = nested or {}
-    return pa.schema([pa.field(n, nested[n] if n in nested and t == "jsonb"
+    return pa.schema([pa.field(n, nested[n] if n in nested and t in ("jsonb", "text")
                                else arrow_type(t)) for n, t in columns]
                      + [pa.field(LINEAGE_COLUMN, pa.int64())])
 

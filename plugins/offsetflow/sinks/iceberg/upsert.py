@@ -109,9 +109,12 @@ def write_upsert(sink: IcebergSink, cur: psycopg2.extensions.cursor, batch: Batc
     from offsetflow.sinks.iceberg.commit import commit_snapshot
 
     moved = sink.route_dead_letters(cur, batch)
-    moved.dead += prepare(sink, cur, batch)
     ident = sink.identifier(batch)
     table = sink.table(ident)
+    # a record whose nested value the table's types refuse is a dead letter before the
+    # winners are decided (it never wins its key); `find` routes the same ones again
+    moved.dead += sink.route_unfit(cur, batch, table)
+    moved.dead += prepare(sink, cur, batch)
     missing = _missing(table, sink)
     if missing:
         raise SchemaMismatchError(
@@ -184,10 +187,11 @@ class _Plan:
         from offsetflow.sinks.iceberg.evolve import evolve_schema
 
         add = self.sink.spec.add_columns
-        if not add:
+        nested = self.sink.nested if self.sink.nested_evolution else {}
+        if not add and not nested:
             return
         name = ".".join(table.name())
-        done = evolve_schema(txn, name, add, self.batch.audit_id, self.key)
+        done = evolve_schema(txn, name, add, self.batch.audit_id, self.key, nested)
         if done:
             log.info("batch %d: Iceberg table %s: %s, in the upsert's commit",
                      self.batch.batch_id, name, ", ".join(done))
@@ -367,7 +371,8 @@ class _Plan:
                           "rn <= {hi}) w").format(n=names, lo=sql.Literal(lo),
                                                   hi=sql.Literal(lo + KEY_CHUNK))
             data = read_stage(self.cur, self.batch.batch_id, cols, False, source=src)
-            yield _in_schema(data, table, meta, self.batch)
+            yield _in_schema(_nested_in(data, table, meta, self.batch), table, meta,
+                             self.batch)
 
     def _files(self, meta: TableMetadata, table: Table, data: pa.Table,
                commit_uuid: uuid.UUID, counter: itertools.count[int]) -> list[Any]:
@@ -400,6 +405,24 @@ def _in_schema(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) 
     except ValueError as e:
         raise schema_mismatch(batch, table, e) from e
     return data
+
+
+def _nested_in(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) -> pa.Table:
+    """The winners' JSON text parsed into the struct, list and map columns of `meta`'s
+    schema (the one the commit makes current). The records that do not fit were dead
+    letters before the winners were decided (`IcebergSink.route_unfit`, with the same
+    schema): one refused here means the table's types changed since (another writer),
+    and the round is refused by name, nothing committed."""
+    from offsetflow.sinks.iceberg.nested import fit_table
+
+    fitted, unfit = fit_table(data, meta.schema(), ".".join(table.name()))
+    if unfit:
+        (topic, partition, offset), why = min(unfit.items())
+        raise SchemaMismatchError(
+            f"batch {batch.batch_id}: the nested value of {topic}/{partition}@{offset} no "
+            f"longer fits Iceberg table {'.'.join(table.name())} ({why}): its types changed "
+            f"while the batch was committed. Nothing was written; run the batch again")
+    return fitted
 
 
 def _without(rows: pa.Table, positions: np.ndarray) -> pa.Table:

@@ -198,3 +198,34 @@ def test_an_upsert_key_column_is_never_added_or_changed(table: Any) -> None:
     assert evolve_schema(table.transaction(), "lake.t", [("region", "text")],
                          key=("order_id",)) == ["add region string"]
     assert [f.name for f in table.schema().fields] == ["order_id", "qty", "price"]
+
+
+ADDRESS = pa.struct([pa.field("street", pa.string(), nullable=False),
+                     pa.field("zip", pa.int32())])
+
+
+def test_an_added_json_column_with_a_nested_reader_type_is_that_struct(table: Any) -> None:
+    """A `json` field evolution adds (jsonb in the stage) whose Avro reader schema is a
+    record is added as that struct (ids the same on the driver and in the commit, the
+    inner nullability kept); one without a nested form stays a string, and so does one the
+    table holds as a string already (nothing changes under a running pipeline)."""
+    add = [("address", "jsonb"), ("note", "jsonb")]
+    nested = {"address": ADDRESS}
+    staged = evolved_metadata(table, add, nested=nested)
+    txn = table.transaction()
+    done = evolve_schema(txn, "lake.t", add, nested=nested)
+    assert [d.split("<")[0] for d in done] == ["add address struct", "add note string"]
+    assert schema_signature(txn.table_metadata.schema()) == \
+        schema_signature(staged.schema())
+    txn.commit_transaction()
+    address = table.schema().find_field("address")
+    assert not address.required
+    assert str(address.field_type) == "struct<5: street: required string, 6: zip: optional int>"
+    # there now: nothing to add again (the fields inside evolve by nested_additions)
+    assert evolve_schema(table.transaction(), "lake.t", add, nested=nested) == []
+    # a string column of that name (an older table) keeps getting the JSON text
+    with table.update_schema() as u:
+        u.delete_column("address")
+    with table.update_schema() as u:
+        u.add_column("address", StringType())
+    assert evolve_schema(table.transaction(), "lake.t", add, nested=nested) == []
