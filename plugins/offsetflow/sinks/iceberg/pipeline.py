@@ -63,9 +63,7 @@ class IcebergPipelineSink(Sink):
         and a nested field the table's struct lacks is refused by name (or evolved under
         add_columns), never each record a dead letter."""
         cfg = self.cfg
-        self.nested = {c: t for c, t in nested_column_types(
-            cfg.format_type, self.json_columns(columns), readers).items()
-            if c not in cfg.sink.key}  # an upsert's key is never nested
+        self.nested = self.nested_types(columns, readers)
         if not self.tasks_write_files and not evolved and not self.nested:
             return None
         sink = self.external(dsn, columns, CommitSpec(
@@ -79,6 +77,17 @@ class IcebergPipelineSink(Sink):
             return sink.task_files(batch)
         finally:
             sink.close()
+
+    def nested_types(self, columns: Sequence[tuple[str, str]],
+                     readers: Mapping[str, tuple[int, str] | None] | None
+                     ) -> dict[str, pa.DataType]:
+        """The run's nested column types (name -> Arrow struct/list/map) from its Avro
+        reader schemas (`nested_column_types`), in every mode; never a sink.key column (an
+        upsert matches rows by it)."""
+        cfg = self.cfg
+        return {c: t for c, t in nested_column_types(
+            cfg.format_type, self.json_columns(columns), readers).items()
+            if c not in cfg.sink.key}
 
     def json_columns(self, columns: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         """`columns` with those holding a `json` field's JSON text as jsonb (what

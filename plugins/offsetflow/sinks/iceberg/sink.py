@@ -354,6 +354,8 @@ class IcebergSink:
         format.schema_evolution's update) refuse, as dead letters out of the stage, so that
         a record that does not fit never wins its key. Only the coordinates and the
         table's nested columns are read. Returns the dead letters routed."""
+        if not self.nested and not table_nested_types(table.schema()):
+            return 0  # nothing nested, nor to be added: nothing to fit
         schema = self._nested_checked(table, batch).schema()
         nested = table_nested_types(schema)
         cols = [(c, t) for c, t in self.columns if c in nested]
