@@ -53,7 +53,7 @@ class IcebergPipelineSink(Sink):
         """The table's metadata as loaded, or created, now (the tasks need its schema and
         partition spec; the rows must fit the schema), with the `evolved` columns' schema
         update staged (their field ids are the files'; the commit makes the update). A
-        `json` column whose Avro reader schema (`readers`) is a record, array or map is a
+        `json` column whose reader schema (`readers`) gives a record, array or map is a
         struct, list or map column of a table created here or by the stage path's commit
         (`sink_iceberg_nested`; never a column of sink.key). When the tasks stage in
         PostgreSQL instead (a transform, whose run calls this with its output columns,
@@ -81,9 +81,9 @@ class IcebergPipelineSink(Sink):
     def nested_types(self, columns: Sequence[tuple[str, str]],
                      readers: Mapping[str, tuple[int, str] | None] | None
                      ) -> dict[str, pa.DataType]:
-        """The run's nested column types (name -> Arrow struct/list/map) from its Avro
-        reader schemas (`nested_column_types`), in every mode; never a sink.key column (an
-        upsert matches rows by it)."""
+        """The run's nested column types (name -> Arrow struct/list/map) from its reader
+        schemas (Avro's; Protobuf's and JSON Schema's latest: `nested_column_types`), in
+        every mode; never a sink.key column (an upsert matches rows by it)."""
         cfg = self.cfg
         return {c: t for c, t in nested_column_types(
             cfg.format_type, self.json_columns(columns), readers).items()

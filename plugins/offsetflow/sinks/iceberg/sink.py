@@ -151,7 +151,7 @@ class IcebergSink:
     _layout_checked: bool = False  # the table's layout was compared with the config
     stage_gone: bool = False  # `offsetflow complete`: the dead-letter count is the snapshot's
     # jsonb columns (a transform's: text) a new table gets as struct/list/map (name ->
-    # Arrow type), from the run's Avro reader schemas (`sink_iceberg_nested`), on the
+    # Arrow type), from the run's reader schemas (`sink_iceberg_nested`), on the
     # task-files and the stage path alike; empty: JSON text
     nested: Mapping[str, Any] = field(default_factory=dict)
     # format.schema_evolution: add_columns: fields added inside them join the table too
