@@ -63,12 +63,57 @@ def avro_nested_types(reader_text: str, columns: Mapping[str, str]) -> dict[str,
 
 def common_nested_types(per_topic: Mapping[str, Mapping[str, pa.DataType]]
                         ) -> dict[str, pa.DataType]:
-    """The nested types every topic's reader schema agrees on (a column typed differently
-    by two topics' schemas stays JSON text)."""
+    """The nested types of the columns every topic's reader schema gives one: where two
+    topics' differ only by fields one of them has (a topic whose producers moved to a
+    version that adds a field inside a record first), their union (`merged_type`: such a
+    field optional), so that the table's struct is checked and evolved against every
+    field a record of the batch can carry; a column typed incompatibly (another scalar
+    type, a record against a map), or that a topic's schema gives no nested form, stays
+    JSON text."""
     maps = list(per_topic.values())
     if not maps:
         return {}
-    return {n: t for n, t in maps[0].items() if all(m.get(n) == t for m in maps[1:])}
+    out: dict[str, pa.DataType] = {}
+    for name, first in maps[0].items():
+        merged: pa.DataType | None = first
+        for m in maps[1:]:
+            other = m.get(name)
+            merged = None if merged is None or other is None else merged_type(merged, other)
+        if merged is not None:
+            out[name] = merged
+    return out
+
+
+def merged_type(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The nested type whose values are those of `a` and of `b`: a struct with the fields
+    of both (one only one has, or optional in either: optional), a list or map of the
+    merged element or value; None when they disagree on anything else (a scalar type, the
+    kind, two field names differing only in case)."""
+    if a == b:
+        return a
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        theirs = {b.field(i).name: b.field(i) for i in range(b.num_fields)}
+        fields: list[pa.Field] = []
+        for i in range(a.num_fields):
+            f = a.field(i)
+            g = theirs.pop(f.name, None)
+            t = f.type if g is None else merged_type(f.type, g.type)
+            if t is None:
+                return None
+            fields.append(pa.field(f.name, t, nullable=g is None or f.nullable or g.nullable))
+        fields += [pa.field(g.name, g.type, nullable=True) for g in theirs.values()]
+        if len({f.name.lower() for f in fields}) != len(fields):
+            return None  # engines that resolve names without case could not tell them apart
+        return pa.struct(fields)
+    if pa.types.is_list(a) and pa.types.is_list(b):
+        t = merged_type(a.value_type, b.value_type)
+        return None if t is None else pa.list_(pa.field(
+            a.value_field.name, t, nullable=a.value_field.nullable or b.value_field.nullable))
+    if pa.types.is_map(a) and pa.types.is_map(b) and a.key_type == b.key_type:
+        t = merged_type(a.item_type, b.item_type)
+        return None if t is None else pa.map_(a.key_type, pa.field(
+            a.item_field.name, t, nullable=a.item_field.nullable or b.item_field.nullable))
+    return None
 
 
 def _collect_names(t: Any, ns: str | None, out: dict[str, Any]) -> None:

@@ -61,3 +61,28 @@ def test_topics_that_disagree_keep_json_text() -> None:
     assert common_nested_types(a) == {}
     a["t2"] = dict(a["t1"])
     assert common_nested_types(a) == a["t1"]
+
+
+def test_topics_one_of_which_adds_a_field_inside_get_the_union() -> None:
+    """A topic whose producers moved to a version adding a field inside a record first:
+    the run's type has it (optional), so the table is checked and evolved against it; a
+    field only one side has, or optional on one, is optional; anything else disagreeing
+    (a scalar type, two names differing in case) keeps JSON text."""
+    v1 = pa.struct([pa.field("street", pa.string(), nullable=False),
+                    pa.field("zip", pa.int32())])
+    v2 = pa.struct([*v1, pa.field("country", pa.string(), nullable=False)])
+    union = pa.struct([*v1, pa.field("country", pa.string())])
+    for one, two in ((v1, v2), (v2, v1)):
+        assert common_nested_types({"a": {"x": one}, "b": {"x": two}}) == {"x": union}
+        lists = {t: {"x": pa.list_(pa.field("element", s, nullable=False))}
+                 for t, s in (("a", one), ("b", two))}
+        assert common_nested_types(lists) == {
+            "x": pa.list_(pa.field("element", union, nullable=False))}
+        maps = {t: {"x": pa.map_(pa.string(), pa.field("value", s))}
+                for t, s in (("a", one), ("b", two))}
+        assert common_nested_types(maps) == {"x": pa.map_(pa.string(),
+                                                          pa.field("value", union))}
+    cased = pa.struct([*v1, pa.field("Zip", pa.int32())])
+    assert common_nested_types({"a": {"x": v1}, "b": {"x": cased}}) == {}
+    assert common_nested_types({"a": {"x": v1}, "b": {"x": pa.list_(v1)}}) == {}
+    assert common_nested_types({"a": {"x": v1}, "b": {}}) == {}  # b: no nested form
