@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, date, datetime, time
@@ -171,6 +172,30 @@ def json_mapping_number(v: Any, t: pa.DataType) -> Any:
     return v
 
 
+def exact_double(v: int | Decimal, path: str) -> float:
+    """A JSON number (every digit its producer wrote: `parse_float=Decimal`) as the double
+    it names, when no digit is lost on the way: the double is the number itself, or reads
+    as it when written with as many significant digits (`0.1`, or `0.10000000000000001` as
+    a `%.17g` producer writes the same double). A number the double would round (2**53 + 1,
+    a 20-digit price) or that is beyond its range is refused (its record: a dead letter),
+    never landed changed; Avro's and Protobuf's doubles are written shortest, so they all
+    pass."""
+    d = Decimal(v)
+    try:
+        f = float(d)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise ValueError(f"{path}: {v} is beyond the range of a double")
+    if Decimal(f) == d:
+        return f
+    digits = len(d.normalize().as_tuple().digits)
+    if digits <= 17 and Decimal(format(f, f".{digits}g")) == d:  # noqa: PLR2004 - a double's
+        return f
+    raise ValueError(f"{path}: {v} has more digits than a double holds (it would land as "
+                     f"{f!r}); declare the field a decimal-typed string, or write fewer digits")
+
+
 def _decimal(d: Decimal, t: pa.Decimal128Type, path: str) -> Decimal:
     if not d.is_finite():
         raise ValueError(f"{path}: {d} is not a finite decimal")
@@ -203,8 +228,8 @@ def _other(v: Any, t: pa.DataType, path: str) -> Any:  # noqa: PLR0911 - one per
     if pa.types.is_floating(t):
         if isinstance(v, bool) or not isinstance(v, (int, float, Decimal)):
             raise ValueError(f"{path}: expected a number, got {v!r}")
-        f = float(v)
-        if pa.types.is_float32(t) and abs(f) > 3.4028234663852886e38:
+        f = v if isinstance(v, float) else exact_double(v, path)
+        if pa.types.is_float32(t) and math.isfinite(f) and abs(f) > 3.4028234663852886e38:
             raise ValueError(f"{path}: {v} overflows float")
         return f
     if pa.types.is_timestamp(t):

@@ -378,3 +378,42 @@ def test_a_field_added_inside_a_message_or_object_joins_the_struct_in_the_batchs
     assert rows[5]["lines"] == as_read(5)["lines"]
     assert not chaos.dead_letters(pg_dsn, cfg.dead_letter_table, cfg.name)
 
+
+
+def test_a_json_schema_number_a_double_cannot_hold_is_a_dead_letter_not_rounded(
+        pg_dsn: str, kafka_bootstrap: str, spark: Any, tmp_path: Any) -> None:
+    """JSON Schema `number` is a double column inside a struct/list/map, but a JSON number
+    has every digit the producer wrote: one the double cannot hold exactly (2**53 + 1, a
+    price with 20 significant digits, 1e400) is its record's dead letter naming the path,
+    never landed rounded (or infinite); one it holds (0.1, 2**53) lands as produced."""
+    topic = new_topic(kafka_bootstrap, "icenestjsnum", 1)
+    jser = json_serializer(registry_url(), _js_schema())
+    sid = int.from_bytes(encode(jser, topic, _js_order(0))[1:5], "big")
+
+    def order(i: int, price: str, tag: str) -> bytes:
+        """Order i with its numbers written as the producer wrote them (digit by digit:
+        json.dumps of a float would round them first)."""
+        doc = {**_js_order(i), "lines": [{"qty": i, "price": "__P__"}],
+               "tags": {"t": "__T__"}}
+        text = json.dumps(doc).replace('"__P__"', price).replace('"__T__"', tag)
+        return b"\x00" + sid.to_bytes(4, "big") + text.encode()
+
+    values = {1: ("0.1", "9007199254740992"),         # both fit a double exactly
+              2: ("9007199254740993", "1"),           # 2**53 + 1: not a double
+              3: ("1", "12345.678901234567891"),      # 20 significant digits
+              4: ("1e400", "1")}                      # beyond a double's range
+    produce(kafka_bootstrap, topic, [order(i, p, t) for i, (p, t) in values.items()])
+    cfg = _pipeline(tmp_path, pg_dsn, kafka_bootstrap, topic, "icenestjsnum", "json_schema",
+                    JS_COLUMNS)
+    report = run_batch(spark, cfg, plan_batch(cfg, pg_dsn), pg_dsn)
+    assert report.result.status == "committed", report.result
+    rows = _rows(cfg, pg_dsn)
+    landed = {i: (r["lines"][0]["price"], dict(r["tags"])["t"]) for i, r in rows.items()}
+    dead = {d.offset: d.error for d in chaos.dead_letters(pg_dsn, cfg.dead_letter_table,
+                                                          cfg.name)}
+    # offset n holds order n + 1
+    assert landed == {1: (0.1, 9007199254740992.0)}, (landed, dead)
+    assert sorted(dead) == [1, 2, 3], dead
+    assert "lines[0].price" in dead[1] and "9007199254740993" in dead[1], dead
+    assert "tags" in dead[2] and "12345.678901234567891" in dead[2], dead
+    assert "lines[0].price" in dead[3] and "beyond the range of a double" in dead[3], dead

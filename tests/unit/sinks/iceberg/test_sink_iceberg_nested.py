@@ -119,3 +119,23 @@ def test_a_nested_field_differing_only_in_case_is_refused() -> None:
         [*LINE, pa.field("SKU", pa.string())]), nullable=False))
     with pytest.raises(SchemaMismatchError, match=r"lines\.element\.SKU"):
         check_nested("db.t", schema, {"lines": renamed}, 7)
+
+
+def test_a_number_a_double_would_round_is_refused_not_changed() -> None:
+    """Every digit of a JSON number reaches a double field, or the row is refused: the
+    shortest form (Avro, Protobuf) and a `%.17g` producer's form of the same double land;
+    2**53 + 1, 20 significant digits and 1e400 do not land rounded or infinite."""
+    nums = pa.list_(pa.field("element", pa.float64()))
+    fits = ["[0.1]", "[0.10000000000000001]", "[9007199254740992]", "[1e22]",
+            "[0.30000000000000004]", "[1152921504606846976]", "[-0.0]", "[5e-324]"]
+    bad = ["[9007199254740993]", "[12345.678901234567891]", "[1e400]"]
+    arr, refused = nested_from_json(pa.array(fits + bad), nums, "xs")
+    assert sorted(refused) == [8, 9, 10], refused
+    assert "xs[0]: 9007199254740993 has more digits than a double holds" in refused[8]
+    assert "beyond the range of a double" in refused[10]
+    assert arr.to_pylist()[:8] == [[0.1], [0.1], [2.0**53], [1e22], [0.30000000000000004],
+                                   [2.0**60], [-0.0], [5e-324]]
+    # a float field: Protobuf's "Infinity" is a float's value, not an overflow
+    f32 = pa.list_(pa.field("element", pa.float32()))
+    arr, refused = nested_from_json(pa.array(['["Infinity", 0.1]']), f32, "fs")
+    assert refused == {} and arr.to_pylist() == [[float("inf"), pytest.approx(0.1)]]
