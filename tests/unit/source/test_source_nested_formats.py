@@ -112,7 +112,7 @@ def test_protobuf_values_as_staged_parse_into_their_types_value_by_value() -> No
     m.tags["w"] = 0.25
     m.by_id[-5].qty = 3
     types = nested_types("protobuf", _serialized(_proto_file()), PROTO_COLUMNS)
-    got = {c: nested_from_json(pa.array([proto_value(m, c, "json")]), t, c)
+    got = {c: nested_from_json(pa.array([proto_value(m, c, "json")]), t, c, True)
            for c, t in types.items()}
     assert all(refused == {} for _, refused in got.values()), got
     lines = got["lines"][0].to_pylist()[0]
@@ -131,7 +131,8 @@ def test_a_protobuf_value_that_does_not_fit_is_refused_with_its_path() -> None:
     m = _classes()["Order"](id=1)
     m.lines.add(qty=2**64 - 1)  # uint64 beyond the int64 Iceberg has
     t = nested_types("protobuf", _serialized(_proto_file()), PROTO_COLUMNS)["lines"]
-    arr, refused = nested_from_json(pa.array([proto_value(m, "lines", "json")]), t, "lines")
+    arr, refused = nested_from_json(pa.array([proto_value(m, "lines", "json")]), t, "lines",
+                                    True)
     assert arr.to_pylist() == [None]
     assert "lines[0].qty: 18446744073709551615 does not fit in int64" in refused[0]
 

@@ -43,11 +43,12 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
-def nested_from_json(texts: pa.Array | pa.ChunkedArray, typ: pa.DataType, column: str
-                     ) -> tuple[pa.Array, dict[int, str]]:
+def nested_from_json(texts: pa.Array | pa.ChunkedArray, typ: pa.DataType, column: str,
+                     protobuf: bool = False) -> tuple[pa.Array, dict[int, str]]:
     """Each JSON text of `texts` as a value of `typ` (nested). Returns the array (a refused
     row is null in it) and the refused rows: index -> why, naming the column and the path
-    inside it."""
+    inside it. `protobuf`: the texts are Protobuf's JSON mapping (`json_mapping_number`);
+    other formats' strings are never read as numbers."""
     values: list[Any] = []
     refused: dict[int, str] = {}
     for i, text in enumerate(texts.to_pylist()):
@@ -56,7 +57,7 @@ def nested_from_json(texts: pa.Array | pa.ChunkedArray, typ: pa.DataType, column
             continue
         try:
             doc = json.loads(text, parse_float=Decimal)
-            values.append(_value(doc, typ, column))
+            values.append(_value(doc, typ, column, protobuf))
         except (ValueError, TypeError, OverflowError, InvalidOperation,
                 binascii.Error) as e:
             refused[i] = f"column {column!r}: {e}"
@@ -77,8 +78,8 @@ def nested_from_json(texts: pa.Array | pa.ChunkedArray, typ: pa.DataType, column
     return pa.array(out, type=typ), refused
 
 
-def rows_fit(table_types: Sequence[tuple[str, pa.DataType]], columns: dict[str, pa.Array]
-             ) -> tuple[dict[str, pa.Array], dict[int, str]]:
+def rows_fit(table_types: Sequence[tuple[str, pa.DataType]], columns: dict[str, pa.Array],
+             protobuf: bool = False) -> tuple[dict[str, pa.Array], dict[int, str]]:
     """`columns` (name -> staged column) with every string column whose table type is
     nested parsed into it; the refused rows (index -> why; the first reason a row has)."""
     refused: dict[int, str] = {}
@@ -88,7 +89,7 @@ def rows_fit(table_types: Sequence[tuple[str, pa.DataType]], columns: dict[str, 
         if col is None or not is_nested(typ) or not (
                 pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
             continue
-        arr, bad = nested_from_json(col, typ, name)
+        arr, bad = nested_from_json(col, typ, name, protobuf)
         out[name] = arr
         for i, why in bad.items():
             refused.setdefault(i, why)
@@ -102,7 +103,7 @@ def keep_mask(n: int, refused: dict[int, str]) -> pa.Array:
     return pa.array(keep)
 
 
-def _value(v: Any, t: pa.DataType, path: str) -> Any:
+def _value(v: Any, t: pa.DataType, path: str, pb: bool) -> Any:
     if v is None:
         return None
     if pa.types.is_struct(t):
@@ -120,7 +121,7 @@ def _value(v: Any, t: pa.DataType, path: str) -> Any:
             if x is None and not f.nullable:
                 raise ValueError(f"{path}.{f.name} is null, but the Iceberg table's field "
                                  f"is required")
-            out[f.name] = _value(x, f.type, f"{path}.{f.name}")
+            out[f.name] = _value(x, f.type, f"{path}.{f.name}", pb)
         return out
     if _is_list(t):
         if not isinstance(v, list):
@@ -129,7 +130,7 @@ def _value(v: Any, t: pa.DataType, path: str) -> Any:
         if not f.nullable and any(x is None for x in v):
             raise ValueError(f"{path}[{v.index(None)}] is null, but the Iceberg table's "
                              f"list element is required")
-        return [_value(x, f.type, f"{path}[{j}]") for j, x in enumerate(v)]
+        return [_value(x, f.type, f"{path}[{j}]", pb) for j, x in enumerate(v)]
     if pa.types.is_map(t):
         if not isinstance(v, dict):
             raise ValueError(f"{path}: expected a map, got {type(v).__name__}")
@@ -139,14 +140,15 @@ def _value(v: Any, t: pa.DataType, path: str) -> Any:
             if x is None and not f.nullable:
                 raise ValueError(f"{path}[{k!r}] is null, but the Iceberg table's map "
                                  f"value is required")
-            out_items.append((_value(k, t.key_type, f"{path} key"),
-                              _value(x, f.type, f"{path}[{k!r}]")))
+            out_items.append((_value(k, t.key_type, f"{path} key", pb),
+                              _value(x, f.type, f"{path}[{k!r}]", pb)))
         return out_items
-    return _scalar(v, t, path)
+    return _scalar(v, t, path, pb)
 
 
-def _scalar(v: Any, t: pa.DataType, path: str) -> Any:
-    v = json_mapping_number(v, t)
+def _scalar(v: Any, t: pa.DataType, path: str, pb: bool) -> Any:
+    if pb:  # a string is a number in Protobuf's JSON mapping only ("02134" stays a string)
+        v = json_mapping_number(v, t)
     if pa.types.is_decimal(t):
         if isinstance(v, bool) or not isinstance(v, (int, Decimal)):
             raise ValueError(f"{path}: expected a decimal, got {v!r}")
@@ -423,7 +425,7 @@ def check_nested(table_name: str, schema: Schema, nested: Mapping[str, pa.DataTy
         f"the version the table was made from")
 
 
-def fit_table(data: pa.Table, schema: Schema, table_name: str
+def fit_table(data: pa.Table, schema: Schema, table_name: str, protobuf: bool = False
               ) -> tuple[pa.Table, dict[tuple[str, int, int], str]]:
     """Staged rows (`data`, read as the stage holds them: nested values as JSON text) with
     the table's struct, list and map columns parsed into their types; the rows that do not
@@ -432,7 +434,7 @@ def fit_table(data: pa.Table, schema: Schema, table_name: str
     if not nested or not data.num_rows:
         return data, {}
     cols = {n: data.column(n).combine_chunks() for n in data.column_names}
-    fitted, refused = rows_fit(list(nested.items()), cols)
+    fitted, refused = rows_fit(list(nested.items()), cols, protobuf)
     out = pa.table([fitted[n] for n in data.column_names], names=data.column_names)
     if not refused:
         return out, {}

@@ -126,7 +126,8 @@ def sink_of(cfg: PipelineConfig, dsn: str, columns: Sequence[tuple[str, str]] | 
     assert cfg.sink.iceberg is not None
     return IcebergSink(cfg.sink.iceberg, cfg.sink.connection or dsn,
                        spec or CommitSpec(columns=()), tuple(columns or ()), cfg.sink.table,
-                       ledger_dsn=dsn, pipeline=cfg.name, conn_id=cfg.sink.conn_id)
+                       ledger_dsn=dsn, pipeline=cfg.name, conn_id=cfg.sink.conn_id,
+                       protobuf_text=cfg.format_type == "protobuf")
 
 
 @dataclass
@@ -156,6 +157,9 @@ class IcebergSink:
     nested: Mapping[str, Any] = field(default_factory=dict)
     # format.schema_evolution: add_columns: fields added inside them join the table too
     nested_evolution: bool = False
+    # format.type protobuf: the staged JSON text is Protobuf's JSON mapping, whose 64-bit
+    # integers are strings (`nested.json_mapping_number`); other formats' strings stay strings
+    protobuf_text: bool = False
 
     @property
     def catalog(self) -> Catalog:
@@ -227,7 +231,7 @@ class IcebergSink:
         # them before the read without it); values that do not fit are their records'
         # dead letters, never a batch that fails on every retry
         schema = self._nested_checked(table, batch).schema()
-        data, unfit = fit_table(data, schema, ".".join(table.name()))
+        data, unfit = fit_table(data, schema, ".".join(table.name()), self.protobuf_text)
         if unfit:
             moved.dead += self._route_unfit(cur, batch, unfit)
         _check_counts(batch, data.num_rows, "the stage", moved.dead - self._task_dead, staged)
@@ -264,7 +268,7 @@ class IcebergSink:
         target = int(table.properties.get("write.target-file-size-bytes",
                                           self.iceberg.target_file_mb << 20))
         return TaskFiles.of(table, batch.batch_id, batch_file_prefix(batch), target,
-                            self.spec.routes_tombstones, meta)
+                            self.spec.routes_tombstones, meta, self.protobuf_text)
 
     def check_evolution(self, batch: Batch) -> None:
         """The stage path (upsert, a quality suite): format.schema_evolution's changes to
@@ -364,7 +368,7 @@ class IcebergSink:
         have = dict(self.columns)
         data = read_stage(cur, batch.batch_id, [(c, have[c]) for c in COORDINATES] + cols,
                           False)
-        _, unfit = fit_table(data, schema, ".".join(table.name()))
+        _, unfit = fit_table(data, schema, ".".join(table.name()), self.protobuf_text)
         return self._route_unfit(cur, batch, unfit) if unfit else 0
 
     def _route_unfit(self, cur: psycopg2.extensions.cursor, batch: Batch,
@@ -394,7 +398,7 @@ class IcebergSink:
         if not table_nested_types(schema):
             return 0
         data = read_stage(cur, batch.batch_id, self.columns, self.spec.routes_tombstones)
-        _, unfit = fit_table(data, schema, ".".join(table.name()))
+        _, unfit = fit_table(data, schema, ".".join(table.name()), self.protobuf_text)
         if not unfit:
             return 0
         # the snapshot was made without them: a dead-letter table takes them whatever

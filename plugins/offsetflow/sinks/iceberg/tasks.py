@@ -73,16 +73,19 @@ class TaskFiles:
     prefix: str  # sink_iceberg_files.batch_file_prefix(batch)
     target_bytes: int
     tombstones_to_stage: bool  # tombstones go to the stage (the commit routes them)
+    # format.type protobuf: nested texts are its JSON mapping (`nested.json_mapping_number`)
+    protobuf_text: bool = False
 
     @classmethod
     def of(cls, table: Table, batch_id: int, prefix: str, target_bytes: int,
-           tombstones_to_stage: bool, metadata: TableMetadata | None = None) -> TaskFiles:
+           tombstones_to_stage: bool, metadata: TableMetadata | None = None,
+           protobuf_text: bool = False) -> TaskFiles:
         """`metadata`: the table's with the batch's schema evolution staged (its field
         ids are the files'), else the table's as loaded."""
         meta = table.metadata if metadata is None else metadata
         return cls(batch_id, ".".join(table.name()), meta.model_dump_json(),
                    task_io_properties(table.io.properties), prefix, target_bytes,
-                   tombstones_to_stage)
+                   tombstones_to_stage, protobuf_text)
 
     def writer(self, part: int) -> PartFiles:
         return PartFiles(self, part)
@@ -215,7 +218,7 @@ class PartFiles:
         formed = stage_form(batch, hex_binary=False)
         types = [(n, f.type) for n, f in zip(self.names, self.arrow, strict=True)]
         have, refused = rows_fit(types, dict(zip(formed.schema.names, formed.columns,
-                                                 strict=True)))
+                                                 strict=True)), self.tf.protobuf_text)
         have[LINEAGE_COLUMN] = pa.array([self.tf.batch_id] * batch.num_rows, pa.int64())
         extra = sorted(set(have) - set(self.names))
         if extra:

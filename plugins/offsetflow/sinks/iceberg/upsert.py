@@ -371,7 +371,8 @@ class _Plan:
                           "rn <= {hi}) w").format(n=names, lo=sql.Literal(lo),
                                                   hi=sql.Literal(lo + KEY_CHUNK))
             data = read_stage(self.cur, self.batch.batch_id, cols, False, source=src)
-            yield _in_schema(_nested_in(data, table, meta, self.batch), table, meta,
+            yield _in_schema(_nested_in(data, table, meta, self.batch,
+                                        self.sink.protobuf_text), table, meta,
                              self.batch)
 
     def _files(self, meta: TableMetadata, table: Table, data: pa.Table,
@@ -407,7 +408,8 @@ def _in_schema(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) 
     return data
 
 
-def _nested_in(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) -> pa.Table:
+def _nested_in(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch,
+               protobuf: bool) -> pa.Table:
     """The winners' JSON text parsed into the struct, list and map columns of `meta`'s
     schema (the one the commit makes current). The records that do not fit were dead
     letters before the winners were decided (`IcebergSink.route_unfit`, with the same
@@ -415,7 +417,7 @@ def _nested_in(data: pa.Table, table: Table, meta: TableMetadata, batch: Batch) 
     and the round is refused by name, nothing committed."""
     from offsetflow.sinks.iceberg.nested import fit_table
 
-    fitted, unfit = fit_table(data, meta.schema(), ".".join(table.name()))
+    fitted, unfit = fit_table(data, meta.schema(), ".".join(table.name()), protobuf)
     if unfit:
         (topic, partition, offset), why = min(unfit.items())
         raise SchemaMismatchError(

@@ -417,3 +417,29 @@ def test_a_json_schema_number_a_double_cannot_hold_is_a_dead_letter_not_rounded(
     assert "lines[0].price" in dead[1] and "9007199254740993" in dead[1], dead
     assert "tags" in dead[2] and "12345.678901234567891" in dead[2], dead
     assert "lines[0].price" in dead[3] and "beyond the range of a double" in dead[3], dead
+
+
+def test_a_json_schema_string_in_a_numeric_field_is_a_dead_letter_not_a_number(
+        pg_dsn: str, kafka_bootstrap: str, spark: Any, tmp_path: Any) -> None:
+    """Only Protobuf's JSON mapping writes numbers as strings: a JSON Schema record whose
+    producer does not validate and sends `"0042"` for an `integer` (or `"NaN"` for a
+    `number`) inside an object is its record's dead letter naming the path, as at top
+    level, never landed as 42 (or NaN)."""
+    topic = new_topic(kafka_bootstrap, "icenestjsstr", 1)
+    jser = json_serializer(registry_url(), _js_schema())
+    sid = int.from_bytes(encode(jser, topic, _js_order(0))[1:5], "big")
+    docs = [{**_js_order(1), "lines": [{"qty": 1, "price": 0.5}]},
+            {**_js_order(2), "lines": [{"qty": "0042", "price": 0.5}]},
+            {**_js_order(3), "tags": {"t": "NaN"}}]
+    produce(kafka_bootstrap, topic, [_js_raw(sid, d) for d in docs])
+    cfg = _pipeline(tmp_path, pg_dsn, kafka_bootstrap, topic, "icenestjsstr", "json_schema",
+                    JS_COLUMNS)
+    report = run_batch(spark, cfg, plan_batch(cfg, pg_dsn), pg_dsn)
+    assert report.result.status == "committed", report.result
+    rows = _rows(cfg, pg_dsn)
+    dead = {d.offset: d.error for d in chaos.dead_letters(pg_dsn, cfg.dead_letter_table,
+                                                          cfg.name)}
+    assert sorted(rows) == [1], ({i: (r["lines"], r["tags"]) for i, r in rows.items()}, dead)
+    assert sorted(dead) == [1, 2], dead
+    assert "lines[0].qty: expected an integer, got '0042'" in dead[1], dead
+    assert "tags['t']: expected a number, got 'NaN'" in dead[2], dead

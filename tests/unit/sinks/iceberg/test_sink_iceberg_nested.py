@@ -137,5 +137,20 @@ def test_a_number_a_double_would_round_is_refused_not_changed() -> None:
                                    [2.0**60], [-0.0], [5e-324]]
     # a float field: Protobuf's "Infinity" is a float's value, not an overflow
     f32 = pa.list_(pa.field("element", pa.float32()))
-    arr, refused = nested_from_json(pa.array(['["Infinity", 0.1]']), f32, "fs")
+    arr, refused = nested_from_json(pa.array(['["Infinity", 0.1]']), f32, "fs", True)
     assert refused == {} and arr.to_pylist() == [[float("inf"), pytest.approx(0.1)]]
+
+
+def test_a_string_is_a_number_in_protobufs_json_mapping_only() -> None:
+    """Protobuf's JSON mapping writes 64-bit integers (and integer map keys) as strings, and
+    NaN/Infinity as names: numbers there. Anywhere else a string in a numeric field (a zip
+    code "02134" where an older version had an int, a producer that does not validate) is
+    refused, never landed as 2134."""
+    zips = pa.struct([pa.field("zip", pa.int64()), pa.field("w", pa.float64())])
+    texts = ['{"zip":"02134"}', '{"zip":"42"}', '{"w":"NaN"}', '{"zip":7,"w":0.5}']
+    arr, refused = nested_from_json(pa.array(texts), zips, "a")
+    assert sorted(refused) == [0, 1, 2], refused
+    assert "a.zip: expected an integer, got '02134'" in refused[0]
+    assert arr.to_pylist()[3] == {"zip": 7, "w": 0.5}
+    arr, refused = nested_from_json(pa.array(texts[1:]), zips, "a", True)
+    assert refused == {} and arr.to_pylist()[0] == {"zip": 42, "w": None}
