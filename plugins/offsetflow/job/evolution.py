@@ -150,7 +150,7 @@ def pinned_readers(cfg: PipelineConfig, ledger: Ledger, batch_id: int,
         latest = reader_schemas(client, topics, None, part="key")
     else:
         latest = reader_schemas(client, topics, reg.reader_version) if kind == "AVRO" \
-            else value_schemas(client, topics, kind)
+            else value_schemas(client, topics, kind, strict=cfg.schema_evolution is not None)
     ids = {t: None if r is None else r[0] for t, r in latest.items()}
     pinned = ledger.pin_reader_schemas(batch_id, ids, part)
     what = "keys" if part == "key" else "records"

@@ -105,7 +105,8 @@ class ReadContext:
                 # protobuf, json_schema: records are read with their writer schema; the
                 # subject's latest decides the evolved columns and the nested types
                 readers = pinned if pinned is not None else value_schemas(
-                    client, topics, SCHEMA_TYPES[cfg.format_type])
+                    client, topics, SCHEMA_TYPES[cfg.format_type],
+                    strict=cfg.schema_evolution is not None)
             if cfg.key_format == "avro":
                 key_readers = pinned_keys if pinned_keys is not None \
                     else reader_schemas(client, topics, None, part="key")

@@ -170,17 +170,24 @@ def registry_settings(url: str, username: str | None, password: str | None,
     return {"url": url, "username": username, "password": password, "timeout_s": timeout_s}
 
 
-def value_schemas(client: RegistryClient, topics: list[str], schema_type: str
-                  ) -> dict[str, tuple[int, str] | None]:
-    """Protobuf and JSON Schema under format.schema_evolution: topic -> (id, text) of the
-    latest version of its `<topic>-value` subject (Confluent's TopicNameStrategy), whose
-    fields decide the evolved columns (records are read with their writer schema); None
-    where the subject has no schema. A subject holding another schema type is the
-    config's error (SchemaRegistryError, not retriable)."""
+def value_schemas(client: RegistryClient, topics: list[str], schema_type: str,
+                  strict: bool = True) -> dict[str, tuple[int, str] | None]:
+    """Protobuf and JSON Schema under format.schema_evolution (or with a `json` column):
+    topic -> (id, text) of the latest version of its `<topic>-value` subject (Confluent's
+    TopicNameStrategy), whose fields decide the evolved columns and nested types (records
+    are read with their writer schema); None where the subject has no schema. A subject
+    holding another schema type is the config's error (SchemaRegistryError, not
+    retriable) when `strict` (evolution needs that schema); otherwise it is no reader
+    (nested values stay JSON text), so a pipeline that ran without one still runs."""
     out: dict[str, tuple[int, str] | None] = {}
     for topic in dict.fromkeys(topics):
         subject = f"{topic}-value"
         found = client.subject_version(subject, None, serialized=schema_type == "PROTOBUF")
+        if found is not None and found.schema_type != schema_type and not strict:
+            log.warning("subject %r holds a %s schema, not %s (format.type): its values' "
+                        "nested fields stay JSON text", subject, found.schema_type,
+                        schema_type)
+            found = None
         if found is not None and found.schema_type != schema_type:
             raise SchemaRegistryError(
                 client.shown, f"subject {subject!r}", f"holds a {found.schema_type} schema, "

@@ -156,3 +156,24 @@ def test_a_registry_outage_fails_the_chunk_never_makes_dead_letters() -> None:
     with pytest.raises(SchemaRegistryError):  # a key's writer schema is fetched the same way
         deserialize_avro([None], ["t"], COLUMNS, _decoder(), [b"\x00\x00\x00\x00\x01\x00"],
                          AvroDecoder(down, {"t": None}))  # type: ignore[arg-type]
+
+
+class OtherTypeSubject:
+    """A registry whose `<topic>-value` subject holds an Avro schema."""
+    shown = "http://registry"
+
+    def subject_version(self, subject: str, version: int | None,
+                        serialized: bool = False) -> RegisteredSchema | None:
+        return RegisteredSchema(7, "AVRO", json.dumps(VALUE))
+
+
+def test_a_subject_of_another_type_is_no_reader_unless_evolution_needs_it() -> None:
+    """With a `json` column only (nested types, no evolution) a pipeline that ran without a
+    reader still runs; under schema_evolution the subject is the config's error."""
+    from offsetflow.errors import SchemaRegistryError
+    from offsetflow.source import value_schemas
+
+    client: Any = OtherTypeSubject()
+    assert value_schemas(client, ["t"], "PROTOBUF", strict=False) == {"t": None}
+    with pytest.raises(SchemaRegistryError, match="holds a AVRO schema, not PROTOBUF"):
+        value_schemas(client, ["t"], "PROTOBUF")
