@@ -107,8 +107,10 @@ log = logging.getLogger(__name__)
 
 # test-only fault points (tests/integration/sinks/kafka/test_sink_kafka*.py), looked up once
 # per batch: pause_before_commit (records produced and flushed, transaction open; waits for
-# the RESUME file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process
-# group right after the Kafka commit, before the ledger's)
+# the RESUME file, after writing the PAUSED file) | pause_in_overlap (the same, in the
+# commit's thread right after the first records were produced during the read: the
+# transaction open, the tasks going on) | kill_after_commit (SIGKILL of the process group
+# right after the Kafka commit, before the ledger's)
 FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
 PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
@@ -332,6 +334,8 @@ class KafkaTopicSink(KafkaTransaction):
             self._stop(batch, "a record of the read's pass was not delivered")
             return
         if ov.pass_ is not None and self._too_old():
+            self.phases["kafka_overlap_given_up_s"] = round(
+                time.monotonic() - self._txn_began, 3)
             self._abort(batch)
             ov.pass_ = None
             self._stop(batch, f"its transaction reached {OVERLAP_SHARE:.0%} of "
@@ -369,12 +373,18 @@ class KafkaTopicSink(KafkaTransaction):
             ov.pass_.error = e
             self._stop(batch, str(e))
             return
+        first = not ov.done
         ov.done.update(ready)
         self._phase("kafka_overlap_s", t)
+        if first:
+            _fault_point("pause_in_overlap")
 
     def _stop(self, batch: Batch, why: str) -> None:
+        """Nothing more is produced during the read (`why`); `write` takes it from here."""
         assert self._ov is not None
         self._ov.stopped = why
+        self.phases["kafka_overlap_stopped_s"] = round(
+            time.monotonic() - self._txn_began, 3) if self._txn_began else 0.0
         log.warning("batch %d: no more of it is produced during the read: %s",
                     batch.batch_id, why)
 
