@@ -91,6 +91,7 @@ from offsetflow.sinks.kafka.mark import (
     refuse_group_ahead,
 )
 from offsetflow.sinks.kafka.order import Segment, segments
+from offsetflow.sinks.kafka.order import ready as ready_segments
 from offsetflow.sinks.kafka.output_schema import pinned_encoder
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
@@ -344,16 +345,7 @@ class KafkaTopicSink(KafkaTransaction):
                               f"read")
             self._reopen(batch)
             return
-        ready: list[int] = []
-        blocked: set[tuple[str, int]] = set()
-        for i, seg in enumerate(ov.plan):
-            tp = seg.range.topic_partition
-            if i in ov.done or tp in blocked:
-                continue
-            if seg.part in ov.staged:
-                ready.append(i)
-            else:
-                blocked.add(tp)
+        ready = ready_segments(ov.plan, ov.done, ov.staged)
         if not ready:
             return
         t = time.monotonic()
