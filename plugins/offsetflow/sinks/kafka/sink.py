@@ -372,11 +372,17 @@ class KafkaTopicSink(KafkaTransaction):
             _fault_point("pause_in_overlap")
 
     def _stop(self, batch: Batch, why: str) -> None:
-        """Nothing more is produced during the read (`why`); `write` takes it from here."""
+        """Nothing more is produced during the read (`why`); `write` takes it from here.
+        The pass's transaction, if still open, is aborted now (its delivery reports kept
+        for `write`'s refusal lookup): it can only be aborted, and left open for the rest
+        of the read it would pin the last stable offset of every partition it wrote to,
+        holding read_committed consumers of the topic back (up to transaction.timeout.ms)."""
         assert self._ov is not None
         self._ov.stopped = why
-        self.phases["kafka_overlap_stopped_s"] = round(
-            time.monotonic() - self._txn_began, 3) if self._txn_began else 0.0
+        stopped = round(time.monotonic() - self._txn_began, 3) if self._txn_began else 0.0
+        if self._open_txn and self._producer is not None:
+            self._abort(batch)
+        self.phases["kafka_overlap_stopped_s"] = stopped
         log.warning("batch %d: no more of it is produced during the read: %s",
                     batch.batch_id, why)
 
