@@ -380,7 +380,15 @@ class KafkaTopicSink(KafkaTransaction):
         assert self._ov is not None
         self._ov.stopped = why
         stopped = round(time.monotonic() - self._txn_began, 3) if self._txn_began else 0.0
-        if self._open_txn and self._producer is not None:
+        p = self._producer
+        if self._open_txn and p is not None:
+            # its records purged and their reports served first: librdkafka holds them
+            # once the transaction failed, and abort_transaction times out while any
+            # report is unserved (which would leave the transaction open)
+            p.purge()
+            deadline = time.monotonic() + self.timeout_s
+            while len(p) and time.monotonic() < deadline:
+                p.poll(0.05)
             self._abort(batch)
         self.phases["kafka_overlap_stopped_s"] = stopped
         log.warning("batch %d: no more of it is produced during the read: %s",
