@@ -47,6 +47,7 @@ from typing import Any
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
+from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
@@ -73,10 +74,12 @@ from offsetflow.sinks.kafka.form import (
 )
 from offsetflow.sinks.kafka.limits import (
     TIMESTAMP_MARGIN_MS,
+    TopicSettings,
     note_output_partitions,
     refuse_window_repeat,
     replace_window_dead_letters,
     route_not_produced,
+    topic_settings,
 )
 from offsetflow.sinks.kafka.mark import (
     BATCH_HEADER,
@@ -406,23 +409,49 @@ class KafkaTopicSink(KafkaTransaction):
         is not the layout's parts, read unsorted; or its transaction too old, aborted
         here with a new producer)."""
         ov = self._ov
-        if ov is None or ov.pass_ is None:
+        if ov is None:
+            return None
+        if ov.pass_ is None:
+            if ov.settings_changed:  # the producer follows the topic's settings
+                self._reopen(batch)
             return None
         ps = ov.pass_
-        if ps.error is not None or self._failed:
+        if (ps.error is not None or self._failed) and not ov.settings_changed:
             return ps, []
-        why = ("the stage is not read part by part" if self._unsorted is None
+        why = ("the output topic's settings changed during the read"
+               if ov.settings_changed else
+               "the stage is not read part by part" if self._unsorted is None
                or not set(self._unsorted) <= set(ov.plan) else
                f"its transaction is past {OVERLAP_SHARE:.0%} of transaction.timeout.ms"
                if self._too_old() else "")
         if why:
             log.warning("batch %d: what was produced during the read is aborted (%s); the "
                         "batch is produced again in a new transaction", batch.batch_id, why)
-            self._abort(batch)
+            if self._open_txn:  # (else aborted as the overlap stopped)
+                self._abort(batch)
             ov.pass_ = None
             self._reopen(batch)
             return None
         return ps, [seg for i, seg in enumerate(ov.plan) if i not in ov.done]
+
+    def _reread_settings(self, batch: Batch, topic: str) -> None:
+        """After the read: the output topic's settings read again. The overlap read them
+        before the read, which may take minutes; the commit after the read used to read
+        them then, and every pass of the attempt is produced and judged under the ones it
+        holds (a limit lowered meanwhile: a record over it refused by the broker and judged
+        against the old one, the attempt failed). Changed: what was produced under the old
+        ones is aborted (`_continued`) and the batch produced under the new ones. Not
+        readable now (a broker restarting): the ones read before the read stay."""
+        assert self._ov is not None
+        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
+        fresh = topic_settings(admin, batch, topic, self.timeout_s)
+        if fresh == self.settings or fresh == TopicSettings(topic):
+            return
+        log.warning("batch %d: the settings of %s changed during the read (%s, now %s); "
+                    "the batch is produced under the new ones", batch.batch_id, topic,
+                    self.settings, fresh)
+        self.settings = fresh
+        self._ov.settings_changed = True
 
     def _segments_query(self, batch: Batch, segs: Sequence[Segment]) -> sql.Composed:
         return parts_select_sql(self.sink, self.columns, [
@@ -433,6 +462,8 @@ class KafkaTopicSink(KafkaTransaction):
 
     def _write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
                topic: str) -> Moved:
+        if self._ov is not None:  # read before the read: read again, as the commit did
+            self._reread_settings(batch, topic)
         p = self._producer
         assert p is not None and self._consumer is not None
         by_source = self.sink.partitioning == "source"
@@ -454,6 +485,8 @@ class KafkaTopicSink(KafkaTransaction):
         self._unsorted = self._segments(cur, batch) if self.read_parts else None
         # the pass begun during the read, when it goes on
         pending = self._continued(batch)
+        p = self._producer  # a new one when the overlap's pass was given up there
+        assert p is not None
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         why = ""  # why the last pass's transaction was aborted
@@ -819,6 +852,7 @@ class _Overlap:
     largest: int = 1
     pass_: _Pass | None = None  # begun with the first record
     stopped: str = ""  # why nothing more is produced during the read
+    settings_changed: bool = False  # the topic's, between the first record and the read's end
 
 
 class _PassFailed(Exception):
