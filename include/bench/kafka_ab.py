@@ -16,6 +16,7 @@ thread is not in it) over the timed runs of each mode, top functions in `profile
 
     python include/bench/kafka_ab.py [--records 200000] [--partitions 6] [--runs 3]
                                      [--switch read_parts | --before FILE] [--profile]
+                                     [--no-overlap]
                                      [--out bench-results/kafka-ab] [--no-builtin]
 
 Needs the stack (`stack.sh up`, `source .stack/env.sh`). Prints a table of medians.
