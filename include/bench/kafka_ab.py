@@ -7,12 +7,16 @@ stage part as its task stages it, `offsetflow.sinks.kafka.sink`), on the same da
 into a fresh output topic checked with read_committed; then Spark's built-in at-least-once
 Kafka -> Kafka path on the same data in a process of its own (`worker.py`), for the ratio.
 `--before FILE` instead of a switch: `off` runs the produce pass (`_produce_stage`) of
-another tree's `offsetflow/sinks/kafka/sink.py` (e.g. main's), `on` this tree's.
+another tree's `offsetflow/sinks/kafka/sink.py` (e.g. main's), `on` this tree's (what the
+overlap produces during the read goes through this tree's loop in both: add
+`--no-overlap` to compare the passes alone). `driver_cpu_s` is the driver process's CPU
+over each run, all its threads.
 `--profile`: cProfile of the driver's main thread (the produce loop; the stage's fetching
 thread is not in it) over the timed runs of each mode, top functions in `profile-<mode>.txt`.
 
     python include/bench/kafka_ab.py [--records 200000] [--partitions 6] [--runs 3]
                                      [--switch read_parts | --before FILE] [--profile]
+                                     [--no-overlap]
                                      [--out bench-results/kafka-ab] [--no-builtin]
 
 Needs the stack (`stack.sh up`, `source .stack/env.sh`). Prints a table of medians.
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", default="read_parts")
     ap.add_argument("--before", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("py4j", "offsetflow", "pyspark"):
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = engines.offsetflow_config(ds, "ab_session", "OFFSETFLOW_BENCH_DSN", bootstrap,
                                     "submit", ctx["connect_url"], ctx["max_offsets_per_task"])
     spark = build_spark(parse_pipeline(raw, "<ab>", os.environ), "bench-kafka-ab")
+    if args.no_overlap:
+        KafkaTopicSink.overlap = False
     passes = {"on": KafkaTopicSink._produce_stage}
     if args.before:
         passes["off"] = _before(Path(args.before)).KafkaTopicSink._produce_stage

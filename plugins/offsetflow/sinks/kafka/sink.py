@@ -352,17 +352,13 @@ class KafkaTopicSink(KafkaTransaction):
         if not ready:
             return
         t = time.monotonic()
-        for part in sorted({ov.plan[i].part for i in ready} - ov.measured):
-            cur.execute(stage_extent_sql(self.columns, stage_part_table(batch.batch_id, part)))
-            row = cur.fetchone()
-            ov.largest = max(ov.largest, int(row[0]) if row else 0)
-            ov.measured.add(part)
+        largest = self._largest_in(cur, batch, [ov.plan[i] for i in ready])
         if ov.pass_ is None:
             ov.pass_ = self._begin_pass(batch, self.settings.timestamp_bounds(
                 int(time.time() * 1000)))
         try:
             self._produce_rows(cur, batch, ov.topic, len(ov.md.partitions), ov.limit,
-                               ov.largest, ov.pass_,
+                               largest, ov.pass_,
                                self._segments_query(batch, [ov.plan[i] for i in ready]), {})
         except (PassAborted, _OutOfOrder) as e:  # `write`'s passes take it from here
             ov.pass_.error = e
@@ -373,6 +369,19 @@ class KafkaTopicSink(KafkaTransaction):
         self._phase("kafka_overlap_s", t)
         if first:
             _fault_point("pause_in_overlap")
+
+    def _largest_in(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                    segs: Sequence[Segment]) -> int:
+        """The largest staged row of the overlap's parts so far, `segs`' parts measured
+        (one scan of each part, once): it sizes the fetches."""
+        ov = self._ov
+        assert ov is not None
+        for part in sorted({g.part for g in segs} - ov.measured):
+            cur.execute(stage_extent_sql(self.columns, stage_part_table(batch.batch_id, part)))
+            row = cur.fetchone()
+            ov.largest = max(ov.largest, int(row[0]) if row else 0)
+            ov.measured.add(part)
+        return ov.largest
 
     def _stop(self, batch: Batch, why: str) -> None:
         """Nothing more is produced during the read (`why`); `write` takes it from here.
@@ -470,10 +479,18 @@ class KafkaTopicSink(KafkaTransaction):
         md = self._ov.md if self._ov is not None else self._check_replicas(
             batch, topic, sorted({r.partition for r in batch.ranges}) if by_source else None)
         limit = self.settings.record_limit(self.sink.producer)
-        t = time.monotonic()
-        cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
-        largest, ts_min, ts_max = cur.fetchone()  # type: ignore[misc]
-        self._phase("kafka_extent_s", t)
+        extent: list[Any] = []  # the whole stage's, scanned once a pass reads it whole
+
+        def stage_extent() -> tuple[int, int | None, int | None]:
+            """The largest staged row and the earliest and latest timestamp: one scan of
+            the stage, not needed by the overlap's pass going on (it measured its parts)."""
+            if not extent:
+                t = time.monotonic()
+                cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
+                extent.extend(cur.fetchone() or (0, None, None))
+                self._phase("kafka_extent_s", t)
+            return int(extent[0] or 0), extent[1], extent[2]
+
         cur.execute(OUTPUT_SETTINGS)  # the same JSON text every run, whatever the session
         # a streamed cursor: compiling its expressions (JIT) costs more than it saves
         cur.execute("SET LOCAL jit = off")
@@ -496,8 +513,6 @@ class KafkaTopicSink(KafkaTransaction):
         while True:
             attempt += 1
             began_ms = int(time.time() * 1000)
-            lo, hi = self.settings.timestamp_bounds(began_ms)
-            bounds = (lo, hi) if ts_min is not None and (ts_min < lo or ts_max > hi) else None
             try:
                 if pending is not None:
                     ps, left = pending
@@ -508,7 +523,7 @@ class KafkaTopicSink(KafkaTransaction):
                     if left and not self._failed:
                         t = time.monotonic()
                         self._produce_rows(cur, batch, topic, len(md.partitions), limit,
-                                           max(int(largest), 1), ps,
+                                           self._largest_in(cur, batch, left), ps,
                                            self._segments_query(batch, left), refused)
                         self._phase("kafka_produce_s", t)
                     if self._failed:  # a report during the read: this pass is over
@@ -516,9 +531,13 @@ class KafkaTopicSink(KafkaTransaction):
                                           f"not delivered: {self._failed[0].reason}")
                     produced, skipped = ps.produced, ps.skipped
                 else:
+                    largest, ts_min, ts_max = stage_extent()
+                    lo, hi = self.settings.timestamp_bounds(began_ms)
+                    bounds = (lo, hi) if ts_min is not None and ts_max is not None and (
+                        ts_min < lo or ts_max > hi) else None
                     produced, skipped = self._produce_stage(cur, batch, topic,
                                                             len(md.partitions), limit,
-                                                            int(largest), bounds, refused)
+                                                            largest, bounds, refused)
                 if produced + len(skipped) != staged:
                     self._abort(batch)
                     raise StagedRowsLostError(batch.batch_id, None,
@@ -547,7 +566,7 @@ class KafkaTopicSink(KafkaTransaction):
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
             before = len(refused)
             if primary(self._failed):
-                for rec in self._refused_by_broker(cur, batch, topic, int(largest),
+                for rec in self._refused_by_broker(cur, batch, topic, stage_extent()[0],
                                                    began_ms):
                     refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
                         batch, topic, limit, rec)
