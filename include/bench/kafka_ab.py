@@ -2,16 +2,21 @@
 `off` and `on` are the runs with the `KafkaTopicSink` class attribute named by `--switch`
 False and True (`read_parts`: the stage sorted against read part by part,
 `offsetflow.sinks.kafka.order`; `plain_loop`: the general produce loop against the one for
-records that need no check, `offsetflow.sinks.kafka.sink`), on the same data set, each run
+records that need no check; `overlap`: producing after the last task against producing each
+stage part as its task stages it, `offsetflow.sinks.kafka.sink`), on the same data set, each run
 into a fresh output topic checked with read_committed; then Spark's built-in at-least-once
 Kafka -> Kafka path on the same data in a process of its own (`worker.py`), for the ratio.
 `--before FILE` instead of a switch: `off` runs the produce pass (`_produce_stage`) of
-another tree's `offsetflow/sinks/kafka/sink.py` (e.g. main's), `on` this tree's.
+another tree's `offsetflow/sinks/kafka/sink.py` (e.g. main's), `on` this tree's (what the
+overlap produces during the read goes through this tree's loop in both: add
+`--no-overlap` to compare the passes alone). `driver_cpu_s` is the driver process's CPU
+over each run, all its threads.
 `--profile`: cProfile of the driver's main thread (the produce loop; the stage's fetching
 thread is not in it) over the timed runs of each mode, top functions in `profile-<mode>.txt`.
 
     python include/bench/kafka_ab.py [--records 200000] [--partitions 6] [--runs 3]
                                      [--switch read_parts | --before FILE] [--profile]
+                                     [--no-overlap]
                                      [--out bench-results/kafka-ab] [--no-builtin]
 
 Needs the stack (`stack.sh up`, `source .stack/env.sh`). Prints a table of medians.
@@ -29,6 +34,7 @@ import os
 import pstats
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +48,8 @@ from offsetflow.config import parse_pipeline
 from offsetflow.config.schema import DEFAULT_MAX_OFFSETS_PER_TASK
 from offsetflow.sinks.kafka import KafkaTopicSink
 
-KEYS = ("wall_s", "commit_s", "kafka_order_s", "kafka_extent_s", "kafka_read_wait_s",
+KEYS = ("wall_s", "driver_cpu_s", "read_stage_s", "commit_s", "kafka_overlap_s",
+        "kafka_order_s", "kafka_extent_s", "kafka_read_wait_s",
         "kafka_produce_s", "kafka_flush_s", "kafka_commit_s")
 
 
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", default="read_parts")
     ap.add_argument("--before", default=None)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("py4j", "offsetflow", "pyspark"):
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = engines.offsetflow_config(ds, "ab_session", "OFFSETFLOW_BENCH_DSN", bootstrap,
                                     "submit", ctx["connect_url"], ctx["max_offsets_per_task"])
     spark = build_spark(parse_pipeline(raw, "<ab>", os.environ), "bench-kafka-ab")
+    if args.no_overlap:
+        KafkaTopicSink.overlap = False
     passes = {"on": KafkaTopicSink._produce_stage}
     if args.before:
         passes["off"] = _before(Path(args.before)).KafkaTopicSink._produce_stage
@@ -96,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             prof = profiles[mode] if args.profile and i else None
             if prof is not None:
                 prof.enable()
+            cpu = time.process_time()  # the driver's Python process, all its threads
             r = engines_kafka.offsetflow_kafka_run(spark, ds, f"ab_{mode}_{n}", ctx)
+            cpu = time.process_time() - cpu
             if prof is not None:
                 prof.disable()
-            row = {"wall_s": round(r["wall_s"], 3), **{k: r["stages"].get(k, 0.0)
-                                                      for k in KEYS if k != "wall_s"}}
+            row = {"wall_s": round(r["wall_s"], 3), "driver_cpu_s": round(cpu, 3),
+                   **{k: r["stages"].get(k, 0.0) for k in KEYS
+                      if k not in ("wall_s", "driver_cpu_s")}}
             logging.info("%s%s: %s (load %s)", mode, " (warm-up)" if i == 0 else "", row,
                          os.getloadavg())
             if i:

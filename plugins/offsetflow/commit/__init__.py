@@ -32,7 +32,7 @@ from offsetflow.commit.protocol import (
     sink_holds,
 )
 from offsetflow.commit.rows import TOMBSTONE_ERROR, move_stage_dead_letters
-from offsetflow.commit.spec import CommitResult, CommitSpec, ExternalSink, Moved
+from offsetflow.commit.spec import CommitResult, CommitSpec, ExternalSink, Moved, PartwiseSink
 from offsetflow.commit.tables import (
     LINEAGE_COLUMN,
     TOPIC_ID_COLUMN,
@@ -65,6 +65,7 @@ __all__ = [
     "LINEAGE_COLUMN",
     "Moved",
     "PartwiseCommit",
+    "PartwiseSink",
     "RangeIncarnation",
     "TOMBSTONE_ERROR",
     "TOPIC_ID_COLUMN",

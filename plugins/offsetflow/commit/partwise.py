@@ -21,6 +21,15 @@ before step 2's checks and step 3 (which still decide: any refusal rolls it all 
      marker after the rollback, so the next run re-stages it.
 Append only: an upsert keeps the latest record per key across the whole batch, so it waits
 for all parts; a quality gate checks the whole stage before anything moves.
+
+A sink outside PostgreSQL that takes parts as they come (`spec.external`, a `PartwiseSink`:
+the Kafka topic sink) runs the same sequence: in b each newly visible part's marker is
+checked against the layout and handed to the sink (`take_parts`), which writes what it may
+into its still-uncommitted transaction (`begin_parts` first: its fencing and its look for
+the batch's own record); in c the stage is held in SHARE mode and counted as `WholeStage`
+does, and step 4 after step 3 is the sink's `find`/`write` as for any external sink, which
+writes what is left and commits there. Any failure or `abort()` closes the sink, which
+leaves nothing of it visible.
 """
 
 from __future__ import annotations
@@ -34,12 +43,12 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from offsetflow.commit.protocol import Step4, check_fence, commit_steps
+from offsetflow.commit.protocol import Step4, check_fence, commit_external, commit_steps
 from offsetflow.commit.rows import append_part, delete_range_rows, move_stage_dead_letters
-from offsetflow.commit.spec import CommitResult, CommitSpec, Moved
+from offsetflow.commit.spec import CommitResult, CommitSpec, Moved, PartwiseSink
 from offsetflow.errors import FencedCommitError, StagedRowsLostError
 from offsetflow.ledger import Batch, Ledger, stage_part_table, stage_table
-from offsetflow.stage import Marker, Packing, check_markers, layout_of
+from offsetflow.stage import Marker, Packing, check_markers, layout_of, lock_stage
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +60,6 @@ class _Aborted(Exception):
 class PartwiseCommit(Step4):
     """See the module docstring. `parts`: how many part tables the stage has. Its thread
     runs the protocol's steps (`commit_steps`) with this object as their step 4."""
-
-    scan = False  # each part's rows are checked against its marker as it moves
 
     POLL_S = 0.05
 
@@ -66,6 +73,14 @@ class PartwiseCommit(Step4):
                                        bad_records_staged=dead_letter_table is not None)
         self.parts = parts
         self.timings = timings
+        external = self.spec.external
+        if external is not None and not isinstance(external, PartwiseSink):
+            raise TypeError(f"{type(external).__name__} cannot take a batch part by part")
+        self.external: PartwiseSink | None = external
+        # a PostgreSQL target: each part's rows are checked against its marker as it
+        # moves; an external sink: the stage is counted against its markers, as
+        # `WholeStage` does (the sink counts what it wrote against them too)
+        self.scan = external is not None
         self._moved_parts: set[int] = set()
         self._moved = Moved()  # step 4's counts, part by part
         self._finishing = 0.0  # when the last pass (c) began
@@ -119,6 +134,9 @@ class PartwiseCommit(Step4):
         except BaseException as e:  # noqa: BLE001 - handed to the caller by finish()
             # (StagedRowsLostError: `commit_steps` dropped the part with its marker)
             self._error = e
+        finally:
+            if self.external is not None:  # committed, or nothing of it is visible
+                self.external.close()
 
     # -- Step4: what this commit does between the protocol's steps ------------------------
     def skip(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
@@ -133,7 +151,9 @@ class PartwiseCommit(Step4):
         marker, its rowcount checked, while the tasks still write later ones."""
         self._layout = layout_of(cur, batch, self.spec.stage_generation,
                                  self.spec.subrange_parts)
-        if batch.kind in ("replay", "backfill"):  # a
+        if self.external is not None:  # a: its fence, before anything is written there
+            self.external.begin_parts(cur, batch, self._layout[1])
+        elif batch.kind in ("replay", "backfill"):  # a
             delete_range_rows(cur, batch, self.spec)
         self._wait_for_finish(cur, self._moved)  # b
         # c: finish() comes after the last task committed, so this pass sees all
@@ -141,7 +161,12 @@ class PartwiseCommit(Step4):
 
     def before_count(self, cur: psycopg2.extensions.cursor, batch: Batch) -> None:
         """c: the parts left (all markers are of the layout: `check_layout`), and rows an
-        earlier attempt staged into the stage table itself."""
+        earlier attempt staged into the stage table itself. An external sink: the stage
+        held as `WholeStage` holds it (no late writer between the count and step 4); its
+        `write` takes what is left."""
+        if self.external is not None:
+            lock_stage(cur, batch.batch_id)
+            return
         self._move_staged_parts(cur, self._moved, "commit_insert_s")
         self._move_stage_itself(cur, self._moved)
         self.timings["commit_insert_s"] = round(time.monotonic() - self._finishing, 3)
@@ -151,7 +176,10 @@ class PartwiseCommit(Step4):
         return self._expected_parts
 
     def after_count(self, batch: Batch, staged: int) -> None:
-        """Step 2's count against what was moved (every part was checked as it moved)."""
+        """Step 2's count against what was moved (every part was checked as it moved); an
+        external sink counts what it wrote itself, in `write`."""
+        if self.external is not None:
+            return
         moved = self._moved
         if moved.rows + moved.dead != staged:
             raise StagedRowsLostError(batch.batch_id, None, f"{moved.rows + moved.dead} rows "
@@ -161,7 +189,13 @@ class PartwiseCommit(Step4):
     def move(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
              per_range: dict[str, int]) -> Moved:
         """The end of step 4 after step 3: the tasks' dead letters. The counts per range
-        are the moved parts' markers'."""
+        are the moved parts' markers'. An external sink: its `find`, else its `write` of
+        what is left, and its commit there."""
+        if self.external is not None:
+            moved = commit_external(cur, batch, self.external, staged)
+            moved.per_range = per_range
+            self.timings.update(moved.timings)
+            return moved
         move_stage_dead_letters(cur, batch, self.spec, self._moved)  # end of 4
         return self._moved
 
@@ -196,7 +230,20 @@ class PartwiseCommit(Step4):
                         WHERE batch_id = %s AND kind = 'rows' AND NOT (part = ANY(%s))
                           AND part < %s ORDER BY part""",
                     (self.batch.batch_id, sorted(self._moved_parts), self.parts))
-        for part, rows_staged, per_tp, generation, subranges in cur.fetchall():
+        found = cur.fetchall()
+        if self.external is not None:
+            t = time.monotonic()
+            markers = [Marker("rows", part, generation, per_tp, subranges)
+                       for part, _n, per_tp, generation, subranges in found]
+            assert self._layout is not None
+            check_markers(self.batch.batch_id, markers, *self._layout)
+            self.external.take_parts(cur, self.batch, markers)  # called on every poll
+            self._moved_parts.update(m.part for m in markers)
+            if markers:
+                self.timings[timing] = round(self.timings.get(timing, 0.0)
+                                             + time.monotonic() - t, 3)
+            return
+        for part, rows_staged, per_tp, generation, subranges in found:
             assert self._layout is not None
             # a part of another layout is never moved (nor locked: its retry may drop it)
             check_markers(self.batch.batch_id,

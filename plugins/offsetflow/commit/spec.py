@@ -5,14 +5,15 @@ step 4 writes and where (`CommitSpec`), step 4's counts (`Moved`), the commit's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import psycopg2.extensions
 
 from offsetflow.commit.dead_letters import Coordinate
 from offsetflow.ledger import Batch
+from offsetflow.stage import Marker, Packing
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,25 @@ class ExternalSink(Protocol):
 
     def close(self) -> None:
         """Release what `find` left open for `write` (e.g. a producer holding its fence)."""
+
+
+@runtime_checkable
+class PartwiseSink(ExternalSink, Protocol):
+    """An `ExternalSink` that takes the stage part by part while later parts are still read
+    (`offsetflow.commit.partwise.PartwiseCommit`): a Kafka topic written into one open
+    transaction. Nothing it takes becomes visible before its `write` commits; `close`
+    (any failure, or the run aborted) leaves nothing visible either."""
+
+    def begin_parts(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                    layout: Packing | None) -> None:
+        """Before the first part, in the commit's transaction with the batch row locked
+        (`layout`: the parts' sub-ranges, None where unknown): fence older attempts, look
+        for the batch's own record (found: nothing is taken during the read)."""
+
+    def take_parts(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                   staged: Sequence[Marker]) -> None:
+        """The parts newly staged (`staged`: their markers, of the layout), perhaps none:
+        called every poll while the read goes on. The sink writes what it may now."""
 
 
 @dataclass(frozen=True)

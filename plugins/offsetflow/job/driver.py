@@ -401,7 +401,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
     timings["prepare_s"] = round(time.monotonic() - t, 3)
 
     # append without a quality gate: the commit moves parts while later ones are read
-    # (an external sink commits the whole batch in step 4: never part by part), unless
+    # (an external sink: unless it commits the whole batch at once in step 4), unless
     # the commit alters the target: its lock would then be held for the whole read
     partwise = fused and not cfg.quality_suite and sink.commits_partwise and not ddl
     spec = CommitSpec(columns=tuple(c for c, _ in columns), mode=cfg.sink.mode,
@@ -414,9 +414,12 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       add_columns=tuple((c, t) for c, t in columns if c in added),
                       column_defaults={} if rc is None else rc.added_defaults(added),
                       readers=None if rc is None else rc.reader_ids)
+    # a sink outside PostgreSQL that commits part by part (a Kafka topic) takes the parts
+    # into its own transaction: its step 4 is built now (no quality routes on this path)
     committer = PartwiseCommit(
         dsn, batch, columns=spec.columns, parts=n, dead_letter_table=dead_letters,
-        timings=timings, spec=spec) if partwise else None
+        timings=timings, spec=dataclasses.replace(spec, external=sink.external(
+            dsn, columns, spec))) if partwise else None
     with committer if committer is not None else contextlib.nullcontext():
         t = time.monotonic()
         stats = staging.collect()

@@ -68,7 +68,8 @@ class Sink(ABC):
     def commits_partwise(self) -> bool:
         """Whether step 4 may move the batch part by part while later parts are read
         (`offsetflow.commit.PartwiseCommit`): never for a sink that commits the whole
-        batch at once in step 4."""
+        batch at once in step 4. A sink whose `external` is not None then returns a
+        `PartwiseSink` there, which takes the parts into its uncommitted transaction."""
         return False
 
     @abstractmethod

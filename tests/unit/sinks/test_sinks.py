@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from offsetflow.commit import CommitSpec
+from offsetflow.commit import CommitSpec, PartwiseSink
 from offsetflow.config import PipelineConfig, parse_pipeline
 from offsetflow.errors import BatchStateError, ConfigError, RequestError
 from offsetflow.ledger import Batch
@@ -76,11 +76,14 @@ def test_step_4_outside_postgresql_is_the_external_sink_of_the_kind() -> None:
     assert external_sink(kafka(), DSN).spec == CommitSpec(columns=())  # type: ignore[union-attr]
 
 
-def test_only_a_postgresql_append_commits_part_by_part() -> None:
+def test_a_postgresql_append_and_a_kafka_topic_commit_part_by_part() -> None:
     assert sink_for(postgres()).commits_partwise
     assert not sink_for(postgres(mode="upsert", key=["event_id"])).commits_partwise
     assert not sink_for(iceberg()).commits_partwise  # step 4 commits the whole batch
-    assert not sink_for(kafka()).commits_partwise
+    # each part produced into the batch's open transaction as its task staged it
+    assert sink_for(kafka()).commits_partwise
+    assert isinstance(external_sink(kafka(), DSN), PartwiseSink)
+    assert not isinstance(sink_for(iceberg()).external(DSN, COLUMNS), PartwiseSink)
 
 
 def test_only_an_iceberg_append_from_the_fused_path_has_the_tasks_write_files() -> None:

@@ -14,7 +14,7 @@ back to the sorted read instead of producing out of order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from offsetflow.ranges import OffsetRange
@@ -58,4 +58,24 @@ def segments(split: Sequence[OffsetRange], parts: Mapping[int, Sequence[int] | N
         if a.range.topic_partition == b.range.topic_partition and \
                 b.range.from_offset < a.range.until_offset:
             return None
+    return out
+
+
+def ready(plan: Sequence[Segment], done: Collection[int], staged: Collection[int]
+          ) -> list[int]:
+    """While the tasks still stage (the part-wise overlap): the indices into `plan` (the
+    stage's segments in source order, `segments`) that may be produced now, in plan order:
+    not `done`, their part `staged`, and every earlier segment of their topic/partition
+    done or ready too. A part staged out of turn waits for the parts holding the earlier
+    sub-ranges of its partitions, so each partition's records go out in offset order."""
+    out: list[int] = []
+    blocked: set[tuple[str, int]] = set()
+    for i, seg in enumerate(plan):
+        tp = seg.range.topic_partition
+        if i in done or tp in blocked:
+            continue
+        if seg.part in staged:
+            out.append(i)
+        else:
+            blocked.add(tp)
     return out

@@ -36,6 +36,12 @@ class KafkaPipelineSink(Sink):
         not at the commit (`output_topic`)."""
         output_topic(self.kafka, batch, self.cfg.source_file)
 
+    @property
+    def commits_partwise(self) -> bool:
+        """Each stage part is produced into the batch's Kafka transaction as soon as its
+        task staged it (`KafkaTopicSink.begin_parts`), unless switched off."""
+        return KafkaTopicSink.overlap
+
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> KafkaTopicSink:
         return KafkaTopicSink(self.cfg, columns, spec or CommitSpec(columns=()), dsn=dsn)

@@ -16,6 +16,17 @@ Inside the commit's still-open ledger transaction, with the batch row locked:
     follows the output topic's settings (`offsetflow.sinks.kafka.limits.TopicSettings`);
     a record the broker refused for itself is found after the abort
     (`offsetflow.sinks.kafka.refusals`) and left out of a new transaction of the attempt.
+  Part by part (`begin_parts`, `take_parts`: `offsetflow.commit.PartwiseCommit`): the
+    commit starts before the tasks end, with the batch row locked; `begin_parts` does
+    `find`'s fence and look (and `write`'s refusals) before the first record, then each stage
+    part is produced into the open transaction as soon as its task staged it, in source
+    order per partition (a segment waits for the earlier sub-ranges of its partition:
+    `offsetflow.sinks.kafka.order`). `write` after the read produces what is left into the
+    same transaction and commits it as above. The overlap stops (the read's records are
+    produced after it instead, in a transaction of their own) when its transaction gets
+    old: past OVERLAP_SHARE of `transaction.timeout.ms` (the broker would abort it, and
+    every retry of a long read the same way); and when a pass fails during the read (a
+    record refused: `write`'s passes take it from there, as for any failed pass).
 Which names, which topic and how a row becomes a record: `offsetflow.sinks.kafka.form`; the
 producer and its transaction (open, send offsets, commit, retry, abort, fence):
 `offsetflow.sinks.kafka.txn`.
@@ -29,11 +40,14 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
+from confluent_kafka.admin import AdminClient
 from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
@@ -60,10 +74,12 @@ from offsetflow.sinks.kafka.form import (
 )
 from offsetflow.sinks.kafka.limits import (
     TIMESTAMP_MARGIN_MS,
+    TopicSettings,
     note_output_partitions,
     refuse_window_repeat,
     replace_window_dead_letters,
     route_not_produced,
+    topic_settings,
 )
 from offsetflow.sinks.kafka.mark import (
     BATCH_HEADER,
@@ -78,6 +94,7 @@ from offsetflow.sinks.kafka.mark import (
     refuse_group_ahead,
 )
 from offsetflow.sinks.kafka.order import Segment, segments
+from offsetflow.sinks.kafka.order import ready as ready_segments
 from offsetflow.sinks.kafka.output_schema import pinned_encoder
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
@@ -88,14 +105,16 @@ from offsetflow.sinks.kafka.txn import (
     abortable_produce,
     fence,
 )
-from offsetflow.stage import staged_per_range, staged_rows
+from offsetflow.stage import Marker, Packing, staged_per_range, staged_rows
 
 log = logging.getLogger(__name__)
 
 # test-only fault points (tests/integration/sinks/kafka/test_sink_kafka*.py), looked up once
 # per batch: pause_before_commit (records produced and flushed, transaction open; waits for
-# the RESUME file, after writing the PAUSED file) | kill_after_commit (SIGKILL of the process
-# group right after the Kafka commit, before the ledger's)
+# the RESUME file, after writing the PAUSED file) | pause_in_overlap (the same, in the
+# commit's thread right after the first records were produced during the read: the
+# transaction open, the tasks going on) | kill_after_commit (SIGKILL of the process group
+# right after the Kafka commit, before the ledger's)
 FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
 PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
@@ -113,6 +132,11 @@ NEAR_LIMIT_BYTES = 65_536
 # the same way; they are bounded by the staged records instead (each such pass leaves out
 # at least one more)
 MAX_PASSES = 4
+# the share of transaction.timeout.ms a transaction opened during the read may reach while
+# the read goes on (and at its end, to be continued): beyond it the overlap's transaction
+# is aborted and the batch produced after the read, so a read longer than the timeout
+# never makes every attempt's transaction time out (a wedge)
+OVERLAP_SHARE = 0.5
 
 
 class KafkaTopicSink(KafkaTransaction):
@@ -121,6 +145,9 @@ class KafkaTopicSink(KafkaTransaction):
     # read the stage parts unsorted where they allow (False: always sorted; the A/B
     # measurement in docs/performance.md switches it)
     read_parts = True
+    # produce each stage part while later ones are read (`begin_parts`; False: only after
+    # the last task, as before; `KafkaPipelineSink.commits_partwise` follows it)
+    overlap = True
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "") -> None:
@@ -139,6 +166,8 @@ class KafkaTopicSink(KafkaTransaction):
         self._unsorted: list[Segment] | None = None
         self._unfound: dict[tuple[str, int], tuple[int, str | None]] | None = None
         self.stage_gone = False  # see `completing`
+        self._ov: _Overlap | None = None  # the part-wise overlap (`begin_parts`)
+        self._txn_batch: Batch | None = None  # whose transaction is open (for `close`)
         # `write`'s phases (wall s), reported in the batch's timings (`Moved.timings`)
         self.phases: dict[str, float] = {}
 
@@ -150,6 +179,8 @@ class KafkaTopicSink(KafkaTransaction):
         self.stage_gone = True
 
     def find(self, cur: psycopg2.extensions.cursor, batch: Batch) -> Moved | None:
+        if self._ov is not None:  # `begin_parts` fenced and looked: not committed there
+            return None
         topic = output_topic(self.sink, batch, self.cfg.source_file)
         ident = ledger_identity(cur)
         self._mark = CommitMark(self.cfg.name, ident.installation_id, topic)
@@ -225,14 +256,8 @@ class KafkaTopicSink(KafkaTransaction):
             self._mark = CommitMark(self.cfg.name, ledger_identity(cur).installation_id, topic)
             self._open(batch)
         try:
-            # not in `find`: abandoning a batch the sink does not hold stays possible
-            state = (self._unfound if self._unfound is not None
-                     else self._committed(batch, self._mark))
-            refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
-            refuse_window_repeat(cur, batch, topic)  # a replay planned before that refusal
-            if self.sink.value_format == "avro":  # the registry asked before any record
-                self.encoder = pinned_encoder(self.dsn, cur, self.cfg, batch, topic,
-                                              self.columns)
+            if self._ov is None:  # else `begin_parts` did, before the first record
+                self._refusals(cur, batch, topic)
             return self._write(cur, batch, staged, topic)
         except BaseException:
             if self._open_txn:  # not left open: it would hold back read_committed readers
@@ -241,20 +266,231 @@ class KafkaTopicSink(KafkaTransaction):
         finally:
             self.close()
 
+    def _refusals(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str) -> None:
+        """`write`'s refusals before any record, and the Avro schema it writes with."""
+        # not in `find`: abandoning a batch the sink does not hold stays possible
+        state = (self._unfound if self._unfound is not None
+                 else self._committed(batch, self._mark))
+        refuse_group_ahead(batch, self._mark, state, _known_commits(cur, batch, state))
+        refuse_window_repeat(cur, batch, topic)  # a replay planned before that refusal
+        if self.sink.value_format == "avro":  # the registry asked before any record
+            self.encoder = pinned_encoder(self.dsn, cur, self.cfg, batch, topic,
+                                          self.columns)
+
+    def close(self) -> None:
+        """An open transaction is aborted first (a failure while the read went on, or the
+        run aborted): never left open, which would hold back read_committed readers."""
+        if self._open_txn and self._producer is not None and self._txn_batch is not None:
+            self._abort(self._txn_batch)
+        super().close()
+
+    # --- part by part, while the read goes on (PartwiseSink) ------------------------
+
+    def begin_parts(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                    layout: Packing | None) -> None:
+        """`find`'s fence and look, and `write`'s refusals, before the first record. The
+        batch already committed in Kafka (or planned before the ledger identity: its look
+        under the older names is `find`'s), a layout whose parts cannot be read in source
+        order without a sort, or the switch off: nothing is produced during the read."""
+        if not self.overlap or layout is None or batch.split_offsets is None:
+            return
+        plan = segments(layout.split, dict(enumerate(layout.groups)))
+        ident = ledger_identity(cur)
+        if not plan or ident.predates(batch.batch_id):
+            return
+        topic = output_topic(self.sink, batch, self.cfg.source_file)
+        self._mark = CommitMark(self.cfg.name, ident.installation_id, topic)
+        self._open(batch)
+        try:
+            state = self._committed(batch, self._mark)
+            if committed_state(batch, self._mark, state):
+                self.close()  # `find` after the read completes the ledger from it
+                return
+            self._unfound = state
+            self._refusals(cur, batch, topic)
+            by_source = self.sink.partitioning == "source"
+            md = self._check_replicas(batch, topic, sorted(
+                {r.partition for r in batch.ranges}) if by_source else None)
+            cur.execute(OUTPUT_SETTINGS)
+            cur.execute("SET LOCAL jit = off")
+            cur.execute("SET LOCAL synchronize_seqscans = off")
+        except BaseException:
+            self.close()
+            raise
+        self._ov = _Overlap(topic, plan, md, self.settings.record_limit(self.sink.producer))
+        log.info("batch %d: producing its stage parts to %s as their tasks stage them "
+                 "(transactional.id %s)", batch.batch_id, topic, self._txn_id)
+
+    def take_parts(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                   staged: Sequence[Marker]) -> None:
+        """Produce every segment whose part is staged and whose earlier sub-ranges of its
+        partition are produced, into the overlap's transaction (begun with its first
+        record). Called on every poll: it also serves delivery reports, and stops the
+        overlap once its transaction is too old or its pass failed."""
+        ov = self._ov
+        if ov is None or ov.stopped:
+            return
+        ov.staged.update(m.part for m in staged)
+        p = self._producer
+        assert p is not None
+        p.poll(0)
+        if ov.pass_ is not None and self._failed:
+            self._stop(batch, "a record of the read's pass was not delivered")
+            return
+        if ov.pass_ is not None and self._too_old():
+            self.phases["kafka_overlap_given_up_s"] = round(
+                time.monotonic() - self._txn_began, 3)
+            self._abort(batch)
+            ov.pass_ = None
+            self._stop(batch, f"its transaction reached {OVERLAP_SHARE:.0%} of "
+                              f"transaction.timeout.ms ({self._txn_timeout_ms} ms) while "
+                              f"the read went on; aborted, the batch is produced after the "
+                              f"read")
+            self._reopen(batch)
+            return
+        ready = ready_segments(ov.plan, ov.done, ov.staged)
+        if not ready:
+            return
+        t = time.monotonic()
+        largest = self._largest_in(cur, batch, [ov.plan[i] for i in ready])
+        if ov.pass_ is None:
+            ov.pass_ = self._begin_pass(batch, self.settings.timestamp_bounds(
+                int(time.time() * 1000)))
+        try:
+            self._produce_rows(cur, batch, ov.topic, len(ov.md.partitions), ov.limit,
+                               largest, ov.pass_,
+                               self._segments_query(batch, [ov.plan[i] for i in ready]), {})
+        except (PassAborted, _OutOfOrder) as e:  # `write`'s passes take it from here
+            ov.pass_.error = e
+            self._stop(batch, str(e))
+            return
+        first = not ov.done
+        ov.done.update(ready)
+        self._phase("kafka_overlap_s", t)
+        if first:
+            _fault_point("pause_in_overlap")
+
+    def _largest_in(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                    segs: Sequence[Segment]) -> int:
+        """The largest staged row of the overlap's parts so far, `segs`' parts measured
+        (one scan of each part, once): it sizes the fetches."""
+        ov = self._ov
+        assert ov is not None
+        for part in sorted({g.part for g in segs} - ov.measured):
+            cur.execute(stage_extent_sql(self.columns, stage_part_table(batch.batch_id, part)))
+            row = cur.fetchone()
+            ov.largest = max(ov.largest, int(row[0]) if row else 0)
+            ov.measured.add(part)
+        return ov.largest
+
+    def _stop(self, batch: Batch, why: str) -> None:
+        """Nothing more is produced during the read (`why`); `write` takes it from here.
+        The pass's transaction, if still open, is aborted now (its delivery reports kept
+        for `write`'s refusal lookup): it can only be aborted, and left open for the rest
+        of the read it would pin the last stable offset of every partition it wrote to,
+        holding read_committed consumers of the topic back (up to transaction.timeout.ms)."""
+        assert self._ov is not None
+        self._ov.stopped = why
+        stopped = round(time.monotonic() - self._txn_began, 3) if self._txn_began else 0.0
+        p = self._producer
+        if self._open_txn and p is not None:
+            # its records purged and their reports served first: librdkafka holds them
+            # once the transaction failed, and abort_transaction times out while any
+            # report is unserved (which would leave the transaction open)
+            p.purge()
+            deadline = time.monotonic() + self.timeout_s
+            while len(p) and time.monotonic() < deadline:
+                p.poll(0.05)
+            self._abort(batch)
+        self.phases["kafka_overlap_stopped_s"] = stopped
+        log.warning("batch %d: no more of it is produced during the read: %s",
+                    batch.batch_id, why)
+
+    def _too_old(self) -> bool:
+        """The open transaction is past OVERLAP_SHARE of its timeout."""
+        return bool(self._txn_began) and (time.monotonic() - self._txn_began) * 1000 > \
+            OVERLAP_SHARE * self._txn_timeout_ms
+
+    def _continued(self, batch: Batch) -> tuple[_Pass, list[Segment]] | None:
+        """After the read: the overlap's pass and the segments it has still to produce,
+        when it goes on (a failed one too: `_write` ends it as any failed pass). None: the
+        batch is produced whole (no overlap; nothing produced during the read; the stage
+        is not the layout's parts, read unsorted; or its transaction too old, aborted
+        here with a new producer)."""
+        ov = self._ov
+        if ov is None:
+            return None
+        if ov.pass_ is None:
+            if ov.settings_changed:  # the producer follows the topic's settings
+                self._reopen(batch)
+            return None
+        ps = ov.pass_
+        if (ps.error is not None or self._failed) and not ov.settings_changed:
+            return ps, []
+        why = ("the output topic's settings changed during the read"
+               if ov.settings_changed else
+               "the stage is not read part by part" if self._unsorted is None
+               or not set(self._unsorted) <= set(ov.plan) else
+               f"its transaction is past {OVERLAP_SHARE:.0%} of transaction.timeout.ms"
+               if self._too_old() else "")
+        if why:
+            log.warning("batch %d: what was produced during the read is aborted (%s); the "
+                        "batch is produced again in a new transaction", batch.batch_id, why)
+            if self._open_txn:  # (else aborted as the overlap stopped)
+                self._abort(batch)
+            ov.pass_ = None
+            self._reopen(batch)
+            return None
+        return ps, [seg for i, seg in enumerate(ov.plan) if i not in ov.done]
+
+    def _reread_settings(self, batch: Batch, topic: str) -> None:
+        """After the read: the output topic's settings read again. The overlap read them
+        before the read, which may take minutes; the commit after the read used to read
+        them then, and every pass of the attempt is produced and judged under the ones it
+        holds (a limit lowered meanwhile: a record over it refused by the broker and judged
+        against the old one, the attempt failed). Changed: what was produced under the old
+        ones is aborted (`_continued`) and the batch produced under the new ones. Not
+        readable now (a broker restarting): the ones read before the read stay."""
+        assert self._ov is not None
+        admin = AdminClient(dict(self.cfg.admin_settings()))  # type: ignore[arg-type]
+        fresh = topic_settings(admin, batch, topic, self.timeout_s)
+        if fresh == self.settings or fresh == TopicSettings(topic):
+            return
+        log.warning("batch %d: the settings of %s changed during the read (%s, now %s); "
+                    "the batch is produced under the new ones", batch.batch_id, topic,
+                    self.settings, fresh)
+        self.settings = fresh
+        self._ov.settings_changed = True
+
+    def _segments_query(self, batch: Batch, segs: Sequence[Segment]) -> sql.Composed:
+        return parts_select_sql(self.sink, self.columns, [
+            (stage_part_table(batch.batch_id, g.part), None if g.alone else g.range)
+            for g in segs])
+
     # --- the transaction's records -----------------------------------------------
 
     def _write(self, cur: psycopg2.extensions.cursor, batch: Batch, staged: int,
                topic: str) -> Moved:
+        if self._ov is not None:  # read before the read: read again, as the commit did
+            self._reread_settings(batch, topic)
         p = self._producer
         assert p is not None and self._consumer is not None
         by_source = self.sink.partitioning == "source"
-        md = self._check_replicas(batch, topic, sorted({r.partition for r in batch.ranges})
-                                  if by_source else None)
+        md = self._ov.md if self._ov is not None else self._check_replicas(
+            batch, topic, sorted({r.partition for r in batch.ranges}) if by_source else None)
         limit = self.settings.record_limit(self.sink.producer)
-        t = time.monotonic()
-        cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
-        largest, ts_min, ts_max = cur.fetchone()  # type: ignore[misc]
-        self._phase("kafka_extent_s", t)
+        extent: list[Any] = []  # the whole stage's, scanned once a pass reads it whole
+
+        def stage_extent() -> tuple[int, int | None, int | None]:
+            """The largest staged row and the earliest and latest timestamp: one scan of
+            the stage, not needed by the overlap's pass going on (it measured its parts)."""
+            if not extent:
+                t = time.monotonic()
+                cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
+                extent.extend(cur.fetchone() or (0, None, None))
+                self._phase("kafka_extent_s", t)
+            return int(extent[0] or 0), extent[1], extent[2]
+
         cur.execute(OUTPUT_SETTINGS)  # the same JSON text every run, whatever the session
         # a streamed cursor: compiling its expressions (JIT) costs more than it saves
         cur.execute("SET LOCAL jit = off")
@@ -264,6 +500,10 @@ class KafkaTopicSink(KafkaTransaction):
         # No sort either where the parts allow: they are read one after the other as stored
         # (`offsetflow.sinks.kafka.order`), each record's offset checked as it is produced
         self._unsorted = self._segments(cur, batch) if self.read_parts else None
+        # the pass begun during the read, when it goes on
+        pending = self._continued(batch)
+        p = self._producer  # a new one when the overlap's pass was given up there
+        assert p is not None
         # records the broker refused for themselves in an earlier pass of this attempt
         refused: dict[tuple[str, int, int], NotProduced] = {}
         why = ""  # why the last pass's transaction was aborted
@@ -273,11 +513,31 @@ class KafkaTopicSink(KafkaTransaction):
         while True:
             attempt += 1
             began_ms = int(time.time() * 1000)
-            lo, hi = self.settings.timestamp_bounds(began_ms)
-            bounds = (lo, hi) if ts_min is not None and (ts_min < lo or ts_max > hi) else None
             try:
-                produced, skipped = self._produce_stage(cur, batch, topic, len(md.partitions),
-                                                        limit, int(largest), bounds, refused)
+                if pending is not None:
+                    ps, left = pending
+                    pending = None
+                    began_ms = ps.began_ms
+                    if ps.error is not None:
+                        raise ps.error
+                    if left and not self._failed:
+                        t = time.monotonic()
+                        self._produce_rows(cur, batch, topic, len(md.partitions), limit,
+                                           self._largest_in(cur, batch, left), ps,
+                                           self._segments_query(batch, left), refused)
+                        self._phase("kafka_produce_s", t)
+                    if self._failed:  # a report during the read: this pass is over
+                        raise _PassFailed(f"librdkafka reported {len(self._failed)} records "
+                                          f"not delivered: {self._failed[0].reason}")
+                    produced, skipped = ps.produced, ps.skipped
+                else:
+                    largest, ts_min, ts_max = stage_extent()
+                    lo, hi = self.settings.timestamp_bounds(began_ms)
+                    bounds = (lo, hi) if ts_min is not None and ts_max is not None and (
+                        ts_min < lo or ts_max > hi) else None
+                    produced, skipped = self._produce_stage(cur, batch, topic,
+                                                            len(md.partitions), limit,
+                                                            largest, bounds, refused)
                 if produced + len(skipped) != staged:
                     self._abort(batch)
                     raise StagedRowsLostError(batch.batch_id, None,
@@ -294,6 +554,8 @@ class KafkaTopicSink(KafkaTransaction):
                        f"{self._failed[0].reason}")
             except PassAborted as e:  # abortable with no record refused (so far)
                 why = e.reason
+            except _PassFailed as e:
+                why = str(e)
             except _OutOfOrder as e:  # at most once: the next passes read sorted
                 log.warning("batch %d: %s; producing the batch again from the stage read "
                             "sorted", batch.batch_id, e)
@@ -304,7 +566,7 @@ class KafkaTopicSink(KafkaTransaction):
             p.poll(0)  # the purged messages' reports, before the next pass counts its own
             before = len(refused)
             if primary(self._failed):
-                for rec in self._refused_by_broker(cur, batch, topic, int(largest),
+                for rec in self._refused_by_broker(cur, batch, topic, stage_extent()[0],
                                                    began_ms):
                     refused[(rec.topic, rec.partition, rec.offset)] = self._not_produced(
                         batch, topic, limit, rec)
@@ -391,14 +653,16 @@ class KafkaTopicSink(KafkaTransaction):
         aborted, the records the broker refused in it kept, a new producer: neither the
         purged records' reports nor a sequence number the refused ones spent reach the
         next pass) and the next passes read the stage sorted."""
+        ps = self._begin_pass(batch, bounds)
+        query = (select_sql(self.sink, self.columns, stage_table(batch.batch_id))
+                 if self._unsorted is None else self._segments_query(batch, self._unsorted))
+        self._produce_rows(cur, batch, topic, partitions, limit, largest, ps, query, refused)
+        return ps.produced, ps.skipped
+
+    def _begin_pass(self, batch: Batch, bounds: tuple[int, int] | None) -> _Pass:
+        """A pass's transaction begun, its delivery reports reset."""
         p = self._producer
         assert p is not None
-        near = limit - NEAR_LIMIT_BYTES
-        compacted = self.settings.compacted
-        check_ts = bounds is not None
-        lo, hi = bounds or (0, 0)
-        skipped: list[NotProduced] = []
-        by_source = self.sink.partitioning == "source"
         self._failed = []
         try:
             p.begin_transaction()
@@ -407,7 +671,24 @@ class KafkaTopicSink(KafkaTransaction):
                                  f"({e.args[0].str()}); nothing of this run is visible, the "
                                  f"next run produces the batch") from e
         self._open_txn = True
+        self._txn_batch = batch
         self._txn_began = time.monotonic()
+        return _Pass(bounds, int(time.time() * 1000))
+
+    def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
+                      partitions: int, limit: int, largest: int, ps: _Pass,
+                      query: sql.Composable,
+                      refused: dict[tuple[str, int, int], NotProduced]) -> None:
+        """The records of `query` (stage rows in source order) into pass `ps`'s transaction:
+        `_produce_stage`'s loop, for the whole stage or some of its segments."""
+        p = self._producer
+        assert p is not None
+        near = limit - NEAR_LIMIT_BYTES
+        compacted = self.settings.compacted
+        check_ts = ps.bounds is not None
+        lo, hi = ps.bounds or (0, 0)
+        skipped = ps.skipped
+        by_source = self.sink.partitioning == "source"
         produced = 0
         # a JSON value arrives as text (no hex bytea on the wire, no copy; librdkafka
         # encodes it as UTF-8): up to 4 bytes a character until counted exactly. An Avro
@@ -420,14 +701,10 @@ class KafkaTopicSink(KafkaTransaction):
         produce, fromhex = p.produce, bytes.fromhex
         began = time.monotonic()
         waited = 0.0  # for the stage's rows (PostgreSQL building them)
-        query = (select_sql(self.sink, self.columns, stage_table(batch.batch_id))
-                 if self._unsorted is None else parts_select_sql(
-                     self.sink, self.columns,
-                     [(stage_part_table(batch.batch_id, g.part), None if g.alone else g.range)
-                      for g in self._unsorted]))
         # source order per topic/partition, checked record by record: the last offset of
-        # the current run of one partition, and of every partition met before
-        last: dict[tuple[str, int], int] = {}
+        # the current run of one partition, and of every partition met before (in this
+        # pass's earlier queries too)
+        last = ps.last
         run_topic, run_part, run_off = "", -1, -1
         out_part, source_of = -1, ""  # the current run's output partition, header prefix
         with contextlib.closing(prefetched(
@@ -504,10 +781,11 @@ class KafkaTopicSink(KafkaTransaction):
                             ts if check_ts and ts and not lo <= ts <= hi else None)))
                         continue
                     produced += 1
+        last[(run_topic, run_part)] = run_off
+        ps.produced += produced
         self.phases["kafka_read_wait_s"] = round(
             self.phases.get("kafka_read_wait_s", 0.0) + waited, 3)
         self._phase("kafka_produce_s", began)
-        return produced, skipped
 
     def _flush(self) -> None:
         """Wait for the pass's records to be delivered, but not once one failed: the
@@ -565,6 +843,39 @@ class KafkaTopicSink(KafkaTransaction):
             f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
             f"Set bad_records: dead_letter to route such records to the dead-letter table, "
             f"or raise the limits")
+
+
+@dataclass
+class _Pass:
+    """One transaction's records so far: `_produce_rows` adds to it query by query."""
+
+    bounds: tuple[int, int] | None  # the timestamps the topic takes, when checked
+    began_ms: int
+    produced: int = 0
+    skipped: list[NotProduced] = field(default_factory=list)
+    last: dict[tuple[str, int], int] = field(default_factory=dict)  # offset per partition
+    error: BaseException | None = None  # how it failed while the read went on
+
+
+@dataclass
+class _Overlap:
+    """The part-wise overlap of one commit attempt (`KafkaTopicSink.begin_parts`)."""
+
+    topic: str
+    plan: list[Segment]  # the stage's segments in source order, as the layout says
+    md: Any  # the output topic's metadata
+    limit: int  # the record limit
+    staged: set[int] = field(default_factory=set)  # parts whose markers were seen
+    done: set[int] = field(default_factory=set)  # indices into `plan`, produced
+    measured: set[int] = field(default_factory=set)  # parts whose largest row is known
+    largest: int = 1
+    pass_: _Pass | None = None  # begun with the first record
+    stopped: str = ""  # why nothing more is produced during the read
+    settings_changed: bool = False  # the topic's, between the first record and the read's end
+
+
+class _PassFailed(Exception):
+    """The overlap's pass had a record not delivered: `_write` ends it as a failed pass."""
 
 
 class _NotProducible(Exception):

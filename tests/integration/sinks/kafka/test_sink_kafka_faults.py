@@ -167,7 +167,9 @@ def test_a_transaction_outlasting_its_timeout_says_so_not_fenced(
     assert case.status() != "committed"
     assert run_batch(spark, case.cfg, case.batch_id, case.dsn).result.status == "committed"
     v = case.verdict()
-    assert v.aborted_in_log == RECORDS  # the timed-out attempt's records: aborted
+    # the timed-out attempt's records: aborted (and, when its read outlasted half the
+    # timeout, what it produced during the read, given up then: invariant 38)
+    assert v.aborted_in_log >= RECORDS
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ batch's split."""
 from __future__ import annotations
 
 from offsetflow.ranges import OffsetRange, split_ranges
-from offsetflow.sinks.kafka.order import Segment, segments
+from offsetflow.sinks.kafka.order import Segment, ready, segments
 from offsetflow.stage import pack
 
 RANGES = [OffsetRange("in", 0, 0, 40), OffsetRange("in", 1, 0, 40),
@@ -46,3 +46,26 @@ def test_markers_that_name_no_layout_of_the_split_mean_the_sorted_read() -> None
     overlapping = [OffsetRange("in", 0, 0, 30), OffsetRange("in", 0, 20, 40)]
     assert segments(overlapping, {0: None, 1: None}) is None
     assert segments(overlapping[:1], {0: None}) == [Segment(0, overlapping[0], True)]
+
+
+def test_while_the_tasks_stage_a_segment_waits_for_the_earlier_ones_of_its_partition() -> None:
+    split = split_ranges(RANGES, 20)  # in/0 x2, in/1 x2, a/2: part k is sub-range k
+    plan = segments(split, {k: (k,) for k in range(len(split))})
+    assert plan is not None
+    at = {(g.range.topic, g.range.partition, g.range.from_offset): i
+          for i, g in enumerate(plan)}
+    # in/0's second part staged first: nothing of in/0 goes yet; in/1's first part goes
+    assert ready(plan, set(), {1, 2}) == [at[("in", 1, 0)]]
+    # in/0's first part staged: both of in/0 go, in offset order
+    assert ready(plan, {at[("in", 1, 0)]}, {0, 1, 2}) == [at[("in", 0, 0)],
+                                                         at[("in", 0, 20)]]
+    # what is done is never ready again; a part staged with its predecessor done goes
+    done = {at[("in", 0, 0)], at[("in", 0, 20)], at[("in", 1, 0)]}
+    assert ready(plan, done, {0, 1, 2}) == []
+    assert ready(plan, done, {0, 1, 2, 3, 4}) == [at[("a", 2, 5)], at[("in", 1, 20)]]
+    # a packed part: each of its sub-ranges waits for its own partition's turn
+    packed = segments(split, {0: (0, 3), 1: (1,), 2: (2,), 3: (4,)})
+    assert packed is not None
+    got = [(packed[i].range.partition, packed[i].range.from_offset)
+           for i in ready(packed, set(), {0})]
+    assert got == [(0, 0)]  # its in/1 [20, 40) waits for part 2's in/1 [0, 20)
