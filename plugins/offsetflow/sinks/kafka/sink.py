@@ -113,7 +113,8 @@ log = logging.getLogger(__name__)
 # per batch: pause_before_commit (records produced and flushed, transaction open; waits for
 # the RESUME file, after writing the PAUSED file) | pause_in_overlap (the same, in the
 # commit's thread right after the first records were produced during the read: the
-# transaction open, the tasks going on) | kill_after_commit (SIGKILL of the process group
+# transaction open, the tasks going on) | pause_before_remainder (the same, after the read,
+# before the overlap's pass produces what is left) | kill_after_commit (SIGKILL of the process group
 # right after the Kafka commit, before the ledger's)
 FAULT_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_FAULT"
 PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
@@ -137,6 +138,11 @@ MAX_PASSES = 4
 # is aborted and the batch produced after the read, so a read longer than the timeout
 # never makes every attempt's transaction time out (a wedge)
 OVERLAP_SHARE = 0.5
+# after the read, the overlap's pass produces what is left while its transaction is younger
+# than this share of transaction.timeout.ms; past it (a skewed read left a whole partition
+# for after it) the pass is aborted and the batch produced in a new transaction, as short as
+# without the overlap: else the broker aborts it on every retry alike (a wedge)
+REMAINDER_SHARE = 0.8
 
 
 class KafkaTopicSink(KafkaTransaction):
@@ -521,10 +527,13 @@ class KafkaTopicSink(KafkaTransaction):
                     if ps.error is not None:
                         raise ps.error
                     if left and not self._failed:
+                        _fault_point("pause_before_remainder")
                         t = time.monotonic()
                         self._produce_rows(cur, batch, topic, len(md.partitions), limit,
                                            self._largest_in(cur, batch, left), ps,
-                                           self._segments_query(batch, left), refused)
+                                           self._segments_query(batch, left), refused,
+                                           deadline=self._txn_began + REMAINDER_SHARE
+                                           * self._txn_timeout_ms / 1000)
                         self._phase("kafka_produce_s", t)
                     if self._failed:  # a report during the read: this pass is over
                         raise _PassFailed(f"librdkafka reported {len(self._failed)} records "
@@ -563,7 +572,13 @@ class KafkaTopicSink(KafkaTransaction):
                 resorted = True
             if self._open_txn:
                 self._abort(batch)
-            p.poll(0)  # the purged messages' reports, before the next pass counts its own
+            try:  # the purged messages' reports, before the next pass counts its own
+                p.poll(0)
+            except KafkaException as e:  # fatal: a producer the broker fenced as it timed
+                if self._timed_out() is None:  # out its transaction (none of it visible);
+                    raise  # any other fence: a newer run, which this one never fences back
+                log.warning("batch %d: the aborted pass's producer is fenced (%s): %s",
+                            batch.batch_id, e, self._timed_out())
             before = len(refused)
             if primary(self._failed):
                 for rec in self._refused_by_broker(cur, batch, topic, stage_extent()[0],
@@ -678,9 +693,11 @@ class KafkaTopicSink(KafkaTransaction):
     def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
                       partitions: int, limit: int, largest: int, ps: _Pass,
                       query: sql.Composable,
-                      refused: dict[tuple[str, int, int], NotProduced]) -> None:
+                      refused: dict[tuple[str, int, int], NotProduced],
+                      deadline: float | None = None) -> None:
         """The records of `query` (stage rows in source order) into pass `ps`'s transaction:
-        `_produce_stage`'s loop, for the whole stage or some of its segments."""
+        `_produce_stage`'s loop, for the whole stage or some of its segments. Past
+        `deadline` (monotonic) the pass is aborted (`PassAborted`) before its next fetch."""
         p = self._producer
         assert p is not None
         near = limit - NEAR_LIMIT_BYTES
@@ -717,6 +734,10 @@ class KafkaTopicSink(KafkaTransaction):
                 waited += time.monotonic() - w
                 if chunk is None:
                     break
+                if deadline is not None and time.monotonic() > deadline:
+                    why = (f"its transaction passed {REMAINDER_SHARE:.0%} of "
+                           f"transaction.timeout.ms while producing what the read left")
+                    raise PassAborted(f"batch {batch.batch_id}: {why}", why)
                 for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
                     if s_part != run_part or s_topic != run_topic:
                         last[(run_topic, run_part)] = run_off

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -354,3 +356,65 @@ def test_two_runs_at_once_the_later_fences_the_earlier_mid_overlap(
     v = case.verdict()
     assert v.aborted_in_log > 0  # the older run's records: aborted by the fence
     assert v.in_log - v.aborted_in_log == RECORDS
+
+
+class _RecordingEvent(threading.Event):
+    """The commit thread's finish event, remembering the longest wait it was asked for."""
+    longest = 0.0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.longest = max(self.longest, timeout or 0.0)
+        return super().wait(timeout)
+
+
+def test_a_remainder_that_would_outlive_the_transaction_is_produced_in_a_new_one(
+        pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read ends young (the overlap goes on) but what it left (here: the whole of
+    partition 0, its first part staged last) takes past the transaction's timeout to
+    produce: the broker would abort the transaction under it, and every retry with the same
+    skew alike (a wedge). Past REMAINDER_SHARE the pass is aborted and the batch produced
+    in a new transaction: committed once."""
+    from offsetflow.sinks.kafka import sink as kafka_sink
+
+    s = KafkaStaging(pg_dsn, kafka_bootstrap, make_topic, unique,
+                     producer={"transaction.timeout.ms": "4000"})
+    by_part = {i: (sp["partition"], sp["from_offset"]) for i, sp in enumerate(s.specs)}
+    first_of_p0 = next(i for i, v in by_part.items() if v == (0, 0))
+    paused, resume = tmp_path / "paused", tmp_path / "resume"
+    with s.committer() as committer:
+        for i in by_part:
+            if i != first_of_p0:
+                assert s.stage(i) == 100
+        wait_until(lambda: s.in_log() == 200, "partition 1's parts to be produced")
+        # the commit thread polls no more until finish(): partition 0 is left for after it
+        event = _RecordingEvent()
+        committer._finish, committer.POLL_S = event, 3600.0  # noqa: SLF001 - test hook
+        wait_until(lambda: event.longest == 3600.0, "the commit's poll to stop")
+        assert s.stage(first_of_p0) == 100
+        monkeypatch.setenv(kafka_sink.FAULT_ENV, "pause_before_remainder")
+        monkeypatch.setenv(kafka_sink.PAUSED_ENV, str(paused))
+        monkeypatch.setenv(kafka_sink.RESUME_ENV, str(resume))
+        out: list[Any] = []
+
+        def finish() -> None:
+            try:
+                out.append(committer.finish(expected_parts=4))
+            except BaseException as e:  # noqa: BLE001 - shown by the assertion below
+                out.append(e)
+
+        t = threading.Thread(target=finish)
+        t.start()
+        wait_until(paused.exists, "the remainder's pause")
+        sink = s.sink
+        assert sink is not None
+        # past the timeout and the broker's abort interval (5 s): the transaction is gone
+        wait_until(lambda: time.monotonic() - sink._txn_began > 10.0,  # noqa: SLF001
+                   "the broker to abort the overlap's transaction", timeout_s=30)
+        resume.write_text("go")
+        t.join(120)
+    assert out and not isinstance(out[0], BaseException), "".join(
+        traceback.format_exception(out[0]))
+    assert out[0].status == "committed" and out[0].rows_written == 400
+    v = s.verdict(400)
+    assert v.aborted_in_log >= 200  # partition 1's copy of the given-up transaction
