@@ -26,6 +26,16 @@ from tests.tooling.pipeline_data import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# An Airflow of the tests gets its DAG files before it starts and never sees them change,
+# so its dag-processor parses each file once at start (a file not yet parsed goes to the
+# front of the queue whatever the interval, and a file whose mtime changes is parsed again
+# at once), instead of every 5 s as the stack's env.sh has it for a user editing DAGs
+# (include/stack/stack.sh): each parse is a process importing OffsetFlow and the DAG file,
+# ~6 files every 5 s for the minutes the shared standalone lives.
+TEST_TUNING = {"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
+               "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "3600",
+               "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+
 
 def http(method: str, url: str, body: Any = None, token: str | None = None,
          timeout: float = 30) -> tuple[int, Any]:
@@ -98,7 +108,7 @@ def own_database(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
 
 def _standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
                 env: Mapping[str, str], health_timeout_s: float) -> Iterator[tuple[str, str]]:
-    env = {**env, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
+    env = {**env, **TEST_TUNING, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
            "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(port),
            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/"}
