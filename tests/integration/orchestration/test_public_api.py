@@ -1,5 +1,6 @@
-"""The public API on a real `airflow standalone` (scheduler, LocalExecutor, spark-submit in
-local mode) with credentials only in Airflow connections (issue 20 items 1-3):
+"""The public API on a real `airflow standalone` (scheduler, LocalExecutor; the inline DAG's
+batch with spark-submit in local mode, the YAML backfill's on the warm Spark Connect server)
+with credentials only in Airflow connections (issue 20 items 1-3):
 
 - a DAG written only with `offsetflow.orchestration.operators` (inline config, no YAML) is
   scheduled, plans, runs and commits a batch; its publish task emits an Asset event for the
@@ -22,7 +23,8 @@ from tests.tooling.airflow_standalone import SharedStandalone, http
 from tests.tooling.pipeline_data import produce_plain, query
 
 # a real airflow standalone (the one these modules share: conftest.py; this module's DAGs,
-# pipeline and connections are in it: `public_api_project`) and two spark-submit jobs
+# pipeline and connections are in it: `public_api_project`): the inline DAG's batch with
+# spark-submit, the YAML pipeline's backfill on the warm Spark Connect server
 pytestmark = pytest.mark.slow
 
 
