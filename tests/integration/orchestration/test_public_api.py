@@ -55,7 +55,7 @@ def _wait_dag(s: dict[str, Any], dag_id: str) -> None:
     while http("GET", f"{s['url']}/api/v2/dags/{dag_id}", token=s["token"])[0] != 200:
         assert time.monotonic() < deadline, f"{dag_id} was not parsed: " \
             + s["log"].read_text()[-3000:]
-        time.sleep(3)
+        time.sleep(1)
 
 
 def _runs(s: dict[str, Any], dag_id: str, n: int, timeout: float = 600) -> list[dict[str, Any]]:
@@ -68,7 +68,7 @@ def _runs(s: dict[str, Any], dag_id: str, n: int, timeout: float = 600) -> list[
             assert all(r["state"] == "success" for r in done), (done, _task_logs(s))
             return done
         assert time.monotonic() < deadline, (runs, s["log"].read_text()[-4000:])
-        time.sleep(4)
+        time.sleep(1)
 
 
 def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600) -> None:
@@ -76,7 +76,7 @@ def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600)
     while (state := _api(s, "GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]) \
             not in ("success", "failed"):
         assert time.monotonic() < deadline, s["log"].read_text()[-4000:]
-        time.sleep(4)
+        time.sleep(1)
     assert state == "success", _task_logs(s)[-6000:]
 
 
