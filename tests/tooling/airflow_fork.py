@@ -90,6 +90,11 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out: str) -> None:
         from airflow import settings
 
         settings.initialize()
+        # the SDK's serde registers its serializers and Stats' backend factory when imported
+        # (from [metrics] of the parent's environment): again, from this one's
+        serde = sys.modules.get("airflow.sdk.serde")
+        if serde is not None:
+            serde._register()
         from airflow.__main__ import main
 
         sys.argv = argv
