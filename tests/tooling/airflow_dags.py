@@ -4,11 +4,15 @@ fixture in tests/integration/conftest.py): its output, asserted to have succeede
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.tooling.airflow_fork import dags_test_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,12 +40,26 @@ def dags_test(project: dict[str, Any], dag_id: str, conf: dict[str, Any] | None 
         cmd += ["--dagfile-path", str(path)]
     if conf is not None:
         cmd += ["--conf", json.dumps(conf)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=project["env"], timeout=600,
-                       cwd=ROOT)
-    out = p.stdout + p.stderr
+    with tempfile.TemporaryDirectory(prefix="dags-test-") as tmp:
+        out_file = Path(tmp) / "out.txt"
+        rc = run_airflow(cmd, project["env"], out_file)
+        out = out_file.read_text(errors="replace")
     if expect_ok:
-        assert p.returncode == 0 and "failed" not in _final_state(out), out[-6000:]
+        assert rc == 0 and "failed" not in _final_state(out), out[-6000:]
     return out
+
+
+def run_airflow(cmd: list[str], env: dict[str, str], out: Path, timeout: float = 600) -> int:
+    """`cmd` (`airflow dags test ...`) with `env`, stdout and stderr to `out`: in a child
+    forked from the warm Airflow process (tests/tooling/airflow_fork.py), or a process of
+    its own with OFFSETFLOW_TESTS_DAGS_TEST_FORK=0 (in the session's environment or in
+    `env`). Its exit code."""
+    if env.get("OFFSETFLOW_TESTS_DAGS_TEST_FORK",
+               os.environ.get("OFFSETFLOW_TESTS_DAGS_TEST_FORK", "1")) != "0":
+        return dags_test_process().run(cmd, env, ROOT, out, timeout)
+    with out.open("w") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout, cwd=ROOT).returncode
 
 
 def _final_state(out: str) -> str:

@@ -26,6 +26,16 @@ from tests.tooling.pipeline_data import SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# An Airflow of the tests gets its DAG files before it starts and never sees them change,
+# so its dag-processor parses each file once at start (a file not yet parsed goes to the
+# front of the queue whatever the interval, and a file whose mtime changes is parsed again
+# at once), instead of every 5 s as the stack's env.sh has it for a user editing DAGs
+# (include/stack/stack.sh): each parse is a process importing OffsetFlow and the DAG file,
+# ~6 files every 5 s for the minutes the shared standalone lives.
+TEST_TUNING = {"AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
+               "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "3600",
+               "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+
 
 def http(method: str, url: str, body: Any = None, token: str | None = None,
          timeout: float = 30) -> tuple[int, Any]:
@@ -98,7 +108,7 @@ def own_database(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
 
 def _standalone(base: Path, pipelines: Path, dag_dir: Path, port: int,
                 env: Mapping[str, str], health_timeout_s: float) -> Iterator[tuple[str, str]]:
-    env = {**env, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
+    env = {**env, **TEST_TUNING, "OFFSETFLOW_PIPELINES_DIR": str(pipelines),
            "AIRFLOW__CORE__DAGS_FOLDER": str(dag_dir), "AIRFLOW__API__PORT": str(port),
            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/"}
@@ -142,9 +152,11 @@ def free_port() -> int:
 
 
 def window_pipeline(pipelines: Path, pg_dsn: str, kafka_bootstrap: str,
-                    prefix: str) -> dict[str, Any]:
+                    prefix: str, connect_url: str | None = None) -> dict[str, Any]:
     """A test pipeline (YAML in `pipelines`) on a topic of its own with 2 partitions, for the
-    window DAGs (replay, backfill); the caller deletes the topic (`delete_topic`)."""
+    window DAGs (replay, backfill); the caller deletes the topic (`delete_topic`). With
+    `connect_url` its batches run on that Spark Connect server (`spark.launch: connect`), else
+    with spark-submit."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
     uid = uuid.uuid4().hex[:8]  # topics outlive a test session's database
@@ -156,7 +168,9 @@ def window_pipeline(pipelines: Path, pg_dsn: str, kafka_bootstrap: str,
         "name": name, "schedule": None, "retries": 0,
         "kafka": {"bootstrap_servers": kafka_bootstrap}, "source": {"topics": [topic]},
         "format": {"type": "json", "schema": dict(SCHEMA)},
-        "sink": {"connection": pg_dsn, "table": f"{prefix}_{uid}"}}))
+        "sink": {"connection": pg_dsn, "table": f"{prefix}_{uid}"},
+        **({"spark": {"launch": "connect", "connect_url": connect_url}} if connect_url
+           else {})}))
     return {"name": name, "topic": topic, "table": f"{prefix}_{uid}", "pipelines": pipelines}
 
 
@@ -225,12 +239,14 @@ with DAG(dag_id="offsetflow_rest_consumer_{uid}", is_paused_upon_creation=True,
 
 
 def public_api_project(pipelines: Path, dag_dir: Path, secret_dsn: tuple[str, str],
-                       kafka_bootstrap: str) -> dict[str, Any]:
+                       kafka_bootstrap: str, connect_url: str | None = None) -> dict[str, Any]:
     """The public API test's part of an Airflow project (test_public_api.py): credentials
     only in `AIRFLOW_CONN_*` connections (`conns`, for the Airflow processes' environment), a
     DAG written only with `offsetflow.orchestration.operators` (inline config) and one
     scheduled on the Asset events of its table and of a YAML pipeline's backfill side table;
-    the YAML pipeline (connections only) in `pipelines`. The caller deletes the topic."""
+    the YAML pipeline (connections only) in `pipelines`, its batches on the Spark Connect
+    server at `connect_url` when given (the inline DAG's run with spark-submit). The caller
+    deletes the topic."""
     import psycopg2.extensions
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -256,7 +272,9 @@ def public_api_project(pipelines: Path, dag_dir: Path, secret_dsn: tuple[str, st
     yaml_name = f"rest_yaml_{uid}"
     (pipelines / f"{yaml_name}.yaml").write_text(yaml.safe_dump({
         **{k: v for k, v in inline.items() if k != "name"}, "name": yaml_name,
-        "schedule": None, "sink": {"conn_id": pg_id, "table": f"yml_{uid}"}}))
+        "schedule": None, "sink": {"conn_id": pg_id, "table": f"yml_{uid}"},
+        **({"spark": {"launch": "connect", "connect_url": connect_url}} if connect_url
+           else {})}))
     inline_uri = table_uri(dsn, f"inl_{uid}")
     yaml_uri = table_uri(dsn, f"side_{uid}")  # the backfill's side table
     (dag_dir / f"api_{uid}.py").write_text(PUBLIC_API_DAGS.format(
@@ -270,13 +288,20 @@ def public_api_project(pipelines: Path, dag_dir: Path, secret_dsn: tuple[str, st
 
 @contextlib.contextmanager
 def shared_standalone(base: Path, pg_dsn: str, secret_dsn: tuple[str, str],
-                      kafka_bootstrap: str) -> Iterator[dict[str, Any]]:
+                      kafka_bootstrap: str, connect_url: str | None = None
+                      ) -> Iterator[dict[str, Any]]:
     """`airflow standalone` in its own process group on a free port, with what the modules
     sharing it need: both window DAGs, a window pipeline for the forms test (`forms`) and
     one for the REST test (`rest`), the public API test's DAGs, pipeline and connections
     (`api`). Credentials of the public API's DAGs come only from their connections: the
     stack's DSN and brokers are not in the Airflow processes' environment (the window
-    pipelines name theirs in their YAML). Task logs go to `logs`."""
+    pipelines name theirs in their YAML). Task logs go to `logs`.
+
+    With `connect_url`, the forms' pipeline and the public API's YAML pipeline run their
+    batches on that warm Spark Connect server: those tests assert what the form, the
+    backfill and its Asset events do, not spark-submit; the REST test's replay and the
+    public API's inline DAG still run theirs with spark-submit (a window DAG and a
+    scheduled one, each through this real scheduler and executor)."""
     pipelines, dag_dir, logs = base / "pipelines", base / "dags", base / "logs"
     pipelines.mkdir()
     (dag_dir / "pipelines").mkdir(parents=True)
@@ -285,10 +310,12 @@ def shared_standalone(base: Path, pg_dsn: str, secret_dsn: tuple[str, str],
     with contextlib.ExitStack() as stack:
         parts: dict[str, dict[str, Any]] = {}
         for prefix in ("ui", "rest"):
-            part = window_pipeline(pipelines, pg_dsn, kafka_bootstrap, prefix)
+            part = window_pipeline(pipelines, pg_dsn, kafka_bootstrap, prefix,
+                                   connect_url if prefix == "ui" else None)
             stack.callback(delete_topic, kafka_bootstrap, part["topic"])
             parts["forms" if prefix == "ui" else "rest"] = part
-        api = public_api_project(pipelines, dag_dir, secret_dsn, kafka_bootstrap)
+        api = public_api_project(pipelines, dag_dir, secret_dsn, kafka_bootstrap,
+                                 connect_url)
         stack.callback(delete_topic, kafka_bootstrap, api["topic"])
         env = {**os.environ, **api["conns"], "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(logs)}
         for k in ("OFFSETFLOW_PG_DSN", "OFFSETFLOW_KAFKA_BOOTSTRAP", "OFFSETFLOW_TEST_DSN"):

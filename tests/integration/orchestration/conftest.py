@@ -16,10 +16,11 @@ _shared: list[SharedStandalone] = []  # the session's, for the teardown hook bel
 
 @pytest.fixture(scope="session")
 def shared_airflow(tmp_path_factory: pytest.TempPathFactory, pg_dsn: str,
-                   secret_dsn: tuple[str, str], kafka_bootstrap: str
-                   ) -> Iterator[SharedStandalone]:
+                   secret_dsn: tuple[str, str], kafka_bootstrap: str,
+                   spark_connect_url: str) -> Iterator[SharedStandalone]:
     shared = SharedStandalone(lambda: shared_standalone(
-        tmp_path_factory.mktemp("airflow"), pg_dsn, secret_dsn, kafka_bootstrap))
+        tmp_path_factory.mktemp("airflow"), pg_dsn, secret_dsn, kafka_bootstrap,
+        spark_connect_url))
     _shared.append(shared)
     yield shared
     shared.stop()

@@ -2,8 +2,8 @@
 Airflow orchestration). One pipeline runs its scheduled DAG with spark-submit in local mode
 (the launch a YAML pipeline has by default); the window DAGs' tests, which assert what the
 DAGs plan, refuse and replace, run their batches on the stack's warm Spark Connect server
-(`spark.launch: connect`) instead of starting a spark-submit JVM per run. The window DAGs
-with spark-submit run in test_ui_window_forms.py, test_rest_api.py and test_public_api.py."""
+(`spark.launch: connect`) instead of starting a spark-submit JVM per run. The window DAG
+with spark-submit runs in test_rest_api.py (the replay, through the shared standalone)."""
 
 from __future__ import annotations
 

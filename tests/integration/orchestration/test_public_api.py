@@ -1,5 +1,6 @@
-"""The public API on a real `airflow standalone` (scheduler, LocalExecutor, spark-submit in
-local mode) with credentials only in Airflow connections (issue 20 items 1-3):
+"""The public API on a real `airflow standalone` (scheduler, LocalExecutor; the inline DAG's
+batch with spark-submit in local mode, the YAML backfill's on the warm Spark Connect server)
+with credentials only in Airflow connections (issue 20 items 1-3):
 
 - a DAG written only with `offsetflow.orchestration.operators` (inline config, no YAML) is
   scheduled, plans, runs and commits a batch; its publish task emits an Asset event for the
@@ -22,7 +23,8 @@ from tests.tooling.airflow_standalone import SharedStandalone, http
 from tests.tooling.pipeline_data import produce_plain, query
 
 # a real airflow standalone (the one these modules share: conftest.py; this module's DAGs,
-# pipeline and connections are in it: `public_api_project`) and two spark-submit jobs
+# pipeline and connections are in it: `public_api_project`): the inline DAG's batch with
+# spark-submit, the YAML pipeline's backfill on the warm Spark Connect server
 pytestmark = pytest.mark.slow
 
 
@@ -53,7 +55,7 @@ def _wait_dag(s: dict[str, Any], dag_id: str) -> None:
     while http("GET", f"{s['url']}/api/v2/dags/{dag_id}", token=s["token"])[0] != 200:
         assert time.monotonic() < deadline, f"{dag_id} was not parsed: " \
             + s["log"].read_text()[-3000:]
-        time.sleep(3)
+        time.sleep(1)
 
 
 def _runs(s: dict[str, Any], dag_id: str, n: int, timeout: float = 600) -> list[dict[str, Any]]:
@@ -66,7 +68,7 @@ def _runs(s: dict[str, Any], dag_id: str, n: int, timeout: float = 600) -> list[
             assert all(r["state"] == "success" for r in done), (done, _task_logs(s))
             return done
         assert time.monotonic() < deadline, (runs, s["log"].read_text()[-4000:])
-        time.sleep(4)
+        time.sleep(1)
 
 
 def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600) -> None:
@@ -74,7 +76,7 @@ def _wait_run(s: dict[str, Any], dag_id: str, run_id: str, timeout: float = 600)
     while (state := _api(s, "GET", f"/dags/{dag_id}/dagRuns/{run_id}")["state"]) \
             not in ("success", "failed"):
         assert time.monotonic() < deadline, s["log"].read_text()[-4000:]
-        time.sleep(4)
+        time.sleep(1)
     assert state == "success", _task_logs(s)[-6000:]
 
 

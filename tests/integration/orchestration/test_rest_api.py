@@ -44,7 +44,7 @@ def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_ds
     deadline = time.monotonic() + 180
     while http("GET", f"{url}/api/v2/dags/offsetflow_replay", token=token)[0] != 200:
         assert time.monotonic() < deadline, "the replay DAG was not parsed"
-        time.sleep(3)
+        time.sleep(1)
     code, body = http("PATCH", f"{url}/api/v2/dags/offsetflow_replay", {"is_paused": False},
                       token=token)
     assert code == 200, body
@@ -79,7 +79,7 @@ def test_replay_through_rest_api_with_run_conf(standalone: dict[str, Any], pg_ds
         state = cur.get("state") if isinstance(cur, dict) else None
         if state in ("success", "failed"):
             break
-        time.sleep(3)
+        time.sleep(1)
     assert state == "success", (state, s["log"].read_text()[-4000:])
     with Ledger(pg_dsn) as ledger:
         replays = [b for b in ledger.recent_batches(s["name"]) if b.kind == "replay"]

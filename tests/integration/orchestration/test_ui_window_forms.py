@@ -1,8 +1,12 @@
 """The backfill and replay forms in a real browser: headless Chromium against a real
-`airflow standalone`, filling each trigger form, triggering, and seeing the run succeed."""
+`airflow standalone`, filling each trigger form, triggering, and seeing the run succeed. The
+runs' batches run on the warm Spark Connect server (`shared_standalone`): this test asserts
+the forms and what the runs commit; the replay DAG with spark-submit runs in
+test_rest_api.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -34,8 +38,10 @@ def standalone(shared_airflow: SharedStandalone) -> dict[str, Any]:
     return {**s["forms"], "url": s["url"], "token": s["token"], "log": s["log"]}
 
 
-def wait_for_run(s: dict[str, Any], dag_id: str, after: float) -> dict[str, Any]:
-    """The run triggered at `after` (the shared metadata DB may hold older runs)."""
+def wait_for_run(s: dict[str, Any], dag_id: str, after: float,
+                 states: tuple[str, ...] = ("success", "failed")) -> dict[str, Any]:
+    """The run triggered at `after` (the shared metadata DB may hold older runs), once it is
+    in one of `states`."""
     url, token = s["url"], s["token"]
     deadline = time.monotonic() + 600  # a ceiling: under heavy load a run took over 7 min
     while time.monotonic() < deadline:
@@ -43,19 +49,21 @@ def wait_for_run(s: dict[str, Any], dag_id: str, after: float) -> dict[str, Any]
         runs = [r for r in (body.get("dag_runs", []) if isinstance(body, dict) else [])
                 if r.get("run_after") and datetime.fromisoformat(
                     r["run_after"].replace("Z", "+00:00")).timestamp() >= after - 2]
-        if runs and runs[-1]["state"] in ("success", "failed"):
+        if runs and (not states or runs[-1]["state"] in states):
             return runs[-1]
-        time.sleep(3)
+        time.sleep(1)  # one API read a second: cheap beside the run it waits for
     raise AssertionError(f"no finished run of {dag_id}: {s['log'].read_text()[-3000:]}")
 
 
 def trigger_with_form(page: Any, s: dict[str, Any], dag_id: str, fields: dict[str, str],
                       shot: str) -> dict[str, Any]:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     url, token = s["url"], s["token"]
     deadline = time.monotonic() + 180
     while http("GET", f"{url}/api/v2/dags/{dag_id}", token=token)[0] != 200:
         assert time.monotonic() < deadline, f"{dag_id} was not parsed"
-        time.sleep(3)
+        time.sleep(1)
     assert http("PATCH", f"{url}/api/v2/dags/{dag_id}", {"is_paused": False},
                 token=token)[0] == 200
     page.goto(f"{url}/dags/{dag_id}")
@@ -70,9 +78,16 @@ def trigger_with_form(page: Any, s: dict[str, Any], dag_id: str, fields: dict[st
     page.screenshot(path=str(OUT / f"{shot}_form.png"), full_page=True)
     started = time.time()
     dialog.get_by_role("button", name="Trigger").click()
+    wait_for_run(s, dag_id, started, states=())  # the form's request made the run
+    # while the run runs, the browser shows a blank page: the DAG page re-renders its grid
+    # every few seconds while a run is active (Chromium's renderer: ~2.5 CPU-min a test)
+    page.goto("about:blank")
     run = wait_for_run(s, dag_id, started)
     page.goto(f"{url}/dags/{dag_id}/runs/{run['dag_run_id']}")
-    page.wait_for_timeout(3000)
+    # the screenshot once the page shows the run's state, not after a fixed 3 s
+    with contextlib.suppress(PlaywrightTimeout):
+        page.get_by_text(run["state"], exact=False).filter(visible=True).first.wait_for(
+            timeout=30_000)
     page.screenshot(path=str(OUT / f"{shot}_run.png"), full_page=True)
     assert run["state"] == "success", (run, s["log"].read_text()[-3000:])
     return run

@@ -188,7 +188,9 @@ def test_sensor_in_a_dag_run_defers_and_resumes_when_records_arrive(
         waiting_pipeline: dict[str, Any], kafka_bootstrap: str, unique: str,
         tmp_path: Path) -> None:
     import os
-    import subprocess
+    import threading
+
+    from tests.tooling.airflow_dags import run_airflow
 
     dag_id = f"offsetflow_dagtest_wait_{unique}"
     dags = tmp_path / "dags"
@@ -196,23 +198,25 @@ def test_sensor_in_a_dag_run_defers_and_resumes_when_records_arrive(
     (dags / f"{dag_id}.py").write_text(WAIT_DAG.format(dag_id=dag_id,
                                                        pipeline=waiting_pipeline["name"]))
     log_file = tmp_path / "dags-test.log"
+    log_file.touch()
     env = {**os.environ, "AIRFLOW__CORE__DAGS_FOLDER": str(dags)}
-    with log_file.open("w") as out:
-        proc = subprocess.Popen(["airflow", "dags", "test", dag_id], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 240
-            while "deferred" not in log_file.read_text().lower():
-                assert proc.poll() is None, log_file.read_text()[-4000:]
-                assert time.monotonic() < deadline, "the sensor never deferred"
-                time.sleep(1)
-            time.sleep(3)
-            assert proc.poll() is None, "the run ended although no data arrived"
-            produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"d-{unique}", 2)
-            rc = proc.wait(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    result: list[int] = []
+    run = threading.Thread(target=lambda: result.append(run_airflow(
+        ["airflow", "dags", "test", dag_id, "--dagfile-path", str(dags / f"{dag_id}.py")],
+        env, log_file, timeout=480)), daemon=True)
+    run.start()
+    deadline = time.monotonic() + 240
+    while "deferred" not in log_file.read_text().lower():
+        assert run.is_alive(), log_file.read_text()[-4000:]
+        assert time.monotonic() < deadline, "the sensor never deferred"
+        time.sleep(0.5)
+    # the trigger polls every second: three polls without data must not end the run
+    run.join(timeout=3)
+    assert run.is_alive(), "the run ended although no data arrived"
+    produce_plain(kafka_bootstrap, waiting_pipeline["topic"], 3, f"d-{unique}", 2)
+    run.join(timeout=240)
+    assert not run.is_alive() and result, "the run did not end after the data arrived"
+    rc = result[0]
     text = log_file.read_text()
     assert rc == 0, text[-4000:]
     assert "3 offsets arrived" in text, text[-4000:]
