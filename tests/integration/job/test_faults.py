@@ -42,7 +42,8 @@ def test_killed_after_planning_rerun_reads_the_same_ranges(case: Case, spark: An
     planned = plan_only(case.cfg, case.dsn)
     assert planned.batch is not None
     proc = case.job(planned.batch.batch_id)
-    chaos.wait_for(lambda: case.batch(planned.batch.batch_id).status == "running", 60,
+    # its JVM starts first: a minute and more on a loaded 2-core machine
+    chaos.wait_for(lambda: case.batch(planned.batch.batch_id).status == "running", 300,
                    "the job to start")
     chaos.kill(proc)  # dies while reading
     again = plan_only(case.cfg, case.dsn)
