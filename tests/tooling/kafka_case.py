@@ -64,8 +64,10 @@ class KafkaCase:
         records and their control records count)."""
         from confluent_kafka import Consumer, TopicPartition
 
+        # read_uncommitted: under librdkafka's default (read_committed) the end offset
+        # asked for is the last stable one, which stops before an open transaction
         c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"hw-{self.name}",
-                      "enable.auto.commit": False})
+                      "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
         try:
             parts = c.list_topics(self.out, timeout=10).topics[self.out].partitions
             return {p: c.get_watermark_offsets(TopicPartition(self.out, p), timeout=10)[1]
