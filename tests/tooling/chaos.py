@@ -15,6 +15,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import yaml
 from confluent_kafka import KafkaError, Message, Producer
 
 from tests.tooling.checker import DeadLetter, ProducedRecord, SinkRow
@@ -421,6 +423,52 @@ def run_batch_process(pipeline_file: Path, batch_id: int, log: Path,
         ["offsetflow", "run-batch", "--pipeline-file", str(pipeline_file), "--batch-id",
          str(batch_id)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OFFSETFLOW_SPARK_LOG_LEVEL": "ERROR", **(env or {})})
+
+
+def connect_file(pipeline_file: Path, url: str) -> Path:
+    """A copy of the pipeline file with `spark.launch: connect` on the server at `url`,
+    beside it (`NAME.connect.yaml`): run-batch with it is a thin Spark Connect client of the
+    warm server, no JVM or Python workers of its own (~3 CPU s, not ~15). For a fault that
+    hits the driver's own steps (its commit), where the batch's Spark tasks have all ended;
+    a kill while tasks run needs the job's own JVM (they would go on on the server). The
+    spark section is not in the config's fingerprint: batches planned with either file run
+    with the other."""
+    raw = yaml.safe_load(pipeline_file.read_text())
+    raw.setdefault("spark", {}).update({"launch": "connect", "connect_url": url})
+    out = pipeline_file.with_name(f"{pipeline_file.stem}.connect.yaml")
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+class JobThread:
+    """A run of a batch in a thread of the test process with its warm Spark session, with
+    Popen's `poll` and `wait` (0, or 1 with `error` set): for a fault of a service (the
+    ledger's PostgreSQL stopped or crashed while the commit waits, the broker killed while
+    tasks read) that a job process meets the same way, since the process is not what is
+    killed; no JVM of its own. A kill -9 of the driver needs a process (`Case.job`)."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            self.result = run()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()/poll()
+            self.error = e
+
+    def poll(self) -> int | None:
+        if self._thread.is_alive():
+            return None
+        return 1 if self.error is not None else 0
+
+    def wait(self, timeout: float) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired("run_batch in a thread", timeout)
+        return 1 if self.error is not None else 0
 
 
 def maybe_fail_task(df: Any) -> Any:

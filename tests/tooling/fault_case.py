@@ -1,5 +1,7 @@
 """The fault tests' `Case`: one pipeline on one fresh topic, with a workload that remembers
-what it wrote, and the ways to break its batch at each step (jobs as real processes)."""
+what it wrote, and the ways to break its batch at each step: jobs as real processes where
+the driver is killed (a Spark Connect client of the warm server where the kill comes after
+the tasks, at the commit), in a thread of the test process where a service is."""
 
 from __future__ import annotations
 
@@ -64,8 +66,18 @@ class Case:
         if expect_all:
             assert rep.expected == self.workload.committed_count, rep.explain()
 
-    def job(self, batch_id: int) -> subprocess.Popen[Any]:
-        return chaos.run_batch_process(self.file, batch_id, self.log)
+    def job(self, batch_id: int, connect_url: str | None = None) -> subprocess.Popen[Any]:
+        """`offsetflow run-batch` as a process: its own spark-submit JVM, or with
+        `connect_url` a thin client of that Spark Connect server (`chaos.connect_file`)."""
+        file = chaos.connect_file(self.file, connect_url) if connect_url else self.file
+        return chaos.run_batch_process(file, batch_id, self.log)
+
+    def in_thread(self, spark: Any, batch_id: int) -> chaos.JobThread:
+        """The batch run in a thread of this process, in the test's Spark session."""
+        from offsetflow.job import run_batch
+
+        cfg = self.cfg
+        return chaos.JobThread(lambda: run_batch(spark, cfg, batch_id, self.dsn))
 
     def planned_batch(self, records: int, seed: int) -> int:
         """Write a mixed workload and plan a batch over it."""
@@ -75,24 +87,31 @@ class Case:
         return planned.batch.batch_id
 
     @contextlib.contextmanager
-    def job_waiting_to_commit(self, batch_id: int) -> Iterator[subprocess.Popen[Any]]:
-        """A job process that has staged everything and waits at the commit's first step
-        (the batch row is held), for a fault to be injected right there."""
+    def job_waiting_to_commit(self, batch_id: int, connect_url: str | None = None,
+                              spark: Any = None) -> Iterator[Any]:
+        """A run that has staged everything and waits at the commit's first step (the batch
+        row is held), for a fault to be injected right there: a job process (`job`), or with
+        `spark` a run in a thread of this process (`in_thread`: no process to kill)."""
         with chaos.hold_positions(self.dsn, self.cfg.name):
-            proc = self.job(batch_id)
-            chaos.wait_for(lambda: chaos.commit_waiting(self.dsn), 300, "the commit to start")
+            proc = (self.in_thread(spark, batch_id) if spark is not None
+                    else self.job(batch_id, connect_url))
+            chaos.wait_for(lambda: chaos.commit_waiting(self.dsn) or proc.poll() is not None,
+                           300, "the commit to start")
+            assert proc.poll() is None, f"the run ended before its commit: {self._ended(proc)}"
             assert self.batch(batch_id).status == "running"
             assert chaos.staged_rows(self.dsn, batch_id) > 0, "the fault must come after staging"
             yield proc
 
-    def postgres_down_in_commit(self, batch_id: int, stop: str) -> None:
-        """The job stages everything and waits in its commit; PostgreSQL then goes down
-        (`stop`: the stack.sh command, pg-stop or pg-crash) and comes back. The job must
+    def postgres_down_in_commit(self, spark: Any, batch_id: int, stop: str) -> None:
+        """The run stages everything and waits in its commit; PostgreSQL then goes down
+        (`stop`: the stack.sh command, pg-stop or pg-crash) and comes back. The run must
         fail, and nothing may be committed. Only our own lock connection's death is
-        expected here: a commit window that never opened is an error, not that."""
+        expected here: a commit window that never opened is an error, not that. The run is
+        a thread of this process in the test's Spark session (`in_thread`): PostgreSQL, not
+        the driver, is what dies, and a job process met it the same way for a JVM more."""
         proc = None
         try:
-            with self.job_waiting_to_commit(batch_id) as proc:
+            with self.job_waiting_to_commit(batch_id, spark=spark) as proc:
                 chaos.stack(stop)
         except psycopg2.Error:
             pass
@@ -100,6 +119,10 @@ class Case:
             chaos.stack("pg-start")
         assert proc is not None and proc.wait(timeout=120) != 0
         assert set(self.positions().values()) == {0}  # the start: nothing committed
+
+    def _ended(self, proc: Any) -> str:
+        error = getattr(proc, "error", None)
+        return repr(error) if error is not None else self.job_output()[-3000:]
 
     def job_output(self) -> str:
         return self.log.read_text() if self.log.exists() else ""

@@ -45,15 +45,45 @@ class KafkaCase:
     def log(self) -> Path:
         return self.dir / "job.log"
 
-    def start(self, fault: str) -> Any:
+    def start(self, fault: str, connect_url: str | None = None) -> Any:
+        """The batch's job as a process with the sink's fault point `fault`: its own JVM, or
+        with `connect_url` a thin client of that Spark Connect server (`chaos.connect_file`;
+        the fault points are in the driver's commit, after every task has ended)."""
         env = {FAULT_ENV: fault, PAUSED_ENV: str(self.dir / "paused"),
                RESUME_ENV: str(self.dir / "resume")}
-        return chaos.run_batch_process(self.file, self.batch_id, self.log, env=env)
+        file = chaos.connect_file(self.file, connect_url) if connect_url else self.file
+        return chaos.run_batch_process(file, self.batch_id, self.log, env=env)
 
     def wait_paused(self, proc: Any) -> None:
         chaos.wait_for(lambda: (self.dir / "paused").exists() or proc.poll() is not None,
                        300, "the job to hold its Kafka transaction open")
         assert proc.poll() is None, self.output()[-3000:]
+
+    def high_watermarks(self) -> dict[int, int]:
+        """The output topic's end offset per partition (read_uncommitted: open transactions'
+        records and their control records count)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        # read_uncommitted: under librdkafka's default (read_committed) the end offset
+        # asked for is the last stable one, which stops before an open transaction
+        c = Consumer({"bootstrap.servers": self.bootstrap, "group.id": f"hw-{self.name}",
+                      "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+        try:
+            parts = c.list_topics(self.out, timeout=10).topics[self.out].partitions
+            return {p: c.get_watermark_offsets(TopicPartition(self.out, p), timeout=10)[1]
+                    for p in parts}
+        finally:
+            c.close()
+
+    def wait_aborted_by_the_broker(self, open_ends: dict[int, int], timeout_s: float) -> None:
+        """Until the broker ended the open transaction on its own: an abort marker after
+        the records in each partition that has some (`open_ends`: the end offsets while the
+        transaction was open), which the coordinator writes after bumping the epoch."""
+        def ended() -> bool:
+            now = self.high_watermarks()
+            return all(now[p] > end for p, end in open_ends.items() if end > 0)
+        chaos.wait_for(ended, timeout_s, f"the broker to abort the transaction open on "
+                                         f"{self.out}", every_s=0.5)
 
     def resume(self) -> None:
         (self.dir / "resume").write_text("go")

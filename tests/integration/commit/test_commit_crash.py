@@ -34,7 +34,7 @@ def test_postgres_crash_after_staging_rerun_commits_exactly_once(case: Case, spa
         case.raw["transform"] = "tests.tooling.chaos.maybe_fail_task"  # rows pass unchanged
     case.write_config()
     bid = case.planned_batch(3000, seed=11)
-    case.postgres_down_in_commit(bid, "pg-crash")
+    case.postgres_down_in_commit(spark, bid, "pg-crash")
     rep = run_batch(spark, case.cfg, bid, case.dsn)
     assert rep.result.status == "committed"
     assert rep.result.rows_written == len([p for p in case.workload.produced.values()
@@ -43,12 +43,12 @@ def test_postgres_crash_after_staging_rerun_commits_exactly_once(case: Case, spa
     case.assert_exactly_once()
 
 
-def test_part_with_fewer_rows_than_its_marker_is_refused_and_restaged(case: Case,
-                                                                    spark: Any) -> None:
+def test_part_with_fewer_rows_than_its_marker_is_refused_and_restaged(
+        case: Case, spark: Any, spark_connect_url: str) -> None:
     """A part table that lost rows its marker counts (whatever removed them) is refused by
     name, its marker dropped, and the next attempt re-stages it from Kafka."""
     bid = case.planned_batch(3000, seed=12)
-    with case.job_waiting_to_commit(bid) as proc:
+    with case.job_waiting_to_commit(bid, spark_connect_url) as proc:
         chaos.kill(proc)  # everything staged, nothing committed
     query(case.dsn, f"DELETE FROM offsetflow_stage.b{bid}_p1 WHERE ctid IN "
                     f"(SELECT ctid FROM offsetflow_stage.b{bid}_p1 LIMIT 5)")

@@ -1,6 +1,9 @@
 """Exactly-once under faults: each step of the lifecycle broken for real, then the checker
 judges the sink (issue: fault-injection suite). Jobs run as real processes so they can be
-killed; commits are held on a row lock to open a window for a fault at that exact step."""
+killed; commits are held on a row lock to open a window for a fault at that exact step.
+A job killed at its commit (its Spark tasks have all ended) is a thin client of the warm
+Spark Connect server; one killed or retried while tasks run has a JVM of its own; a run
+that meets a broken service rather than a kill runs in the test's own session."""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ import random
 import re
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,8 @@ def test_killed_after_planning_rerun_reads_the_same_ranges(case: Case, spark: An
     planned = plan_only(case.cfg, case.dsn)
     assert planned.batch is not None
     proc = case.job(planned.batch.batch_id)
-    chaos.wait_for(lambda: case.batch(planned.batch.batch_id).status == "running", 60,
+    # its JVM starts first: a minute and more on a loaded 2-core machine
+    chaos.wait_for(lambda: case.batch(planned.batch.batch_id).status == "running", 300,
                    "the job to start")
     chaos.kill(proc)  # dies while reading
     again = plan_only(case.cfg, case.dsn)
@@ -72,9 +75,10 @@ def test_task_failing_mid_range_is_retried_without_double_staging(case: Case,
     case.assert_exactly_once()
 
 
-def test_job_killed_after_staging_then_rerun_commits_once(case: Case, spark: Any) -> None:
+def test_job_killed_after_staging_then_rerun_commits_once(case: Case, spark: Any,
+                                                          spark_connect_url: str) -> None:
     bid = case.planned_batch(3000, seed=3)
-    with case.job_waiting_to_commit(bid) as proc:
+    with case.job_waiting_to_commit(bid, spark_connect_url) as proc:
         chaos.kill(proc)  # everything staged, nothing committed
     assert case.batch(bid).status != "committed"
     assert set(case.positions().values()) == {0}  # the start: nothing committed
@@ -87,10 +91,10 @@ def test_job_killed_after_staging_then_rerun_commits_once(case: Case, spark: Any
     case.assert_exactly_once()
 
 
-def test_connection_cut_during_commit_rolls_back_and_retry_commits(case: Case,
-                                                                  spark: Any) -> None:
+def test_connection_cut_during_commit_rolls_back_and_retry_commits(
+        case: Case, spark: Any, spark_connect_url: str) -> None:
     bid = case.planned_batch(3000, seed=4)
-    with case.job_waiting_to_commit(bid) as proc:
+    with case.job_waiting_to_commit(bid, spark_connect_url) as proc:
         assert chaos.cut_commit_connection(case.dsn) >= 1
         assert proc.wait(timeout=120) != 0
     out = case.job_output().lower()
@@ -102,7 +106,7 @@ def test_connection_cut_during_commit_rolls_back_and_retry_commits(case: Case,
 
 def test_postgres_restart_during_commit(case: Case, spark: Any) -> None:
     bid = case.planned_batch(3000, seed=5)
-    case.postgres_down_in_commit(bid, "pg-stop")
+    case.postgres_down_in_commit(spark, bid, "pg-stop")
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 
@@ -121,10 +125,13 @@ def test_kafka_restart_while_reading(case: Case, spark: Any) -> None:
             errors.append(e)
 
     t = threading.Thread(target=run)
+    tracker = spark.sparkContext.statusTracker()
     chaos.stop_kafka()
     try:
         t.start()
-        time.sleep(8)  # the readers start against a dead broker and keep retrying
+        # the readers start against a dead broker and keep retrying: a Spark job runs
+        chaos.wait_for(lambda: bool(tracker.getActiveJobsIds()) or not t.is_alive(), 120,
+                       "the batch's Spark job to start reading")
     finally:
         chaos.start_kafka()
     t.join(timeout=300)
@@ -151,14 +158,22 @@ def test_killed_after_commit_retry_is_a_noop(case: Case, spark: Any) -> None:
     case.assert_exactly_once()
 
 
-def test_two_runs_of_the_same_batch_at_once_one_commits(case: Case, spark: Any) -> None:
+def test_two_runs_of_the_same_batch_at_once_one_commits(case: Case, spark: Any,
+                                                        spark_connect_url: str) -> None:
+    """A job process (a client of the Connect server) takes the batch; a run in the test's
+    own session starts on it while it works: two drivers, two Spark engines, one ledger."""
     case.workload.mixed(4000, random.Random(8))
     planned = plan_only(case.cfg, case.dsn)
     assert planned.batch is not None
     bid = planned.batch.batch_id
-    a, b = case.job(bid), case.job(bid)
-    assert a.wait(timeout=300) == 0 and b.wait(timeout=300) == 0
-    out = case.job_output()  # what each process printed as its result, one line each
+    a = case.job(bid, spark_connect_url)
+    chaos.wait_for(lambda: case.batch(bid).status == "running" or a.poll() is not None, 300,
+                   "the job process to take the batch")
+    b = case.in_thread(spark, bid)
+    assert a.wait(timeout=300) == 0 and b.wait(timeout=300) == 0, repr(b.error)
+    out = case.job_output()  # what the process printed as its result, one line
+    # the run here printed nothing: its result's summary is the line it would print
+    out += f"\n{b.result.result.message}\n"
     assert len(re.findall(rf"^batch {bid} committed: ", out, re.M)) == 1, out[-3000:]
     assert len(re.findall(rf"^batch {bid} was already committed; nothing to do$", out,
                           re.M)) == 1, out[-3000:]
@@ -166,7 +181,8 @@ def test_two_runs_of_the_same_batch_at_once_one_commits(case: Case, spark: Any) 
     case.assert_exactly_once()
 
 
-def test_zombie_with_stale_ranges_is_fenced(case: Case, spark: Any) -> None:
+def test_zombie_with_stale_ranges_is_fenced(case: Case, spark: Any,
+                                            spark_connect_url: str) -> None:
     case.workload.plain(2000)
     old = plan_only(case.cfg, case.dsn).batch
     assert old is not None
@@ -177,7 +193,7 @@ def test_zombie_with_stale_ranges_is_fenced(case: Case, spark: Any) -> None:
                                      config_fingerprint=case.cfg.fingerprint(),
                                      split_offsets=case.cfg.spark.max_offsets_per_task,
                                      started_by="zombie")
-    proc = case.job(zombie)
+    proc = case.job(zombie, spark_connect_url)
     assert proc.wait(timeout=300) == 2
     assert f"batch {zombie} fenced" in case.job_output()
     case.assert_exactly_once()
@@ -262,9 +278,10 @@ def test_config_changed_between_plan_and_run_is_a_clear_error(case: Case,
     assert rep.result.status == "committed"
 
 
-def test_changed_split_restages_instead_of_reusing_old_parts(case: Case, spark: Any) -> None:
+def test_changed_split_restages_instead_of_reusing_old_parts(case: Case, spark: Any,
+                                                             spark_connect_url: str) -> None:
     bid = case.planned_batch(3000, seed=9)
-    with case.job_waiting_to_commit(bid) as proc:
+    with case.job_waiting_to_commit(bid, spark_connect_url) as proc:
         chaos.kill(proc)  # everything staged with the old split into parts
     assert chaos.staged_rows(case.dsn, bid) > 0
     old_split = case.batch(bid).split_offsets

@@ -37,18 +37,25 @@ def finish(case: Case, spark: Any, bid: int) -> None:
 
 def test_kafka_killed_while_a_batch_reads_commits_once(case: Case, spark: Any) -> None:
     bid = case.planned_batch(8000, seed=11)
-    proc = case.job(bid)
+    # the broker is what dies: the run is a thread in the test's own Spark session
+    tracker = spark.sparkContext.statusTracker()
+    run = case.in_thread(spark, bid)
+
+    def reading() -> bool:
+        stages = [tracker.getStageInfo(s) for s in tracker.getActiveStageIds()]
+        return any(s is not None and s.numActiveTasks > 0 for s in stages)
     try:
-        # a Python worker exists once a task runs: the job is reading from the broker
-        chaos.wait_for(lambda: bool(chaos.python_workers(proc.pid)), 180, "a task to start")
+        # a task runs: the batch is reading from the broker
+        chaos.wait_for(lambda: reading() or run.poll() is not None, 180, "a task to start")
+        assert run.poll() is None, repr(run.error)
         assert case.batch(bid).status == "running"
         chaos.kill_kafka(restart=False)
         time.sleep(3)  # the readers now retry against a dead broker
     finally:
         chaos.start_kafka()
-    rc = proc.wait(timeout=600)
+    rc = run.wait(timeout=600)
     status = case.batch(bid).status
-    assert (rc == 0) == (status == "committed"), case.job_output()[-3000:]
+    assert (rc == 0) == (status == "committed"), repr(run.error)
     finish(case, spark, bid)
 
 
@@ -83,7 +90,7 @@ def test_python_worker_killed_mid_task_is_retried_exactly_once(case: Case,
 def test_postgres_crash_during_append_commit_then_retry_commits_once(case: Case,
                                                                    spark: Any) -> None:
     bid = case.planned_batch(3000, seed=13)
-    case.postgres_down_in_commit(bid, "pg-crash")
+    case.postgres_down_in_commit(spark, bid, "pg-crash")
     finish(case, spark, bid)
 
 

@@ -7,7 +7,9 @@ is what keeps them out, not an absence of faults.
 
 The job runs as `offsetflow run-batch` in a process group of its own; the test-only fault
 points of offsetflow.sinks.kafka.sink (FAULT_ENV) hold it with its transaction open, or SIGKILL
-it right after the Kafka commit."""
+it right after the Kafka commit. Both are in the driver's commit, after every Spark task has
+ended, so the job is a thin client of the warm Spark Connect server (no JVM of its own): a
+kill of it is the driver's death the invariants are about."""
 
 from __future__ import annotations
 
@@ -44,8 +46,8 @@ def case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
 
 
 def test_killed_mid_produce_the_open_transaction_is_aborted_by_the_next_run(
-        spark: Any, case: KafkaCase) -> None:
-    proc = case.start("pause_before_commit")
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
+    proc = case.start("pause_before_commit", spark_connect_url)
     with killed_at_end(proc):
         case.wait_paused(proc)
         # every record is in the log, in a transaction that is still open
@@ -61,13 +63,14 @@ def test_killed_mid_produce_the_open_transaction_is_aborted_by_the_next_run(
 
 @pytest.mark.slow
 def test_killed_between_kafka_commit_and_ledger_commit_no_second_copy_nor_abandon(
-        spark: Any, case: KafkaCase, caplog: pytest.LogCaptureFixture) -> None:
+        spark: Any, case: KafkaCase, caplog: pytest.LogCaptureFixture,
+        spark_connect_url: str) -> None:
     """The driver dies between the Kafka commit and the ledger's. The re-run writes no
     second copy. Review s23 H1: before it, an operator abandons the batch (or a
     config-drift error advised it); abandoning would plan the same ranges again and write
     them a second time: it is refused, and the re-run completes it. (One killed job for
     both: they reached this state alike, each with a job process of its own.)"""
-    proc = case.start("kill_after_commit")
+    proc = case.start("kill_after_commit", spark_connect_url)
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     assert case.status() != "committed"  # the ledger never heard of the Kafka commit
@@ -104,8 +107,8 @@ def _cut_idle_ledger_transactions(dsn: str) -> int:
 
 
 def test_two_runs_at_once_the_older_is_fenced_by_the_broker(
-        spark: Any, case: KafkaCase) -> None:
-    older = case.start("pause_before_commit")
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
+    older = case.start("pause_before_commit", spark_connect_url)
     with killed_at_end(older):
         case.wait_paused(older)
         # the older run loses its ledger connection (and the batch row lock) while its
@@ -125,8 +128,8 @@ def test_two_runs_at_once_the_older_is_fenced_by_the_broker(
 
 @pytest.mark.slow
 def test_broker_killed_during_the_commit_the_batch_commits_once(
-        spark: Any, case: KafkaCase) -> None:
-    proc = case.start("pause_before_commit")
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
+    proc = case.start("pause_before_commit", spark_connect_url)
     with killed_at_end(proc):
         case.wait_paused(proc)
         chaos.kill_kafka(restart=False)  # kill -9 of the broker, transaction open
@@ -147,18 +150,19 @@ def test_broker_killed_during_the_commit_the_batch_commits_once(
 
 @pytest.mark.slow
 def test_a_transaction_outlasting_its_timeout_says_so_not_fenced(
-        spark: Any, case: KafkaCase) -> None:
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
     """The broker aborts a transaction open longer than transaction.timeout.ms and bumps the
     epoch, which the producer sees as a fence: the error must name the timeout (the next
     attempt of a batch that big times out the same way), not a newer run that took over."""
     raw = yaml.safe_load(case.file.read_text())
     raw["sink"]["producer"] = {"transaction.timeout.ms": "5000"}
     case.file.write_text(yaml.safe_dump(raw))
-    proc = case.start("pause_before_commit")
+    proc = case.start("pause_before_commit", spark_connect_url)
     with killed_at_end(proc):
         case.wait_paused(proc)
+        open_ends = case.high_watermarks()
         # the timeout, then the coordinator's sweep for timed-out transactions (every 10 s)
-        time.sleep(20)
+        case.wait_aborted_by_the_broker(open_ends, 120)
         case.resume()
         assert proc.wait(timeout=300) != 0
     out = case.output()
@@ -174,13 +178,13 @@ def test_a_transaction_outlasting_its_timeout_says_so_not_fenced(
 
 @pytest.mark.slow
 def test_batch_the_topic_holds_whose_stage_and_records_are_gone_is_completed_from_the_sink(
-        spark: Any, case: KafkaCase) -> None:
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
     """Review of the abandon guard: killed after the Kafka commit, then PostgreSQL crashed
     (the unlogged stage and markers are emptied) and retention deleted the source records.
     A re-run cannot re-stage (the records are gone), abandoning is refused (the topic holds
     the batch): without `offsetflow complete` the pipeline is wedged for good. It completes
     the ledger from the sink's record and writes nothing again."""
-    proc = case.start("kill_after_commit")
+    proc = case.start("kill_after_commit", spark_connect_url)
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     chaos.crash_postgres()  # empties the unlogged stage and its markers
@@ -219,10 +223,10 @@ def test_complete_refuses_a_batch_the_topic_does_not_hold(case: KafkaCase) -> No
 
 @pytest.mark.slow
 def test_complete_refuses_while_kafka_still_holds_the_batchs_records(
-        spark: Any, case: KafkaCase) -> None:
+        spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
     """Review s24-complete M1: completing from the sink while a re-run could still read the
     batch would drop the dead letters that re-run routes: refused, and the re-run completes it."""
-    proc = case.start("kill_after_commit")
+    proc = case.start("kill_after_commit", spark_connect_url)
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, case.output()[-3000:]
     chaos.crash_postgres()  # the stage is gone, the records are still in Kafka

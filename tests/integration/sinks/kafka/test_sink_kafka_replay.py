@@ -166,13 +166,15 @@ def test_a_replay_batch_runs_only_into_the_topic_it_was_planned_for(
 @pytest.mark.slow
 def test_a_replay_killed_after_its_kafka_commit_is_completed_without_a_second_copy(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, live: dict[str, Any],
-        tmp_path: Path) -> None:
+        tmp_path: Path, spark_connect_url: str) -> None:
     src, name = live["src"], live["name"]
     side = make_topic("krp-side", 2)
     file = tmp_path / f"{name}.yaml"
     cfg = config(name, src, live["out"], side, pg_dsn, kafka_bootstrap, file)
     ids = replay(cfg, pg_dsn, src)
-    proc = chaos.run_batch_process(file, ids[0], tmp_path / "job.log",
+    # the fault is in the driver's commit, after the tasks: a thin Spark Connect client
+    proc = chaos.run_batch_process(chaos.connect_file(file, spark_connect_url), ids[0],
+                                   tmp_path / "job.log",
                                    env={"OFFSETFLOW_TEST_SINK_KAFKA_FAULT": "kill_after_commit"})
     with killed_at_end(proc):
         assert proc.wait(timeout=600) == -9, (tmp_path / "job.log").read_text()[-3000:]
