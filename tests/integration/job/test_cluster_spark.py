@@ -53,28 +53,23 @@ def assert_shipped(pythons: list[cluster.ExecutorPython]) -> None:
         assert p.python.endswith(f"/{cluster.ENV_NAME}/bin/python"), p
 
 
-def test_batch_runs_on_both_workers_with_the_shipped_environment(ccase: Case) -> None:
-    bid = ccase.planned_batch(6000, seed=21)
-    with ccase.job_waiting_to_commit(bid) as proc:
-        pythons = cluster.executor_pythons()  # the app is alive: its executors still are
-    assert proc.wait(timeout=600) == 0, ccase.job_output()[-4000:]
-    assert_shipped(pythons)
-    assert {p.worker for p in pythons} == {1, 2}, pythons
-    assert ccase.batch(bid).status == "committed"
-    [log] = cluster.event_logs(Path(ccase.raw["spark"]["conf"]["spark.eventLog.dir"][7:]))
-    assert len(log.workers_with_tasks) == 2, (log.executor_worker, log.tasks_by_executor)
-    assert log.spark_properties["spark.pyspark.python"] == "./environment/bin/python"
-    ccase.assert_exactly_once()
-
-
 def test_worker_killed_mid_batch_then_rerun_commits_once(ccase: Case, spark: Any) -> None:
+    """The batch runs on both workers with the shipped environment (the executors'
+    interpreters, seen while the app runs), then worker 1 is killed mid-batch."""
     bid = ccase.planned_batch(12000, seed=22)
     proc = ccase.job(bid)
+    pythons: list[cluster.ExecutorPython] = []
+
+    def both_workers_and_a_task_on_1() -> bool:
+        pythons[:] = cluster.executor_pythons()
+        return ({p.worker for p in pythons} == {1, 2}
+                and any(p.worker == 1 and p.tasks_running for p in pythons))
     try:
-        # a task is running on worker 1 (its Python daemon has forked a task process)
-        chaos.wait_for(lambda: any(p.worker == 1 and p.tasks_running
-                                   for p in cluster.executor_pythons()), 300,
-                       "a task running on worker 1", every_s=0.1)
+        # both executors run Python tasks, and one is running on worker 1 (its Python
+        # daemon has forked a task process)
+        chaos.wait_for(both_workers_and_a_task_on_1, 300,
+                       "tasks on both workers, one running on worker 1", every_s=0.1)
+        assert_shipped(pythons)
         assert ccase.batch(bid).status == "running"
         cluster.stack("spark-worker-kill", "1")
         rc = proc.wait(timeout=600)
