@@ -163,26 +163,24 @@ def run_stage(data: list[pa.RecordBatch], task: Side, drv: Side, n: int) -> int:
 
 
 def run_files(data: list[pa.RecordBatch], task: Side, drv: Side, path: Path) -> int:
-    with task:
-        with pa.OSFile(str(path), "wb") as f:
-            w = None
-            for b in data:
-                fb = finished(b)
-                if w is None:
-                    w = ipc.new_file(f, fb.schema)
-                w.write_batch(fb)
-            assert w is not None
-            w.close()
+    with task, pa.OSFile(str(path), "wb") as f:
+        w = None
+        for b in data:
+            fb = finished(b)
+            if w is None:
+                w = ipc.new_file(f, fb.schema)
+            w.write_batch(fb)
+        assert w is not None
+        w.close()
     got = 0
-    with drv:
-        with pa.memory_map(str(path)) as f:
-            r = ipc.open_file(f)
-            for i in range(r.num_record_batches):
-                b = r.get_batch(i)
-                cols = [b.column(c).to_pylist() for c in ("topic", "partition", "offset",
-                                                          "key", "value", "headers", "ts")]
-                for _t, _p, _o, _key, value, _h, _ts in zip(*cols, strict=True):
-                    got += value is not None
+    with drv, pa.memory_map(str(path)) as f:
+        r = ipc.open_file(f)
+        for i in range(r.num_record_batches):
+            b = r.get_batch(i)
+            cols = [b.column(c).to_pylist() for c in ("topic", "partition", "offset",
+                                                      "key", "value", "headers", "ts")]
+            for _t, _p, _o, _key, value, _h, _ts in zip(*cols, strict=True):
+                got += value is not None
     path.unlink()
     return got
 
@@ -215,7 +213,7 @@ def _parse_binary(mv: memoryview) -> int:
         pos += 2
         if nf == -1:
             return got
-        fields = []
+        fields: list[bytes | None] = []
         for _ in range(nf):
             (ln,) = i32.unpack_from(data, pos)
             pos += 4

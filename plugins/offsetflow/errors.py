@@ -214,6 +214,19 @@ class StagedRowsLostError(StagingIncompleteError):
             f"dropped and the next run re-stages them from Kafka")
 
 
+class TaskFileLostError(StagedRowsLostError):
+    """A Kafka sink part's task file (`offsetflow.sinks.kafka.taskfile`) is not the one its
+    part marker names: missing, short, corrupt, or not a task file. Nothing of the batch is
+    visible (its transaction is aborted); the part is dropped with its marker, so the next
+    run writes it again from Kafka."""
+
+    def __init__(self, batch_id: int, part: int, path: str, why: str) -> None:
+        self.path = path
+        super().__init__(batch_id, [part],
+                         f"the task file of part {part} at {path} is not the one its marker "
+                         f"names: {why}")
+
+
 class IcebergTableReplacedError(StagedRowsLostError):
     """The Iceberg table was dropped and created again under the same name (another table
     UUID) after the batch's tasks wrote their data files for it: those files have the old

@@ -71,9 +71,7 @@ def _column_json(col: pa.Array, pg_type: str) -> pa.Array | None:
         ctl = pc.match_substring_regex(s, _CONTROL)
         if pc.any(ctl).as_py():
             quoted = _patch(quoted, ctl, s, _text_json)
-    elif pg_type in _INTS:
-        quoted = col.cast(pa.string())
-    elif pg_type == "boolean":
+    elif pg_type in _INTS or pg_type == "boolean":
         quoted = col.cast(pa.string())
     elif pg_type in _FLOATS:
         fixed_below = 10.0 ** _FLOATS[pg_type]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import random
-from datetime import date, datetime, timezone
+from datetime import UTC, date, datetime
 from typing import Any
 
 import psycopg2
@@ -21,7 +21,7 @@ from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql
 from offsetflow.sinks.kafka.values import json_values
 from offsetflow.stage import pgcopy
 
-UTC = timezone.utc
+UTC = UTC
 _rng = random.Random(32)
 FLOATS = [0.0, -0.0, 1.0, -1.5, 100000.0, 1e15, 1e16, 1e20, 1e22, 1e100, 1e-4, 1e-5,
           1.5e-7, 0.1, 0.30000000000000004, 123456789012345.6, 1234567890123456.8,

@@ -1,0 +1,157 @@
+"""A Kafka sink's task file: one task attempt's finished records of one stage part (issue 32),
+what the driver's produce loop needs and nothing else (topic, partition, offset, key and value
+bytes, the staged headers as JSON text, the timestamp in epoch ms), as an Arrow IPC file.
+
+Why a file per attempt: a retried, zombie or speculative attempt of one part writes a file of
+its own (`file_name`: the attempt is in the name), and only the attempt whose part marker
+commits names its file there (`PartFile.close`'s entry: path, records, bytes, CRC-32), so
+the driver never reads a mix of two attempts. Written under a temporary name and renamed
+once complete: a file under its final name was written whole. `read_part_file` checks the
+entry against the file (present, its size, its CRC-32, its record count) before anything
+of it is handed to the producer: a file missing, short or corrupt is a `TaskFileLostError`
+naming batch, part and path (the part is dropped with its marker, the next run writes it
+again from Kafka), never a silent skip.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import zlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from offsetflow.errors import TaskFileLostError
+
+FILE_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
+                         ("offset", pa.int64()), ("key", pa.binary()),
+                         ("value", pa.binary()), ("headers", pa.string()),
+                         ("ts", pa.int64())])
+
+
+def file_name(batch_id: int, part: int, attempt: str) -> str:
+    return f"b{batch_id}_p{part}_{attempt}.arrow"
+
+
+def batch_glob(batch_id: int) -> str:
+    """Every attempt's file of the batch (what cleanup drops)."""
+    return f"b{batch_id}_p*_*.arrow*"
+
+
+class _Crc:
+    """A sink for Arrow's writer that keeps the CRC-32 and size of what went through it."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.crc, self.size, self.closed = f, 0, 0, False
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data)
+        self.crc = zlib.crc32(mv, self.crc)
+        self.size += mv.nbytes
+        return int(self.f.write(mv))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class PartFile:
+    """One task attempt's file of one part, written as its records come."""
+
+    def __init__(self, directory: str, batch_id: int, part: int) -> None:
+        self.batch_id, self.part = batch_id, part
+        self.attempt = uuid.uuid4().hex[:12]
+        self.path = Path(directory) / file_name(batch_id, part, self.attempt)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/discard)
+        self._crc = _Crc(self._f)
+        self._w = ipc.new_file(pa.PythonFile(self._crc, mode="w"), FILE_SCHEMA)
+        self.records = 0
+
+    def write(self, records: pa.RecordBatch) -> None:
+        self._w.write_batch(records.select(FILE_SCHEMA.names).cast(FILE_SCHEMA))
+        self.records += records.num_rows
+
+    def close(self) -> dict[str, Any]:
+        """The file complete under its final name; the entry its part marker records."""
+        self._w.close()
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return {"path": str(self.path), "records": self.records, "bytes": self._crc.size,
+                "crc32": self._crc.crc, "attempt": self.attempt}
+
+    def discard(self) -> None:
+        """A failed attempt's file removed (a retry writes one of its own)."""
+        try:
+            self._f.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
+def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
+                   ) -> Iterator[pa.RecordBatch]:
+    """The records of the file a part's marker names, checked whole first (see the module
+    doc); a `TaskFileLostError` when the file is not the one the marker names."""
+    path = Path(str(entry["path"]))
+
+    def lost(why: str) -> TaskFileLostError:
+        return TaskFileLostError(batch_id, part, str(path), why)
+
+    try:
+        size, crc = 0, 0
+        with open(path, "rb") as f:  # checked in 1 MiB reads: a part is never held whole
+            while chunk := f.read(1 << 20):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+    except FileNotFoundError:
+        raise lost("it is missing") from None
+    except OSError as e:
+        raise lost(f"it cannot be read ({e})") from e
+    if size != int(entry["bytes"]):
+        raise lost(f"it holds {size} bytes, its marker {entry['bytes']} (short or "
+                   f"overwritten)")
+    if crc != int(entry["crc32"]):
+        raise lost("its CRC-32 is not its marker's (corrupt)")
+    with pa.memory_map(str(path)) as source:
+        try:
+            reader = ipc.open_file(source)
+            if reader.schema != FILE_SCHEMA:
+                raise lost(f"its schema is not a task file's ({reader.schema})")
+            n = reader.num_record_batches
+            records = sum(reader.get_batch(i).num_rows for i in range(n))  # mapped, no copy
+        except pa.ArrowInvalid as e:
+            raise lost(f"it is not a readable Arrow IPC file ({e})") from e
+        if records != int(entry["records"]):
+            raise lost(f"it holds {records} records, its marker {entry['records']}")
+        for i in range(n):
+            yield reader.get_batch(i)
+
+
+def check_directory(directory: str) -> None:
+    """The task-file directory exists and is writable here (the driver checks before any
+    task runs; the tasks write there, the driver reads there: on a multi-host cluster it
+    must be a path every host shares). Raises OSError naming it."""
+    p = Path(directory)
+    if not p.is_dir():
+        raise FileNotFoundError(f"the Kafka sink's task-file directory {directory} does not "
+                                f"exist")
+    probe = p / f".offsetflow-probe-{uuid.uuid4().hex[:8]}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def drop_batch_files(directory: str, batch_id: int) -> int:
+    """Every file of the batch's attempts removed (commit, abandon, cleanup); how many."""
+    n = 0
+    for f in Path(directory).glob(batch_glob(batch_id)):
+        f.unlink(missing_ok=True)
+        n += 1
+    return n

@@ -1,0 +1,95 @@
+"""The Kafka sink's task files: one attempt's records, read only as the marker names them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from offsetflow.errors import StagedRowsLostError, TaskFileLostError
+from offsetflow.sinks.kafka.taskfile import (
+    FILE_SCHEMA,
+    PartFile,
+    check_directory,
+    drop_batch_files,
+    read_part_file,
+)
+from offsetflow.sinks.kafka.values import json_values
+
+
+def _records(lo: int, n: int) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pydict({
+        "topic": ["src"] * n, "partition": [0] * n, "offset": list(range(lo, lo + n)),
+        "key": [f"k{i}".encode() for i in range(n)], "value": [b"{}"] * n,
+        "headers": [None] * n, "ts": [1_700_000_000_000] * n}, schema=FILE_SCHEMA)
+
+
+def _written(tmp_path: Path, part: int = 0) -> dict[str, object]:
+    f = PartFile(str(tmp_path), 7, part)
+    f.write(_records(0, 100))
+    f.write(_records(100, 50))
+    return f.close()
+
+
+def test_a_file_reads_back_as_written(tmp_path: Path) -> None:
+    entry = _written(tmp_path)
+    got = pa.Table.from_batches(list(read_part_file(7, 0, entry)))
+    assert got.column("offset").to_pylist() == list(range(150))
+    assert entry["records"] == 150 and Path(str(entry["path"])).name.startswith("b7_p0_")
+
+
+def test_two_attempts_of_one_part_write_two_files(tmp_path: Path) -> None:
+    a, b = _written(tmp_path), _written(tmp_path)
+    assert a["path"] != b["path"] and a["attempt"] != b["attempt"]
+    assert drop_batch_files(str(tmp_path), 7) == 2
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["missing", "short", "corrupt", "longer", "count"])
+def test_a_file_not_the_markers_is_a_clear_error(tmp_path: Path, damage: str) -> None:
+    entry = _written(tmp_path)
+    path = Path(str(entry["path"]))
+    data = path.read_bytes()
+    if damage == "missing":
+        path.unlink()
+    elif damage == "short":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "corrupt":
+        path.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif damage == "longer":
+        path.write_bytes(data + b"x")
+    else:  # the marker counts other records than the file holds
+        entry = {**entry, "records": 149}
+    with pytest.raises(TaskFileLostError) as e:
+        list(read_part_file(7, 0, entry))
+    assert isinstance(e.value, StagedRowsLostError) and e.value.parts == [0]
+    msg = str(e.value)
+    assert "batch 7" in msg and "part 0" in msg and str(path) in msg and "re-stages" in msg
+
+
+def test_a_failed_attempt_leaves_no_file(tmp_path: Path) -> None:
+    f = PartFile(str(tmp_path), 7, 1)
+    f.write(_records(0, 10))
+    f.discard()
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_directory_is_checked(tmp_path: Path) -> None:
+    check_directory(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_directory(str(tmp_path / "nowhere"))
+
+
+def test_values_not_built_in_the_task_are_left_to_postgresql() -> None:
+    """A type not built here, or a timestamp outside years 1-9999: None (the stage path)."""
+    b = pa.RecordBatch.from_pydict({"n": pa.array([1], pa.int64()),
+                                    "j": pa.array(['{"a": 1}'])})
+    assert json_values(b, ["n", "j"], {"n": "bigint", "j": "jsonb"}) is None
+    far = pa.array([datetime(1, 1, 1, tzinfo=UTC)], pa.timestamp("us", "UTC"))
+    b = pa.RecordBatch.from_arrays([pa.array([-62_135_596_800_000_001], pa.int64())
+                                    .cast(pa.timestamp("us", "UTC"))], names=["t"])
+    assert json_values(b, ["t"], {"t": "timestamptz"}) is None
+    ok = pa.RecordBatch.from_arrays([far], names=["t"])
+    assert json_values(ok, ["t"], {"t": "timestamptz"}) is not None
