@@ -93,8 +93,15 @@ def _column_json(col: pa.Array, pg_type: str) -> pa.Array | None:
         lo, hi = pc.min_max(us.cast(pa.int64())).values()
         if lo.is_valid and (lo.as_py() < _YEAR1_US or hi.as_py() >= _YEAR10000_US):
             return None
-        text = pc.strftime(us, "%Y-%m-%dT%H:%M:%S")  # %S: seconds with 6 decimals
-        text = pc.replace_substring_regex(text, r"(\.[0-9]*[1-9])0+$|\.0+$", r"\1")
+        # "YYYY-MM-DD HH:MM:SS.ffffff" (4-digit years: checked above), as PostgreSQL
+        # writes it: a T, the fraction without its trailing zeros, none when it is zero
+        # (slices and a trim: several times cheaper than strftime and a regex)
+        iso = us.cast(pa.timestamp("us")).cast(pa.string())
+        secs = pc.utf8_replace_slice(pc.utf8_slice_codeunits(iso, 0, 19), 10, 11, "T")
+        frac = pc.utf8_rtrim(pc.utf8_slice_codeunits(iso, 20, 26), characters="0")
+        text = pc.binary_join_element_wise(
+            secs, pc.if_else(pc.equal(frac, ""), "",
+                             pc.binary_join_element_wise(".", frac, "")), "")
         suffix = "+00:00\"" if pg_type == "timestamptz" else "\""
         quoted = pc.binary_join_element_wise("\"", text, suffix, "")
     else:  # date
@@ -102,7 +109,7 @@ def _column_json(col: pa.Array, pg_type: str) -> pa.Array | None:
         lo, hi = pc.min_max(d.cast(pa.int32())).values()
         if lo.is_valid and (lo.as_py() < _YEAR1_DAYS or hi.as_py() >= _YEAR10000_DAYS):
             return None
-        quoted = pc.binary_join_element_wise("\"", pc.strftime(d, "%Y-%m-%d"), "\"", "")
+        quoted = pc.binary_join_element_wise("\"", d.cast(pa.string()), "\"", "")
     return pc.fill_null(quoted.cast(pa.string()), "null")
 
 
