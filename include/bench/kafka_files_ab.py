@@ -6,9 +6,10 @@ driver's produce loop, for the three candidates, interleaved:
           stage part; the driver reads key/value/headers/timestamp back through a server-side
           cursor (`prefetched`, PostgreSQL building each value with `row_to_json`, the sink's
           own `parts_select_sql` under `OUTPUT_SETTINGS`);
-  files   candidate a: the task builds the finished value bytes (Arrow kernels,
-          `offsetflow.sinks.kafka.values`) and writes topic/partition/offset/key/value/
-          headers/timestamp to an Arrow IPC task file; the driver reads the file;
+  files   candidate a: the task builds the finished records (Arrow kernels,
+          `offsetflow.sinks.kafka.values.finished_records`) and writes them (topic,
+          partition, offset, key, value, headers, timestamp) to an Arrow IPC task file;
+          the driver reads the file;
   binary  candidate b: the task builds the same values and COPYs the finished records into a
           stage part; the driver reads them with `COPY ... TO STDOUT (FORMAT binary)`,
           parsed in Python.
@@ -40,14 +41,13 @@ from typing import Any
 
 import psycopg2
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from dataset import record
 from psycopg2 import sql
 
 from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql, record_key
 from offsetflow.sinks.kafka.stage import prefetched
-from offsetflow.sinks.kafka.values import json_values
+from offsetflow.sinks.kafka.values import finished_records
 from offsetflow.stage import pgcopy
 
 PAYLOAD = [("event_id", "text"), ("customer", "text"), ("amount", "double precision"),
@@ -135,12 +135,9 @@ def sink_cfg() -> Any:
 
 def finished(b: pa.RecordBatch) -> pa.RecordBatch:
     """The records as the produce loop needs them, built in the task."""
-    value = json_values(b, [c for c, _ in PAYLOAD], dict(STAGE))
-    assert value is not None
-    ts = pc.cast(pc.divide(pc.cast(b.column("timestamp"), pa.int64()), 1000), pa.int64())
-    return pa.RecordBatch.from_arrays(
-        [b.column("topic"), b.column("partition"), b.column("offset"), b.column("key"),
-         value, b.column("headers"), ts], names=[c for c, _ in FINISHED])
+    fb = finished_records(sink_cfg(), dict(STAGE), b)  # type: ignore[arg-type]
+    assert fb is not None
+    return fb
 
 
 def run_stage(data: list[pa.RecordBatch], task: Side, drv: Side, n: int) -> int:

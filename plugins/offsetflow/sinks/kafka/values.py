@@ -22,6 +22,10 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from offsetflow.config import KafkaSinkConfig
+from offsetflow.sinks.kafka.form import key_source, payload_columns
+from offsetflow.stage import stage_form
+
 # PostgreSQL type of a stage column -> how its JSON text is built here
 _INTS = frozenset({"smallint", "integer", "bigint"})
 _FLOATS = {"double precision": 15, "real": 6}  # fixed notation below 10**this
@@ -170,3 +174,56 @@ def _float_json(v: float, single: bool) -> str:
         return sign + "0." + "0" * (-exp10 - 1) + digits
     m = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
     return f"{sign}{m}e{'-' if exp10 < 0 else '+'}{abs(exp10):02d}"
+
+
+def finished_records(sink: KafkaSinkConfig, columns: Mapping[str, str],
+                     batch: pa.RecordBatch) -> pa.RecordBatch | None:
+    """A stage-form batch's records as the produce loop takes them (`taskfile.FILE_SCHEMA`),
+    each field as the sink's stage query (`form.select_sql`) gives it: the key's bytes (a
+    bytea as is, text as UTF-8, else its JSON scalar text), the value (JSON as
+    `json_values`, or the raw value column's bytes; a tombstone a NULL value), the
+    staged headers as JSON text when carried, the timestamp in epoch ms rounded half away
+    from zero (`(extract(epoch ...) * 1000)::bigint`). None: a column the sink reads is of
+    a type not built here (the stage path builds those records)."""
+    key_col, _ = key_source(sink, columns)
+    key = (pa.nulls(batch.num_rows, pa.binary()) if key_col is None
+           else _scalar_bytes(batch.column(key_col), columns[key_col]))
+    if sink.value_format == "raw":
+        value = _scalar_bytes(batch.column(sink.value_column), columns[sink.value_column])
+    else:
+        value = json_values(batch, list(sink.value_columns)
+                            or payload_columns(list(columns)), columns)
+    if key is None or value is None:
+        return None
+    if sink.headers == "carry" and "headers" in columns:
+        h = batch.column("headers")
+        headers = h.cast(pa.string()) if pa.types.is_string(h.type) else stage_form(
+            pa.RecordBatch.from_arrays([h], names=["headers"])).column(0)
+    else:
+        headers = pa.nulls(batch.num_rows, pa.string())
+    if columns.get("timestamp", "").startswith("timestamp"):
+        us = batch.column("timestamp").cast(pa.timestamp("us")).cast(pa.int64())
+        ms = pc.multiply(pc.sign(us), pc.divide(pc.add(pc.abs(us), 500), 1000))
+    else:
+        ms = pa.nulls(batch.num_rows, pa.int64())
+    return pa.RecordBatch.from_arrays(
+        [batch.column("topic").cast(pa.string()), batch.column("partition").cast(pa.int32()),
+         batch.column("offset").cast(pa.int64()), key, value, headers, ms.cast(pa.int64())],
+        names=["topic", "partition", "offset", "key", "value", "headers", "ts"])
+
+
+def _scalar_bytes(col: pa.Array, pg_type: str) -> pa.Array | None:
+    """A column as record bytes (`form._as_bytes`): bytea as is, text as UTF-8, else its JSON
+    scalar text without quotes (`to_json(x) #>> '{}'`); None: not built here."""
+    if pg_type == "bytea":
+        return col.cast(pa.binary())
+    if pg_type == "text":
+        return col.cast(pa.string()).cast(pa.binary())
+    text = _column_json(col, pg_type)
+    if text is None:
+        return None
+    # NULL stays NULL (not 'null'); a quoted scalar (a timestamp, a date, NaN) unquoted
+    text = pc.if_else(pc.is_null(col), pa.scalar(None, pa.string()), text)
+    unquoted = pc.utf8_slice_codeunits(text, 1, -1)
+    text = pc.if_else(pc.starts_with(text, "\""), unquoted, text)
+    return text.cast(pa.binary())

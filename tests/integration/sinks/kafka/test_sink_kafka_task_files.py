@@ -8,6 +8,7 @@ cases of every type built in the task, checked against the stack's PostgreSQL.""
 from __future__ import annotations
 
 import io
+import json
 import random
 from datetime import UTC, date, datetime
 from typing import Any
@@ -116,3 +117,91 @@ def test_task_built_json_values_are_row_to_json_byte_for_byte(
     assert not diffs, diffs[:5]
     assert got[-1] is None  # the tombstone stays one
     assert any('"NaN"' in (v or "") for v in got)
+
+
+def _raw_batch() -> tuple[pa.RecordBatch, dict[str, str]]:
+    """Rows as a task stages them (before stage form): headers nested, timestamps with
+    sub-millisecond fractions both sides of .5 ms and before 1970, a tombstone."""
+    n = 12
+    hdr = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+    us = [1_700_000_000_000_000 + d for d in (0, 499, 500, 501, 999, 1500)] + \
+         [-1_000_000 - d for d in (0, 499, 500, 501, 1500)] + [None]
+    cols: dict[str, tuple[pa.Array, str]] = {
+        "topic": (pa.array(["src"] * n), "text"),
+        "partition": (pa.array([0] * n, pa.int32()), "integer"),
+        "offset": (pa.array(range(n), pa.int64()), "bigint"),
+        "timestamp": (pa.array(us, pa.int64()).cast(pa.timestamp("us", "UTC")),
+                      "timestamptz"),
+        "key": (pa.array([b"\x00\xffk", None] * 6, pa.binary()), "bytea"),
+        "value": (pa.array([None if i == 3 else b"raw \xff" for i in range(n)], pa.binary()),
+                  "bytea"),
+        "headers": (pa.array([[{"key": "h", "value": b"\x01\x02"}, {"key": "n", "value": None}],
+                              None, []] * 4, hdr), "jsonb"),
+        "name": (pa.array(_column(TEXTS, n)), "text"),
+        "amount": (pa.array(_column(FLOATS, n), pa.float64()), "double precision"),
+        "at": (pa.array(_column(TIMES, n), pa.timestamp("us", "UTC")), "timestamptz"),
+        "n": (pa.array(_column([5, None, -3], n), pa.int64()), "bigint"),
+    }
+    return (pa.RecordBatch.from_arrays([a for a, _ in cols.values()], names=list(cols)),
+            {c: t for c, (_, t) in cols.items()})
+
+
+class _Cfg:
+    value_format = "json"
+    value_columns: tuple[str, ...] = ()
+    key_column: str | None = None
+    value_column = "value"
+    headers = "carry"
+
+
+@pytest.mark.parametrize("shape", ["json source key", "json key_column text",
+                                   "json key_column bigint", "json key_column timestamptz",
+                                   "json key_column double", "json value_columns",
+                                   "raw bytea", "raw text", "no headers"])
+def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
+                                                 shape: str) -> None:
+    """Every field the produce loop takes (key bytes, value, headers, timestamp) built in
+    the task equals what the sink's stage query gives for the same staged rows."""
+    from offsetflow.sinks.kafka.form import record_key
+    from offsetflow.sinks.kafka.values import finished_records
+    from offsetflow.stage import stage_form
+
+    raw, types = _raw_batch()
+    cfg = _Cfg()
+    cfg.key_column = {"json key_column text": "name", "json key_column bigint": "n",
+                      "json key_column timestamptz": "at",
+                      "json key_column double": "amount"}.get(shape)
+    if shape == "json value_columns":
+        cfg.value_columns = ("n", "name")
+    if shape.startswith("raw"):
+        cfg.value_format = "raw"
+        cfg.value_column = "value" if shape == "raw bytea" else "name"
+    if shape == "no headers":
+        cfg.headers = "none"
+    staged = stage_form(raw, hex_binary=False)
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn.cursor() as cur:
+            table = sql.Identifier(f"kr_{unique}")
+            cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
+                sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                for c, t in types.items())))
+            data = pgcopy.encode(staged, list(types.values()))
+            assert data is not None
+            cur.copy_expert(sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(table),
+                            io.BytesIO(data))
+            cur.execute(OUTPUT_SETTINGS)
+            cur.execute(parts_select_sql(cfg, types, [(table, None)]))  # type: ignore[arg-type]
+            want = [(t, p, o, record_key(k), None if v is None else
+                     v.encode() if isinstance(v, str) else bytes(v), h, ts)
+                    for t, p, o, k, v, h, ts in cur.fetchall()]
+        conn.rollback()
+    finally:
+        conn.close()
+    built = finished_records(cfg, types, staged)  # type: ignore[arg-type]
+    assert built is not None
+    got = [(r["topic"], r["partition"], r["offset"], r["key"], r["value"],
+            None if r["headers"] is None else json.loads(r["headers"]), r["ts"])
+           for r in built.to_pylist()]
+    diffs = [(w, g) for w, g in zip(want, got, strict=True) if w != g]
+    assert not diffs, diffs[:3]
