@@ -48,7 +48,8 @@ from offsetflow.config import parse_pipeline
 from offsetflow.config.schema import DEFAULT_MAX_OFFSETS_PER_TASK
 from offsetflow.sinks.kafka import KafkaTopicSink
 
-KEYS = ("wall_s", "driver_cpu_s", "read_stage_s", "commit_s", "kafka_overlap_s",
+KEYS = ("wall_s", "driver_cpu_s", "cpu_spark_s", "cpu_postgres_s", "cpu_kafka_s",
+        "read_stage_s", "commit_s", "kafka_overlap_s",
         "kafka_order_s", "kafka_extent_s", "kafka_read_wait_s",
         "kafka_produce_s", "kafka_flush_s", "kafka_commit_s")
 
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", default=None)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--task-files", default=None,
+                    help="DIR: `off` stages in PostgreSQL, `on` writes task files in DIR "
+                         "(the prototype `KafkaTopicSink.task_files_dir`)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("py4j", "offsetflow", "pyspark"):
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.before:
         passes["off"] = _before(Path(args.before)).KafkaTopicSink._produce_stage
         args.switch = f"before={args.before}"
+    elif args.task_files:
+        args.switch = f"task_files={args.task_files}"
     elif not isinstance(getattr(KafkaTopicSink, args.switch, None), bool):
         raise SystemExit(f"KafkaTopicSink has no switch {args.switch!r}")
     results: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in order[i % 2]:
             if args.before:
                 KafkaTopicSink._produce_stage = passes[mode]  # type: ignore[method-assign]
+            elif args.task_files:
+                KafkaTopicSink.task_files_dir = args.task_files if mode == "on" else None
             else:
                 setattr(KafkaTopicSink, args.switch, mode == "on")
             n += 1
@@ -107,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             if prof is not None:
                 prof.enable()
             cpu = time.process_time()  # the driver's Python process, all its threads
-            r = engines_kafka.offsetflow_kafka_run(spark, ds, f"ab_{mode}_{n}", ctx)
+            others = _cpu_by_kind()
+            r = engines_kafka.offsetflow_kafka_run(spark, ds, f"ab_{mode}_{os.getpid()}_{n}",
+                                                  ctx)
             cpu = time.process_time() - cpu
+            others = {k: round(v - others.get(k, 0.0), 2) for k, v in _cpu_by_kind().items()}
             if prof is not None:
                 prof.disable()
             row = {"wall_s": round(r["wall_s"], 3), "driver_cpu_s": round(cpu, 3),
+                   **{f"cpu_{k}_s": v for k, v in others.items()},
                    **{k: r["stages"].get(k, 0.0) for k in KEYS
-                      if k not in ("wall_s", "driver_cpu_s")}}
+                      if k not in ("wall_s", "driver_cpu_s") and not k.startswith("cpu_")}}
             logging.info("%s%s: %s (load %s)", mode, " (warm-up)" if i == 0 else "", row,
                          os.getloadavg())
             if i:
@@ -141,6 +153,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:<22}" + "".join(f"{summary[m][k]:>12.3f}" for m in summary))
     print("spark-builtin-kafka wall_s median:", builtin)
     return 0
+
+
+def _cpu_by_kind() -> dict[str, float]:
+    """CPU seconds so far (own + reaped children) of this process's descendants (Spark's
+    JVM and its Python workers: `spark`) and of the stack's PostgreSQL and Kafka."""
+    hz = os.sysconf("SC_CLK_TCK")
+    stack = os.environ.get("OFFSETFLOW_STACK_DIR", "/nonexistent")
+    procs: dict[int, tuple[int, float, str]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        procs[int(d.name)] = (int(stat[1]), sum(int(x) for x in stat[11:15]) / hz, cmd)
+    roots = {os.getpid(): "spark"}  # this process's descendants: the JVM, its workers
+    for pid, (_pp, _c, cmd) in procs.items():
+        if stack in cmd and cmd.split(" ", 1)[0].endswith("/postgres"):
+            roots[pid] = "postgres"  # the postmaster; its backends are its children
+        elif stack in cmd and "kafka.Kafka" in cmd:
+            roots[pid] = "kafka"
+    out = {"spark": 0.0, "postgres": 0.0, "kafka": 0.0}
+    for pid, (_ppid, cpu, _cmd) in procs.items():
+        if pid == os.getpid():
+            continue
+        up, seen = pid, 0
+        while up not in roots and up in procs and seen < 50:
+            up, seen = procs[up][0], seen + 1
+        if up in roots:
+            out[roots[up]] += cpu
+    return out
 
 
 def _before(path: Path) -> Any:

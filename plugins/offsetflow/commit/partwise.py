@@ -79,8 +79,9 @@ class PartwiseCommit(Step4):
         self.external: PartwiseSink | None = external
         # a PostgreSQL target: each part's rows are checked against its marker as it
         # moves; an external sink: the stage is counted against its markers, as
-        # `WholeStage` does (the sink counts what it wrote against them too)
-        self.scan = external is not None
+        # `WholeStage` does (the sink counts what it wrote against them too), unless the
+        # tasks wrote task files instead of the stage (`spec.task_files`, as `WholeStage`)
+        self.scan = external is not None and not self.spec.task_files
         self._moved_parts: set[int] = set()
         self._moved = Moved()  # step 4's counts, part by part
         self._finishing = 0.0  # when the last pass (c) began

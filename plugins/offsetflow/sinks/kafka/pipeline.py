@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import psycopg2.extensions
 
 from offsetflow.commit import CommitSpec
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
-from offsetflow.errors import RequestError
+from offsetflow.errors import KafkaSinkError, RequestError
 from offsetflow.ledger import Batch
 from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.base import Sink
+from offsetflow.sinks.kafka.form import key_source, payload_columns
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, output_topic, replay_target
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
+from offsetflow.sinks.kafka.taskfile import KafkaTaskFiles, check_directory
+from offsetflow.sinks.kafka.values import BUILT_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,38 @@ class KafkaPipelineSink(Sink):
         """Each stage part is produced into the batch's Kafka transaction as soon as its
         task staged it (`KafkaTopicSink.begin_parts`), unless switched off."""
         return KafkaTopicSink.overlap
+
+    @property
+    def tasks_write_files(self) -> bool:
+        """Prototype (`KafkaTopicSink.task_files_dir`, off by default): the tasks write
+        their parts' finished records to task files, the stage stays empty and the
+        commit counts the parts' markers, not the stage."""
+        return (KafkaTopicSink.task_files_dir is not None and not self.cfg.transform
+                and not self.cfg.quality_suite
+                and self.kafka.value_format in ("json", "raw"))
+
+    def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
+                   evolved: Sequence[str] = (),
+                   readers: Mapping[str, tuple[int, str] | None] | None = None) -> Any:
+        """The task files' writers (prototype, `tasks_write_files`): refused before the
+        read when a column the sink reads is of a type not built in the task."""
+        if not self.tasks_write_files:
+            return None
+        assert KafkaTopicSink.task_files_dir is not None
+        types = dict(columns)
+        wanted = ([self.kafka.value_column] if self.kafka.value_format == "raw" else
+                  list(self.kafka.value_columns) or payload_columns(list(types)))
+        key_col, _ = key_source(self.kafka, types)
+        unbuilt = [c for c in [*wanted, *([key_col] if key_col else [])]
+                   if types[c] not in BUILT_TYPES and not (
+                       c in (key_col, self.kafka.value_column) and types[c] == "bytea")]
+        if unbuilt:
+            raise KafkaSinkError(f"batch {batch.batch_id}: task files cannot build the "
+                                 f"records of columns {unbuilt} ({[types[c] for c in unbuilt]})"
+                                 f"; unset KafkaTopicSink.task_files_dir")
+        check_directory(KafkaTopicSink.task_files_dir)
+        return KafkaTaskFiles(KafkaTopicSink.task_files_dir, batch.batch_id, self.kafka,
+                              types)
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> KafkaTopicSink:

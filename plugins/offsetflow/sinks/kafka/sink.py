@@ -35,11 +35,12 @@ producer and its transaction (open, send offsets, commit, retry, abort, fence):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,7 @@ from offsetflow.sinks.kafka.order import ready as ready_segments
 from offsetflow.sinks.kafka.output_schema import pinned_encoder
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
+from offsetflow.sinks.kafka.taskfile import drop_batch_files
 from offsetflow.sinks.kafka.txn import (
     KAFKA_TIMEOUT_S,
     KafkaTransaction,
@@ -154,6 +156,14 @@ class KafkaTopicSink(KafkaTransaction):
     # produce each stage part while later ones are read (`begin_parts`; False: only after
     # the last task, as before; `KafkaPipelineSink.commits_partwise` follows it)
     overlap = True
+    # PROTOTYPE (issue 32, off by default; `include/bench/kafka_ab.py --switch` cannot set
+    # it: `--task-files DIR` does): a directory the driver and the tasks share; the tasks
+    # write each part's finished records to a task file there (`taskfile`) instead of the
+    # stage, the driver produces from the files. Not safe for use yet: the broker-refusal
+    # lookup, the dead letters of records not produced, the timestamp extent and
+    # `offsetflow complete` still read the (empty) stage; see docs/performance.md. Set by
+    # the tests and the bench (also through this variable, for a job run as a process)
+    task_files_dir: str | None = os.environ.get("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES") or None
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "") -> None:
@@ -468,7 +478,12 @@ class KafkaTopicSink(KafkaTransaction):
         self.settings = fresh
         self._ov.settings_changed = True
 
-    def _segments_query(self, batch: Batch, segs: Sequence[Segment]) -> sql.Composed:
+    def _segments_query(self, batch: Batch, segs: Sequence[Segment]
+                        ) -> sql.Composed | _FileParts:
+        if self.task_files_dir is not None:
+            entries = self._file_entries(batch, {g.part for g in segs})
+            if entries:
+                return _FileParts(batch.batch_id, list(segs), entries)
         return parts_select_sql(self.sink, self.columns, [
             (stage_part_table(batch.batch_id, g.part), None if g.alone else g.range)
             for g in segs])
@@ -609,6 +624,8 @@ class KafkaTopicSink(KafkaTransaction):
         self._open_txn = False
         self._phase("kafka_commit_s", t)
         _fault_point("kill_after_commit")
+        if self.task_files_dir is not None:  # the batch is in the topic: its files are done
+            drop_batch_files(self.task_files_dir, batch.batch_id)
         note_output_partitions(cur, batch, topic, len(md.partitions), not by_source)
         replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
@@ -690,9 +707,22 @@ class KafkaTopicSink(KafkaTransaction):
         self._txn_began = time.monotonic()
         return _Pass(bounds, int(time.time() * 1000))
 
+    def _file_entries(self, batch: Batch, parts: set[int]) -> dict[int, dict[str, Any]]:
+        """The task file each of `parts`' markers names (prototype: `task_files_dir`)."""
+        assert self.dsn
+        with contextlib.closing(psycopg2.connect(self.dsn)) as conn, conn.cursor() as c:
+            c.execute("""SELECT part, data_files FROM offsetflow.staged_parts
+                          WHERE batch_id = %s AND kind = 'rows' AND part = ANY(%s)
+                            AND data_files IS NOT NULL""", (batch.batch_id, sorted(parts)))
+            found = {int(part): files[0] for part, files in c.fetchall()}
+        if found and set(found) != parts:
+            raise KafkaSinkError(f"batch {batch.batch_id}: parts {sorted(parts - set(found))} "
+                                 f"have no task file but parts {sorted(found)} have")
+        return found
+
     def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
                       partitions: int, limit: int, largest: int, ps: _Pass,
-                      query: sql.Composable,
+                      query: sql.Composable | _FileParts,
                       refused: dict[tuple[str, int, int], NotProduced],
                       deadline: float | None = None) -> None:
         """The records of `query` (stage rows in source order) into pass `ps`'s transaction:
@@ -716,6 +746,7 @@ class KafkaTopicSink(KafkaTransaction):
         batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
                                                         str(batch.batch_id).encode())
         produce, fromhex = p.produce, bytes.fromhex
+        hex_keys = not isinstance(query, _FileParts)  # a task file's keys are bytes
         began = time.monotonic()
         waited = 0.0  # for the stage's rows (PostgreSQL building them)
         # source order per topic/partition, checked record by record: the last offset of
@@ -724,7 +755,7 @@ class KafkaTopicSink(KafkaTransaction):
         last = ps.last
         run_topic, run_part, run_off = "", -1, -1
         out_part, source_of = -1, ""  # the current run's output partition, header prefix
-        with contextlib.closing(prefetched(
+        with contextlib.closing(query.chunks() if isinstance(query, _FileParts) else prefetched(
                 cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}", query,
                 rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as fetches:
             chunks = iter(fetches)
@@ -759,7 +790,7 @@ class KafkaTopicSink(KafkaTransaction):
                     if refused and (s_topic, s_part, s_off) in refused:
                         skipped.append(refused[(s_topic, s_part, s_off)])
                         continue
-                    if key is not None:
+                    if key is not None and hex_keys:
                         key = fromhex(key)  # `record_key`, inlined
                     if value is not None and not text_value:
                         value = bytes(value)
@@ -864,6 +895,39 @@ class KafkaTopicSink(KafkaTransaction):
             f"never be produced ({rec.error(topic, limit)}); the transaction was aborted. "
             f"Set bad_records: dead_letter to route such records to the dead-letter table, "
             f"or raise the limits")
+
+
+@dataclass
+class _FileParts:
+    """Segments read from their parts' task files (prototype: `task_files_dir`), in the
+    order given, each filtered to its sub-range unless alone in its part; rows as the
+    stage query gives them but the key as bytes."""
+
+    batch_id: int
+    segs: list[Segment]
+    entries: dict[int, dict[str, Any]]
+
+    def chunks(self) -> Generator[list[tuple[Any, ...]], None, None]:
+        import pyarrow.compute as pc
+
+        from offsetflow.sinks.kafka.taskfile import read_part_file
+
+        loads = json.loads
+        for g in self.segs:
+            for rb in read_part_file(self.batch_id, g.part, self.entries[g.part]):
+                if not g.alone:
+                    r = g.range
+                    off = rb.column("offset")
+                    rb = rb.filter(pc.and_(
+                        pc.and_(pc.equal(rb.column("topic"), r.topic),
+                                pc.equal(rb.column("partition"), r.partition)),
+                        pc.and_(pc.greater_equal(off, r.from_offset),
+                                pc.less(off, r.until_offset))))
+                cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
+                hdrs = cols[5]
+                if any(h is not None for h in hdrs):
+                    cols[5] = [None if h is None else loads(h) for h in hdrs]
+                yield list(zip(*cols, strict=True))
 
 
 @dataclass

@@ -155,3 +155,43 @@ def drop_batch_files(directory: str, batch_id: int) -> int:
         f.unlink(missing_ok=True)
         n += 1
     return n
+
+
+class KafkaTaskFiles:
+    """What the tasks need to write their parts' task files (`Sink.task_files`): shipped
+    to each task (plain values), one `writer` per part attempt."""
+
+    def __init__(self, directory: str, batch_id: int, sink: Any,
+                 columns: Mapping[str, str]) -> None:
+        self.directory, self.batch_id = directory, batch_id
+        self.sink, self.columns = sink, dict(columns)
+
+    def writer(self, part: int) -> PartWriter:
+        return PartWriter(self, part)
+
+
+class PartWriter:
+    """`stage_rows`' `files` for a Kafka sink: every record of the part goes to its task
+    file, nothing to the stage (the marker lists the file: `close`)."""
+
+    def __init__(self, tf: KafkaTaskFiles, part: int) -> None:
+        self.tf = tf
+        self.file = PartFile(tf.directory, tf.batch_id, part)
+
+    def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+        from offsetflow.sinks.kafka.values import finished_records
+
+        records = finished_records(self.tf.sink, self.tf.columns, batch)
+        if records is None:  # checked before the read (`KafkaPipelineSink.task_files`)
+            self.file.discard()
+            raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.file.part} "
+                             f"cannot be built in the task (a timestamp outside years "
+                             f"1-9999?)")
+        self.file.write(records)
+        return batch, None
+
+    def take_unfit(self) -> list[dict[str, Any]]:
+        return []
+
+    def close(self) -> list[dict[str, Any]]:
+        return [self.file.close()]

@@ -11,6 +11,7 @@ import io
 import json
 import random
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg2
@@ -105,7 +106,7 @@ def test_task_built_json_values_are_row_to_json_byte_for_byte(
             cur.execute(OUTPUT_SETTINGS)
             sink = _Sink()
             sink.value_columns = tuple(payload)
-            cur.execute(parts_select_sql(sink, types, [(table, None)]))
+            cur.execute(parts_select_sql(sink, types, [(table, None)]))  # type: ignore[arg-type]
             want = [r[4] for r in cur.fetchall()]
         conn.rollback()
     finally:
@@ -205,3 +206,167 @@ def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
            for r in built.to_pylist()]
     diffs = [(w, g) for w, g in zip(want, got, strict=True) if w != g]
     assert not diffs, diffs[:3]
+
+
+# --- the prototype sink path (KafkaTopicSink.task_files_dir) on real services ------------
+
+
+@pytest.fixture
+def task_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The task files' directory, switched on for this test (driver and local executors
+    share this machine)."""
+    from offsetflow.sinks.kafka import KafkaTopicSink
+
+    d = tmp_path / "task-files"
+    d.mkdir()
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", str(d))
+    return d
+
+
+def test_a_batch_from_task_files_is_produced_once_whatever_other_attempts_left(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path) -> None:
+    """Files of other attempts of the batch's parts (a task killed after writing its file,
+    before its marker committed; a zombie) lie beside the ones the markers name: the driver
+    reads only those, the topic gets each record once, and the batch's files are gone
+    after the commit."""
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka.taskfile import FILE_SCHEMA, PartFile
+    from tests.tooling.kafka_case import make_case
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    for part in range(4):  # another attempt's complete files: every record twice
+        f = PartFile(str(task_dir), case.batch_id, part)
+        n = 50
+        f.write(pa.RecordBatch.from_pydict({
+            "topic": [case.src] * n, "partition": [part % 2] * n, "offset": list(range(n)),
+            "key": [b"zombie"] * n, "value": [b"{}"] * n, "headers": [None] * n,
+            "ts": [None] * n}, schema=FILE_SCHEMA))
+        f.close()
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
+
+
+def test_a_task_file_lost_under_the_pipeline_fails_the_batch_clearly_and_the_rerun_restages(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part's file truncated after its marker committed, before the driver read it:
+    the batch fails naming batch, part and file, nothing of it is visible to
+    read_committed, the part is dropped with its marker; the next run writes it again and
+    the topic gets each record once."""
+    from offsetflow.errors import TaskFileLostError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    real = taskfile.read_part_file
+    damaged: list[str] = []
+
+    def truncating(batch_id: int, part: int, entry: Any) -> Any:
+        if not damaged:
+            p = Path(str(entry["path"]))
+            p.write_bytes(p.read_bytes()[:100])
+            damaged.append(str(p))
+        return real(batch_id, part, entry)
+
+    monkeypatch.setattr(taskfile, "read_part_file", truncating)
+    with pytest.raises(TaskFileLostError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert f"batch {case.batch_id}" in msg and damaged[0] in msg and "re-stages" in msg, msg
+    assert read_topic(kafka_bootstrap, case.out) == []
+    assert case.status() != "committed"
+    monkeypatch.setattr(taskfile, "read_part_file", real)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
+
+
+@pytest.fixture
+def process_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+                 tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A batch of several parts per partition whose job, run as a process, writes task
+    files (the switch through its environment)."""
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setenv("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES", str(task_dir))
+    return make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+
+
+def _cut_idle_ledger_transactions(dsn: str) -> int:
+    conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                            WHERE application_name = 'offsetflow'
+                              AND state = 'idle in transaction'
+                              AND datname = current_database()""")
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
+    finally:
+        conn.close()
+
+
+def test_driver_killed_mid_overlap_from_task_files_the_retry_commits_once(
+        spark: Any, process_case: Any, task_dir: Path) -> None:
+    """The driver killed with parts of task files produced into its open transaction: the
+    retry (its tasks find the parts' markers: no file written again) produces the batch
+    once from the files the markers name."""
+    from offsetflow.job import run_batch
+    from tests.tooling import chaos
+    from tests.tooling.kafka_case import killed_at_end
+    from tests.tooling.topic_checker import read_topic
+
+    case = process_case
+    proc = case.start("pause_in_overlap")
+    with killed_at_end(proc):
+        case.wait_paused(proc)
+        chaos.wait_for(lambda: len(read_topic(case.bootstrap, case.out,
+                                              "read_uncommitted")) > 0,
+                       60, "the first part's records in the log")
+        assert read_topic(case.bootstrap, case.out, "read_committed") == []
+        assert list(task_dir.glob(f"b{case.batch_id}_p*.arrow"))
+        chaos.kill(proc)
+    assert case.status() != "committed"
+    assert run_batch(spark, case.cfg, case.batch_id, case.dsn).result.status == "committed"
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.aborted_in_log > 0
+    assert not list(task_dir.glob(f"b{case.batch_id}_p*.arrow"))
+
+
+def test_two_runs_of_a_task_file_batch_at_once_the_later_fences_the_earlier(
+        spark: Any, process_case: Any) -> None:
+    """The older run holds its transaction open mid-read, loses its ledger connection; a
+    newer run commits the batch from the task files; the older, resumed, is fenced and
+    commits nothing."""
+    from offsetflow.job import run_batch
+    from tests.tooling import chaos
+    from tests.tooling.kafka_case import RECORDS, killed_at_end
+    from tests.tooling.topic_checker import read_topic
+
+    case = process_case
+    older = case.start("pause_in_overlap")
+    with killed_at_end(older):
+        case.wait_paused(older)
+        chaos.wait_for(lambda: len(read_topic(case.bootstrap, case.out,
+                                              "read_uncommitted")) > 0,
+                       60, "the older run's first part in the log")
+        assert _cut_idle_ledger_transactions(case.dsn) >= 1
+        newer = run_batch(spark, case.cfg, case.batch_id, case.dsn)
+        assert newer.result.status == "committed"
+        case.resume()
+        older.wait(timeout=300)
+    out = case.output()
+    assert "committed by another run while this one was working" in out, out[-3000:]
+    assert case.status() == "committed"
+    v = case.verdict()
+    assert v.aborted_in_log > 0
+    assert v.in_log - v.aborted_in_log == RECORDS
