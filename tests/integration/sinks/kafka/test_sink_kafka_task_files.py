@@ -370,3 +370,39 @@ def test_two_runs_of_a_task_file_batch_at_once_the_later_fences_the_earlier(
     v = case.verdict()
     assert v.aborted_in_log > 0
     assert v.in_log - v.aborted_in_log == RECORDS
+
+
+def test_a_record_postgresql_would_refuse_is_a_bad_record_with_task_files_too(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path) -> None:
+    """A text field holding a NUL: PostgreSQL refuses it at the stage's COPY, so on the
+    stage path the record is a bad record (a dead letter). From task files it must be one
+    too, not a record with `\\u0000` in its value."""
+    from confluent_kafka import Producer
+
+    from offsetflow.job import run_batch
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    at: list[int] = []
+
+    def nul_record(src: str) -> None:
+        p = Producer({"bootstrap.servers": kafka_bootstrap})
+        p.produce(src, b'{"event_id":"nul\\u0000here","seq":1,"amount":1.5,"checksum":"c"}',
+                  partition=0, on_delivery=lambda err, msg: at.append(msg.offset()))
+        assert p.flush(30) == 0
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path, dead_letter=True,
+                     before_plan=nul_record)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert not [r for r in read_topic(kafka_bootstrap, case.out) if b"nul" in (r.value or b"")]
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT partition, \"offset\" FROM {}").format(
+                sql.Identifier(f"{case.name}_dead")))
+            assert (0, at[0]) in cur.fetchall()
+    finally:
+        conn.close()
+    case.verdict()  # the workload's records: once each
