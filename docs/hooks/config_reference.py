@@ -217,6 +217,12 @@ FIELDS: dict[str, Field] = {
     "sink.producer": F("sink.kafka.producer", "librdkafka producer overrides "
                        "(`transactional.id`, `enable.idempotence`, `bootstrap.servers` are "
                        "OffsetFlow's).", sinks=("kafka",)),
+    "sink.task_files": F("sink.kafka.task_files", "Prototype, off by default (issue 32): "
+                         "an absolute directory the driver and every executor reach; the "
+                         "tasks write each part's finished records to a task file there "
+                         "instead of the PostgreSQL stage, and the driver produces from "
+                         "them. See [the Kafka sink](sinks/kafka.md#task-files).",
+                         sinks=("kafka",)),
     # sink, type iceberg
     "sink.catalog.type": F("sink.iceberg.catalog_type", "Iceberg catalog type.",
                            sinks=("iceberg",)),

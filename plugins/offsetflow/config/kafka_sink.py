@@ -7,6 +7,7 @@ Pure, like `config_parse`, which calls it; the sink itself is `offsetflow.sinks.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +94,11 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         else:
             producer[str(k)] = r.resolve(str(v).lower() if isinstance(v, bool) else str(v),
                                          f"sink.producer.{k}")
+    task_files = r.string(sec, "task_files", "sink.")
+    if task_files is not None and r.ok("sink.task_files"):
+        why = task_files_problem(task_files)
+        if why:
+            r.fail("sink.task_files", why)
     return KafkaSinkConfig(
         topic=topics["topic"] or "", replay_topic=topics["replay_topic"],
         key_column=None if key_col is None else column("sink.key_column", key_col),
@@ -102,7 +108,24 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         partitioning=r.string(sec, "partitioning", "sink.", "key",
                               choices("sink.partitioning")) or "key",
         producer=producer, value_subject=r.string(sec, "value_subject", "sink."),
-        value_schema=r.string(sec, "value_schema", "sink."), registry=registry)
+        value_schema=r.string(sec, "value_schema", "sink."), registry=registry,
+        task_files=task_files)
+
+
+def task_files_problem(directory: str) -> str:
+    """Why `sink.task_files` cannot be the task files' directory here ("" if it can): an
+    absolute path (the executors resolve it, not the driver's working directory), an
+    existing directory, writable by this process (the driver checks it again before each
+    batch's read)."""
+    if not os.path.isabs(directory):
+        return (f"{directory!r} is not an absolute path: give a directory the driver and "
+                f"every executor reach under the same path")
+    if not os.path.isdir(directory):
+        return f"{directory} is not an existing directory: create it (on every host)"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (f"{directory} is not writable by this process (uid {os.getuid()}): the "
+                f"tasks write there and the driver drops the files")
+    return ""
 
 
 def _avro_settings(r: FieldReader, sec: Mapping[str, Any], value_format: str | None,

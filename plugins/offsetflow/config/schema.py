@@ -96,6 +96,10 @@ class KafkaSinkConfig:
     value_subject: str | None = None
     value_schema: str | None = None
     registry: SchemaRegistryConfig | None = field(default=None, repr=False)
+    # a directory the driver and every executor reach (absolute; None: off, the stage): the
+    # tasks write each part's finished records to a task file there and the driver
+    # produces from the files (issue 32, `offsetflow.sinks.kafka.taskfile`)
+    task_files: str | None = None
 
 
 @dataclass(frozen=True)
@@ -299,7 +303,7 @@ def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
     # not the registry's URL or credentials; the avro settings only when set (the
     # fingerprints of pipelines planned before them stay the same)
     return {k: v for k, v in asdict(sink).items()
-            if k not in ("producer", "replay_topic", "registry")
+            if k not in ("producer", "replay_topic", "registry", "task_files")
             and not (k in ("value_subject", "value_schema") and v is None)}
 
 

@@ -117,6 +117,7 @@ FIELDS: dict[str, Spec] = {
     "sink.headers": Spec("string", choices=("carry", "none"), sinks=("kafka",), env=True),
     "sink.partitioning": Spec("string", choices=("key", "source"), sinks=("kafka",), env=True),
     "sink.producer": S("mapping", sinks=("kafka",), nullable=True),
+    "sink.task_files": S("string", sinks=("kafka",), nullable=True, env=True),
     "sink.catalog": S("mapping", sinks=("iceberg",), nullable=True),
     "sink.partition_by": S("strings", sinks=("iceberg",), nullable=True),
     "sink.sort_by": S("strings", sinks=("iceberg",), nullable=True),

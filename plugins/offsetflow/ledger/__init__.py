@@ -22,6 +22,7 @@ from offsetflow.ledger.store import (
     stage_part_table,
     stage_table,
 )
+from offsetflow.ledger.task_files import drop_named_task_files
 from offsetflow.ledger.timing import Due, batch_stats
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "batch_stats",
     "connect",
     "dead_letter_stage_table",
+    "drop_named_task_files",
     "hold_run_lock",
     "ledger_identity",
     "lock_errors",

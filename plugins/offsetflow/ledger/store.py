@@ -25,6 +25,7 @@ from offsetflow.ledger.batch import OPEN_STATUSES, Batch
 from offsetflow.ledger.migrate import refuse_newer_ledger, upgrade
 from offsetflow.ledger.planning import PlanningQueries
 from offsetflow.ledger.session import connect
+from offsetflow.ledger.task_files import drop_named_task_files
 from offsetflow.ranges import OffsetRange, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,7 @@ class Ledger(PlanningQueries):
         # CASCADE: the part tables inherit from the stage table and go with it
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {} CASCADE").format(stage_table(batch_id)))
         cur.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(dead_letter_stage_table(batch_id)))
+        drop_named_task_files(cur, batch_id)  # a Kafka sink's tasks' files, with the markers
         cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s", (batch_id,))
         # markers of an attempt still running (a zombie) are refused from now on
         cur.execute("UPDATE offsetflow.batches SET stage_generation = stage_generation + 1 "

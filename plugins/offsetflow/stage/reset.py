@@ -22,6 +22,7 @@ from offsetflow.ledger import (
     Ledger,
     connect,
     dead_letter_stage_table,
+    drop_named_task_files,
     lock_timeout_s,
     stage_part_table,
     stage_table,
@@ -74,6 +75,7 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
             existing = [t for t in tables if table_exists(cur, t)]
             if existing:
                 cur.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(existing)))
+            drop_named_task_files(cur, batch_id, parts)  # a Kafka sink's, with the markers
             if parts is None:
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s",
                             (batch_id,))

@@ -186,11 +186,16 @@ def topic_settings(admin: AdminClient, batch: Batch, topic: str, timeout_s: floa
 def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
                        columns: Mapping[str, str], batch: Batch,
                        skipped: Sequence[NotProduced], topic: str, limit: int | None,
-                       stage_gone: bool = False) -> None:
+                       stage_gone: bool = False,
+                       records: Mapping[tuple[str, int, int],
+                                        tuple[bytes | None, bytes | None, int | None]]
+                       | None = None) -> None:
     """The left-out records, with their source key and value, into the dead-letter
     table in the ledger's transaction. `stage_gone` (`offsetflow complete`): the stage and
     the Kafka records are lost, so only what the commit's metadata names is left: their
-    coordinates and sizes, with an error saying the key and value are gone."""
+    coordinates and sizes, with an error saying the key and value are gone. `records`:
+    the batch's records are in task files, not the stage (`KafkaTopicSink.left_out`): each
+    left-out record's key, value and timestamp (ms) as built for the topic."""
     if not skipped:
         return
     if not (cfg.bad_records == "dead_letter" and cfg.dead_letter_table):
@@ -212,6 +217,30 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
                                o=arr([r.offset for r in skipped], "bigint"),
                                e=arr([r.error(topic, limit) + gone for r in skipped], "text"))
         dead_letters_from(cur, batch, cfg.dead_letter_table, src, [], sql.SQL("true"),
+                          sql.SQL("s.error"), "sink")
+        return
+    if records:
+        missing = [r for r in skipped if (r.topic, r.partition, r.offset) not in records]
+        if missing:
+            raise StagedRowsLostError(batch.batch_id, None, f"{len(missing)} records the "
+                                                            f"Kafka transaction left out are "
+                                                            f"not in the batch's task files "
+                                                            f"(first: {missing[0].topic}/"
+                                                            f"{missing[0].partition}/"
+                                                            f"{missing[0].offset})")
+        got = [records[(r.topic, r.partition, r.offset)] for r in skipped]
+        src = sql.SQL("unnest({t}, {p}, {o}, {k}, {v}, {ts}, {e}) AS s(topic, partition, "
+                      "\"offset\", key, value, ms, error)").format(
+            t=arr([r.topic for r in skipped], "text"),
+            p=arr([r.partition for r in skipped], "int"),
+            o=arr([r.offset for r in skipped], "bigint"),
+            k=arr([g[0] for g in got], "bytea"), v=arr([g[1] for g in got], "bytea"),
+            ts=arr([g[2] for g in got], "bigint"),
+            e=arr([r.error(topic, limit) for r in skipped], "text"))
+        src = sql.SQL("(SELECT topic, partition, \"offset\", key, value, error, "
+                      "to_timestamp(ms / 1000.0) AS \"timestamp\" FROM {}) s").format(src)
+        dead_letters_from(cur, batch, cfg.dead_letter_table, src,
+                          ["timestamp", "key", "value"], sql.SQL("true"),
                           sql.SQL("s.error"), "sink")
         return
     src = sql.SQL(

@@ -5,22 +5,24 @@ window there unless asked for again (`check_window_repeat`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psycopg2
 import psycopg2.extensions
 
 from offsetflow.commit import CommitSpec
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, RequestError
-from offsetflow.ledger import Batch
+from offsetflow.ledger import Batch, ledger_identity
 from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.base import Sink
 from offsetflow.sinks.kafka.form import key_source, payload_columns
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, output_topic, replay_target
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
-from offsetflow.sinks.kafka.taskfile import KafkaTaskFiles, check_directory
+from offsetflow.sinks.kafka.taskfile import KafkaTaskFiles, check_directory, drop_batch_files
 from offsetflow.sinks.kafka.values import BUILT_TYPES
 
 log = logging.getLogger(__name__)
@@ -47,22 +49,29 @@ class KafkaPipelineSink(Sink):
         return KafkaTopicSink.overlap
 
     @property
+    def files_dir(self) -> str | None:
+        """`sink.task_files` (prototype, off by default; `KafkaTopicSink.task_files_dir`
+        overrides it for the tests and the bench)."""
+        return KafkaTopicSink.task_files_dir or self.kafka.task_files
+
+    @property
     def tasks_write_files(self) -> bool:
-        """Prototype (`KafkaTopicSink.task_files_dir`, off by default): the tasks write
-        their parts' finished records to task files, the stage stays empty and the
-        commit counts the parts' markers, not the stage."""
-        return (KafkaTopicSink.task_files_dir is not None and not self.cfg.transform
+        """`sink.task_files`: the tasks write their parts' finished records to task files,
+        the stage stays empty and the commit counts the parts' markers, not the stage (not
+        with a transform, a quality suite or value_format avro: those read the stage)."""
+        return (self.files_dir is not None and not self.cfg.transform
                 and not self.cfg.quality_suite
                 and self.kafka.value_format in ("json", "raw"))
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
                    evolved: Sequence[str] = (),
                    readers: Mapping[str, tuple[int, str] | None] | None = None) -> Any:
-        """The task files' writers (prototype, `tasks_write_files`): refused before the
-        read when a column the sink reads is of a type not built in the task."""
-        if not self.tasks_write_files:
+        """The task files' writers (`tasks_write_files`), or None: the stage, also for a
+        batch with a column the sink reads of a type the task does not build (noted in the
+        log, decided before the read)."""
+        directory = self.files_dir
+        if not self.tasks_write_files or directory is None:
             return None
-        assert KafkaTopicSink.task_files_dir is not None
         types = dict(columns)
         wanted = ([self.kafka.value_column] if self.kafka.value_format == "raw" else
                   list(self.kafka.value_columns) or payload_columns(list(types)))
@@ -71,12 +80,29 @@ class KafkaPipelineSink(Sink):
                    if types[c] not in BUILT_TYPES and not (
                        c in (key_col, self.kafka.value_column) and types[c] == "bytea")]
         if unbuilt:
-            raise KafkaSinkError(f"batch {batch.batch_id}: task files cannot build the "
-                                 f"records of columns {unbuilt} ({[types[c] for c in unbuilt]})"
-                                 f"; unset KafkaTopicSink.task_files_dir")
-        check_directory(KafkaTopicSink.task_files_dir)
-        return KafkaTaskFiles(KafkaTopicSink.task_files_dir, batch.batch_id, self.kafka,
-                              types)
+            log.info("batch %d: staged in PostgreSQL, not in task files (sink.task_files): "
+                     "the tasks do not build records of columns %s (%s)", batch.batch_id,
+                     unbuilt, [types[c] for c in unbuilt])
+            return None
+        try:
+            check_directory(directory)
+        except OSError as e:
+            raise KafkaSinkError(f"batch {batch.batch_id}: sink.task_files {directory} "
+                                 f"cannot take the task files: {e}; create it (on every "
+                                 f"host), or unset sink.task_files") from e
+        return KafkaTaskFiles(directory, _ledger_id(dsn), batch.batch_id, self.kafka, types)
+
+    def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
+        """The batch's task files dropped once the ledger committed it (not at the Kafka
+        commit: a run that finds the batch in the topic reads its left-out records' dead
+        letters from them until the ledger holds it)."""
+        directory = self.files_dir
+        if directory is not None:
+            try:
+                drop_batch_files(directory, _ledger_id(dsn), batch.batch_id)
+            except OSError as e:
+                log.warning("batch %d: its task files in %s were not dropped: %s",
+                            batch.batch_id, directory, e)
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> KafkaTopicSink:
@@ -162,3 +188,9 @@ class KafkaPipelineSink(Sink):
     @property
     def live_topic(self) -> str | None:
         return self.kafka.topic
+
+
+def _ledger_id(dsn: str) -> str:
+    """The ledger's installation id: the task files' names start with it (`taskfile`)."""
+    with contextlib.closing(psycopg2.connect(dsn)) as conn, conn.cursor() as cur:
+        return ledger_identity(cur).installation_id

@@ -2,7 +2,7 @@
 `offsetflow.sinks.kafka.sink`; nothing here runs while records are produced).
 
 A delivery report carries the failed message's partition, key and value, but no headers
-(nor a timestamp), so `find_sources` scans the stage once more and finds each failed
+(nor a timestamp), so `find_sources` reads the batch's records once more and finds each failed
 message's source records by key and value digest. `judge` then tells a record refused for itself,
 which no run can produce as it is (over the topic's size limit alone in its record batch,
 a timestamp the topic refuses, a keyless record for a compacted topic: a `NotProduced` for
@@ -12,26 +12,21 @@ from errors no record causes (`refusal_error` names the record and the setting).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import psycopg2.extensions
 from confluent_kafka import KafkaError
 
 from offsetflow.config import KafkaSinkConfig
-from offsetflow.ledger import Batch, stage_table
+from offsetflow.ledger import Batch
 from offsetflow.sinks.kafka.form import (
     record_headers,
     record_key,
     record_size,
-    rows_per_fetch,
-    select_sql,
     value_digest,
 )
 from offsetflow.sinks.kafka.limits import TopicSettings
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, SOURCE_HEADER, NotProduced
-from offsetflow.sinks.kafka.stage import prefetched
 from offsetflow.sinks.kafka.txn import PURGED, Failed
 
 Coordinates = tuple[str, int, int]
@@ -49,49 +44,47 @@ def primary(failed: Iterable[Failed]) -> list[Failed]:
     return [f for f in failed if f.code not in PURGED]
 
 
-def find_sources(cur: psycopg2.extensions.cursor, batch: Batch, sink: KafkaSinkConfig,
-                 columns: Mapping[str, str], failed: Sequence[Failed],
-                 largest: int, encode: Callable[[str], bytes] | None = None
+def find_sources(records: Iterable[Sequence[tuple[Any, ...]]], batch: Batch,
+                 sink: KafkaSinkConfig, failed: Sequence[Failed],
+                 encode: Callable[[str], bytes] | None = None, hex_keys: bool = True
                  ) -> dict[Failed, list[Source]]:
     """Each failed message's source records (several when staged rows make identical
-    records, `judge` then tells them apart by their own size and timestamp): one scan of
-    the stage, as `select_sql` builds the records (`encode`: value_format avro's encoder,
-    so a value is compared as it was produced; one that does not encode was never)."""
+    records, `judge` then tells them apart by their own size and timestamp): one read of
+    the batch's records in chunks, as the produce loop reads them (`KafkaTopicSink.records`:
+    the stage as `select_sql` builds them, keys as hex text, or the task files, keys as
+    bytes: `hex_keys` False; `encode`: value_format avro's encoder, so a value is compared
+    as it was produced; one that does not encode was never)."""
     wanted: dict[tuple[bytes | None, bytes | None], list[Failed]] = {}
     for f in failed:
         wanted.setdefault((f.key, f.value), []).append(f)
     found: dict[Failed, list[Source]] = {f: [] for f in failed}
     by_source = sink.partitioning == "source"
-    query = select_sql(sink, columns, stage_table(batch.batch_id))
-    with contextlib.closing(prefetched(cur.connection,
-                                       f"offsetflow_sink_kafka_refused_{batch.batch_id}",
-                                       query, rows_per_fetch(largest, 16 * 2**20, 5_000))
-                            ) as chunks:
-        for chunk in chunks:
-            for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+    for chunk in records:
+        for s_topic, s_part, s_off, key, value, hdrs, ts in chunk:
+            if hex_keys:
                 key = record_key(key)
-                if value is not None and not isinstance(value, str):
-                    value = bytes(value)
-                elif value is not None and encode is not None:
-                    try:
-                        value = encode(value)
-                    except ValueError:  # ValueDoesNotFit: left out, never produced
-                        continue
-                hits = wanted.get((key, value_digest(value)))
-                if not hits:
+            if value is not None and not isinstance(value, str):
+                value = bytes(value)
+            elif value is not None and encode is not None:
+                try:
+                    value = encode(value)
+                except ValueError:  # ValueDoesNotFit: left out, never produced
                     continue
-                headers: list[tuple[str, Any]] = (
-                    [(BATCH_HEADER, str(batch.batch_id).encode()),
-                     (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
-                    if hdrs is None else
-                    record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
-                src: Source = ((s_topic, s_part, s_off), record_size(key, value, headers),
-                               ts, key is None)
-                for f in hits:
-                    # a failed message's report has no timestamp (-1) as a rule
-                    if (not by_source or f.partition == s_part) and (
-                            not ts or f.timestamp <= 0 or f.timestamp == ts):
-                        found[f].append(src)
+            hits = wanted.get((key, value_digest(value)))
+            if not hits:
+                continue
+            headers: list[tuple[str, Any]] = (
+                [(BATCH_HEADER, str(batch.batch_id).encode()),
+                 (SOURCE_HEADER, f"{s_topic}/{s_part}/{s_off}")]
+                if hdrs is None else
+                record_headers(batch.batch_id, s_topic, s_part, s_off, hdrs))
+            src: Source = ((s_topic, s_part, s_off), record_size(key, value, headers),
+                           ts, key is None)
+            for f in hits:
+                # a failed message's report has no timestamp (-1) as a rule
+                if (not by_source or f.partition == s_part) and (
+                        not ts or f.timestamp <= 0 or f.timestamp == ts):
+                    found[f].append(src)
     return found
 
 

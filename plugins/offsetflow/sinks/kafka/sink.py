@@ -40,12 +40,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psycopg2.extensions
+import pyarrow as pa
+import pyarrow.compute as pc
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient
@@ -61,7 +63,8 @@ from offsetflow.ledger import (
     stage_part_table,
     stage_table,
 )
-from offsetflow.ranges import split_ranges
+from offsetflow.ranges import OffsetRange, split_ranges
+from offsetflow.sinks.kafka import taskfile
 from offsetflow.sinks.kafka.avro_value import AvroValueEncoder, ValueDoesNotFit
 from offsetflow.sinks.kafka.form import (
     OUTPUT_SETTINGS,
@@ -99,7 +102,6 @@ from offsetflow.sinks.kafka.order import ready as ready_segments
 from offsetflow.sinks.kafka.output_schema import pinned_encoder
 from offsetflow.sinks.kafka.refusals import find_sources, judge, primary, refusal_error
 from offsetflow.sinks.kafka.stage import prefetched
-from offsetflow.sinks.kafka.taskfile import drop_batch_files
 from offsetflow.sinks.kafka.txn import (
     KAFKA_TIMEOUT_S,
     KafkaTransaction,
@@ -123,6 +125,9 @@ PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 CURSOR_ROWS = 5_000
+# a task file record's bytes besides its key, value and headers (topic name, partition,
+# offset, timestamp), as `stage_extent_sql` adds its fixed columns': an upper bound
+FILE_FIXED_BYTES = 320
 # driver memory for one fetch of staged rows (large records: fewer rows per fetch; up to
 # four fetches at once: one produced, two read ahead, one being read)
 FETCH_BYTES = 16 * 2**20
@@ -156,13 +161,9 @@ class KafkaTopicSink(KafkaTransaction):
     # produce each stage part while later ones are read (`begin_parts`; False: only after
     # the last task, as before; `KafkaPipelineSink.commits_partwise` follows it)
     overlap = True
-    # PROTOTYPE (issue 32, off by default; `include/bench/kafka_ab.py --switch` cannot set
-    # it: `--task-files DIR` does): a directory the driver and the tasks share; the tasks
-    # write each part's finished records to a task file there (`taskfile`) instead of the
-    # stage, the driver produces from the files. Not safe for use yet: the broker-refusal
-    # lookup, the dead letters of records not produced, the timestamp extent and
-    # `offsetflow complete` still read the (empty) stage; see docs/performance.md. Set by
-    # the tests and the bench (also through this variable, for a job run as a process)
+    # PROTOTYPE (issue 32): the tests' and the bench's override of `sink.task_files` (also
+    # through this variable, for a job run as a process; `include/bench/kafka_ab.py
+    # --task-files DIR`). The markers decide how a batch is read (`records`), not this
     task_files_dir: str | None = os.environ.get("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES") or None
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
@@ -232,7 +233,8 @@ class KafkaTopicSink(KafkaTransaction):
         # the records that transaction left out go to the dead-letter table as it did
         replace_window_dead_letters(cur, self.cfg, batch)
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
-                           stage_gone=self.stage_gone)
+                           stage_gone=self.stage_gone, records=None if self.stage_gone
+                           else self.left_out(cur, batch, skipped))
         if self.stage_gone:
             return _moved_from_record(batch, records_in(batch, mark, state), skipped)
         moved = Moved(rows=staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
@@ -375,7 +377,7 @@ class KafkaTopicSink(KafkaTransaction):
         try:
             self._produce_rows(cur, batch, ov.topic, len(ov.md.partitions), ov.limit,
                                largest, ov.pass_,
-                               self._segments_query(batch, [ov.plan[i] for i in ready]), {})
+                               self.records(cur, batch, [ov.plan[i] for i in ready]), {})
         except (PassAborted, _OutOfOrder) as e:  # `write`'s passes take it from here
             ov.pass_.error = e
             self._stop(batch, str(e))
@@ -478,15 +480,61 @@ class KafkaTopicSink(KafkaTransaction):
         self.settings = fresh
         self._ov.settings_changed = True
 
-    def _segments_query(self, batch: Batch, segs: Sequence[Segment]
-                        ) -> sql.Composed | _FileParts:
-        if self.task_files_dir is not None:
-            entries = self._file_entries(batch, {g.part for g in segs})
-            if entries:
-                return _FileParts(batch.batch_id, list(segs), entries)
+    def records(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                segs: Sequence[Segment] | None = None, *, ordered: bool = True
+                ) -> sql.Composed | _FileParts:
+        """The one way the sink reads a batch's records, whatever reads them (a produce
+        pass, its extent, the broker-refusal lookup, the dead letters of records not
+        produced): the task files its parts' markers name (`taskfile`, issue 32) when they
+        name files, else the stage; `segs`: those segments in that order, else the whole
+        batch (in source order when `ordered`). The markers decide, not the switch: a batch
+        whose tasks wrote files is read from them by any later run."""
+        entries = self._file_entries(cur, batch, None if segs is None else
+                                     {g.part for g in segs})
+        if entries:
+            return _FileParts(batch.batch_id, sorted((p, None) for p in entries)
+                              if segs is None else
+                              [(g.part, None if g.alone else g.range) for g in segs],
+                              entries, ordered and segs is None)
+        if segs is None:
+            return select_sql(self.sink, self.columns, stage_table(batch.batch_id))
         return parts_select_sql(self.sink, self.columns, [
             (stage_part_table(batch.batch_id, g.part), None if g.alone else g.range)
             for g in segs])
+
+    def extent(self, cur: psycopg2.extensions.cursor, batch: Batch
+               ) -> tuple[int, int | None, int | None]:
+        """The batch's largest record (bytes, an upper bound) and earliest and latest
+        timestamp (epoch ms; None when its records have none), read where `records`
+        reads them."""
+        src = self.records(cur, batch, ordered=False)
+        if isinstance(src, _FileParts):
+            return src.extent()
+        cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
+        row = cur.fetchone() or (0, None, None)
+        return int(row[0] or 0), row[1], row[2]
+
+    def chunks(self, cur: psycopg2.extensions.cursor, batch: Batch,
+               src: sql.Composable | _FileParts, name: str, rows: int
+               ) -> Generator[list[tuple[Any, ...]], None, None]:
+        """`src`'s rows in chunks: topic, partition, offset, key (hex text from the stage,
+        bytes from a file: `_FileParts`), value, headers, timestamp (ms)."""
+        if isinstance(src, _FileParts):
+            return src.chunks()
+        return prefetched(cur.connection, f"{name}_{batch.batch_id}", src, rows)
+
+    def left_out(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                 skipped: Sequence[NotProduced]
+                 ) -> dict[tuple[str, int, int], tuple[bytes | None, bytes | None, int | None]]:
+        """The key, value and timestamp of records not produced, from the task files (for
+        their dead letters); empty when the batch's records are in the stage (the dead
+        letters are copied from it there)."""
+        if not skipped:
+            return {}
+        src = self.records(cur, batch, ordered=False)
+        if not isinstance(src, _FileParts):
+            return {}
+        return src.rows_at({(r.topic, r.partition, r.offset) for r in skipped})
 
     # --- the transaction's records -----------------------------------------------
 
@@ -507,8 +555,7 @@ class KafkaTopicSink(KafkaTransaction):
             the stage, not needed by the overlap's pass going on (it measured its parts)."""
             if not extent:
                 t = time.monotonic()
-                cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
-                extent.extend(cur.fetchone() or (0, None, None))
+                extent.extend(self.extent(cur, batch))
                 self._phase("kafka_extent_s", t)
             return int(extent[0] or 0), extent[1], extent[2]
 
@@ -546,7 +593,7 @@ class KafkaTopicSink(KafkaTransaction):
                         t = time.monotonic()
                         self._produce_rows(cur, batch, topic, len(md.partitions), limit,
                                            self._largest_in(cur, batch, left), ps,
-                                           self._segments_query(batch, left), refused,
+                                           self.records(cur, batch, left), refused,
                                            deadline=self._txn_began + REMAINDER_SHARE
                                            * self._txn_timeout_ms / 1000)
                         self._phase("kafka_produce_s", t)
@@ -624,11 +671,10 @@ class KafkaTopicSink(KafkaTransaction):
         self._open_txn = False
         self._phase("kafka_commit_s", t)
         _fault_point("kill_after_commit")
-        if self.task_files_dir is not None:  # the batch is in the topic: its files are done
-            drop_batch_files(self.task_files_dir, batch.batch_id)
         note_output_partitions(cur, batch, topic, len(md.partitions), not by_source)
         replace_window_dead_letters(cur, self.cfg, batch)
-        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit)
+        route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, limit,
+                           records=self.left_out(cur, batch, skipped))
         moved = Moved(rows=produced, dead=len(skipped), timings=dict(self.phases))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
@@ -686,8 +732,7 @@ class KafkaTopicSink(KafkaTransaction):
         purged records' reports nor a sequence number the refused ones spent reach the
         next pass) and the next passes read the stage sorted."""
         ps = self._begin_pass(batch, bounds)
-        query = (select_sql(self.sink, self.columns, stage_table(batch.batch_id))
-                 if self._unsorted is None else self._segments_query(batch, self._unsorted))
+        query = self.records(cur, batch, self._unsorted)
         self._produce_rows(cur, batch, topic, partitions, limit, largest, ps, query, refused)
         return ps.produced, ps.skipped
 
@@ -707,15 +752,26 @@ class KafkaTopicSink(KafkaTransaction):
         self._txn_began = time.monotonic()
         return _Pass(bounds, int(time.time() * 1000))
 
-    def _file_entries(self, batch: Batch, parts: set[int]) -> dict[int, dict[str, Any]]:
-        """The task file each of `parts`' markers names (prototype: `task_files_dir`)."""
-        assert self.dsn
-        with contextlib.closing(psycopg2.connect(self.dsn)) as conn, conn.cursor() as c:
+    def _file_entries(self, cur: psycopg2.extensions.cursor, batch: Batch,
+                      parts: set[int] | None) -> dict[int, dict[str, Any]]:
+        """The task file each of `parts`' markers names (None: every part's): empty when
+        the batch's tasks wrote the stage."""
+        # the markers a task committed while this transaction reads: a cursor of its own
+        # (`cur` is the ledger's, its snapshot may predate them)
+        with contextlib.closing(psycopg2.connect(self.dsn)) if self.dsn else (
+                contextlib.nullcontext(cur.connection)) as conn, conn.cursor() as c:
             c.execute("""SELECT part, data_files FROM offsetflow.staged_parts
-                          WHERE batch_id = %s AND kind = 'rows' AND part = ANY(%s)
-                            AND data_files IS NOT NULL""", (batch.batch_id, sorted(parts)))
+                          WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL
+                            AND (%s::int[] IS NULL OR part = ANY(%s::int[]))""",
+                      (batch.batch_id, None if parts is None else sorted(parts),
+                       None if parts is None else sorted(parts)))
             found = {int(part): files[0] for part, files in c.fetchall()}
-        if found and set(found) != parts:
+            if parts is None and found:  # every part of the batch must name its file
+                c.execute("""SELECT array_agg(part) FROM offsetflow.staged_parts
+                              WHERE batch_id = %s AND kind = 'rows'""", (batch.batch_id,))
+                row = c.fetchone()
+                parts = set(row[0] or []) if row else set()
+        if found and parts is not None and set(found) != parts:
             raise KafkaSinkError(f"batch {batch.batch_id}: parts {sorted(parts - set(found))} "
                                  f"have no task file but parts {sorted(found)} have")
         return found
@@ -755,8 +811,8 @@ class KafkaTopicSink(KafkaTransaction):
         last = ps.last
         run_topic, run_part, run_off = "", -1, -1
         out_part, source_of = -1, ""  # the current run's output partition, header prefix
-        with contextlib.closing(query.chunks() if isinstance(query, _FileParts) else prefetched(
-                cur.connection, f"offsetflow_sink_kafka_{batch.batch_id}", query,
+        with contextlib.closing(self.chunks(
+                cur, batch, query, "offsetflow_sink_kafka",
                 rows_per_fetch(largest, FETCH_BYTES, CURSOR_ROWS))) as fetches:
             chunks = iter(fetches)
             while True:
@@ -860,8 +916,13 @@ class KafkaTopicSink(KafkaTransaction):
             raise KafkaSinkError(f"batch {batch.batch_id}: producing to {topic} failed "
                                  f"({self._failed[0].reason}); "
                                  f"{self._timed_out() or 'the transaction was aborted'}")
-        found = find_sources(cur, batch, self.sink, self.columns, failed, largest,
-                             None if self.encoder is None else self.encoder.encode)
+        src = self.records(cur, batch, ordered=False)
+        with contextlib.closing(self.chunks(cur, batch, src, "offsetflow_sink_kafka_refused",
+                                            rows_per_fetch(largest, 16 * 2**20, 5_000))
+                                ) as chunks:
+            found = find_sources(chunks, batch, self.sink, failed,
+                                 None if self.encoder is None else self.encoder.encode,
+                                 hex_keys=not isinstance(src, _FileParts))
         now = int(time.time() * 1000)
         # the broker checked each timestamp at some point of the pass, on its clock
         bounds = self.settings.timestamp_bounds(
@@ -899,35 +960,68 @@ class KafkaTopicSink(KafkaTransaction):
 
 @dataclass
 class _FileParts:
-    """Segments read from their parts' task files (prototype: `task_files_dir`), in the
-    order given, each filtered to its sub-range unless alone in its part; rows as the
-    stage query gives them but the key as bytes."""
+    """A batch's records read from its parts' task files (`KafkaTopicSink.records`): the
+    parts in the order given, each filtered to its sub-range when one is given; rows as the
+    stage query gives them but the key as bytes. `ordered`: the whole batch sorted into
+    source order (the sorted read: held in memory, as the stage's sort would spill)."""
 
     batch_id: int
-    segs: list[Segment]
+    parts: list[tuple[int, OffsetRange | None]]
     entries: dict[int, dict[str, Any]]
+    ordered: bool = False
 
-    def chunks(self) -> Generator[list[tuple[Any, ...]], None, None]:
-        import pyarrow.compute as pc
-
-        from offsetflow.sinks.kafka.taskfile import read_part_file
-
-        loads = json.loads
-        for g in self.segs:
-            for rb in read_part_file(self.batch_id, g.part, self.entries[g.part]):
-                if not g.alone:
-                    r = g.range
+    def batches(self) -> Iterator[pa.RecordBatch]:
+        for part, r in self.parts:
+            for rb in taskfile.read_part_file(self.batch_id, part, self.entries[part]):
+                if r is not None:
                     off = rb.column("offset")
                     rb = rb.filter(pc.and_(
                         pc.and_(pc.equal(rb.column("topic"), r.topic),
                                 pc.equal(rb.column("partition"), r.partition)),
                         pc.and_(pc.greater_equal(off, r.from_offset),
                                 pc.less(off, r.until_offset))))
-                cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
-                hdrs = cols[5]
-                if any(h is not None for h in hdrs):
-                    cols[5] = [None if h is None else loads(h) for h in hdrs]
-                yield list(zip(*cols, strict=True))
+                yield rb
+
+    def chunks(self) -> Generator[list[tuple[Any, ...]], None, None]:
+        loads = json.loads
+        src: Iterable[pa.RecordBatch] = self.batches()
+        if self.ordered:
+            src = pa.Table.from_batches(list(src), taskfile.FILE_SCHEMA).sort_by(
+                [("topic", "ascending"), ("partition", "ascending"),
+                 ("offset", "ascending")]).to_batches(max_chunksize=CURSOR_ROWS)
+        for rb in src:
+            cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
+            hdrs = cols[5]
+            if any(h is not None for h in hdrs):
+                cols[5] = [None if h is None else loads(h) for h in hdrs]
+            yield list(zip(*cols, strict=True))
+
+    def extent(self) -> tuple[int, int | None, int | None]:
+        """As `stage_extent_sql`: the largest record's key, value and headers bytes (plus
+        the fixed columns), the earliest and latest timestamp."""
+        largest, lo, hi = 0, None, None
+        for rb in self.batches():
+            if not rb.num_rows:
+                continue
+            size = pc.add(pc.add(pc.fill_null(pc.binary_length(rb.column("key")), 0),
+                                 pc.fill_null(pc.binary_length(rb.column("value")), 0)),
+                          pc.fill_null(pc.binary_length(rb.column("headers")), 0))
+            largest = max(largest, int(pc.max(size).as_py() or 0))
+            t_lo, t_hi = pc.min_max(rb.column("ts")).values()
+            if t_lo.is_valid:
+                lo = t_lo.as_py() if lo is None else min(lo, t_lo.as_py())
+                hi = t_hi.as_py() if hi is None else max(hi, t_hi.as_py())
+        return largest + FILE_FIXED_BYTES, lo, hi
+
+    def rows_at(self, coords: set[tuple[str, int, int]]
+                ) -> dict[tuple[str, int, int], tuple[bytes | None, bytes | None, int | None]]:
+        """The key, value and timestamp of the records at `coords`."""
+        out = {}
+        for chunk in self.chunks():
+            for s_topic, s_part, s_off, key, value, _h, ts in chunk:
+                if (s_topic, s_part, s_off) in coords:
+                    out[(s_topic, s_part, s_off)] = (key, value, ts)
+        return out
 
 
 @dataclass

@@ -33,13 +33,17 @@ FILE_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
                          ("ts", pa.int64())])
 
 
-def file_name(batch_id: int, part: int, attempt: str) -> str:
-    return f"b{batch_id}_p{part}_{attempt}.arrow"
+def file_name(ledger: str, batch_id: int, part: int, attempt: str) -> str:
+    """`ledger`: the ledger's installation id (`offsetflow.ledger.ledger_identity`), so
+    pipelines of two ledgers sharing a directory (their batch ids repeat) never name, read
+    or drop each other's files; batch ids are unique within a ledger. The attempt comes
+    last: the ledger drops a part's every attempt by it (`drop_named_task_files`)."""
+    return f"{ledger}_b{batch_id}_p{part}_{attempt}.arrow"
 
 
-def batch_glob(batch_id: int) -> str:
+def batch_glob(ledger: str, batch_id: int) -> str:
     """Every attempt's file of the batch (what cleanup drops)."""
-    return f"b{batch_id}_p*_*.arrow*"
+    return f"{ledger}_b{batch_id}_p*_*.arrow*"
 
 
 class _Crc:
@@ -64,10 +68,10 @@ class _Crc:
 class PartFile:
     """One task attempt's file of one part, written as its records come."""
 
-    def __init__(self, directory: str, batch_id: int, part: int) -> None:
+    def __init__(self, directory: str, ledger: str, batch_id: int, part: int) -> None:
         self.batch_id, self.part = batch_id, part
         self.attempt = uuid.uuid4().hex[:12]
-        self.path = Path(directory) / file_name(batch_id, part, self.attempt)
+        self.path = Path(directory) / file_name(ledger, batch_id, part, self.attempt)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
         self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/discard)
         self._crc = _Crc(self._f)
@@ -148,10 +152,10 @@ def check_directory(directory: str) -> None:
     probe.unlink()
 
 
-def drop_batch_files(directory: str, batch_id: int) -> int:
-    """Every file of the batch's attempts removed (commit, abandon, cleanup); how many."""
+def drop_batch_files(directory: str, ledger: str, batch_id: int) -> int:
+    """Every file of the batch's attempts removed (after the commit); how many."""
     n = 0
-    for f in Path(directory).glob(batch_glob(batch_id)):
+    for f in Path(directory).glob(batch_glob(ledger, batch_id)):
         f.unlink(missing_ok=True)
         n += 1
     return n
@@ -161,9 +165,9 @@ class KafkaTaskFiles:
     """What the tasks need to write their parts' task files (`Sink.task_files`): shipped
     to each task (plain values), one `writer` per part attempt."""
 
-    def __init__(self, directory: str, batch_id: int, sink: Any,
+    def __init__(self, directory: str, ledger: str, batch_id: int, sink: Any,
                  columns: Mapping[str, str]) -> None:
-        self.directory, self.batch_id = directory, batch_id
+        self.directory, self.ledger, self.batch_id = directory, ledger, batch_id
         self.sink, self.columns = sink, dict(columns)
 
     def writer(self, part: int) -> PartWriter:
@@ -176,7 +180,7 @@ class PartWriter:
 
     def __init__(self, tf: KafkaTaskFiles, part: int) -> None:
         self.tf = tf
-        self.file = PartFile(tf.directory, tf.batch_id, part)
+        self.file = PartFile(tf.directory, tf.ledger, tf.batch_id, part)
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         from offsetflow.sinks.kafka.values import finished_records

@@ -211,6 +211,17 @@ def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
 # --- the prototype sink path (KafkaTopicSink.task_files_dir) on real services ------------
 
 
+def _ledger_id(dsn: str) -> str:
+    from offsetflow.ledger import ledger_identity
+
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            return ledger_identity(cur).installation_id
+    finally:
+        conn.close()
+
+
 @pytest.fixture
 def task_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The task files' directory, switched on for this test (driver and local executors
@@ -235,19 +246,23 @@ def test_a_batch_from_task_files_is_produced_once_whatever_other_attempts_left(
     from tests.tooling.kafka_case import make_case
 
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
-    for part in range(4):  # another attempt's complete files: every record twice
-        f = PartFile(str(task_dir), case.batch_id, part)
-        n = 50
-        f.write(pa.RecordBatch.from_pydict({
-            "topic": [case.src] * n, "partition": [part % 2] * n, "offset": list(range(n)),
-            "key": [b"zombie"] * n, "value": [b"{}"] * n, "headers": [None] * n,
-            "ts": [None] * n}, schema=FILE_SCHEMA))
-        f.close()
+    others = []
+    # another attempt's complete files (every record twice), and another ledger's batch of
+    # the same id in the same directory (batch ids repeat across ledgers)
+    for ledger in (_ledger_id(pg_dsn), "anotherledger"):
+        for part in range(4):
+            f = PartFile(str(task_dir), ledger, case.batch_id, part)
+            n = 50
+            f.write(pa.RecordBatch.from_pydict({
+                "topic": [case.src] * n, "partition": [part % 2] * n,
+                "offset": list(range(n)), "key": [b"zombie"] * n, "value": [b"{}"] * n,
+                "headers": [None] * n, "ts": [None] * n}, schema=FILE_SCHEMA))
+            others.append(Path(str(f.close()["path"])))
     rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.visible == v.committed.found, v
-    assert not list(task_dir.iterdir())
+    assert sorted(task_dir.iterdir()) == sorted(others[4:])  # the other ledger's stay
 
 
 def test_a_task_file_lost_under_the_pipeline_fails_the_batch_clearly_and_the_rerun_restages(
@@ -333,13 +348,13 @@ def test_driver_killed_mid_overlap_from_task_files_the_retry_commits_once(
                                               "read_uncommitted")) > 0,
                        60, "the first part's records in the log")
         assert read_topic(case.bootstrap, case.out, "read_committed") == []
-        assert list(task_dir.glob(f"b{case.batch_id}_p*.arrow"))
+        assert list(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
         chaos.kill(proc)
     assert case.status() != "committed"
     assert run_batch(spark, case.cfg, case.batch_id, case.dsn).result.status == "committed"
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.aborted_in_log > 0
-    assert not list(task_dir.glob(f"b{case.batch_id}_p*.arrow"))
+    assert not list(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
 
 
 def test_two_runs_of_a_task_file_batch_at_once_the_later_fences_the_earlier(
@@ -406,3 +421,132 @@ def test_a_record_postgresql_would_refuse_is_a_bad_record_with_task_files_too(
     finally:
         conn.close()
     case.verdict()  # the workload's records: once each
+
+
+_BIG = "x" * 30_000
+
+
+def _too_large_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+                    tmp_path: Path) -> tuple[Any, list[int]]:
+    """A batch with one record over its output topic's max.message.bytes (partition 1 at
+    the offset returned), dead letters on."""
+    from confluent_kafka import Producer
+
+    from tests.tooling.kafka_case import make_case
+
+    at: list[int] = []
+
+    def large_record(src: str) -> None:
+        p = Producer({"bootstrap.servers": kafka_bootstrap})
+        p.produce(src, json.dumps({"event_id": "big", "seq": 1, "amount": 1.5,
+                                   "checksum": _BIG}).encode(),
+                  partition=1, on_delivery=lambda err, msg: at.append(msg.offset()))
+        assert p.flush(30) == 0
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path, dead_letter=True,
+                     out_config={"max.message.bytes": "20000"}, before_plan=large_record)
+    return case, at
+
+
+def _check_too_large_dead_letter(case: Any, pg_dsn: str, kafka_bootstrap: str,
+                                 at: list[int], task_dir: Path) -> None:
+    from tests.tooling.topic_checker import read_topic
+
+    assert not [r for r in read_topic(kafka_bootstrap, case.out) if r.key == b"big"]
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT partition, \"offset\", key, value, error FROM {}"
+                                ).format(sql.Identifier(f"{case.name}_dead")))
+            dead = {(p, o): (bytes(k), bytes(v), e) for p, o, k, v, e in cur.fetchall()}
+    finally:
+        conn.close()
+    assert list(dead) == [(1, at[0])], dead
+    key, value, error = dead[(1, at[0])]
+    assert key == b"big" and _BIG.encode() in value, (key, value[:80])
+    assert "max.message.bytes" in error, error
+    assert not list(task_dir.iterdir())
+    case.verdict()  # the workload's records: once each
+
+
+def test_a_record_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_once(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path) -> None:
+    """A record over the output topic's max.message.bytes, from task files: the sink reads
+    its size (and the batch's timestamps) from the files as it would from the stage, leaves
+    it out and routes it to the dead-letter table with its key and value read from its part's
+    file; the rest is produced once and the batch's files are gone."""
+    from offsetflow.job import run_batch
+
+    case, at = _too_large_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    _check_too_large_dead_letter(case, pg_dsn, kafka_bootstrap, at, task_dir)
+
+
+def test_killed_after_the_kafka_commit_the_rerun_routes_the_left_out_record_from_the_files(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job killed after its Kafka transaction committed, before the ledger's: the
+    re-run finds the batch in the topic and routes the record it left out to the dead-letter
+    table from the task files, which stay until the ledger commits (then dropped)."""
+    from offsetflow.job import run_batch
+    from tests.tooling.kafka_case import killed_at_end
+
+    monkeypatch.setenv("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES", str(task_dir))
+    case, at = _too_large_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    assert case.status() != "committed"
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    _check_too_large_dead_letter(case, pg_dsn, kafka_bootstrap, at, task_dir)
+
+
+def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pipelines write task files to one directory and fail before their commit (the
+    files and markers stay): abandoning one drops its batch's files with its stage, never
+    the other's; a part dropped for re-staging drops its attempts' files; the other's
+    re-run produces from its own files, once, and leaves none."""
+    from offsetflow.cli import main as cli
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from offsetflow.stage import forget_parts
+    from tests.tooling.kafka_case import make_case
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}a", tmp_path / "a")
+    b = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}b", tmp_path / "b")
+    real = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    for case in (a, b):
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    monkeypatch.setattr(taskfile, "read_part_file", real)
+
+    def files(batch_id: int) -> list[Path]:
+        return sorted(task_dir.glob(f"*_b{batch_id}_p*"))
+
+    a_files, b_files = files(a.batch_id), files(b.batch_id)
+    assert a_files and b_files
+    assert cli(["--dsn", pg_dsn, "abandon", "--pipeline-file", str(a.file),
+                "--batch-id", str(a.batch_id), "--reason", "test"]) == 0
+    assert files(a.batch_id) == [] and files(b.batch_id) == b_files
+    # a part of b dropped for re-staging (a refused commit's way): its file goes with it
+    part = int(b_files[0].name.split("_p")[1].split("_")[0])
+    forget_parts(pg_dsn, b.batch_id, [part])
+    assert [f for f in files(b.batch_id) if f"_p{part}_" in f.name] == []
+    assert len(files(b.batch_id)) == len(b_files) - 1
+    rep = run_batch(spark, b.cfg, b.batch_id, pg_dsn)  # re-stages that part, the rest read
+    assert rep.result.status == "committed", rep.result
+    v = b.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert list(task_dir.iterdir()) == []

@@ -26,8 +26,8 @@ def _records(lo: int, n: int) -> pa.RecordBatch:
         "headers": [None] * n, "ts": [1_700_000_000_000] * n}, schema=FILE_SCHEMA)
 
 
-def _written(tmp_path: Path, part: int = 0) -> dict[str, object]:
-    f = PartFile(str(tmp_path), 7, part)
+def _written(tmp_path: Path, part: int = 0, ledger: str = "L1") -> dict[str, object]:
+    f = PartFile(str(tmp_path), ledger, 7, part)
     f.write(_records(0, 100))
     f.write(_records(100, 50))
     return f.close()
@@ -37,14 +37,15 @@ def test_a_file_reads_back_as_written(tmp_path: Path) -> None:
     entry = _written(tmp_path)
     got = pa.Table.from_batches(list(read_part_file(7, 0, entry)))
     assert got.column("offset").to_pylist() == list(range(150))
-    assert entry["records"] == 150 and Path(str(entry["path"])).name.startswith("b7_p0_")
+    assert entry["records"] == 150 and Path(str(entry["path"])).name.startswith("L1_b7_p0_")
 
 
 def test_two_attempts_of_one_part_write_two_files(tmp_path: Path) -> None:
     a, b = _written(tmp_path), _written(tmp_path)
+    other = _written(tmp_path, ledger="L2")  # another ledger's batch 7: never dropped here
     assert a["path"] != b["path"] and a["attempt"] != b["attempt"]
-    assert drop_batch_files(str(tmp_path), 7) == 2
-    assert not list(tmp_path.iterdir())
+    assert drop_batch_files(str(tmp_path), "L1", 7) == 2
+    assert list(tmp_path.iterdir()) == [Path(str(other["path"]))]
 
 
 @pytest.mark.parametrize("damage", ["missing", "short", "corrupt", "longer", "count"])
@@ -70,7 +71,7 @@ def test_a_file_not_the_markers_is_a_clear_error(tmp_path: Path, damage: str) ->
 
 
 def test_a_failed_attempt_leaves_no_file(tmp_path: Path) -> None:
-    f = PartFile(str(tmp_path), 7, 1)
+    f = PartFile(str(tmp_path), "L1", 7, 1)
     f.write(_records(0, 10))
     f.discard()
     assert not list(tmp_path.iterdir())
@@ -93,3 +94,30 @@ def test_values_not_built_in_the_task_are_left_to_postgresql() -> None:
     assert json_values(b, ["t"], {"t": "timestamptz"}) is None
     ok = pa.RecordBatch.from_arrays([far], names=["t"])
     assert json_values(ok, ["t"], {"t": "timestamptz"}) is not None
+
+
+def test_a_column_the_task_cannot_build_falls_back_to_the_stage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`sink.task_files` on, a value column of a type the task does not build (numeric):
+    that batch is staged in PostgreSQL (None: no task files), with a note in the log, not
+    refused. Decided before anything is read or connected."""
+    from offsetflow.config import parse_pipeline
+    from offsetflow.ledger import Batch
+    from offsetflow.sinks.kafka import KafkaPipelineSink
+
+    cfg = parse_pipeline({
+        "name": "orders", "kafka": {"bootstrap_servers": "k:9092"},
+        "source": {"topics": ["orders"]},
+        "format": {"type": "json", "schema": {"id": "long", "amount": "decimal(10,2)"}},
+        "sink": {"type": "kafka", "connection": "postgresql://x/y", "topic": "o",
+                 "task_files": str(tmp_path)}}, "orders.yaml", {})
+    sink = KafkaPipelineSink(cfg)
+    assert sink.tasks_write_files
+    batch = Batch.__new__(Batch)
+    object.__setattr__(batch, "batch_id", 5)
+    cols = [("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
+            ("key", "bytea"), ("value", "bytea"), ("timestamp", "timestamptz"),
+            ("headers", "jsonb"), ("id", "bigint"), ("amount", "numeric")]
+    with caplog.at_level("INFO"):
+        assert sink.task_files("postgresql://unused/x", batch, cols) is None
+    assert "amount" in caplog.text and "not in task files" in caplog.text
