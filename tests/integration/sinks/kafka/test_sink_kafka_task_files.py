@@ -550,3 +550,79 @@ def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
     v = b.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.visible == v.committed.found, v
     assert list(task_dir.iterdir()) == []
+
+
+def test_a_timestamp_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_once(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path) -> None:
+    """A source record from 1970 for an output topic that refuses timestamps older than an
+    hour: the pass after the read takes the batch's timestamps from the task files (as from
+    the stage) and leaves it out before producing, a dead letter; the rest once."""
+    from confluent_kafka import Producer
+
+    from offsetflow.job import run_batch
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    at: list[int] = []
+
+    def old_record(src: str) -> None:
+        p = Producer({"bootstrap.servers": kafka_bootstrap})
+        p.produce(src, b'{"event_id":"old","seq":1,"amount":1.5,"checksum":"c"}',
+                  partition=0, timestamp=1_000,
+                  on_delivery=lambda err, msg: at.append(msg.offset()))
+        assert p.flush(30) == 0
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path, dead_letter=True,
+                     out_config={"message.timestamp.before.max.ms": "3600000"},
+                     before_plan=old_record)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert not [r for r in read_topic(kafka_bootstrap, case.out) if r.key == b"old"]
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT partition, \"offset\", key, error FROM {}").format(
+                sql.Identifier(f"{case.name}_dead")))
+            dead = {(p, o): (bytes(k), e) for p, o, k, e in cur.fetchall()}
+    finally:
+        conn.close()
+    assert list(dead) == [(0, at[0])], dead
+    assert dead[(0, at[0])][0] == b"old" and "timestamp" in dead[(0, at[0])][1], dead
+    assert not list(task_dir.iterdir())
+    case.verdict()
+
+
+def test_the_sink_task_files_setting_switches_the_batch_to_task_files(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sink.task_files` alone (no class switch): the batch is produced from task files in
+    that directory, once, and none is left."""
+    import dataclasses
+
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+    d = tmp_path / "setting"
+    d.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    kafka = case.cfg.sink.kafka
+    assert kafka is not None
+    cfg = dataclasses.replace(case.cfg, sink=dataclasses.replace(
+        case.cfg.sink, kafka=dataclasses.replace(kafka, task_files=str(d))))
+    read: list[str] = []
+    real = taskfile.read_part_file
+
+    def spy(batch_id: int, part: int, entry: Any) -> Any:
+        read.append(str(entry["path"]))
+        return real(batch_id, part, entry)
+
+    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert read and all(p.startswith(str(d)) for p in read), read
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+    assert not list(d.iterdir())
