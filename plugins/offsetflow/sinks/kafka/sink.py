@@ -235,11 +235,25 @@ class KafkaTopicSink(KafkaTransaction):
         route_not_produced(cur, self.cfg, self.columns, batch, skipped, topic, None,
                            stage_gone=self.stage_gone, records=None if self.stage_gone
                            else self.left_out(cur, batch, skipped))
-        if self.stage_gone:
+        if self.stage_gone:  # `offsetflow complete`: its task files go with the stage
+            self._drop_task_files(batch, ident)
             return _moved_from_record(batch, records_in(batch, mark, state), skipped)
         moved = Moved(rows=staged_rows(cur, batch.batch_id) - len(skipped), dead=len(skipped))
         move_stage_dead_letters(cur, batch, self.spec, moved)
         return moved
+
+    def _drop_task_files(self, batch: Batch, ident: LedgerIdentity) -> None:
+        """Every task file of the batch in `sink.task_files` (best effort): where the
+        markers that name them are lost (`offsetflow complete` after a PostgreSQL crash),
+        the ledger's drop (`drop_named_task_files`) cannot find them."""
+        directory = self.task_files_dir or self.sink.task_files
+        if directory is None:
+            return
+        try:
+            taskfile.drop_batch_files(directory, ident.installation_id, batch.batch_id)
+        except OSError as e:
+            log.warning("batch %d: its task files in %s were not dropped: %s",
+                        batch.batch_id, directory, e)
 
     def _committed(self, batch: Batch, mark: CommitMark
                    ) -> dict[tuple[str, int], tuple[int, str | None]]:

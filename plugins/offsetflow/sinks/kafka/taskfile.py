@@ -15,6 +15,7 @@ again from Kafka), never a silent skip.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 import zlib
@@ -179,16 +180,27 @@ class PartWriter:
     file, nothing to the stage (the marker lists the file: `close`)."""
 
     def __init__(self, tf: KafkaTaskFiles, part: int) -> None:
-        self.tf = tf
-        self.file = PartFile(tf.directory, tf.ledger, tf.batch_id, part)
+        self.tf, self.part = tf, part
+        # opened with the first record, not before: a part an earlier attempt staged
+        # (`stage_rows` returns before any write) or a task failing before its first
+        # record leaves no file
+        self._file: PartFile | None = None
+        self._closed = False
+
+    @property
+    def file(self) -> PartFile:
+        if self._file is None:
+            self._file = PartFile(self.tf.directory, self.tf.ledger, self.tf.batch_id,
+                                  self.part)
+        return self._file
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         from offsetflow.sinks.kafka.values import finished_records
 
         records = finished_records(self.tf.sink, self.tf.columns, batch)
         if records is None:  # checked before the read (`KafkaPipelineSink.task_files`)
-            self.file.discard()
-            raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.file.part} "
+            self.discard()
+            raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.part} "
                              f"cannot be built in the task (a timestamp outside years "
                              f"1-9999?)")
         self.file.write(records)
@@ -198,4 +210,19 @@ class PartWriter:
         return []
 
     def close(self) -> list[dict[str, Any]]:
+        self._closed = True
         return [self.file.close()]
+
+    def discard(self) -> None:
+        """The attempt's unfinished file removed (a failed attempt)."""
+        self._closed = True
+        if self._file is not None:
+            self._file.discard()
+
+    def __del__(self) -> None:
+        # a task that failed mid-part (`stage_rows` raised past it): best effort, its
+        # temporary file goes when the writer does; a killed task's stays until the batch's
+        # commit or `complete` drops the batch's every file
+        if not self._closed:
+            with contextlib.suppress(Exception):
+                self.discard()

@@ -626,3 +626,30 @@ def test_the_sink_task_files_setting_switches_the_batch_to_task_files(
     v = case.verdict()
     assert v.visible == v.committed.found, v
     assert not list(d.iterdir())
+
+
+def test_complete_of_a_task_file_batch_whose_stage_and_records_are_gone(
+        spark: Any, process_case: Any, task_dir: Path) -> None:
+    """`offsetflow complete` of a batch produced from task files: killed after the Kafka
+    commit, PostgreSQL crashed (the markers naming the files are gone), the source records
+    deleted: complete takes the counts from the commit's record (no record read), and the
+    batch's files go with its stage."""
+    from offsetflow.cli import main as cli
+    from offsetflow.job import run_batch
+    from tests.tooling import chaos
+    from tests.tooling.kafka_case import RECORDS, delete_batch_records, killed_at_end
+
+    case = process_case
+    proc = case.start("kill_after_commit")
+    with killed_at_end(proc):
+        assert proc.wait(timeout=600) == -9, case.output()[-3000:]
+    assert list(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
+    chaos.crash_postgres()  # empties the unlogged stage and its markers
+    delete_batch_records(case.bootstrap, case.dsn, case.batch_id)
+    with pytest.raises(Exception, match=r"data loss on "):
+        run_batch(spark, case.cfg, case.batch_id, case.dsn)
+    assert cli(["--dsn", case.dsn, "complete", "--pipeline-file", str(case.file),
+                "--batch-id", str(case.batch_id), "--reason", "gone"]) == 0
+    assert case.status() == "committed"
+    assert case.verdict().in_log == RECORDS  # nothing produced a second time
+    assert not list(task_dir.iterdir())
