@@ -501,10 +501,13 @@ class KafkaTopicSink(KafkaTransaction):
         pass, its extent, the broker-refusal lookup, the dead letters of records not
         produced): the task files its parts' markers name (`taskfile`, issue 32) when they
         name files, else the stage; `segs`: those segments in that order, else the whole
-        batch (in source order when `ordered`). The markers decide, not the switch: a batch
-        whose tasks wrote files is read from them by any later run."""
+        batch (in source order when `ordered`). Looked up only with `sink.task_files` (or
+        the tests' switch) on: the default path asks nothing more of PostgreSQL. A batch
+        written to files and run again with the setting off is counted against the empty
+        stage by the commit (`CommitSpec.task_files` follows the setting) and re-staged."""
+        files_on = self.task_files_dir is not None or self.sink.task_files is not None
         entries = self._file_entries(cur, batch, None if segs is None else
-                                     {g.part for g in segs})
+                                     {g.part for g in segs}) if files_on else {}
         if entries:
             return _FileParts(batch.batch_id, sorted((p, None) for p in entries)
                               if segs is None else
