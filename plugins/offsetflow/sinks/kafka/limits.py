@@ -6,7 +6,7 @@ never take, moved to the dead-letter table in the ledger's transaction."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,9 @@ TOPIC_CONFIGS = ("max.message.bytes", "segment.bytes", "cleanup.policy", "compre
                  "message.timestamp.after.max.ms", "message.timestamp.difference.max.ms",
                  "min.insync.replicas")
 LONG_MAX = 2**63 - 1
+# the most key, value and coordinate bytes one statement routes to the dead-letter table
+# (PostgreSQL refuses a statement over 1 GB; the literal is built in driver memory too)
+DEAD_LETTER_CHUNK_BYTES = 8 << 20
 # the broker checks a timestamp when it appends the record, on its own clock: a record
 # this close to a bound is taken as refused (a retry later would be refused anyway)
 TIMESTAMP_MARGIN_MS = 5_000
@@ -205,17 +208,51 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
             f"{skipped[0].partition}/{skipped[0].offset}), but the pipeline no longer "
             f"has bad_records: dead_letter; restore it to complete the batch")
 
-    def arr(values: list[Any], pg_type: str) -> sql.Composable:
-        return sql.SQL("{}::{}[]").format(sql.Literal(values), sql.SQL(pg_type))
+    # every left-out record's key and value in one literal would be refused past ~500 MB
+    # (after the Kafka commit, on every rerun: a wedge): statements of bounded size instead
+    for chunk in _bounded_chunks(skipped, records):
+        _route_chunk(cur, cfg, columns, batch, chunk, topic, limit, stage_gone, records)
 
+
+def _bounded_chunks(skipped: Sequence[NotProduced],
+                    records: Mapping[tuple[str, int, int],
+                                     tuple[bytes | None, bytes | None, int | None]] | None
+                    ) -> Iterator[list[NotProduced]]:
+    """`skipped` in runs whose keys and values (from `records`) and coordinates take at
+    most `DEAD_LETTER_CHUNK_BYTES` (at least one record each)."""
+    chunk: list[NotProduced] = []
+    size = 0
+    for r in skipped:
+        got = records.get((r.topic, r.partition, r.offset)) if records else None
+        n = 2 * (len(got[0] or b"") + len(got[1] or b"")) if got else 0  # hex in the literal
+        n += len(r.topic) + 256  # coordinates and error text
+        if chunk and size + n > DEAD_LETTER_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(r)
+        size += n
+    if chunk:
+        yield chunk
+
+
+def _arr(values: list[Any], pg_type: str) -> sql.Composable:
+    return sql.SQL("{}::{}[]").format(sql.Literal(values), sql.SQL(pg_type))
+
+
+def _route_chunk(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
+                 columns: Mapping[str, str], batch: Batch, skipped: Sequence[NotProduced],
+                 topic: str, limit: int | None, stage_gone: bool,
+                 records: Mapping[tuple[str, int, int],
+                                  tuple[bytes | None, bytes | None, int | None]] | None) -> None:
+    """One bounded run of `route_not_produced`'s records into the dead-letter table."""
     if stage_gone:
         gone = ("; its key and value are gone (the stage and the source records were lost "
                 "before the ledger's commit; the batch was completed by offsetflow complete)")
         src = sql.SQL("unnest({t}, {p}, {o}, {e}) AS s(topic, partition, \"offset\", error)"
-                      ).format(t=arr([r.topic for r in skipped], "text"),
-                               p=arr([r.partition for r in skipped], "int"),
-                               o=arr([r.offset for r in skipped], "bigint"),
-                               e=arr([r.error(topic, limit) + gone for r in skipped], "text"))
+                      ).format(t=_arr([r.topic for r in skipped], "text"),
+                               p=_arr([r.partition for r in skipped], "int"),
+                               o=_arr([r.offset for r in skipped], "bigint"),
+                               e=_arr([r.error(topic, limit) + gone for r in skipped], "text"))
         dead_letters_from(cur, batch, cfg.dead_letter_table, src, [], sql.SQL("true"),
                           sql.SQL("s.error"), "sink")
         return
@@ -231,12 +268,12 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
         got = [records[(r.topic, r.partition, r.offset)] for r in skipped]
         src = sql.SQL("unnest({t}, {p}, {o}, {k}, {v}, {ts}, {e}) AS s(topic, partition, "
                       "\"offset\", key, value, ms, error)").format(
-            t=arr([r.topic for r in skipped], "text"),
-            p=arr([r.partition for r in skipped], "int"),
-            o=arr([r.offset for r in skipped], "bigint"),
-            k=arr([g[0] for g in got], "bytea"), v=arr([g[1] for g in got], "bytea"),
-            ts=arr([g[2] for g in got], "bigint"),
-            e=arr([r.error(topic, limit) for r in skipped], "text"))
+            t=_arr([r.topic for r in skipped], "text"),
+            p=_arr([r.partition for r in skipped], "int"),
+            o=_arr([r.offset for r in skipped], "bigint"),
+            k=_arr([g[0] for g in got], "bytea"), v=_arr([g[1] for g in got], "bytea"),
+            ts=_arr([g[2] for g in got], "bigint"),
+            e=_arr([r.error(topic, limit) for r in skipped], "text"))
         src = sql.SQL("(SELECT topic, partition, \"offset\", key, value, error, "
                       "to_timestamp(ms / 1000.0) AS \"timestamp\" FROM {}) s").format(src)
         dead_letters_from(cur, batch, cfg.dead_letter_table, src,
@@ -246,10 +283,10 @@ def route_not_produced(cur: psycopg2.extensions.cursor, cfg: PipelineConfig,
     src = sql.SQL(
         "{st} s JOIN unnest({t}, {p}, {o}, {e}) AS r(topic, partition, off, error) "
         "ON s.topic = r.topic AND s.partition = r.partition AND s.\"offset\" = r.off"
-    ).format(st=stage_table(batch.batch_id), t=arr([r.topic for r in skipped], "text"),
-             p=arr([r.partition for r in skipped], "int"),
-             o=arr([r.offset for r in skipped], "bigint"),
-             e=arr([r.error(topic, limit) for r in skipped], "text"))
+    ).format(st=stage_table(batch.batch_id), t=_arr([r.topic for r in skipped], "text"),
+             p=_arr([r.partition for r in skipped], "int"),
+             o=_arr([r.offset for r in skipped], "bigint"),
+             e=_arr([r.error(topic, limit) for r in skipped], "text"))
     # a transform's non-bytea key or value stays out (the coordinates name the record)
     cols = [c for c in columns if c not in ("key", "value") or columns[c] == "bytea"]
     n = dead_letters_from(cur, batch, cfg.dead_letter_table, src, cols,

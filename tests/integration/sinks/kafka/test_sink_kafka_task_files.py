@@ -484,6 +484,57 @@ def test_a_record_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_on
     _check_too_large_dead_letter(case, pg_dsn, kafka_bootstrap, at, task_dir)
 
 
+def test_many_records_the_topic_refuses_from_task_files_go_to_dead_letters_in_bounded_statements(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records the topic refuses, from task files: their dead letters go to PostgreSQL in
+    statements bounded by `DEAD_LETTER_CHUNK_BYTES` (here 64 KB for six 30 KB records), not
+    one literal of every left-out key and value (hundreds of MB of them would be refused
+    after the Kafka commit, on every rerun: a wedge)."""
+    from confluent_kafka import Producer
+
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import limits
+    from tests.tooling.kafka_case import make_case
+
+    at: list[int] = []
+
+    def large_records(src: str) -> None:
+        p = Producer({"bootstrap.servers": kafka_bootstrap})
+        for i in range(6):
+            p.produce(src, json.dumps({"event_id": f"big{i}", "seq": i, "amount": 1.5,
+                                       "checksum": _BIG}).encode(), key=b"big",
+                      partition=1, on_delivery=lambda err, msg: at.append(msg.offset()))
+        assert p.flush(30) == 0
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path, dead_letter=True,
+                     out_config={"max.message.bytes": "20000"}, before_plan=large_records)
+    sizes: list[int] = []
+    real = limits.dead_letters_from
+
+    def measured(cur: Any, batch: Any, table: str, source: Any, *a: Any) -> int:
+        sizes.append(len(source.as_string(cur)))
+        return real(cur, batch, table, source, *a)
+
+    monkeypatch.setattr(limits, "DEAD_LETTER_CHUNK_BYTES", 64_000, raising=False)
+    monkeypatch.setattr(limits, "dead_letters_from", measured)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert sizes and max(sizes) < 4 * 64_000, sizes
+    conn = psycopg2.connect(pg_dsn)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql.SQL("SELECT partition, \"offset\", value FROM {}"
+                                ).format(sql.Identifier(f"{case.name}_dead")))
+            dead = {(p, o): bytes(v) for p, o, v in cur.fetchall()}
+    finally:
+        conn.close()
+    assert sorted(dead) == [(1, o) for o in sorted(at)], dead.keys()
+    assert all(_BIG.encode() in v for v in dead.values())
+    assert not list(task_dir.iterdir())
+    case.verdict()
+
+
 def test_killed_after_the_kafka_commit_the_rerun_routes_the_left_out_record_from_the_files(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
