@@ -113,18 +113,14 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
 
 
 def task_files_problem(directory: str) -> str:
-    """Why `sink.task_files` cannot be the task files' directory here ("" if it can): an
-    absolute path (the executors resolve it, not the driver's working directory), an
-    existing directory, writable by this process (the driver checks it again before each
-    batch's read)."""
+    """Why `sink.task_files` cannot name the task files' directory ("" if it can): an
+    absolute path (the executors resolve it, not the driver's working directory). Whether
+    it exists and is writable is checked by the driver before each batch's read, not here:
+    the config also loads on hosts without the executors' mount (the DAG processor, the CLI
+    of `offsetflow abandon` or `complete`)."""
     if not os.path.isabs(directory):
         return (f"{directory!r} is not an absolute path: give a directory the driver and "
                 f"every executor reach under the same path")
-    if not os.path.isdir(directory):
-        return f"{directory} is not an existing directory: create it (on every host)"
-    if not os.access(directory, os.W_OK | os.X_OK):
-        return (f"{directory} is not writable by this process (uid {os.getuid()}): the "
-                f"tasks write there and the driver drops the files")
     return ""
 
 

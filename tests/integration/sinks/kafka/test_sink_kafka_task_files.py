@@ -679,6 +679,40 @@ def test_the_sink_task_files_setting_switches_the_batch_to_task_files(
     assert not list(d.iterdir())
 
 
+def test_a_task_files_directory_missing_where_the_config_loads_fails_only_the_run(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sink.task_files` naming a directory this host lacks (a DAG processor or an
+    operator's CLI host without the executors' mount): the config loads (only an absolute
+    path is checked then); the run fails before the read naming the setting, nothing
+    visible; once the directory is there the batch commits once from files."""
+    import yaml
+
+    from offsetflow.config import parse_pipeline
+    from offsetflow.errors import KafkaSinkError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+    d = tmp_path / "mount" / "task-files"
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    path = tmp_path / f"{case.name}.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["sink"]["task_files"] = str(d)
+    cfg = parse_pipeline(raw, str(path), {})
+    with pytest.raises(KafkaSinkError, match="sink.task_files") as e:
+        run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert str(d) in str(e.value), e.value
+    assert not read_topic(kafka_bootstrap, case.out)
+    d.mkdir(parents=True)
+    rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    case.verdict()
+    assert not list(d.iterdir())
+
+
 def test_complete_of_a_task_file_batch_whose_stage_and_records_are_gone(
         spark: Any, process_case: Any, task_dir: Path) -> None:
     """`offsetflow complete` of a batch produced from task files: killed after the Kafka
