@@ -25,7 +25,7 @@ from offsetflow.ledger.batch import OPEN_STATUSES, Batch
 from offsetflow.ledger.migrate import refuse_newer_ledger, upgrade
 from offsetflow.ledger.planning import PlanningQueries
 from offsetflow.ledger.session import connect
-from offsetflow.ledger.task_files import drop_named_task_files
+from offsetflow.ledger.task_files import drop_committed_task_files, drop_named_task_files
 from offsetflow.ranges import OffsetRange, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,10 @@ class Ledger(PlanningQueries):
             if not conn.closed:
                 with contextlib.suppress(psycopg2.Error):
                     conn.rollback()
+                drop_committed_task_files(conn)  # forgets the rolled-back drops
             raise
+        # task files whose markers this transaction deleted: only now it committed
+        drop_committed_task_files(conn)
 
     # -- migrations -------------------------------------------------------------------
     def upgrade(self) -> list[str]:

@@ -11,38 +11,81 @@ ledger's or another batch's: the name starts with the ledger's installation id).
 without `attempt` and `crc32` is not a task file (an Iceberg data file: never touched).
 Files of attempts whose part has no marker at all are dropped by the batch's commit
 (`KafkaPipelineSink.after_commit`), not here.
+
+The files are unlinked only once the ledger transaction that deletes their markers has
+committed (`drop_committed_task_files`, called after the COMMIT): a drop that rolls back
+keeps markers and files together. Each drop is remembered with the connection and the
+transaction's id, and unlinked only when PostgreSQL says that transaction committed.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 
+import psycopg2
 import psycopg2.extensions
 
 log = logging.getLogger(__name__)
 
 
+# per connection: (transaction id, batch, a named file) of drops not yet unlinked
+_PENDING: weakref.WeakKeyDictionary[psycopg2.extensions.connection,
+                                    list[tuple[int, int, Path, str]]] = \
+    weakref.WeakKeyDictionary()
+
+
 def drop_named_task_files(cur: psycopg2.extensions.cursor, batch_id: int,
                           parts: list[int] | None = None) -> int:
-    """Drop every attempt's task file of the parts (None: all) whose markers name one;
-    how many. Best effort (the markers go regardless): a file left is logged, never a
-    failure of the drop, and a later drop or the commit's sweep takes it."""
+    """Drop every attempt's task file of the parts (None: all) whose markers name one,
+    once this transaction commits (`drop_committed_task_files`); how many named. Best
+    effort (the markers go regardless): a file left is logged, never a failure of the
+    drop, and a later drop or the commit's sweep takes it."""
     cur.execute("""SELECT data_files FROM offsetflow.staged_parts
                     WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL
                       AND (%s::int[] IS NULL OR part = ANY(%s::int[]))""",
                 (batch_id, parts, parts))
+    named = [(Path(str(e["path"])), str(e["attempt"])) for (entries,) in cur.fetchall()
+             for e in entries or []
+             if isinstance(e, dict) and e.get("attempt") and "crc32" in e]
+    if not named:
+        return 0
+    cur.execute("SELECT txid_current()")
+    row = cur.fetchone()
+    assert row is not None
+    _PENDING.setdefault(cur.connection, []).extend(
+        (int(row[0]), batch_id, path, attempt) for path, attempt in named)
+    return len(named)
+
+
+def drop_committed_task_files(conn: psycopg2.extensions.connection) -> int:
+    """Unlink the files of `conn`'s drops whose transaction committed (call after the
+    COMMIT); forget those of a transaction that rolled back; how many unlinked."""
+    pending = _PENDING.pop(conn, [])
+    if not pending or conn.closed:
+        return 0
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT x, txid_status(x) FROM unnest(%s::bigint[]) AS x",
+                        (sorted({p[0] for p in pending}),))
+            status = {int(x): s for x, s in cur.fetchall()}
+        conn.rollback()  # nothing to keep: a read only
+    except psycopg2.Error as err:
+        log.warning("task files of dropped markers left (their transaction's state "
+                    "unknown: %s)", err)
+        return 0
     n = 0
-    for (entries,) in cur.fetchall():
-        for e in entries or []:
-            if not (isinstance(e, dict) and e.get("attempt") and "crc32" in e):
-                continue
-            path = Path(str(e["path"]))
-            try:
-                for f in path.parent.glob(path.name.replace(str(e["attempt"]), "*") + "*"):
-                    f.unlink(missing_ok=True)
-                    n += 1
-            except OSError as err:
-                log.warning("batch %d: task files beside %s were not dropped: %s", batch_id,
-                            path, err)
+    for xid, batch_id, path, attempt in pending:
+        if status.get(xid) == "in progress":
+            _PENDING.setdefault(conn, []).append((xid, batch_id, path, attempt))
+        if status.get(xid) != "committed":
+            continue
+        try:
+            for f in path.parent.glob(path.name.replace(attempt, "*") + "*"):
+                f.unlink(missing_ok=True)
+                n += 1
+        except OSError as err:
+            log.warning("batch %d: task files beside %s were not dropped: %s", batch_id,
+                        path, err)
     return n

@@ -22,6 +22,7 @@ from offsetflow.ledger import (
     Ledger,
     connect,
     dead_letter_stage_table,
+    drop_committed_task_files,
     drop_named_task_files,
     lock_timeout_s,
     stage_part_table,
@@ -82,6 +83,7 @@ def forget_parts(dsn: str, batch_id: int, parts: list[int] | None,
             else:
                 cur.execute("DELETE FROM offsetflow.staged_parts WHERE batch_id = %s "
                             "AND kind = 'rows' AND part = ANY(%s)", (batch_id, parts))
+        drop_committed_task_files(conn)  # the markers' deletion committed: now their files
     finally:
         conn.close()
     log.warning("batch %d: staged part(s) %s had lost rows or were of another layout and "

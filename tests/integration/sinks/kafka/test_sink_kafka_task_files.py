@@ -603,6 +603,41 @@ def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
     assert list(task_dir.iterdir()) == []
 
 
+def test_a_ledger_transaction_dropping_the_stage_that_rolls_back_leaves_the_task_files(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's files stay until the ledger transaction that drops their markers commits:
+    an abandon (planning's, the commit's stage drop, a config change: `drop_staging`) that
+    rolls back leaves markers and files as they were, so the re-run produces from them, once,
+    and leaves none."""
+    from offsetflow.job import run_batch
+    from offsetflow.ledger import Ledger
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    real = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    monkeypatch.setattr(taskfile, "read_part_file", real)
+    before = sorted(task_dir.iterdir())
+    assert before
+    with (Ledger(pg_dsn) as ledger, pytest.raises(RuntimeError, match="rolled back"),
+          ledger.transaction() as cur):
+        ledger.abandon(case.batch_id, "test", cur)
+        raise RuntimeError("rolled back")
+    assert sorted(task_dir.iterdir()) == before
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    case.verdict()
+    assert not list(task_dir.iterdir())
+
+
 def test_a_timestamp_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_once(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, task_dir: Path) -> None:
