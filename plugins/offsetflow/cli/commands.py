@@ -393,8 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--reason", required=True, help=REASON)
     sp.set_defaults(fn=cmd_adopt_table)
 
-    sub.add_parser("cleanup", help="drop staged data of closed batches").set_defaults(
-        fn=cmd_cleanup)
+    sp = sub.add_parser("cleanup", help="drop staged data of closed batches")
+    sp.add_argument("--task-files", metavar="DIR",
+                    help="a Kafka sink's sink.task_files directory: also remove the task "
+                         "files of this ledger's batches that are not open (a killed "
+                         "task's, or left when the driver died after the commit)")
+    sp.set_defaults(fn=cmd_cleanup)
 
     dg = sub.add_parser("dags", help="DAG files").add_subparsers(dest="dags_cmd", required=True)
     sp = dg.add_parser("sync", help="write the thin DAG file of every pipeline")

@@ -156,7 +156,7 @@ def cmd_reset_position(args: argparse.Namespace) -> int:
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
     with Ledger(dsn_of(args)) as ledger:
-        dropped = ledger.cleanup_staging()
+        dropped = ledger.cleanup_staging(getattr(args, "task_files", None))
     print(f"dropped staged data of {len(dropped)} closed batch(es)"
           + (f": {dropped}" if dropped else ""))
     return 0

@@ -22,7 +22,11 @@ from offsetflow.ledger.store import (
     stage_part_table,
     stage_table,
 )
-from offsetflow.ledger.task_files import drop_committed_task_files, drop_named_task_files
+from offsetflow.ledger.task_files import (
+    drop_committed_task_files,
+    drop_named_task_files,
+    sweep_task_files,
+)
 from offsetflow.ledger.timing import Due, batch_stats
 
 __all__ = [
@@ -37,6 +41,7 @@ __all__ = [
     "dead_letter_stage_table",
     "drop_committed_task_files",
     "drop_named_task_files",
+    "sweep_task_files",
     "hold_run_lock",
     "ledger_identity",
     "lock_errors",

@@ -25,7 +25,11 @@ from offsetflow.ledger.batch import OPEN_STATUSES, Batch
 from offsetflow.ledger.migrate import refuse_newer_ledger, upgrade
 from offsetflow.ledger.planning import PlanningQueries
 from offsetflow.ledger.session import connect
-from offsetflow.ledger.task_files import drop_committed_task_files, drop_named_task_files
+from offsetflow.ledger.task_files import (
+    drop_committed_task_files,
+    drop_named_task_files,
+    sweep_task_files,
+)
 from offsetflow.ranges import OffsetRange, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -312,8 +316,16 @@ class Ledger(PlanningQueries):
         assert row is not None
         return int(row[0])
 
-    def cleanup_staging(self) -> list[int]:
-        """Drop staged data of batches that are closed (committed, abandoned) or gone."""
+    def cleanup_staging(self, task_files: str | None = None) -> list[int]:
+        """Drop staged data of batches that are closed (committed, abandoned) or gone, and
+        in `task_files` (a Kafka sink's `sink.task_files`) every file of this ledger's
+        batches that are not open (`sweep_task_files`)."""
+        if task_files is not None:
+            with self.transaction() as cur:
+                swept = sweep_task_files(cur, task_files)
+            if swept:
+                log.info("%d task files of closed batches removed from %s", len(swept),
+                         task_files)
         with self.transaction() as cur:
             cur.execute("""SELECT c.relname FROM pg_class c
                              JOIN pg_namespace n ON n.oid = c.relnamespace

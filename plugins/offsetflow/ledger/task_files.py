@@ -27,6 +27,9 @@ from pathlib import Path
 import psycopg2
 import psycopg2.extensions
 
+from offsetflow.ledger.batch import OPEN_STATUSES
+from offsetflow.ledger.identity import ledger_identity
+
 log = logging.getLogger(__name__)
 
 
@@ -89,3 +92,33 @@ def drop_committed_task_files(conn: psycopg2.extensions.connection) -> int:
             log.warning("batch %d: task files beside %s were not dropped: %s", batch_id,
                         path, err)
     return n
+
+
+def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Path]:
+    """Unlink every task file in `directory` of this ledger (its installation id starts the
+    name) whose batch is not open: committed, abandoned or gone. These are files no marker
+    names any more (a killed task's attempt, files left by an `after_commit` that never
+    ran, a drop whose PostgreSQL crashed, the setting changed meanwhile): only a batch that
+    is open can still read its files. Returns the files removed."""
+    prefix = f"{ledger_identity(cur).installation_id}_b"
+    found: dict[int, list[Path]] = {}
+    for f in Path(directory).glob(f"{prefix}*_p*_*.arrow*"):
+        digits = f.name[len(prefix):].split("_", 1)[0]
+        if digits.isdigit():
+            found.setdefault(int(digits), []).append(f)
+    if not found:
+        return []
+    cur.execute("SELECT batch_id FROM offsetflow.batches WHERE batch_id = ANY(%s) "
+                "AND status = ANY(%s)", (sorted(found), list(OPEN_STATUSES)))
+    keep = {int(r[0]) for r in cur.fetchall()}
+    removed = []
+    for batch_id, files in sorted(found.items()):
+        if batch_id in keep:
+            continue
+        for f in files:
+            try:
+                f.unlink(missing_ok=True)
+                removed.append(f)
+            except OSError as err:
+                log.warning("batch %d: task file %s was not removed: %s", batch_id, f, err)
+    return removed

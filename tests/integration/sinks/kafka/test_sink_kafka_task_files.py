@@ -638,6 +638,50 @@ def test_a_ledger_transaction_dropping_the_stage_that_rolls_back_leaves_the_task
     assert not list(task_dir.iterdir())
 
 
+def test_cleanup_sweeps_the_task_files_no_open_batch_can_read(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files no marker names (a killed task's attempt, a temporary file) of a batch that is
+    no longer open stay after its abandon (abandon drops only the named ones): `offsetflow
+    cleanup --task-files DIR` removes them, and never an open batch's files (another
+    pipeline's batch in the same directory, produced from them afterwards, once)."""
+    from offsetflow.cli import main as cli
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}a", tmp_path / "a")
+    b = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}b", tmp_path / "b")
+    real = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    for case in (a, b):
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    monkeypatch.setattr(taskfile, "read_part_file", real)
+    ledger = _ledger_id(pg_dsn)
+    killed = [task_dir / taskfile.file_name(ledger, c.batch_id, 7, "0badc0de0000")
+              for c in (a, b)]
+    for f in killed:  # a killed attempt's temporary file: no marker names it
+        Path(f"{f}.tmp").write_bytes(b"partial")
+    b_files = sorted(task_dir.glob(f"*_b{b.batch_id}_*"))
+    assert cli(["--dsn", pg_dsn, "abandon", "--pipeline-file", str(a.file),
+                "--batch-id", str(a.batch_id), "--reason", "test"]) == 0
+    assert [f.name for f in task_dir.glob(f"*_b{a.batch_id}_*")] == [f"{killed[0].name}.tmp"]
+    assert cli(["--dsn", pg_dsn, "cleanup", "--task-files", str(task_dir)]) == 0
+    assert not list(task_dir.glob(f"*_b{a.batch_id}_*"))
+    assert sorted(task_dir.glob(f"*_b{b.batch_id}_*")) == b_files
+    rep = run_batch(spark, b.cfg, b.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    b.verdict()
+    assert list(task_dir.iterdir()) == []
+
+
 def test_a_timestamp_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_once(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, task_dir: Path) -> None:
