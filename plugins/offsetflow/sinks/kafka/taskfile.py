@@ -16,6 +16,7 @@ again from Kafka), never a silent skip.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 import zlib
@@ -28,6 +29,8 @@ import pyarrow.ipc as ipc
 
 from offsetflow.errors import TaskFileLostError
 
+# a task file's permissions: read/write for its owner, read for its group, none for others
+FILE_MODE = 0o640
 FILE_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
                          ("offset", pa.int64()), ("key", pa.binary()),
                          ("value", pa.binary()), ("headers", pa.string()),
@@ -66,6 +69,22 @@ class _Crc:
         self.closed = True
 
 
+def sync_directory(directory: Path) -> None:
+    """The rename made durable (a crash after the marker commits must not lose the name);
+    a file system that cannot fsync a directory (some network mounts) is left as it is."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
+
+
 class PartFile:
     """One task attempt's file of one part, written as its records come."""
 
@@ -74,7 +93,10 @@ class PartFile:
         self.attempt = uuid.uuid4().hex[:12]
         self.path = Path(directory) / file_name(ledger, batch_id, part, self.attempt)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed in close/discard)
+        # the batch's records: owner and group at most (a cluster's driver and executors
+        # may share one), never other users of the host; the umask may narrow it further
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        self._f = os.fdopen(fd, "wb")
         self._crc = _Crc(self._f)
         self._w = ipc.new_file(pa.PythonFile(self._crc, mode="w"), FILE_SCHEMA)
         self.records = 0
@@ -90,6 +112,7 @@ class PartFile:
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self._tmp, self.path)
+        sync_directory(self.path.parent)
         return {"path": str(self.path), "records": self.records, "bytes": self._crc.size,
                 "crc32": self._crc.crc, "attempt": self.attempt}
 

@@ -682,6 +682,35 @@ def test_cleanup_sweeps_the_task_files_no_open_batch_can_read(
     assert list(task_dir.iterdir()) == []
 
 
+def test_task_files_are_not_readable_by_other_users_of_the_host(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task file holds the batch's records: owner read/write, its group read (a cluster's
+    driver and executors may share a group), nothing for other users whatever the umask."""
+    import os
+    import stat
+
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    old = os.umask(0o002)  # the local executors inherit it: a permissive one
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in task_dir.iterdir()}
+    assert modes and all(m & 0o027 == 0 for m in modes.values()), \
+        {n: oct(m) for n, m in modes.items()}
+
+
 def test_a_timestamp_the_topic_refuses_from_task_files_is_a_dead_letter_the_rest_once(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, task_dir: Path) -> None:
