@@ -789,8 +789,17 @@ class KafkaTopicSink(KafkaTransaction):
                 row = c.fetchone()
                 parts = set(row[0] or []) if row else set()
         if found and parts is not None and set(found) != parts:
-            raise KafkaSinkError(f"batch {batch.batch_id}: parts {sorted(parts - set(found))} "
-                                 f"have no task file but parts {sorted(found)} have")
+            # staged before `sink.task_files` was set (a run that failed mid-read): refused
+            # as lost parts, so the commit drops those with their markers and the next run
+            # writes them to task files (a `KafkaSinkError` here was refused on every run)
+            staged = sorted(parts - set(found))
+            raise StagedRowsLostError(
+                batch.batch_id, staged,
+                f"parts {staged} were staged in PostgreSQL (before sink.task_files was set) "
+                f"but parts {sorted(found)} were written to task files in "
+                f"{self.task_files_dir or self.sink.task_files}; a batch is produced from "
+                f"one or the other, so the stage parts are dropped and the next run writes "
+                f"them to task files")
         return found
 
     def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
