@@ -55,7 +55,7 @@ from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import KafkaSinkError, StagedRowsLostError
+from offsetflow.errors import KafkaSinkError, StagedRowsLostError, TaskFileLostError
 from offsetflow.ledger import (
     Batch,
     LedgerIdentity,
@@ -773,6 +773,7 @@ class KafkaTopicSink(KafkaTransaction):
                       parts: set[int] | None) -> dict[int, dict[str, Any]]:
         """The task file each of `parts`' markers names (None: every part's): empty when
         the batch's tasks wrote the stage."""
+        requested = parts
         # the markers a task committed while this transaction reads: a cursor of its own
         # (`cur` is the ledger's, its snapshot may predate them)
         with contextlib.closing(psycopg2.connect(self.dsn)) if self.dsn else (
@@ -800,6 +801,14 @@ class KafkaTopicSink(KafkaTransaction):
                 f"{self.task_files_dir or self.sink.task_files}; a batch is produced from "
                 f"one or the other, so the stage parts are dropped and the next run writes "
                 f"them to task files")
+        if found:  # every file there, or every lost one named at once (not one per run)
+            try:
+                taskfile.check_present(batch.batch_id, found,
+                                       str(self.task_files_dir or self.sink.task_files))
+            except TaskFileLostError:
+                if requested is not None:
+                    self._file_entries(cur, batch, None)  # the batch's every staged part
+                raise
         return found
 
     def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,

@@ -755,3 +755,42 @@ def test_a_batch_the_setting_stages_in_postgresql_has_its_stage_counted(
         run_batch(spark, _with_task_files(case.cfg, d), case.batch_id, pg_dsn)
     assert f"rows of {case.src}/" in str(e.value), str(e.value)
     assert not list(d.iterdir())
+
+
+def test_task_files_lost_of_several_parts_are_named_at_once_with_the_way_out(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two parts' files gone before the driver reads (a directory wiped, or one the driver
+    does not share with the executors): one run names both parts and `sink.task_files`
+    with the way out, drops both, and the next run commits (not one run per lost part)."""
+    from offsetflow.commit.protocol import WholeStage
+    from offsetflow.errors import TaskFileLostError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the files read after the tasks
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+    real = WholeStage.before_checks
+    gone: list[Path] = []
+
+    def wiping(self: Any, cur: Any, batch: Any) -> None:
+        if not gone:
+            gone.extend(sorted(task_dir.glob(f"*_b{batch.batch_id}_p*.arrow"))[:2])
+            for f in gone:
+                f.unlink()
+        real(self, cur, batch)
+
+    monkeypatch.setattr(WholeStage, "before_checks", wiping)
+    with pytest.raises(TaskFileLostError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert len(gone) == 2 and all(str(f) in msg for f in gone), msg
+    assert "sink.task_files" in msg, msg
+    monkeypatch.setattr(WholeStage, "before_checks", real)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
