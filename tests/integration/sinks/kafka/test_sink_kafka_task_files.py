@@ -794,3 +794,34 @@ def test_task_files_lost_of_several_parts_are_named_at_once_with_the_way_out(
     v = case.verdict()
     assert v.visible == v.committed.found, v
     assert not list(task_dir.iterdir())
+
+
+def test_a_batch_read_sorted_from_task_files_is_produced_once(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sorted read from files (as after `_OutOfOrder`, or a layout no unsorted read
+    follows): the parts merged in source order a few records of each at a time (the
+    memory bound: tests/unit/sinks/kafka/test_sink_kafka_sorted_files.py), the topic gets
+    each record once."""
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from offsetflow.sinks.kafka.sink import FileParts
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)
+    monkeypatch.setattr(KafkaTopicSink, "read_parts", False)  # always the sorted read
+    merged: list[int] = []
+    real = FileParts._part_sorted
+
+    def spy(self: Any, part: int) -> Any:
+        merged.append(part)
+        return real(self, part)
+
+    monkeypatch.setattr(FileParts, "_part_sorted", spy)
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert len(merged) >= 2, merged
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
