@@ -220,11 +220,19 @@ class TaskFileLostError(StagedRowsLostError):
     visible (its transaction is aborted); the part is dropped with its marker, so the next
     run writes it again from Kafka."""
 
-    def __init__(self, batch_id: int, part: int, path: str, why: str) -> None:
+    def __init__(self, batch_id: int, part: int, path: str, why: str,
+                 more: Sequence[tuple[int, str, str]] = (), hint: str = "") -> None:
+        """`more`: other parts' lost files (part, path, why), found by the same check, so
+        one run drops them all; `hint`: the way out when re-staging alone would not do."""
         self.path = path
-        super().__init__(batch_id, [part],
-                         f"the task file of part {part} at {path} is not the one its marker "
-                         f"names: {why}")
+        lost = sorted([(part, path, why), *more])
+        detail = (f"the task file of part {part} at {path} is not the one its marker names: "
+                  f"{why}" if not more else
+                  f"the task files of parts {[p for p, _f, _w in lost]} are not the ones "
+                  f"their markers name: " + "; ".join(f"part {p} at {f}: {w}"
+                                                      for p, f, w in lost))
+        super().__init__(batch_id, [p for p, _f, _w in lost],
+                         detail + (f"; {hint}" if hint else ""))
 
 
 class IcebergTableReplacedError(StagedRowsLostError):

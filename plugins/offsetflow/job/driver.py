@@ -371,7 +371,7 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
         # the stage path stages in PostgreSQL (no data files from the tasks); the sink
         # learns what the reader schemas say of its columns (an Iceberg table's nested ones)
-        sink.task_files(dsn, batch, columns, (), rc.readers)
+        files = sink.task_files(dsn, batch, columns, (), rc.readers)
         staging = to_stage_form(df).mapInArrow(
             make_writer(dsn, batch.batch_id,
                         BadRows(cfg.name, cfg.bad_records == "dead_letter"), generation),
@@ -410,7 +410,10 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
                       bad_records_staged=cfg.bad_records == "dead_letter",
                       config_fingerprint=batch.config_fingerprint,
                       stage_generation=generation, subrange_parts=fused,
-                      task_files=sink.tasks_write_files,
+                      # the tasks wrote files this run, not merely the setting: a sink
+                      # that fell back to the stage (a column type the tasks do not
+                      # build) has its stage counted against its markers as without it
+                      task_files=sink.tasks_write_files and files is not None,
                       add_columns=tuple((c, t) for c, t in columns if c in added),
                       column_defaults={} if rc is None else rc.added_defaults(added),
                       readers=None if rc is None else rc.reader_ids)

@@ -35,12 +35,15 @@ producer and its transaction (open, send offsets, commit, retry, abort, fence):
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
 import logging
+import operator
 import os
 import signal
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +58,7 @@ from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, Moved, move_stage_dead_letters
 from offsetflow.config import PipelineConfig
-from offsetflow.errors import KafkaSinkError, StagedRowsLostError
+from offsetflow.errors import KafkaSinkError, StagedRowsLostError, TaskFileLostError
 from offsetflow.ledger import (
     Batch,
     LedgerIdentity,
@@ -125,6 +128,9 @@ PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 CURSOR_ROWS = 5_000
+# the sorted read from task files: records of each part taken at a time for the merge (the
+# driver holds this many of every part at once)
+MERGE_ROWS = 512
 # a task file record's bytes besides its key, value and headers (topic name, partition,
 # offset, timestamp), as `stage_extent_sql` adds its fixed columns': an upper bound
 FILE_FIXED_BYTES = 320
@@ -496,7 +502,7 @@ class KafkaTopicSink(KafkaTransaction):
 
     def records(self, cur: psycopg2.extensions.cursor, batch: Batch,
                 segs: Sequence[Segment] | None = None, *, ordered: bool = True
-                ) -> sql.Composed | _FileParts:
+                ) -> sql.Composed | FileParts:
         """The one way the sink reads a batch's records, whatever reads them (a produce
         pass, its extent, the broker-refusal lookup, the dead letters of records not
         produced): the task files its parts' markers name (`taskfile`, issue 32) when they
@@ -509,7 +515,7 @@ class KafkaTopicSink(KafkaTransaction):
         entries = self._file_entries(cur, batch, None if segs is None else
                                      {g.part for g in segs}) if files_on else {}
         if entries:
-            return _FileParts(batch.batch_id, sorted((p, None) for p in entries)
+            return FileParts(batch.batch_id, sorted((p, None) for p in entries)
                               if segs is None else
                               [(g.part, None if g.alone else g.range) for g in segs],
                               entries, ordered and segs is None)
@@ -525,18 +531,18 @@ class KafkaTopicSink(KafkaTransaction):
         timestamp (epoch ms; None when its records have none), read where `records`
         reads them."""
         src = self.records(cur, batch, ordered=False)
-        if isinstance(src, _FileParts):
+        if isinstance(src, FileParts):
             return src.extent()
         cur.execute(stage_extent_sql(self.columns, stage_table(batch.batch_id)))
         row = cur.fetchone() or (0, None, None)
         return int(row[0] or 0), row[1], row[2]
 
     def chunks(self, cur: psycopg2.extensions.cursor, batch: Batch,
-               src: sql.Composable | _FileParts, name: str, rows: int
+               src: sql.Composable | FileParts, name: str, rows: int
                ) -> Generator[list[tuple[Any, ...]], None, None]:
         """`src`'s rows in chunks: topic, partition, offset, key (hex text from the stage,
-        bytes from a file: `_FileParts`), value, headers, timestamp (ms)."""
-        if isinstance(src, _FileParts):
+        bytes from a file: `FileParts`), value, headers, timestamp (ms)."""
+        if isinstance(src, FileParts):
             return src.chunks()
         return prefetched(cur.connection, f"{name}_{batch.batch_id}", src, rows)
 
@@ -549,7 +555,7 @@ class KafkaTopicSink(KafkaTransaction):
         if not skipped:
             return {}
         src = self.records(cur, batch, ordered=False)
-        if not isinstance(src, _FileParts):
+        if not isinstance(src, FileParts):
             return {}
         return src.rows_at({(r.topic, r.partition, r.offset) for r in skipped})
 
@@ -773,6 +779,7 @@ class KafkaTopicSink(KafkaTransaction):
                       parts: set[int] | None) -> dict[int, dict[str, Any]]:
         """The task file each of `parts`' markers names (None: every part's): empty when
         the batch's tasks wrote the stage."""
+        requested = parts
         # the markers a task committed while this transaction reads: a cursor of its own
         # (`cur` is the ledger's, its snapshot may predate them)
         with contextlib.closing(psycopg2.connect(self.dsn)) if self.dsn else (
@@ -789,13 +796,30 @@ class KafkaTopicSink(KafkaTransaction):
                 row = c.fetchone()
                 parts = set(row[0] or []) if row else set()
         if found and parts is not None and set(found) != parts:
-            raise KafkaSinkError(f"batch {batch.batch_id}: parts {sorted(parts - set(found))} "
-                                 f"have no task file but parts {sorted(found)} have")
+            # staged before `sink.task_files` was set (a run that failed mid-read): refused
+            # as lost parts, so the commit drops those with their markers and the next run
+            # writes them to task files (a `KafkaSinkError` here was refused on every run)
+            staged = sorted(parts - set(found))
+            raise StagedRowsLostError(
+                batch.batch_id, staged,
+                f"parts {staged} were staged in PostgreSQL (before sink.task_files was set) "
+                f"but parts {sorted(found)} were written to task files in "
+                f"{self.task_files_dir or self.sink.task_files}; a batch is produced from "
+                f"one or the other, so the stage parts are dropped and the next run writes "
+                f"them to task files")
+        if found:  # every file there, or every lost one named at once (not one per run)
+            try:
+                taskfile.check_present(batch.batch_id, found,
+                                       str(self.task_files_dir or self.sink.task_files))
+            except TaskFileLostError:
+                if requested is not None:
+                    self._file_entries(cur, batch, None)  # the batch's every staged part
+                raise
         return found
 
     def _produce_rows(self, cur: psycopg2.extensions.cursor, batch: Batch, topic: str,
                       partitions: int, limit: int, largest: int, ps: _Pass,
-                      query: sql.Composable | _FileParts,
+                      query: sql.Composable | FileParts,
                       refused: dict[tuple[str, int, int], NotProduced],
                       deadline: float | None = None) -> None:
         """The records of `query` (stage rows in source order) into pass `ps`'s transaction:
@@ -819,7 +843,7 @@ class KafkaTopicSink(KafkaTransaction):
         batch_header: tuple[str, bytes | str | None] = (BATCH_HEADER,
                                                         str(batch.batch_id).encode())
         produce, fromhex = p.produce, bytes.fromhex
-        hex_keys = not isinstance(query, _FileParts)  # a task file's keys are bytes
+        hex_keys = not isinstance(query, FileParts)  # a task file's keys are bytes
         began = time.monotonic()
         waited = 0.0  # for the stage's rows (PostgreSQL building them)
         # source order per topic/partition, checked record by record: the last offset of
@@ -939,7 +963,7 @@ class KafkaTopicSink(KafkaTransaction):
                                 ) as chunks:
             found = find_sources(chunks, batch, self.sink, failed,
                                  None if self.encoder is None else self.encoder.encode,
-                                 hex_keys=not isinstance(src, _FileParts))
+                                 hex_keys=not isinstance(src, FileParts))
         now = int(time.time() * 1000)
         # the broker checked each timestamp at some point of the pass, on its clock
         bounds = self.settings.timestamp_bounds(
@@ -976,7 +1000,7 @@ class KafkaTopicSink(KafkaTransaction):
 
 
 @dataclass
-class _FileParts:
+class FileParts:
     """A batch's records read from its parts' task files (`KafkaTopicSink.records`): the
     parts in the order given, each filtered to its sub-range when one is given; rows as the
     stage query gives them but the key as bytes. `ordered`: the whole batch sorted into
@@ -1000,18 +1024,30 @@ class _FileParts:
                 yield rb
 
     def chunks(self) -> Generator[list[tuple[Any, ...]], None, None]:
-        loads = json.loads
-        src: Iterable[pa.RecordBatch] = self.batches()
-        if self.ordered:
-            src = pa.Table.from_batches(list(src), taskfile.FILE_SCHEMA).sort_by(
-                [("topic", "ascending"), ("partition", "ascending"),
-                 ("offset", "ascending")]).to_batches(max_chunksize=CURSOR_ROWS)
-        for rb in src:
-            cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
-            hdrs = cols[5]
-            if any(h is not None for h in hdrs):
-                cols[5] = [None if h is None else loads(h) for h in hdrs]
-            yield list(zip(*cols, strict=True))
+        if not self.ordered:
+            for rb in self.batches():
+                yield _rows(rb)
+            return
+        # the sorted read in bounded memory (review finding 1: a sort of the whole batch
+        # held it all in the driver): each part sorted by index (8 bytes a record, its
+        # records stay in the mapped file), taken a chunk at a time, the parts merged
+        merged = heapq.merge(*(self._part_sorted(part) for part, _r in self.parts),
+                             key=operator.itemgetter(0, 1, 2))
+        while chunk := list(itertools.islice(merged, CURSOR_ROWS)):
+            yield chunk
+
+    def _part_sorted(self, part: int) -> Iterator[tuple[Any, ...]]:
+        """One part's records in source order (the whole part: the sorted read takes no
+        sub-range)."""
+        t = pa.Table.from_batches(
+            list(taskfile.read_part_file(self.batch_id, part, self.entries[part])),
+            taskfile.FILE_SCHEMA)
+        idx = pc.sort_indices(t, sort_keys=[("topic", "ascending"),
+                                            ("partition", "ascending"),
+                                            ("offset", "ascending")])
+        for i in range(0, len(idx), MERGE_ROWS):
+            for rb in t.take(idx[i:i + MERGE_ROWS]).to_batches():
+                yield from _rows(rb)
 
     def extent(self) -> tuple[int, int | None, int | None]:
         """As `stage_extent_sql`: the largest record's key, value and headers bytes (plus
@@ -1039,6 +1075,15 @@ class _FileParts:
                 if (s_topic, s_part, s_off) in coords:
                     out[(s_topic, s_part, s_off)] = (key, value, ts)
         return out
+
+
+def _rows(rb: pa.RecordBatch) -> list[tuple[Any, ...]]:
+    """A task file's records as the stage query's rows (headers parsed, key as bytes)."""
+    cols = [rb.column(i).to_pylist() for i in range(rb.num_columns)]
+    hdrs = cols[5]
+    if any(h is not None for h in hdrs):
+        cols[5] = [None if h is None else json.loads(h) for h in hdrs]
+    return list(zip(*cols, strict=True))
 
 
 @dataclass

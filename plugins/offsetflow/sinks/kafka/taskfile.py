@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import socket
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping
@@ -114,7 +115,7 @@ class PartFile:
         os.replace(self._tmp, self.path)
         sync_directory(self.path.parent)
         return {"path": str(self.path), "records": self.records, "bytes": self._crc.size,
-                "crc32": self._crc.crc, "attempt": self.attempt}
+                "crc32": self._crc.crc, "attempt": self.attempt, "host": this_host()}
 
     def discard(self) -> None:
         """A failed attempt's file removed (a retry writes one of its own)."""
@@ -161,6 +162,49 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
             raise lost(f"it holds {records} records, its marker {entry['records']}")
         for i in range(n):
             yield reader.get_batch(i)
+
+
+def this_host() -> str:
+    """The host a file is written on (its marker's entry) and the driver reads it on."""
+    return socket.gethostname()
+
+
+def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
+                  directory: str) -> None:
+    """Every part's file there with its marker's size, checked before anything is read
+    (a stat each, not a read): the `TaskFileLostError` names every such part at once, so
+    one run drops them all (not one per run). Files written on another host that the
+    driver does not see mean the directory is not shared: said, with the way out (the
+    CRC and record count are `read_part_file`'s, as each part is read)."""
+    lost: list[tuple[int, str, str]] = []
+    elsewhere: set[str] = set()
+    for part, entry in sorted(entries.items()):
+        path = str(entry["path"])
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            lost.append((part, path, "it is missing"))
+            host = entry.get("host")
+            if host and host != this_host():
+                elsewhere.add(str(host))
+            continue
+        except OSError as e:
+            lost.append((part, path, f"it cannot be read ({e})"))
+            continue
+        if size != int(entry["bytes"]):
+            lost.append((part, path, f"it holds {size} bytes, its marker {entry['bytes']} "
+                                     f"(short or overwritten)"))
+    if not lost:
+        return
+    hint = (f"written on host(s) {sorted(elsewhere)}, not seen on the driver's host "
+            f"{this_host()}: sink.task_files {directory} must be one directory every host "
+            f"shares under the same path (a shared mount), or unset sink.task_files to "
+            f"stage in PostgreSQL" if elsewhere else
+            f"something removed or changed files in sink.task_files {directory} (a sweep "
+            f"of the directory, a full disk?); keep it for the pipeline alone, or unset "
+            f"sink.task_files to stage in PostgreSQL")
+    first, *more = lost
+    raise TaskFileLostError(batch_id, first[0], first[1], first[2], more, hint)
 
 
 def check_directory(directory: str) -> None:

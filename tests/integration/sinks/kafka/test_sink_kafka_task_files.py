@@ -7,6 +7,7 @@ cases of every type built in the task, checked against the stack's PostgreSQL.""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import random
@@ -846,3 +847,174 @@ def test_complete_of_a_task_file_batch_whose_stage_and_records_are_gone(
     assert case.status() == "committed"
     assert case.verdict().in_log == RECORDS  # nothing produced a second time
     assert not list(task_dir.iterdir())
+
+
+def _with_task_files(cfg: Any, directory: Path) -> Any:
+    import dataclasses
+
+    kafka = cfg.sink.kafka
+    assert kafka is not None
+    return dataclasses.replace(cfg, sink=dataclasses.replace(
+        cfg.sink, kafka=dataclasses.replace(kafka, task_files=str(directory))))
+
+
+def test_the_setting_turned_on_for_a_partly_staged_batch_converges(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch partly staged in PostgreSQL with `sink.task_files` off (a run that failed
+    mid-read), run again with it on: its later parts go to task files, its earlier ones
+    are in the stage. Read part by part (the overlap) each part comes from where it is; read
+    whole, the run refuses the mix as lost parts (a `StagedRowsLostError`
+    naming the stage parts and the setting): those parts are dropped with their markers,
+    the next run writes them to task files and the topic gets each record once."""
+    from offsetflow.errors import StagedRowsLostError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from offsetflow.stage.reset import forget_parts
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+    d = tmp_path / "turned-on"
+    d.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+
+    class _Stop(Exception):
+        pass
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        raise _Stop("the run fails before producing")
+
+    with monkeypatch.context() as m:  # setting off: every part staged, nothing produced
+        m.setattr(KafkaTopicSink, "begin_parts", failing)
+        m.setattr(KafkaTopicSink, "write", failing)
+        with pytest.raises(_Stop):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    with contextlib.closing(psycopg2.connect(pg_dsn)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT array_agg(part ORDER BY part) FROM offsetflow.staged_parts "
+                    "WHERE batch_id = %s AND kind = 'rows'", (case.batch_id,))
+        parts = list((cur.fetchone() or [[]])[0] or [])
+    assert len(parts) >= 2, parts
+    # a run killed mid-read: only the first half of the parts staged
+    forget_parts(pg_dsn, case.batch_id, parts[len(parts) // 2:], None)
+    cfg = _with_task_files(case.cfg, d)
+    # the batch read whole (as after an overlap given up, or a failed pass): not per part
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)
+    with pytest.raises(StagedRowsLostError) as e:
+        run_batch(spark, cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert "sink.task_files" in msg and str(parts[:len(parts) // 2]) in msg, msg
+    rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(d.iterdir())
+
+
+def test_a_batch_the_setting_stages_in_postgresql_has_its_stage_counted(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sink.task_files` set, but the batch staged in PostgreSQL (a column of a type the
+    tasks do not build): the commit counts the stage against its markers, as without the
+    setting, so a row lost from the stage is refused by partition before any Kafka
+    transaction (not found only by the produce pass's total, after the whole stage was
+    produced and its transaction aborted)."""
+    from offsetflow.commit.protocol import WholeStage
+    from offsetflow.errors import StagedRowsLostError
+    from offsetflow.job import run_batch
+    from offsetflow.ledger import stage_part_table
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from offsetflow.sinks.kafka import pipeline as kafka_pipeline
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the stage read after the tasks
+    monkeypatch.setattr(kafka_pipeline, "BUILT_TYPES", frozenset())  # none built: the stage
+    d = tmp_path / "fallback"
+    d.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    real = WholeStage.before_checks
+
+    def losing_a_row(self: Any, cur: Any, batch: Any) -> None:
+        with contextlib.closing(psycopg2.connect(pg_dsn)) as conn, conn, conn.cursor() as c:
+            c.execute(sql.SQL("DELETE FROM {} WHERE ctid IN (SELECT ctid FROM {} LIMIT 1)")
+                      .format(stage_part_table(batch.batch_id, 0),
+                              stage_part_table(batch.batch_id, 0)))
+            assert c.rowcount == 1
+        real(self, cur, batch)
+
+    monkeypatch.setattr(WholeStage, "before_checks", losing_a_row)
+    with pytest.raises(StagedRowsLostError) as e:
+        run_batch(spark, _with_task_files(case.cfg, d), case.batch_id, pg_dsn)
+    assert f"rows of {case.src}/" in str(e.value), str(e.value)
+    assert not list(d.iterdir())
+
+
+def test_task_files_lost_of_several_parts_are_named_at_once_with_the_way_out(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two parts' files gone before the driver reads (a directory wiped, or one the driver
+    does not share with the executors): one run names both parts and `sink.task_files`
+    with the way out, drops both, and the next run commits (not one run per lost part)."""
+    from offsetflow.commit.protocol import WholeStage
+    from offsetflow.errors import TaskFileLostError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the files read after the tasks
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+    real = WholeStage.before_checks
+    gone: list[Path] = []
+
+    def wiping(self: Any, cur: Any, batch: Any) -> None:
+        if not gone:
+            gone.extend(sorted(task_dir.glob(f"*_b{batch.batch_id}_p*.arrow"))[:2])
+            for f in gone:
+                f.unlink()
+        real(self, cur, batch)
+
+    monkeypatch.setattr(WholeStage, "before_checks", wiping)
+    with pytest.raises(TaskFileLostError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert len(gone) == 2 and all(str(f) in msg for f in gone), msg
+    assert "sink.task_files" in msg, msg
+    monkeypatch.setattr(WholeStage, "before_checks", real)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
+
+
+def test_a_batch_read_sorted_from_task_files_is_produced_once(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sorted read from files (as after `_OutOfOrder`, or a layout no unsorted read
+    follows): the parts merged in source order a few records of each at a time (the
+    memory bound: tests/unit/sinks/kafka/test_sink_kafka_sorted_files.py), the topic gets
+    each record once."""
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from offsetflow.sinks.kafka.sink import FileParts
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)
+    monkeypatch.setattr(KafkaTopicSink, "read_parts", False)  # always the sorted read
+    merged: list[int] = []
+    real = FileParts._part_sorted
+
+    def spy(self: Any, part: int) -> Any:
+        merged.append(part)
+        return real(self, part)
+
+    monkeypatch.setattr(FileParts, "_part_sorted", spy)
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"max_offsets_per_task": 100})
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert len(merged) >= 2, merged
+    v = case.verdict()
+    assert v.visible == v.committed.found, v

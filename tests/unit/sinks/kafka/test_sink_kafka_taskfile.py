@@ -121,3 +121,22 @@ def test_a_column_the_task_cannot_build_falls_back_to_the_stage(
     with caplog.at_level("INFO"):
         assert sink.task_files("postgresql://unused/x", batch, cols) is None
     assert "amount" in caplog.text and "not in task files" in caplog.text
+
+
+def test_every_lost_part_is_named_at_once_and_an_unshared_directory_is_said(
+        tmp_path: Path) -> None:
+    """`check_present`: every part's file missing or short is named in one error (the
+    parts dropped together); files written on another host the driver cannot see mean
+    the directory is not shared, said with the way out."""
+    from offsetflow.sinks.kafka.taskfile import check_present
+
+    entries = {p: _written(tmp_path, p) for p in range(3)}
+    check_present(1, entries, str(tmp_path))  # all there
+    Path(str(entries[0]["path"])).unlink()
+    Path(str(entries[2]["path"])).write_bytes(b"short")
+    with pytest.raises(TaskFileLostError) as e:
+        check_present(1, entries, str(tmp_path))
+    assert e.value.parts == [0, 2] and "sink.task_files" in str(e.value), str(e.value)
+    elsewhere = {0: {**entries[0], "host": "executor-7"}}
+    with pytest.raises(TaskFileLostError, match=r"executor-7.*every host shares"):
+        check_present(1, elsewhere, str(tmp_path))
