@@ -10,6 +10,10 @@ from typing import Any
 from engines import ROOT
 
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
+# the engines that run their job on the cluster, each against the same job on local[2]:
+# the PostgreSQL sink (issue 16) and the Kafka sink (issue 32)
+CLUSTER_ENGINES = {"offsetflow-cluster": "offsetflow-local",
+                   "offsetflow-kafka-cluster": "offsetflow-kafka"}
 
 
 def cluster_was_up() -> bool:
@@ -18,7 +22,7 @@ def cluster_was_up() -> bool:
 
 def start_cluster(metrics_dir: Path) -> dict[str, Any]:
     """The Spark standalone cluster (and its packed executor environment) running; the ctx
-    keys the offsetflow-cluster engine needs. Two 1-core executors: the same two cores as
+    keys the cluster engines (CLUSTER_ENGINES) need. Two 1-core executors: the same two cores as
     local[2], so the ratio shows what separate executor processes cost."""
     subprocess.run([*STACK, "spark-env"], check=True)
     subprocess.run([*STACK, "spark-cluster-start"], check=True)
