@@ -34,7 +34,7 @@ from typing import Any
 
 import psycopg2
 import report
-from cluster import CLUSTER_ENGINES, cluster_was_up, start_cluster
+from cluster import CLUSTER_ENGINES, cluster_pids, cluster_was_up, start_cluster
 from dag_path import DAG_SUFFIX
 from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
             if engine in CLUSTER_ENGINES:
                 started_cluster = started_cluster or not cluster_was_up()
                 ctx.update(start_cluster(metrics_dir))
+                extra = cluster_pids()
             # every warm engine is warmed on the main data set's size, so the JIT of the
             # JVM engines has seen the real volume before anything is timed
             warm = avro_ds if engine in AVRO_ENGINES and avro_ds else main_ds

@@ -16,8 +16,24 @@ CLUSTER_ENGINES = {"offsetflow-cluster": "offsetflow-local",
                    "offsetflow-kafka-cluster": "offsetflow-kafka"}
 
 
+CLUSTER_DIR = ROOT / ".stack" / "spark-cluster"
+
+
 def cluster_was_up() -> bool:
-    return (ROOT / ".stack" / "spark-cluster" / "master" / "pid").exists()
+    return (CLUSTER_DIR / "master" / "pid").exists()
+
+
+def cluster_pids() -> list[int]:
+    """The master's and the workers' JVMs (stack.sh's pid files): a cluster engine's extra
+    roots, so its executors and their Python workers count in its CPU and memory (they are
+    the workers' children, not the driver's), the daemons' own time as `spark_jvm`."""
+    pids = []
+    for f in sorted(CLUSTER_DIR.glob("*/pid")):
+        try:
+            pids.append(int(f.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
 
 
 def start_cluster(metrics_dir: Path) -> dict[str, Any]:
