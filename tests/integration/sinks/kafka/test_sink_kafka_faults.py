@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +118,9 @@ def test_broker_killed_during_the_commit_the_batch_commits_once(
         chaos.kill_kafka(restart=False)  # kill -9 of the broker, transaction open
         try:
             case.resume()  # commit_transaction runs against a dead broker
-            time.sleep(3)
+            # the job's Kafka client retries against it: a connection from the job's process
+            chaos.wait_for_reconnect(case.bootstrap, proc.pid,
+                                     unless=lambda: proc.poll() is not None)
             assert proc.poll() is None, case.output()[-3000:]  # still waiting for it
         finally:
             chaos.start_kafka()
