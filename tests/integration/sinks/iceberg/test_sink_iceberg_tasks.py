@@ -139,6 +139,8 @@ def test_a_task_attempt_killed_after_its_files_leaves_orphans_that_are_swept(
     proc = case.job_with(bid, **{TASK_FAULT_ENV: f"kill-after-files:{flag}"})
     assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
     assert flag.exists(), "the fault never fired"
+    assert "exited unexpectedly (crashed)" in case.job_output(), \
+        "the faulted attempt did not die by the kill"
     dead = _written(flag)
     assert dead, "the killed attempt wrote no files"
     assert case.batch(bid).status == "committed" and case.batch(bid).attempts == 1
