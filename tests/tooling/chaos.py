@@ -388,16 +388,6 @@ def wait_for_reconnect(bootstrap: str, of_pid: int, unless: Callable[[], bool],
 
     host, port = bootstrap.split(",")[0].rsplit(":", 1)
     table = proc_table()
-
-    def descends(pid: int) -> bool:
-        seen = 0
-        while pid > 1 and seen < 64:
-            if pid == of_pid:
-                return True
-            pid = table.get(pid, (0, 0, ""))[0]
-            seen += 1
-        return False
-
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, int(port)))
@@ -420,7 +410,7 @@ def wait_for_reconnect(bootstrap: str, of_pid: int, unless: Callable[[], bool],
                 pid = _socket_owner(peer, (host, int(port)))
                 if pid is not None and pid not in table:  # a process started since
                     table = proc_table()
-                if pid is not None and pid != os.getpid() and descends(pid):
+                if pid is not None and pid != os.getpid() and descends(table, pid, of_pid):
                     return pid
             finally:
                 # RST, not FIN: no TIME_WAIT left on the broker's port for its restart
@@ -446,23 +436,25 @@ def proc_table() -> dict[int, tuple[int, int, str]]:
     return table
 
 
+def descends(table: dict[int, tuple[int, int, str]], pid: int, root: int) -> bool:
+    """Whether `pid` is `root` or a descendant of it in a `proc_table()`."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == root:
+            return True
+        pid = table.get(pid, (0, 0, ""))[0]
+        seen += 1
+    return False
+
+
 def python_workers(job_pid: int) -> list[int]:
     """Spark's Python workers of one job: the processes that its `pyspark.daemon` forked
     for tasks, not the daemon itself. Found by ancestry: the daemon puts itself in a process
     group of its own."""
     table = proc_table()
-
-    def in_job(pid: int) -> bool:
-        seen = 0
-        while pid > 1 and seen < 64:
-            if pid == job_pid:
-                return True
-            pid = table.get(pid, (0, 0, ""))[0]
-            seen += 1
-        return False
-
     daemons = {pid for pid, (_, _, cmd) in table.items() if "pyspark.daemon" in cmd}
-    roots = {pid for pid in daemons if table[pid][0] not in daemons and in_job(pid)}
+    roots = {pid for pid in daemons
+             if table[pid][0] not in daemons and descends(table, pid, job_pid)}
     return sorted(pid for pid, (ppid, _, _) in table.items() if ppid in roots)
 
 
