@@ -17,11 +17,17 @@ venv: .venv/.installed
 	@test -x $(PY) || uv venv .venv --python 3.11
 	# --compile-bytecode: machines that set PYTHONDONTWRITEBYTECODE would otherwise compile
 	# pandas, pyspark and airflow from source in every new process (Spark workers, tasks)
-	uv pip install --python $(PY) --compile-bytecode -r requirements-dev.txt
-	uv pip install --python $(PY) --no-deps -e .
-	# every install that reaches the registry unpacks and builds pyspark's sdist again (~1.8 GB
-	# a time: this registry sends no cache headers); prune keeps only the newest of each
-	uv cache prune -q
+	# From uv's cache alone first (--offline: no index look-up, and the pyspark wheel built
+	# before is used as it is); from the registry only when the cache lacks something (a pin
+	# changed). Every install that reaches the registry unpacks and builds pyspark's sdist
+	# again (~20 s and ~1.8 GB a time: this registry sends no cache headers); prune then keeps
+	# only the newest of each
+	@if uv pip install --offline --python $(PY) --compile-bytecode -r requirements-dev.txt; \
+	then uv pip install --offline --python $(PY) --no-deps -e . || \
+		uv pip install --python $(PY) --no-deps -e .; \
+	else echo "[venv] not all in uv's cache: installing from the registry"; \
+		uv pip install --python $(PY) --compile-bytecode -r requirements-dev.txt && \
+		uv pip install --python $(PY) --no-deps -e . && uv cache prune -q; fi
 	@$(PY) -c "import pyspark, sys; v = pyspark.__version__; print('pyspark', v); sys.exit(0 if v.startswith('4.') else 1)"
 	@touch $@
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import psycopg2
 import report
-from cluster import cluster_was_up, start_cluster
+from cluster import CLUSTER_ENGINES, cluster_pids, cluster_was_up, start_cluster
 from dag_path import DAG_SUFFIX
 from dataset import DataSet, ensure_dataset
 from engines import BENCH_SCHEMA, ROOT, dataset_to_dict
@@ -53,7 +53,7 @@ ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-bui
            "offsetflow-local", "offsetflow-connect", "offsetflow-submit", "offsetflow-cluster",
            "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
-           "spark-builtin-kafka", "offsetflow-kafka",
+           "spark-builtin-kafka", "offsetflow-kafka", "offsetflow-kafka-cluster",
            # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
            "spark-builtin-iceberg",
            # Confluent wire-format Avro -> PostgreSQL (include/bench/engines_avro.py)
@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "offsetflow-cluster": [job(main_ds, args.runs)],
         "spark-builtin-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka": [job(main_ds, args.runs)],
+        "offsetflow-kafka-cluster": [job(main_ds, args.runs)],  # the same on the cluster
         "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
         "spark-builtin-iceberg": [job(main_ds, args.runs)],
         **({e: [job(avro_ds, args.runs)] for e in AVRO_ENGINES} if avro_ds else {}),
@@ -416,15 +417,17 @@ def main(argv: list[str] | None = None) -> int:
     connect_start_s = None
     connect_was_up = "connect   up" in subprocess.run([*STACK, "status"], capture_output=True,
                                                       text=True).stdout
-    for engine in engines:
+    started_cluster = False  # the cluster this run started
+    for i, engine in enumerate(engines):
         extra: list[int] = []
         if engine == "offsetflow-connect":
             pid, connect_start_s = start_connect(metrics_dir)
             extra = [pid]
-        stop_cluster = engine == "offsetflow-cluster" and not cluster_was_up()
         try:
-            if engine == "offsetflow-cluster":
+            if engine in CLUSTER_ENGINES:
+                started_cluster = started_cluster or not cluster_was_up()
                 ctx.update(start_cluster(metrics_dir))
+                extra = cluster_pids()
             # every warm engine is warmed on the main data set's size, so the JIT of the
             # JVM engines has seen the real volume before anything is timed
             warm = avro_ds if engine in AVRO_ENGINES and avro_ds else main_ds
@@ -434,8 +437,11 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run([*STACK, "connect-stop"], check=True)
                 if connect_was_up:  # make up's server, which the shipped pipelines use
                     subprocess.run([*STACK, "connect-start"], check=True)
-            if stop_cluster:
+            # stopped unless the next engine uses it: an idle cluster's daemons are not
+            # left in the other engines' CPU figures
+            if started_cluster and not set(engines[i + 1:i + 2]) & CLUSTER_ENGINES.keys():
                 subprocess.run([*STACK, "spark-cluster-stop"], check=True)
+                started_cluster = False
     results = [r for e in raw.values() for r in e["results"]]
     summary = report.summarise(results)
     fixed: dict[str, Any] = {f"{e} session start (once)": raw[e]["spark_start_s"]
@@ -474,10 +480,12 @@ def main(argv: list[str] | None = None) -> int:
         fixed[f"end to end (plan + read + commit), {row['records']:,} records on "
               f"{row['partitions']:,} partitions (median s; plan {row['plan_s']} s)"] = \
             row["wall_s"]
-    cluster_ratio = report.ratio(summary, "offsetflow-cluster", "offsetflow-local", main_label)
-    if cluster_ratio is not None:
-        fixed[f"standalone cluster (2 x 1-core executors) / local[2], records/s at "
-              f"{main_label}"] = cluster_ratio
+    cluster_ratios = {f"{c}/{local}@{main_label}": report.ratio(summary, c, local, main_label)
+                      for c, local in CLUSTER_ENGINES.items()}
+    for (c, local), r in zip(CLUSTER_ENGINES.items(), cluster_ratios.values(), strict=True):
+        if r is not None:
+            fixed[f"standalone cluster (2 x 1-core executors) / local[2], records/s at "
+                  f"{main_label}: {c} / {local}"] = r
     goal_rows = report.goals(summary, main_label, small_label,
                              (plan["partitions"], max(plan["first_plan_s"],
                                                       plan["replan_s"]["median"]))
@@ -500,8 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                for w in ("offsetflow-local", "offsetflow-connect", "offsetflow-submit",
                          "offsetflow-cluster", "offsetflow-iceberg")
                for o in ("spark-builtin", "baseline")}
-           | {f"offsetflow-cluster/offsetflow-local@{main_label}": cluster_ratio,
-              f"offsetflow-iceberg/offsetflow-local@{main_label}":
+           | cluster_ratios
+           | {f"offsetflow-iceberg/offsetflow-local@{main_label}":
                   report.ratio(summary, "offsetflow-iceberg", "offsetflow-local", main_label)}
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
            | {f"offsetflow-kafka/spark-builtin-kafka@{main_label}": report.ratio(

@@ -10,15 +10,35 @@ from typing import Any
 from engines import ROOT
 
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
+# the engines that run their job on the cluster, each against the same job on local[2]:
+# the PostgreSQL sink (issue 16) and the Kafka sink (issue 32)
+CLUSTER_ENGINES = {"offsetflow-cluster": "offsetflow-local",
+                   "offsetflow-kafka-cluster": "offsetflow-kafka"}
+
+
+CLUSTER_DIR = ROOT / ".stack" / "spark-cluster"
 
 
 def cluster_was_up() -> bool:
-    return (ROOT / ".stack" / "spark-cluster" / "master" / "pid").exists()
+    return (CLUSTER_DIR / "master" / "pid").exists()
+
+
+def cluster_pids() -> list[int]:
+    """The master's and the workers' JVMs (stack.sh's pid files): a cluster engine's extra
+    roots, so its executors and their Python workers count in its CPU and memory (they are
+    the workers' children, not the driver's), the daemons' own time as `spark_jvm`."""
+    pids = []
+    for f in sorted(CLUSTER_DIR.glob("*/pid")):
+        try:
+            pids.append(int(f.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
 
 
 def start_cluster(metrics_dir: Path) -> dict[str, Any]:
     """The Spark standalone cluster (and its packed executor environment) running; the ctx
-    keys the offsetflow-cluster engine needs. Two 1-core executors: the same two cores as
+    keys the cluster engines (CLUSTER_ENGINES) need. Two 1-core executors: the same two cores as
     local[2], so the ratio shows what separate executor processes cost."""
     subprocess.run([*STACK, "spark-env"], check=True)
     subprocess.run([*STACK, "spark-cluster-start"], check=True)

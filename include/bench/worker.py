@@ -20,6 +20,7 @@ from typing import Any
 import engines
 import engines_avro
 import engines_kafka
+from cluster import CLUSTER_ENGINES
 from dag_path import DAG_SUFFIX, dag_path_run
 from engines import dataset_from_dict, timed_runs
 
@@ -50,19 +51,20 @@ def main(spec_path: str) -> int:
     spark: Any = None
     t = time.perf_counter()
     if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
-                  "offsetflow-kafka", "offsetflow-iceberg", "offsetflow-avro"):
+                  "offsetflow-kafka", "offsetflow-kafka-cluster", "offsetflow-iceberg",
+                  "offsetflow-avro"):
         from offsetflow.job import build_spark
 
         ctx["launch"] = "connect" if engine == "offsetflow-connect" else "submit"
         raw = engines.offsetflow_config(warmup, "bench_session", "OFFSETFLOW_BENCH_DSN",
                                         ctx["bootstrap"], ctx["launch"], ctx["connect_url"],
                                         ctx["max_offsets_per_task"])
-        if engine == "offsetflow-cluster":  # the standalone master, executors from the archive
+        if engine in CLUSTER_ENGINES:  # the standalone master, executors from the archive
             raw["spark"].update(master=ctx["cluster_master"], conf=ctx["cluster_conf"])
         spark = build_spark(parse_pipeline(raw, "<bench>", os.environ), f"bench-{engine}")
 
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
-            if engine == "offsetflow-kafka":
+            if engine in ("offsetflow-kafka", "offsetflow-kafka-cluster"):
                 return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx)
             if engine == "offsetflow-iceberg":
                 import engines_iceberg

@@ -297,11 +297,12 @@ def shared_standalone(base: Path, pg_dsn: str, secret_dsn: tuple[str, str],
     stack's DSN and brokers are not in the Airflow processes' environment (the window
     pipelines name theirs in their YAML). Task logs go to `logs`.
 
-    With `connect_url`, the forms' pipeline and the public API's YAML pipeline run their
-    batches on that warm Spark Connect server: those tests assert what the form, the
-    backfill and its Asset events do, not spark-submit; the REST test's replay and the
-    public API's inline DAG still run theirs with spark-submit (a window DAG and a
-    scheduled one, each through this real scheduler and executor)."""
+    With `connect_url`, both window pipelines (the forms' and the REST test's) and the
+    public API's YAML pipeline run their batches on that warm Spark Connect server: those
+    tests assert what the form, `offsetflow replay` through the REST API, the backfill and
+    its Asset events do, not spark-submit; the public API's inline DAG still runs its batch
+    with spark-submit (the operator's spark-submit path through this real scheduler and
+    executor; the REST replay's was the same operator's again)."""
     pipelines, dag_dir, logs = base / "pipelines", base / "dags", base / "logs"
     pipelines.mkdir()
     (dag_dir / "pipelines").mkdir(parents=True)
@@ -310,8 +311,7 @@ def shared_standalone(base: Path, pg_dsn: str, secret_dsn: tuple[str, str],
     with contextlib.ExitStack() as stack:
         parts: dict[str, dict[str, Any]] = {}
         for prefix in ("ui", "rest"):
-            part = window_pipeline(pipelines, pg_dsn, kafka_bootstrap, prefix,
-                                   connect_url if prefix == "ui" else None)
+            part = window_pipeline(pipelines, pg_dsn, kafka_bootstrap, prefix, connect_url)
             stack.callback(delete_topic, kafka_bootstrap, part["topic"])
             parts["forms" if prefix == "ui" else "rest"] = part
         api = public_api_project(pipelines, dag_dir, secret_dsn, kafka_bootstrap,

@@ -346,6 +346,80 @@ def kill_kafka(restart: bool = True) -> None:
         stack("kafka-start")
 
 
+def _socket_owner(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+    """The pid of the process holding the IPv4 TCP socket `local` -> `remote` (a client's
+    end, as the server side saw its peer), or None if it is gone or not ours to read."""
+    def hexaddr(addr: tuple[str, int]) -> str:
+        a, b, c, d = (int(x) for x in addr[0].split("."))
+        return f"{d:02X}{c:02X}{b:02X}{a:02X}:{addr[1]:04X}"
+
+    want = (hexaddr(local), hexaddr(remote))
+    inode = None
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if (f[1], f[2]) == want:
+            inode = f[9]
+            break
+    if inode is None:
+        return None
+    link = f"socket:[{inode}]"
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (d / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == link:
+                        return int(d.name)
+    return None
+
+
+def wait_for_reconnect(bootstrap: str, of_pid: int, unless: Callable[[], bool],
+                       timeout_s: float = 120) -> int | None:
+    """With the broker of `bootstrap` dead: listen on its port until a client process
+    descending from `of_pid` (or `of_pid` itself, unless it is the test's own process)
+    tries to connect, i.e. its Kafka client now retries against the dead broker; the
+    connection is reset at once (the client retries on). Returns that client's pid, or None
+    once `unless()` is true (no client is left to retry: the run ended). A wait on that
+    condition, not a fixed sleep after the kill: the client's reconnect backoff
+    (librdkafka: 100 ms doubling to 10 s at most) bounds it."""
+    import socket
+    import struct
+
+    host, port = bootstrap.split(",")[0].rsplit(":", 1)
+    table = proc_table()
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, int(port)))
+    srv.listen(16)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for a Kafka "
+                                   f"client of process {of_pid} to reconnect to {bootstrap}")
+            if unless():
+                return None
+            srv.settimeout(min(left, 0.2))
+            try:
+                conn, peer = srv.accept()
+            except TimeoutError:
+                continue
+            try:
+                pid = _socket_owner(peer, (host, int(port)))
+                if pid is not None and pid not in table:  # a process started since
+                    table = proc_table()
+                if pid is not None and pid != os.getpid() and descends(table, pid, of_pid):
+                    return pid
+            finally:
+                # RST, not FIN: no TIME_WAIT left on the broker's port for its restart
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+    finally:
+        srv.close()
+
+
 def proc_table() -> dict[int, tuple[int, int, str]]:
     """pid -> (parent pid, process group, command line) of every process we can read."""
     table: dict[int, tuple[int, int, str]] = {}
@@ -362,23 +436,25 @@ def proc_table() -> dict[int, tuple[int, int, str]]:
     return table
 
 
+def descends(table: dict[int, tuple[int, int, str]], pid: int, root: int) -> bool:
+    """Whether `pid` is `root` or a descendant of it in a `proc_table()`."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == root:
+            return True
+        pid = table.get(pid, (0, 0, ""))[0]
+        seen += 1
+    return False
+
+
 def python_workers(job_pid: int) -> list[int]:
     """Spark's Python workers of one job: the processes that its `pyspark.daemon` forked
     for tasks, not the daemon itself. Found by ancestry: the daemon puts itself in a process
     group of its own."""
     table = proc_table()
-
-    def in_job(pid: int) -> bool:
-        seen = 0
-        while pid > 1 and seen < 64:
-            if pid == job_pid:
-                return True
-            pid = table.get(pid, (0, 0, ""))[0]
-            seen += 1
-        return False
-
     daemons = {pid for pid, (_, _, cmd) in table.items() if "pyspark.daemon" in cmd}
-    roots = {pid for pid in daemons if table[pid][0] not in daemons and in_job(pid)}
+    roots = {pid for pid in daemons
+             if table[pid][0] not in daemons and descends(table, pid, job_pid)}
     return sorted(pid for pid, (ppid, _, _) in table.items() if ppid in roots)
 
 

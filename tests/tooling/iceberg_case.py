@@ -42,16 +42,21 @@ class IcebergCase(Case):
         if expect_all:
             assert rep.expected == self.workload.committed_count, rep.explain()
 
-    def job_with(self, batch_id: int, **env: str) -> Any:
-        return chaos.run_batch_process(self.file, batch_id, self.log, env=env)
+    def job_with(self, batch_id: int, connect_url: str | None = None, **env: str) -> Any:
+        """`offsetflow run-batch` with `env`: its own spark-submit JVM, or with `connect_url`
+        a thin client of that Spark Connect server (`chaos.connect_file`: for a driver-side
+        fault after the batch's tasks ended; a task-side fault needs the job's own JVM)."""
+        file = chaos.connect_file(self.file, connect_url) if connect_url else self.file
+        return chaos.run_batch_process(file, batch_id, self.log, env=env)
 
-    def two_runs_at_once(self, spark: Any, batch_id: int) -> None:
-        """A job process runs the batch; once it has taken it (running), a second run starts
-        in this process's warm Spark session, so both work on it at once (no JVM of its own
-        for the second). The commit's fencing must let exactly one commit it, once."""
+    def two_runs_at_once(self, spark: Any, batch_id: int, connect_url: str) -> None:
+        """A job process (a thin client of the Spark Connect server at `connect_url`) runs
+        the batch; once it has taken it (running), a second run starts in this process's
+        warm Spark session, so both work on it at once, two drivers in two processes (no
+        JVM of its own for either). The commit's fencing must let exactly one commit it."""
         from offsetflow.job import run_batch
 
-        proc = self.job_with(batch_id)
+        proc = self.job_with(batch_id, connect_url)
         chaos.wait_for(lambda: self.batch(batch_id).status == "running"
                        or proc.poll() is not None, 300, "the job process to take the batch")
         try:

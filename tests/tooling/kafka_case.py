@@ -146,6 +146,22 @@ def killed_at_end(proc: Any) -> Any:
             chaos.kill(proc)
 
 
+def cut_idle_ledger_transactions(dsn: str) -> int:
+    """pg_terminate_backend of every OffsetFlow connection idle inside a transaction: a held
+    job's commit, whose batch row lock then goes with it."""
+    conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute("""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                            WHERE application_name = 'offsetflow'
+                              AND state = 'idle in transaction'
+                              AND datname = current_database()""")
+            row = cur.fetchone()
+            return int(row[0]) if row else 0
+    finally:
+        conn.close()
+
+
 def range_records(dsn: str, batch_id: int) -> dict[tuple[str, int], int]:
     """batch_ranges.records of the batch, per topic/partition."""
     with psycopg2.connect(dsn) as conn, conn.cursor() as cur:

@@ -61,7 +61,7 @@ class PartwiseCommit(Step4):
     """See the module docstring. `parts`: how many part tables the stage has. Its thread
     runs the protocol's steps (`commit_steps`) with this object as their step 4."""
 
-    POLL_S = 0.05
+    POLL_S = 0.05  # `poll_s`'s default
 
     def __init__(self, dsn: str, batch: Batch, *, columns: list[str] | tuple[str, ...],
                  parts: int, dead_letter_table: str | None, timings: dict[str, float],
@@ -82,6 +82,11 @@ class PartwiseCommit(Step4):
         # `WholeStage` does (the sink counts what it wrote against them too), unless the
         # tasks wrote task files instead of the stage (`spec.task_files`, as `WholeStage`)
         self.scan = external is not None and not self.spec.task_files
+        # during the read, the wait between two looks for newly staged parts: read before
+        # each wait, so a new value holds from the next one; `waiting_s` is the wait the
+        # commit is in (a caller that lengthened `poll_s` sees when no pass is left to run)
+        self.poll_s = self.POLL_S
+        self.waiting_s = 0.0
         self._moved_parts: set[int] = set()
         self._moved = Moved()  # step 4's counts, part by part
         self._finishing = 0.0  # when the last pass (c) began
@@ -206,7 +211,8 @@ class PartwiseCommit(Step4):
         while not self._finish.is_set():  # b
             if moved is not None:
                 self._move_staged_parts(cur, moved, "commit_overlapped_s")
-            self._finish.wait(self.POLL_S)
+            self.waiting_s = self.poll_s
+            self._finish.wait(self.waiting_s)
         if self._aborted:
             raise _Aborted
 

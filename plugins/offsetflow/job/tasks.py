@@ -460,11 +460,22 @@ def make_read_and_stage(cfg: PipelineConfig, batch_id: int, dsn: str,
                                    files=None if files is None else files.writer(part),
                                    schema_ids=ids)
         except TaskReportedError as e:  # its transaction rolled back: no marker
+            drained(batches)
             yield _stats_batch(part, {"rows": 0, "skipped": False}, e)
             return
+        drained(batches)
         clock.emit(batch_id, "read_stage", part)
         yield _stats_batch(part, stats)
     return read_and_stage
+
+
+def drained(ids: Iterator[pa.RecordBatch]) -> None:
+    """Read the rest of a task's input (its few sub-range ids). A task that returns before
+    reading them (a part an earlier attempt staged, a reported error) leaves them in the
+    worker's socket, and Spark then kills that Python worker instead of reusing it: the
+    next task pays a new worker's start (~1.15 CPU-s of imports, docs/performance.md)."""
+    for _ in ids:
+        pass
 
 
 def coalesced(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

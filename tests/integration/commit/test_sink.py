@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +18,7 @@ from offsetflow.ledger import Batch, Ledger, stage_part_table
 from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
 from offsetflow.stage import TaskClock, binary_encoder, stage_rows
+from tests.tooling.chaos import wait_for
 from tests.tooling.pipeline_data import pipeline_for, produce_plain, query
 
 
@@ -54,14 +53,6 @@ class Staging:
                               dead_letter_table=None, timings=self.timings)
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def staging(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str) -> Staging:
     topic = make_topic("partwise", 2)
@@ -79,8 +70,8 @@ def test_parts_move_while_others_are_read_and_show_only_at_commit(staging: Stagi
     table = s.batch.target_table
     with s.committer() as committer:
         assert s.stage(0) == 100 and s.stage(2) == 100
-        wait_until(lambda: s.timings.get("commit_overlapped_s", 0) > 0,
-                   "the staged parts to be moved while the others are unread")
+        wait_for(lambda: s.timings.get("commit_overlapped_s", 0) > 0, 30,
+                 "the staged parts to be moved while the others are unread")
         assert count(s.dsn, table) == 0  # moved inside the open commit: not visible yet
         assert query(s.dsn, "SELECT status FROM offsetflow.batches WHERE batch_id = %s",
                      (s.batch.batch_id,))[0][0] == "planned"
@@ -104,7 +95,7 @@ def test_aborted_commit_rolls_back_moved_parts_and_a_rerun_commits_once(
     s = staging
     with s.committer() as committer:
         s.stage(0)
-        wait_until(lambda: s.timings.get("commit_overlapped_s", 0) > 0, "part 0 to be moved")
+        wait_for(lambda: s.timings.get("commit_overlapped_s", 0) > 0, 30, "part 0 to be moved")
         committer.abort()  # as when the Spark job fails after part 0
     assert count(s.dsn, s.batch.target_table) == 0
     with Ledger(s.dsn) as ledger:

@@ -5,9 +5,9 @@ checker judges target rows and dead letters after every one."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,10 @@ def test_kafka_killed_while_a_batch_reads_commits_once(case: Case, spark: Any) -
         assert run.poll() is None, repr(run.error)
         assert case.batch(bid).status == "running"
         chaos.kill_kafka(restart=False)
-        time.sleep(3)  # the readers now retry against a dead broker
+        # the readers now retry against the dead broker: one of them (a Python worker of
+        # this session) tries to reach it, unless no task is left reading
+        chaos.wait_for_reconnect(case.raw["kafka"]["bootstrap_servers"], os.getpid(),
+                                 unless=lambda: run.poll() is not None or not reading())
     finally:
         chaos.start_kafka()
     rc = run.wait(timeout=600)

@@ -152,14 +152,15 @@ def test_complete_routes_the_records_the_kafka_transaction_left_out(
 @pytest.mark.slow
 def test_complete_records_the_iceberg_snapshots_counts(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        tmp_path: Path) -> None:
+        tmp_path: Path, spark_connect_url: str) -> None:
     """Review s24-complete LOW: completed from an Iceberg snapshot, the batch recorded 0 bad
     records (and 0 records read) although the snapshot's summary holds its dead-letter
     count; status, metrics and Asset events then show a batch without its tombstones."""
     case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, make_topic("ice", 2), 2, unique)
     case.workload.tombstones(40)  # routed to the dead-letter table: the summary counts them
     bid = case.planned_batch(3000, seed=23)
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    # killed in its commit, after the tasks: a thin Spark Connect client (no JVM of its own)
+    proc = case.job_with(bid, spark_connect_url, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert snapshot_batches(case.cfg, case.dsn) == [bid]  # Iceberg committed it, the ledger not
     chaos.crash_postgres()
@@ -176,7 +177,7 @@ def test_complete_records_the_iceberg_snapshots_counts(
 @pytest.mark.slow
 def test_complete_takes_an_iceberg_batch_whose_source_topic_was_recreated(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        tmp_path: Path) -> None:
+        tmp_path: Path, spark_connect_url: str) -> None:
     """Review s25-complete2 H1: the source topic deleted and recreated after Iceberg's
     commit. Its new incarnation starts at offset 0, so complete saw no offset gone ("Kafka
     still holds all of its records: run it again"), a run refuses the recreated topic
@@ -188,7 +189,8 @@ def test_complete_takes_an_iceberg_batch_whose_source_topic_was_recreated(
     topic = make_topic("ice", 2)
     case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
     bid = case.planned_batch(1000, seed=29)
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    # killed in its commit, after the tasks: a thin Spark Connect client (no JVM of its own)
+    proc = case.job_with(bid, spark_connect_url, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     chaos.crash_postgres()
     recreate(kafka_bootstrap, topic, 2)

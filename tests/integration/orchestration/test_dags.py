@@ -2,8 +2,9 @@
 Airflow orchestration). One pipeline runs its scheduled DAG with spark-submit in local mode
 (the launch a YAML pipeline has by default); the window DAGs' tests, which assert what the
 DAGs plan, refuse and replace, run their batches on the stack's warm Spark Connect server
-(`spark.launch: connect`) instead of starting a spark-submit JVM per run. The window DAG
-with spark-submit runs in test_rest_api.py (the replay, through the shared standalone)."""
+(`spark.launch: connect`) instead of starting a spark-submit JVM per run. The window DAGs'
+run_batches is the scheduled DAG's operator (OffsetFlowRunBatchOperator): its spark-submit
+through a scheduler and LocalExecutor runs in test_public_api.py (the inline DAG)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Replay through Airflow's REST API with a run conf, against a real `airflow standalone`
-(scheduler, LocalExecutor, spark-submit in local mode), triggered by `offsetflow replay`
+(scheduler, LocalExecutor; the batch on the warm Spark Connect server: the operator's
+spark-submit path is the public API test's), triggered by `offsetflow replay`
 (which logs in and posts the run): the run succeeds and lands in the same replay DAG and the
 same ledger record as the UI form."""
 

@@ -1,8 +1,8 @@
 """The backfill and replay forms in a real browser: headless Chromium against a real
 `airflow standalone`, filling each trigger form, triggering, and seeing the run succeed. The
 runs' batches run on the warm Spark Connect server (`shared_standalone`): this test asserts
-the forms and what the runs commit; the replay DAG with spark-submit runs in
-test_rest_api.py."""
+the forms and what the runs commit; their operator's spark-submit runs in
+test_public_api.py (the inline DAG)."""
 
 from __future__ import annotations
 

@@ -284,10 +284,10 @@ def test_event_trigger_waits_longer_after_each_failure_of_the_open_batch(
     assert later, "the watcher never retried the failed batch once its delay had passed"
 
 
-@pytest.mark.slow  # three `offsetflow run-batch` processes, each starting Spark, killed
+@pytest.mark.slow  # three `offsetflow run-batch` processes (Spark Connect clients), killed
 def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_was_killed(
         waiting_pipeline: dict[str, Any], kafka_bootstrap: str, pg_dsn: str, unique: str,
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spark_connect_url: str) -> None:
     """A batch whose driver is killed (kill -9, the kernel's OOM killer) stays `running` in
     the ledger. While its run is alive the watcher must start no second run of it, and names
     the sessions holding its run lock (a warning once it ran long: a lock can outlive its
@@ -331,12 +331,39 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
                             "offsetflow.batches WHERE batch_id = %s", (batch.batch_id,))[0][0]
         return float(age)
 
+    def at_its_commit(since: Any) -> list[int]:
+        """The backends opened since `since` (the database's clock) that wait at the
+        commit's fencing step for the positions `hold_positions` holds."""
+        return [pid for pid, in query(
+            pg_dsn, "SELECT pid FROM pg_stat_activity WHERE application_name = 'offsetflow' "
+                    "AND wait_event_type = 'Lock' AND datname = current_database() AND "
+                    f"backend_start >= %s AND {chaos.BLOCKED_BY_CHAOS}", (since,))]
+
+    # each attempt's driver is a thin client of the warm Spark Connect server (no JVM of
+    # its own), killed once it waits at its commit: its tasks have all ended, and the
+    # driver's death is what the ledger and the watcher see (docs/development.md)
+    connect_file = chaos.connect_file(waiting_pipeline["file"], spark_connect_url)
+    started: dict[int, Any] = {}
+
     def start_run(attempt: int) -> Any:
-        proc = chaos.run_batch_process(waiting_pipeline["file"], batch.batch_id, log)
-        chaos.wait_for(lambda: state() == ("running", attempt) or proc.poll() is not None,
-                       300, f"attempt {attempt} to mark the batch running")
+        since = query(pg_dsn, "SELECT now()")[0][0]
+        proc = chaos.run_batch_process(connect_file, batch.batch_id, log)
+        chaos.wait_for(lambda: (state() == ("running", attempt) and bool(at_its_commit(since)))
+                       or proc.poll() is not None,
+                       300, f"attempt {attempt} to mark the batch running and wait to commit")
         assert proc.poll() is None, log.read_text()[-4000:]
+        started[proc.pid] = since
         return proc
+
+    def kill(proc: Any) -> None:
+        """kill -9 of the driver. Its commit's backend, in a lock wait, reads nothing from
+        the client and would outlive it holding the batch's row until the positions are
+        free (the next attempt could not mark the batch running): ended with
+        pg_terminate_backend, the way out the watcher's warning names. The run lock's idle
+        connection ends with the client by itself, which is what the watcher looks at."""
+        chaos.kill(proc)
+        for pid in at_its_commit(started[proc.pid]):
+            query(pg_dsn, "SELECT pg_terminate_backend(%s)", (pid,))
 
     def watcher() -> Any:
         return asyncio.ensure_future(_first_event(
@@ -352,18 +379,18 @@ def test_event_trigger_waits_for_a_live_run_and_backs_off_a_batch_whose_driver_w
         try:
             fired_while_alive = asyncio.run(while_alive())
         finally:
-            chaos.kill(first)
+            kill(first)
         assert not fired_while_alive, \
             "the watcher started a second run of a batch whose run is alive"
         named = [m for m in warned if "pg_terminate_backend" in m]
         assert named and re.search(r"held, by: pid \d+ \(client", named[0]), warned
         second = start_run(2)
-        chaos.kill(second)
+        kill(second)
         third = start_run(3)
         # it dies later than its retry delay (2 s x 2^2 = 8 s) after its start
         chaos.wait_for(lambda: attempt_age_s() > 4 * poll + 2 * poll, 120,
                        "attempt 3 to outlive its retry delay")
-        chaos.kill(third)
+        kill(third)
     assert state() == ("running", 3)  # nothing marks a killed run failed
 
     async def after_kills() -> tuple[bool, bool]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,24 @@ def topic_config(bootstrap: str, topic: str) -> dict[str, str]:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     res = ConfigResource(ConfigResource.Type.TOPIC, topic)
     return {k: v.value for k, v in admin.describe_configs([res])[res].result(timeout=30).items()}
+
+
+def settled(bootstrap: str, topic: str) -> bool:
+    """No transaction open in `topic`: each partition's last stable offset (the end a
+    read_committed consumer is given) is its high watermark (read_uncommitted's)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    ends = []
+    for level in ("read_committed", "read_uncommitted"):
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"settled-{topic}",
+                      "enable.auto.commit": False, "isolation.level": level})
+        try:
+            parts = sorted(c.list_topics(topic, timeout=10).topics[topic].partitions)
+            ends.append([c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                         for p in parts])
+        finally:
+            c.close()
+    return ends[0] == ends[1]
 
 
 class Writer(threading.Thread):
@@ -119,6 +136,9 @@ def test_leader_killed_mid_batch_reader_follows_new_leader(
     assert rc == 0, case.job_output()[-4000:]
     assert case.batch(bid).status == "committed"
     case.assert_exactly_once(expect_all=False)  # the batch alone, before catching up
-    time.sleep(1)
+    # the writer's last transaction ended: its markers are in every partition (what
+    # catching up plans is read_committed, up to the last stable offset)
+    chaos.wait_for(lambda: settled(kafka3, topic), 60,
+                   f"the last stable offsets of {topic} to reach its high watermarks")
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()  # everything, including what was written during the fault

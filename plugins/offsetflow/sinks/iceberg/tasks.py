@@ -61,6 +61,21 @@ MAX_OPEN_WRITERS = 32
 TASK_FAULT_ENV = "OFFSETFLOW_ICEBERG_TASK_FAULT"
 
 
+def task_fault() -> str:
+    """Test-only: TASK_FAULT_ENV's fault, or with `@<path>` what that file holds now (no
+    fault while it is absent). Spark starts a Python daemon and new workers for every
+    distinct task environment, so a test session sets the variable once and writes the file
+    per fault instead of setting another value each time."""
+    want = os.environ.get(TASK_FAULT_ENV, "")
+    if not want.startswith("@"):
+        return want
+    try:
+        with open(want[1:]) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return ""
+
+
 @dataclass(frozen=True)
 class TaskFiles:
     """What a task needs to write one batch's data files: plain values shipped to tasks."""
@@ -290,7 +305,7 @@ class _Rolling:
 
 def _note_open(part: int, attempt: str, peak: int) -> None:
     """Test-only (TASK_FAULT_ENV `note-open:<dir>`): the attempt's peak of open writers."""
-    point, _, folder = os.environ.get(TASK_FAULT_ENV, "").partition(":")
+    point, _, folder = task_fault().partition(":")
     if point == "note-open" and folder:
         with open(os.path.join(folder, f"p{part}-{attempt}"), "w") as f:
             f.write(str(peak))
@@ -298,7 +313,7 @@ def _note_open(part: int, attempt: str, peak: int) -> None:
 
 def _fault(part: int, paths: list[str]) -> None:
     """Test-only (TASK_FAULT_ENV); <flag> gets this attempt's pid and file paths."""
-    want = os.environ.get(TASK_FAULT_ENV, "")
+    want = task_fault()
     point, _, flag = want.partition(":")
     note = "\n".join([str(os.getpid()), *paths])
     if point == "kill-after-files" and flag:

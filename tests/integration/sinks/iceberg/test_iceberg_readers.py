@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import random
 import sys
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 from offsetflow.ops import run_until_caught_up
 from tests.tooling.iceberg_case import IcebergCase, window
 from tests.tooling.iceberg_rows import iceberg_sink_rows, iceberg_table
+from tests.tooling.registry_case import new_topic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "include" / "bench"))
 from iceberg_spark import (  # noqa: E402  (include/bench is not a package)
@@ -41,12 +43,15 @@ def digest(rows: Iterable[Sequence[Any]]) -> tuple[int, str]:
     return len(lines), hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-@pytest.fixture
-def written(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-            spark: Any) -> IcebergCase:
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: Any, pg_dsn: str, kafka_bootstrap: str, spark: Any
+            ) -> IcebergCase:
     """A table OffsetFlow wrote: several batches, then a replay of part of it (a delete and
-    an append in one commit), so readers must apply deletes too."""
-    case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, make_topic("icer", 2), 2, unique)
+    an append in one commit), so readers must apply deletes too. Built once for both
+    readers: DuckDB only reads it; the Spark SQL test, which compacts it and writes on top,
+    runs after it (and reads the checker, not a count fixed before)."""
+    case = IcebergCase(tmp_path_factory.mktemp("readers"), pg_dsn, kafka_bootstrap,
+                       new_topic(kafka_bootstrap, "icer", 2), 2, uuid.uuid4().hex[:8])
     case.raw["sink"]["catalog"]["name"] = "lake"  # readers use the sink's catalog name
     case.raw["source"]["max_records_per_partition"] = 400
     case.write_config()

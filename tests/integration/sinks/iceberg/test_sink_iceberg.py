@@ -28,7 +28,7 @@ from offsetflow.ops import (
     submit_window,
 )
 from offsetflow.plan import parse_request
-from offsetflow.sinks.iceberg.commit import commit_snapshot, find_batch
+from offsetflow.sinks.iceberg.commit import FAULT_ENV, commit_snapshot, find_batch
 from offsetflow.sinks.iceberg.files import referenced_files, remove_orphan_files
 from offsetflow.sinks.iceberg.maint import ORPHAN_GRACE_S, main
 from offsetflow.sinks.iceberg.sink import load_catalog
@@ -72,7 +72,7 @@ def test_batches_land_once_each_in_one_snapshot_with_the_batch_id(case: IcebergC
 
 @pytest.mark.slow
 def test_killed_after_data_files_written_rerun_commits_those_files_once(
-        case: IcebergCase, spark: Any) -> None:
+        case: IcebergCase, spark: Any, spark_connect_url: str) -> None:
     """The Spark tasks wrote the batch's data files and listed them in their markers; the
     driver dies before the catalog commit. The rerun commits those very files (its tasks
     find the markers and write nothing again), and the sweep after it spares a concurrent
@@ -81,7 +81,8 @@ def test_killed_after_data_files_written_rerun_commits_those_files_once(
     from pyiceberg.io.pyarrow import _dataframe_to_data_files  # noqa: PLC2701 - no public API
 
     bid = case.planned_batch(1000, seed=22)
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-files")
+    # the kill is in the driver's commit, after the tasks: a thin Spark Connect client
+    proc = case.job_with(bid, spark_connect_url, OFFSETFLOW_ICEBERG_FAULT="after-files")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert "after-files: killing this driver" in case.job_output()
     orphans = sorted(case.data_files())
@@ -135,10 +136,11 @@ def test_orphan_sweep_keeps_every_referenced_file_however_the_warehouse_is_spell
 
 @pytest.mark.slow
 def test_killed_between_iceberg_commit_and_ledger_commit_retry_finds_the_snapshot(
-        case: IcebergCase, spark: Any) -> None:
+        case: IcebergCase, spark: Any, spark_connect_url: str) -> None:
     case.workload.tombstones(40)  # dead letters: PostgreSQL's, written again by the retry
     bid = case.planned_batch(1000, seed=23)
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    # the kill is in the driver's commit, after the tasks: a thin Spark Connect client
+    proc = case.job_with(bid, spark_connect_url, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert "after-commit: killing this driver" in case.job_output()
     assert case.batch(bid).status != "committed"  # the ledger never committed
@@ -177,29 +179,36 @@ def test_abandoning_a_batch_its_table_already_holds_is_refused(
 
 
 @pytest.mark.slow
-def test_two_runs_of_one_batch_at_once_commit_it_once(case: IcebergCase, spark: Any) -> None:
+def test_two_runs_of_one_batch_at_once_commit_it_once(case: IcebergCase, spark: Any,
+                                                       spark_connect_url: str) -> None:
     """A job process runs the batch; once it has taken the batch (running), a second run
     starts in this process's warm Spark session: both work on it at once (no JVM of its
-    own for the second), the commit's fencing lets one commit it."""
+    own for either), the commit's fencing lets one commit it."""
     bid = case.planned_batch(1000, seed=24)
-    case.two_runs_at_once(spark, bid)
+    case.two_runs_at_once(spark, bid, spark_connect_url)
     run_until_caught_up(case.cfg, case.dsn, spark)
     case.assert_exactly_once()
 
 
 @pytest.mark.slow
 def test_catalog_postgres_crash_during_the_iceberg_commit_then_rerun_commits_once(
-        case: IcebergCase, spark: Any) -> None:
+        case: IcebergCase, spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalog's PostgreSQL crashes while the driver is in the Iceberg commit. The run
+    is a thread of this process (`in_thread`): PostgreSQL, not the driver, is what dies,
+    and a job process meets it the same way for a JVM more."""
     bid = case.planned_batch(1000, seed=25)
     flag = case.file.with_suffix(".pause")
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT=f"pause-before-commit:{flag}")
+    # the pause is the driver's (commit.py reads it here); the tasks never see it
+    monkeypatch.setenv(FAULT_ENV, f"pause-before-commit:{flag}")
+    proc = case.in_thread(spark, bid)
     try:
         chaos.wait_for(flag.exists, 300, "the job to reach the Iceberg commit")
         chaos.stack("pg-crash")
     finally:
         chaos.stack("pg-start")
         flag.unlink(missing_ok=True)
-    assert proc.wait(timeout=300) != 0, case.job_output()[-3000:]
+    assert proc.wait(timeout=300) != 0, "the run went on through a crashed catalog"
+    monkeypatch.delenv(FAULT_ENV)
     assert case.batch(bid).status != "committed"
     assert snapshot_batches(case.cfg, case.dsn) == []
     rep = run_batch(spark, case.cfg, bid, case.dsn)

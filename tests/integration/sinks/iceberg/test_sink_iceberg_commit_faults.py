@@ -95,7 +95,7 @@ def test_a_table_replaced_between_the_tasks_files_and_the_commit_is_refused(
 
 
 def test_postgresql_crash_after_the_catalog_commit_of_the_tasks_files_commits_once(
-        case: IcebergCase, spark: Any) -> None:
+        case: IcebergCase, spark: Any, spark_connect_url: str) -> None:
     """The driver commits the tasks' files to Iceberg and is killed before the ledger's
     COMMIT; then PostgreSQL crashes (`pg_ctl -m immediate`), which empties the UNLOGGED
     markers listing those files. The re-run finds no marker, so its tasks write the batch's
@@ -103,7 +103,8 @@ def test_postgresql_crash_after_the_catalog_commit_of_the_tasks_files_commits_on
     is committed once, and the re-run's own files, referenced by no snapshot, are swept."""
     bid = case.planned_batch(800, seed=62)
     before = case.positions()
-    proc = case.job_with(bid, OFFSETFLOW_ICEBERG_FAULT="after-commit")
+    # the kill is in the driver's commit, after the tasks: a thin Spark Connect client
+    proc = case.job_with(bid, spark_connect_url, OFFSETFLOW_ICEBERG_FAULT="after-commit")
     assert proc.wait(timeout=600) != 0, case.job_output()[-3000:]
     assert "after-commit: killing this driver" in case.job_output()
     assert snapshot_batches(case.cfg, case.dsn) == [bid]  # in Iceberg, not in the ledger

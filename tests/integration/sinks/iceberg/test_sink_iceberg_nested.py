@@ -19,8 +19,6 @@ then the subject gains a field inside the nested record:
 
 from __future__ import annotations
 
-import io
-import json
 import uuid
 from datetime import UTC, date, datetime
 from decimal import Decimal
@@ -36,6 +34,7 @@ from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from tests.tooling import chaos
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
+from tests.tooling.nested_case import iceberg_pipeline, wide_decimal
 from tests.tooling.registry_case import (
     avro_serializer,
     encode,
@@ -81,33 +80,16 @@ def _order(i: int, country: str | None = None) -> dict[str, Any]:
 
 def _poison(topic: str, sid: int, i: int) -> bytes:
     """A record of schema `sid` whose price inside `lines` has 12 digits before the point,
-    where the schema says decimal(9,2): its bytes encoding holds it (fastavro's own writer
-    refuses it, so it is written with the precision raised), a careless producer's."""
-    import fastavro
-
-    wide = json.loads(json.dumps(V1).replace('"precision": 9', '"precision": 20'))
+    where the schema says decimal(9,2) (`wide_decimal`)."""
     rec = _order(i)
     rec["lines"] = [{**_order(1)["lines"][0], "price": Decimal("123456789012.50")}]
     rec["lines"][0].update(sku="A", at=T0, day=date(2026, 1, 1), ref=str(uuid.UUID(int=7)))
-    buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, fastavro.parse_schema(wide), rec)
-    return b"\x00" + sid.to_bytes(4, "big") + buf.getvalue()
+    return wide_decimal(V1, rec, sid)
 
 
 def _pipeline(tmp: Any, pg_dsn: str, bootstrap: str, topic: str, prefix: str,
               **fmt: Any) -> Any:
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    raw = {"name": name, "kafka": {"bootstrap_servers": bootstrap},
-           "source": {"topics": [topic], "starting": "earliest"},
-           "format": {"type": "avro", "schema": dict(COLUMNS),
-                      "schema_registry": {"url": registry_url()}, **fmt},
-           "sink": {"type": "iceberg", "connection": pg_dsn, "table": f"lake.{name}",
-                    "catalog": {"warehouse": f"file://{tmp / 'warehouse'}"}},
-           "bad_records": "dead_letter", "dead_letter_table": f"dl_{name}",
-           "spark": {"master": "local[2]"}}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_pipeline(path)
+    return iceberg_pipeline(tmp, pg_dsn, bootstrap, topic, COLUMNS, prefix=prefix, format=fmt)
 
 
 @pytest.fixture(scope="module")

@@ -22,20 +22,19 @@ then each subject gains a field inside the nested message / object:
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import UTC, date, datetime
 from typing import Any
 
 import pytest
-import yaml
 from google.protobuf import descriptor_pb2
 
-from offsetflow.config import SUMMARY_BATCH, load_pipeline
+from offsetflow.config import SUMMARY_BATCH
 from offsetflow.errors import SchemaMismatchError
 from offsetflow.job import run_batch
 from offsetflow.ledger import Ledger
 from tests.tooling import chaos
 from tests.tooling.iceberg_rows import iceberg_table, snapshot_batches
+from tests.tooling.nested_case import iceberg_pipeline
 from tests.tooling.registry_case import (
     dynamic_message_classes,
     encode,
@@ -184,18 +183,8 @@ JS_COLUMNS = {"order_id": "long", "address": "json", "lines": "json", "tags": "j
 
 def _pipeline(tmp: Any, pg_dsn: str, bootstrap: str, topic: str, prefix: str, fmt: str,
               columns: dict[str, str], **extra: Any) -> Any:
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    raw = {"name": name, "kafka": {"bootstrap_servers": bootstrap},
-           "source": {"topics": [topic], "starting": "earliest"},
-           "format": {"type": fmt, "schema": dict(columns),
-                      "schema_registry": {"url": registry_url()}, **extra},
-           "sink": {"type": "iceberg", "connection": pg_dsn, "table": f"lake.{name}",
-                    "catalog": {"warehouse": f"file://{tmp / 'warehouse'}"}},
-           "bad_records": "dead_letter", "dead_letter_table": f"dl_{name}",
-           "spark": {"master": "local[2]"}}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return load_pipeline(path)
+    return iceberg_pipeline(tmp, pg_dsn, bootstrap, topic, columns, prefix=prefix, fmt=fmt,
+                            format=extra)
 
 
 def _pb_values(topic: str, n: int, country: bool = False) -> list[bytes]:

@@ -41,17 +41,27 @@ def case(tmp_path: Path, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
     return IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
 
 
-@contextlib.contextmanager
-def task_fault(spark: Any, fault: str) -> Iterator[None]:
+@pytest.fixture(scope="module", autouse=True)
+def fault_file(spark: Any, tmp_path_factory: Any) -> Iterator[Path]:
     """TASK_FAULT_ENV for the Python workers of this process's Spark session, no job
     process (no JVM) of its own: PySpark hands `SparkContext.environment` to every function
-    it wraps, and Spark starts a worker daemon per distinct environment."""
+    it wraps. Spark starts a worker daemon and new workers per distinct environment, so the
+    variable names this file (`@path`) for the whole module, and `task_fault` writes it."""
+    path = tmp_path_factory.mktemp("task_fault") / "fault"
     env = spark.sparkContext.environment
-    env[TASK_FAULT_ENV] = fault
+    env[TASK_FAULT_ENV] = f"@{path}"
+    yield path
+    env.pop(TASK_FAULT_ENV, None)
+
+
+@contextlib.contextmanager
+def task_fault(fault_file: Path, fault: str) -> Iterator[None]:
+    """`fault` in the tasks of the runs inside the block (none outside it)."""
+    fault_file.write_text(fault)
     try:
         yield
     finally:
-        env.pop(TASK_FAULT_ENV, None)
+        fault_file.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -129,6 +139,8 @@ def test_a_task_attempt_killed_after_its_files_leaves_orphans_that_are_swept(
     proc = case.job_with(bid, **{TASK_FAULT_ENV: f"kill-after-files:{flag}"})
     assert proc.wait(timeout=600) == 0, case.job_output()[-3000:]
     assert flag.exists(), "the fault never fired"
+    assert "exited unexpectedly (crashed)" in case.job_output(), \
+        "the faulted attempt did not die by the kill"
     dead = _written(flag)
     assert dead, "the killed attempt wrote no files"
     assert case.batch(bid).status == "committed" and case.batch(bid).attempts == 1
@@ -146,14 +158,14 @@ def _written(flag: Path) -> set[str]:
 
 @pytest.mark.slow
 def test_two_attempts_of_one_part_both_write_files_only_the_winning_markers_commit(
-        case: IcebergCase, spark: Any, tmp_path: Path, pg_dsn: str) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path, pg_dsn: str, fault_file: Path) -> None:
     """A zombie: run A's task of part 0 writes its files and stalls before its marker
     commits; its PostgreSQL session is killed (as a network cut or an idle timeout
     would), run B writes part 0's files again and commits the batch; then A wakes up. A's
     files are never committed, and B's commit swept them."""
     bid = case.planned_batch(1000, seed=42)
     flag = tmp_path / "paused"
-    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run_a:
+    with task_fault(fault_file, f"pause-after-files:{flag}"), running(spark, case, bid) as run_a:
         chaos.wait_for(lambda: flag.exists() or run_a.done(), 300,
                        "run A's part 0 to write its files")
         a_files = _written(flag)
@@ -217,7 +229,7 @@ def test_a_quality_suite_keeps_the_stage_path_and_routes_the_failing_rows(
 
 @pytest.mark.slow
 def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_them(
-        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path, fault_file: Path) -> None:
     """The tasks write their files under the table's spec (identity(partition)); before
     the driver commits, the spec gains a field (as warn_layout_drift tells a user to do).
     The commit refuses the files written under the old spec (StagedRowsLostError naming
@@ -228,7 +240,7 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
 
     bid = case.planned_batch(800, seed=43)
     flag = tmp_path / "paused"
-    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
+    with task_fault(fault_file, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
         chaos.wait_for(lambda: flag.exists() or run.done(), 300,
                        "part 0 to write its files")
         table = iceberg_table(case.cfg, case.dsn)
@@ -257,7 +269,7 @@ def test_a_partition_spec_change_before_the_commit_drops_the_parts_and_rewrites_
 
 @pytest.mark.slow
 def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
-        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path, fault_file: Path) -> None:
     """identity(offset): every row of a part is its own partition value (600 per part).
     A task attempt keeps at most MAX_OPEN_WRITERS files open (the least recently used is
     closed and stays a valid data file), not one per value (about 1 MB and an fd each,
@@ -268,7 +280,7 @@ def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
     bid = case.planned_batch(2400, seed=44)
     notes = tmp_path / "open"
     notes.mkdir()
-    with task_fault(spark, f"note-open:{notes}"):
+    with task_fault(fault_file, f"note-open:{notes}"):
         assert run_batch(spark, case.cfg, bid, case.dsn).result.status == "committed"
     peaks = {p.name: int(p.read_text()) for p in notes.iterdir()}
     assert peaks, "no task attempt noted its open writers"
@@ -283,7 +295,7 @@ def test_a_part_with_hundreds_of_partition_values_keeps_few_files_open(
 
 
 def test_a_first_run_sweeps_only_the_folders_its_files_went_to(
-        case: IcebergCase, spark: Any, tmp_path: Path) -> None:
+        case: IcebergCase, spark: Any, tmp_path: Path, fault_file: Path) -> None:
     """The orphan sweep after a batch's first run lists the folders of the files the batch
     added, not the table's whole data tree (whose listing grows with the table): a file
     with the batch's prefix in a partition folder the batch never wrote to is not seen
@@ -291,7 +303,7 @@ def test_a_first_run_sweeps_only_the_folders_its_files_went_to(
     batch wrote to are still swept (test_a_task_attempt_killed_after_its_files_...)."""
     bid = case.planned_batch(400, seed=45)
     flag = tmp_path / "paused"
-    with task_fault(spark, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
+    with task_fault(fault_file, f"pause-after-files:{flag}"), running(spark, case, bid) as run:
         chaos.wait_for(lambda: flag.exists() or run.done(), 300,
                        "part 0 to write its files")
         prefix = Path(next(iter(_written(flag)))).name.split("p0-")[0]

@@ -207,15 +207,16 @@ def test_killed_between_iceberg_and_ledger_commit_retry_finds_it_and_keeps_the_m
 @pytest.mark.slow
 def test_two_runs_of_one_upsert_batch_at_once_commit_it_once(
         tmp_path: Path, spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any,
-        unique: str) -> None:
-    """A job process runs the batch; once it has taken it, a second run starts in this
-    process's Spark session (no JVM of its own): one of them commits it, once."""
+        unique: str, spark_connect_url: str) -> None:
+    """A job process (a Spark Connect client) runs the batch; once it has taken it, a
+    second run starts in this process's Spark session (no JVM of its own for either): one
+    of them commits it, once."""
     topic = make_topic("iut", 2)
     case = IcebergCase(tmp_path, pg_dsn, kafka_bootstrap, topic, 2, unique)
     case.raw["sink"].update(mode="upsert", key=["event_id"])
     case.write_config()
     bid = case.planned_batch(800, seed=61)
-    case.two_runs_at_once(spark, bid)
+    case.two_runs_at_once(spark, bid, spark_connect_url)
     case.assert_exactly_once()  # keys unique: 0 lost, 0 duplicated
 
 

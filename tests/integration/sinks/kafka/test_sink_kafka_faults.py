@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pytest
 import yaml
 
@@ -31,6 +29,7 @@ from tests.tooling import chaos
 from tests.tooling.kafka_case import (
     RECORDS,
     KafkaCase,
+    cut_idle_ledger_transactions,
     delete_batch_records,
     killed_at_end,
     make_case,
@@ -90,22 +89,6 @@ def test_killed_between_kafka_commit_and_ledger_commit_no_second_copy_nor_abando
     assert v.in_log == RECORDS  # no second copy, not even an aborted one
 
 
-def _cut_idle_ledger_transactions(dsn: str) -> int:
-    """pg_terminate_backend of every OffsetFlow connection idle inside a transaction: the
-    held job's commit, whose batch row lock then goes with it."""
-    conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute("""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-                            WHERE application_name = 'offsetflow'
-                              AND state = 'idle in transaction'
-                              AND datname = current_database()""")
-            row = cur.fetchone()
-            return int(row[0]) if row else 0
-    finally:
-        conn.close()
-
-
 def test_two_runs_at_once_the_older_is_fenced_by_the_broker(
         spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
     older = case.start("pause_before_commit", spark_connect_url)
@@ -113,7 +96,7 @@ def test_two_runs_at_once_the_older_is_fenced_by_the_broker(
         case.wait_paused(older)
         # the older run loses its ledger connection (and the batch row lock) while its
         # Kafka transaction stays open: only the broker can stop it now
-        assert _cut_idle_ledger_transactions(case.dsn) >= 1
+        assert cut_idle_ledger_transactions(case.dsn) >= 1
         newer = run_batch(spark, case.cfg, case.batch_id, case.dsn)
         assert newer.result.status == "committed"
         case.resume()  # the older run goes on to commit its transaction
@@ -135,7 +118,9 @@ def test_broker_killed_during_the_commit_the_batch_commits_once(
         chaos.kill_kafka(restart=False)  # kill -9 of the broker, transaction open
         try:
             case.resume()  # commit_transaction runs against a dead broker
-            time.sleep(3)
+            # the job's Kafka client retries against it: a connection from the job's process
+            chaos.wait_for_reconnect(case.bootstrap, proc.pid,
+                                     unless=lambda: proc.poll() is not None)
             assert proc.poll() is None, case.output()[-3000:]  # still waiting for it
         finally:
             chaos.start_kafka()

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import yaml
-from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from offsetflow.config import PipelineConfig, parse_pipeline
@@ -31,28 +30,10 @@ from offsetflow.ops import plan_only
 from offsetflow.sinks.kafka.sink import FAULT_ENV
 from tests.tooling import chaos
 from tests.tooling.chaos import dead_letters
+from tests.tooling.kafka_topics import produce
 from tests.tooling.topic_checker import read_topic
 
 DAY_MS = 86_400_000
-
-
-def produce(bootstrap: str, topic: str,
-            records: list[tuple[int, bytes | None, bytes, int]]) -> list[tuple[int, int]]:
-    """(partition, key, value, timestamp ms; 0: now) records, in order; their (partition,
-    offset)."""
-    out: list[tuple[int, int]] = [(-1, -1)] * len(records)
-
-    def cb(i: int) -> Any:
-        def done(err: Any, msg: Any) -> None:
-            assert err is None, err
-            out[i] = (msg.partition(), msg.offset())
-        return done
-
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
-    for i, (part, key, value, ts) in enumerate(records):
-        p.produce(topic, value, key, partition=part, timestamp=ts, on_delivery=cb(i))
-    assert p.flush(30) == 0
-    return out
 
 
 def pipeline(name: str, src: str, out: str, dsn: str, bootstrap: str, *,
