@@ -26,12 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from offsetflow.errors import TaskFileLostError
 
 # a task file's permissions: read/write for its owner, read for its group, none for others
 FILE_MODE = 0o640
+# a task file's record batches hold about this many bytes at most (`split_by_bytes`); the
+# fixed columns of a record (topic name aside) count as ROW_OVERHEAD
+WRITE_CHUNK_BYTES = 8 << 20
+ROW_OVERHEAD = 48
 FILE_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
                          ("offset", pa.int64()), ("key", pa.binary()),
                          ("value", pa.binary()), ("headers", pa.string()),
@@ -86,6 +91,25 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def split_by_bytes(records: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
+    """`records` in slices of about `limit` bytes at most (a single larger record alone):
+    the driver reads a file one record batch at a time, so the batches it was written in
+    bound the driver's memory, whatever size Spark's Arrow batches had."""
+    if records.nbytes <= limit or records.num_rows <= 1:
+        yield records
+        return
+    sizes = pc.add(pc.add(pc.fill_null(pc.binary_length(records.column("key")), 0),
+                          pc.fill_null(pc.binary_length(records.column("value")), 0)),
+                   pc.fill_null(pc.binary_length(records.column("headers")), 0))
+    start, held = 0, 0
+    for i, size in enumerate(sizes.to_pylist()):
+        if held and held + size + ROW_OVERHEAD > limit:
+            yield records.slice(start, i - start)
+            start, held = i, 0
+        held += size + ROW_OVERHEAD
+    yield records.slice(start)
+
+
 class PartFile:
     """One task attempt's file of one part, written as its records come."""
 
@@ -103,7 +127,9 @@ class PartFile:
         self.records = 0
 
     def write(self, records: pa.RecordBatch) -> None:
-        self._w.write_batch(records.select(FILE_SCHEMA.names).cast(FILE_SCHEMA))
+        records = records.select(FILE_SCHEMA.names).cast(FILE_SCHEMA)
+        for piece in split_by_bytes(records, WRITE_CHUNK_BYTES):
+            self._w.write_batch(piece)
         self.records += records.num_rows
 
     def close(self) -> dict[str, Any]:
@@ -149,17 +175,24 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
                    f"overwritten)")
     if crc != int(entry["crc32"]):
         raise lost("its CRC-32 is not its marker's (corrupt)")
-    with pa.memory_map(str(path)) as source:
-        try:
+    try:
+        # counted through a map (the record batches' headers only), read through plain reads:
+        # a mapped file's pages stay in the driver's resident memory as it is produced (a
+        # 360 MB batch grew the driver by 345 MB), a batch read is freed when produced
+        with pa.memory_map(str(path)) as source:
             reader = ipc.open_file(source)
             if reader.schema != FILE_SCHEMA:
                 raise lost(f"its schema is not a task file's ({reader.schema})")
             n = reader.num_record_batches
-            records = sum(reader.get_batch(i).num_rows for i in range(n))  # mapped, no copy
-        except pa.ArrowInvalid as e:
-            raise lost(f"it is not a readable Arrow IPC file ({e})") from e
-        if records != int(entry["records"]):
-            raise lost(f"it holds {records} records, its marker {entry['records']}")
+            records = sum(reader.get_batch(i).num_rows for i in range(n))
+    except pa.ArrowInvalid as e:
+        raise lost(f"it is not a readable Arrow IPC file ({e})") from e
+    except OSError as e:
+        raise lost(f"it cannot be read ({e})") from e
+    if records != int(entry["records"]):
+        raise lost(f"it holds {records} records, its marker {entry['records']}")
+    with pa.OSFile(str(path)) as source:
+        reader = ipc.open_file(source)
         for i in range(n):
             yield reader.get_batch(i)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -11,10 +12,12 @@ import pytest
 from offsetflow.errors import StagedRowsLostError, TaskFileLostError
 from offsetflow.sinks.kafka.taskfile import (
     FILE_SCHEMA,
+    WRITE_CHUNK_BYTES,
     PartFile,
     check_directory,
     drop_batch_files,
     read_part_file,
+    split_by_bytes,
 )
 from offsetflow.sinks.kafka.values import json_values
 
@@ -140,3 +143,42 @@ def test_every_lost_part_is_named_at_once_and_an_unshared_directory_is_said(
     elsewhere = {0: {**entries[0], "host": "executor-7"}}
     with pytest.raises(TaskFileLostError, match=r"executor-7.*every host shares"):
         check_present(1, elsewhere, str(tmp_path))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_part_written_in_one_large_batch_is_read_back_in_bounded_pieces(
+        tmp_path: Path) -> None:
+    """Spark hands a task Arrow batches of up to 10,000 records whatever their size: one
+    batch of 60 x 1 MB records was one 60 MB record batch in the file, and the driver read
+    it whole (and, mapped, kept every page of the file resident while it produced)."""
+    n, size = 60, 1 << 20
+    f = PartFile(str(tmp_path), "L1", 7, 0)
+    big = pa.RecordBatch.from_pydict({
+        "topic": ["src"] * n, "partition": [0] * n, "offset": list(range(n)),
+        "key": [b"k"] * n, "value": [bytes([i]) * size for i in range(n)],
+        "headers": [None] * n, "ts": [1_700_000_000_000] * n}, schema=FILE_SCHEMA)
+    f.write(big)
+    entry = f.close()
+    del big
+    start, peak_arrow, peak_rss, seen = pa.total_allocated_bytes(), 0, 0, []
+    rss0 = _rss()
+    for rb in read_part_file(7, 0, entry):
+        peak_arrow = max(peak_arrow, pa.total_allocated_bytes() - start)
+        peak_rss = max(peak_rss, _rss() - rss0)
+        assert rb.nbytes <= WRITE_CHUNK_BYTES + size, rb.nbytes
+        seen.extend(v[:1] for v in rb.column("value").to_pylist())
+        del rb
+    assert seen == [bytes([i]) for i in range(n)]  # every record, in order
+    assert peak_arrow <= 2 * (WRITE_CHUNK_BYTES + size), peak_arrow
+    assert peak_rss < 30 * size, f"the reader grew by {peak_rss >> 20} MB"
+
+
+def test_split_by_bytes_keeps_every_record_and_a_record_over_the_limit_alone() -> None:
+    rb = _records(0, 10)
+    assert [p.num_rows for p in split_by_bytes(rb, 1 << 20)] == [10]  # under the limit
+    pieces = list(split_by_bytes(rb, 1))  # every record over the limit: one each
+    assert [p.column("offset").to_pylist() for p in pieces] == [[i] for i in range(10)]
