@@ -1040,7 +1040,8 @@ class FileParts:
         """One part's records in source order (the whole part: the sorted read takes no
         sub-range)."""
         t = pa.Table.from_batches(
-            list(taskfile.read_part_file(self.batch_id, part, self.entries[part])),
+            list(taskfile.read_part_file(self.batch_id, part, self.entries[part],
+                                         mapped=True)),
             taskfile.FILE_SCHEMA)
         idx = pc.sort_indices(t, sort_keys=[("topic", "ascending"),
                                             ("partition", "ascending"),

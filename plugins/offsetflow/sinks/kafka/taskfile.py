@@ -151,10 +151,12 @@ class PartFile:
             self._tmp.unlink(missing_ok=True)
 
 
-def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
+def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: bool = False
                    ) -> Iterator[pa.RecordBatch]:
     """The records of the file a part's marker names, checked whole first (see the module
-    doc); a `TaskFileLostError` when the file is not the one the marker names."""
+    doc); a `TaskFileLostError` when the file is not the one the marker names. `mapped`:
+    the record batches point into a map of the file (for a reader that holds many of them
+    at once, the sorted read: their pages are the page cache's, not the driver's heap)."""
     path = Path(str(entry["path"]))
 
     def lost(why: str) -> TaskFileLostError:
@@ -191,7 +193,7 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
         raise lost(f"it cannot be read ({e})") from e
     if records != int(entry["records"]):
         raise lost(f"it holds {records} records, its marker {entry['records']}")
-    with pa.OSFile(str(path)) as source:
+    with (pa.memory_map(str(path)) if mapped else pa.OSFile(str(path))) as source:
         reader = ipc.open_file(source)
         for i in range(n):
             yield reader.get_batch(i)
