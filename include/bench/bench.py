@@ -54,6 +54,8 @@ ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-bui
            "offsetflow-iceberg",
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka", "offsetflow-kafka-cluster",
+           # the same with `sink.task_files` (tasks write task files, no PostgreSQL stage)
+           "offsetflow-kafka-files", "offsetflow-kafka-cluster-files",
            # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
            "spark-builtin-iceberg",
            # Confluent wire-format Avro -> PostgreSQL (include/bench/engines_avro.py)
@@ -409,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "spark-builtin-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka-cluster": [job(main_ds, args.runs)],  # the same on the cluster
+        "offsetflow-kafka-files": [job(main_ds, args.runs)],  # sink.task_files set
+        "offsetflow-kafka-cluster-files": [job(main_ds, args.runs)],
         "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
         "spark-builtin-iceberg": [job(main_ds, args.runs)],
         **({e: [job(avro_ds, args.runs)] for e in AVRO_ENGINES} if avro_ds else {}),
@@ -512,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
            | {f"offsetflow-iceberg/offsetflow-local@{main_label}":
                   report.ratio(summary, "offsetflow-iceberg", "offsetflow-local", main_label)}
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
-           | {f"offsetflow-kafka/spark-builtin-kafka@{main_label}": report.ratio(
-               summary, "offsetflow-kafka", "spark-builtin-kafka", main_label)}
+           | {f"{w}/spark-builtin-kafka@{main_label}": report.ratio(
+               summary, w, "spark-builtin-kafka", main_label)
+              for w in ("offsetflow-kafka", "offsetflow-kafka-files")}
            | {f"offsetflow-iceberg/spark-builtin-iceberg@{main_label}": report.ratio(
                summary, "offsetflow-iceberg", "spark-builtin-iceberg", main_label)}
            # Confluent wire-format Avro: against Spark's from_avro, and against JSON on

@@ -13,7 +13,8 @@ STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # the engines that run their job on the cluster, each against the same job on local[2]:
 # the PostgreSQL sink (issue 16) and the Kafka sink (issue 32)
 CLUSTER_ENGINES = {"offsetflow-cluster": "offsetflow-local",
-                   "offsetflow-kafka-cluster": "offsetflow-kafka"}
+                   "offsetflow-kafka-cluster": "offsetflow-kafka",
+                   "offsetflow-kafka-cluster-files": "offsetflow-kafka-files"}
 
 
 CLUSTER_DIR = ROOT / ".stack" / "spark-cluster"

@@ -3,6 +3,8 @@
   offsetflow-kafka     OffsetFlow with `sink.type: kafka` (read + stage in PostgreSQL, then
                        one producer transaction per batch with the source offsets in it:
                        exactly-once) on a warm local SparkSession;
+  offsetflow-kafka-files  the same with `sink.task_files` set: the tasks write task files
+                       (Arrow IPC) the driver produces from, nothing staged in PostgreSQL;
   spark-builtin-kafka  Spark's Kafka batch source -> from_json -> to_json -> Spark's Kafka
                        sink (at-least-once: a retried task writes its records again).
 
@@ -21,7 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from dataset import DataSet
-from engines import builtin_kafka_frame, offsetflow_config, spark_ddl, timed_batch
+from engines import ROOT, builtin_kafka_frame, offsetflow_config, spark_ddl, timed_batch
 
 from offsetflow.config import parse_pipeline
 
@@ -61,14 +63,18 @@ def verify_and_delete(bootstrap: str, topic: str, ds: DataSet) -> dict[str, Any]
     return {"verified_records": count}
 
 
-def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any]
-                         ) -> dict[str, Any]:
+def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any],
+                         task_files: bool = False) -> dict[str, Any]:
     out = f"bench-out-{name.replace('_', '-')}"
     _create_topic(ctx["bootstrap"], out, ds.partitions)
     raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "submit",
                             ctx["connect_url"], ctx["max_offsets_per_task"])
     raw["sink"] = {"type": "kafka", "connection": raw["sink"]["connection"], "topic": out,
                    "headers": "none"}
+    if task_files:  # one directory on this host: local[2] and the cluster's workers share it
+        directory = ROOT / ".stack" / "bench-task-files"
+        directory.mkdir(parents=True, exist_ok=True)
+        raw["sink"]["task_files"] = str(directory)
     cfg = parse_pipeline(raw, f"<bench {name}>", os.environ)
     return {**timed_batch(spark, cfg, ds, ctx), **verify_and_delete(ctx["bootstrap"], out, ds)}
 

@@ -51,7 +51,8 @@ def main(spec_path: str) -> int:
     spark: Any = None
     t = time.perf_counter()
     if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
-                  "offsetflow-kafka", "offsetflow-kafka-cluster", "offsetflow-iceberg",
+                  "offsetflow-kafka", "offsetflow-kafka-cluster", "offsetflow-kafka-files",
+                  "offsetflow-kafka-cluster-files", "offsetflow-iceberg",
                   "offsetflow-avro"):
         from offsetflow.job import build_spark
 
@@ -66,6 +67,9 @@ def main(spec_path: str) -> int:
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             if engine in ("offsetflow-kafka", "offsetflow-kafka-cluster"):
                 return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx)
+            if engine in ("offsetflow-kafka-files", "offsetflow-kafka-cluster-files"):
+                return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx,
+                                                          task_files=True)
             if engine == "offsetflow-iceberg":
                 import engines_iceberg
 
