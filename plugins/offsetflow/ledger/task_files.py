@@ -4,13 +4,14 @@ a config change, the commit's stage drop, a part dropped for re-staging. Here in
 ledger, not in the sink, because every one of those drops is the ledger's or the stage's,
 and the marker is what says where the files are (the driver's switch may be off by then).
 
-A marker's entry names one attempt's file (`path`, `attempt`); every attempt's file of that
-part in that directory is dropped (the attempt is the name's last field, so its pattern
-matches the part's other attempts and their temporary files, and nothing of another
-ledger's or another batch's: the name starts with the ledger's installation id). An entry
-without `attempt` and `crc32` is not a task file (an Iceberg data file: never touched).
-Files of attempts whose part has no marker at all are dropped by the batch's commit
-(`KafkaPipelineSink.after_commit`), not here.
+A marker's entry names one attempt's file (`path`, `attempt`): exactly that file (and its
+attempt's temporary name) is dropped, never the part's other attempts. The unlink runs after
+the COMMIT, outside the batch lock, so a newer run may meanwhile have written the part again
+under a new attempt: a pattern over the part's attempts would delete that run's file (its
+read then fails as a lost part). An entry without `attempt` and `crc32` is not a task file
+(an Iceberg data file: never touched). Files no marker names (other attempts of a part, a
+killed task's) are dropped by the batch's commit (`KafkaPipelineSink.after_commit`) or the
+driver's sweep of batches no longer open (`sweep_task_files`), not here.
 
 The files are unlinked only once the ledger transaction that deletes their markers has
 committed (`drop_committed_task_files`, called after the COMMIT): a drop that rolls back
@@ -41,7 +42,7 @@ _PENDING: weakref.WeakKeyDictionary[psycopg2.extensions.connection,
 
 def drop_named_task_files(cur: psycopg2.extensions.cursor, batch_id: int,
                           parts: list[int] | None = None) -> int:
-    """Drop every attempt's task file of the parts (None: all) whose markers name one,
+    """Drop the task file each marker of the parts (None: all) names, exactly that one,
     once this transaction commits (`drop_committed_task_files`); how many named. Best
     effort (the markers go regardless): a file left is logged, never a failure of the
     drop, and a later drop or the commit's sweep takes it."""
@@ -84,13 +85,16 @@ def drop_committed_task_files(conn: psycopg2.extensions.connection) -> int:
             _PENDING.setdefault(conn, []).append((xid, batch_id, path, attempt))
         if status.get(xid) != "committed":
             continue
-        try:
-            for f in path.parent.glob(path.name.replace(attempt, "*") + "*"):
-                f.unlink(missing_ok=True)
-                n += 1
-        except OSError as err:
-            log.warning("batch %d: task files beside %s were not dropped: %s", batch_id,
-                        path, err)
+        # exactly the named attempt's file (and its temporary name): not a pattern over the
+        # part's attempts, which would take a newer run's file written since the COMMIT
+        for f in (path, path.with_name(path.name + ".tmp")):
+            try:
+                if f.exists():
+                    f.unlink(missing_ok=True)
+                    n += 1
+            except OSError as err:
+                log.warning("batch %d: task file %s of attempt %s was not dropped: %s",
+                            batch_id, f, attempt, err)
     return n
 
 

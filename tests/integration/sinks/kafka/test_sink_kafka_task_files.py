@@ -1018,3 +1018,71 @@ def test_a_batch_read_sorted_from_task_files_is_produced_once(
     assert len(merged) >= 2, merged
     v = case.verdict()
     assert v.visible == v.committed.found, v
+
+
+def test_a_paused_drop_unlinks_only_the_files_its_markers_named_not_a_newer_runs(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run dropping a refused part (`forget_parts`) is paused between its ledger COMMIT
+    and the unlink (a GC pause, SIGSTOP, a VM stall): a newer run takes the batch, writes
+    that part's file again under a new attempt and reads it. The paused drop, resumed,
+    unlinks only the file its deleted marker named, never the newer attempt's, so the newer
+    run commits once (no TaskFileLostError)."""
+    import threading
+
+    from offsetflow.commit.protocol import WholeStage
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from offsetflow.stage import reset
+    from tests.tooling import chaos
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the files read after the tasks
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    real_read = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    monkeypatch.setattr(taskfile, "read_part_file", real_read)
+    first = sorted(task_dir.glob(f"*_b{case.batch_id}_p0_*.arrow"))
+    assert len(first) == 1, first
+
+    committed, resume = threading.Event(), threading.Event()
+    real_drop = reset.drop_committed_task_files
+
+    def paused_drop(conn: Any) -> int:
+        committed.set()  # the markers' deletion committed: paused before the unlink
+        assert resume.wait(120)
+        return real_drop(conn)
+
+    monkeypatch.setattr(reset, "drop_committed_task_files", paused_drop)
+    dropper = threading.Thread(target=reset.forget_parts, args=(pg_dsn, case.batch_id, [0]))
+    dropper.start()
+    try:
+        chaos.wait_for(committed.is_set, 60, "the drop's ledger COMMIT")
+        monkeypatch.setattr(reset, "drop_committed_task_files", real_drop)
+        real_checks = WholeStage.before_checks
+        newer: list[Path] = []
+
+        def resumed_drop(self: Any, cur: Any, batch: Any) -> None:
+            # the newer run re-staged part 0 under a new attempt: the old drop resumes now
+            newer.extend(f for f in task_dir.glob(f"*_b{batch.batch_id}_p0_*.arrow")
+                         if f not in first)
+            resume.set()
+            dropper.join(60)
+            real_checks(self, cur, batch)
+
+        monkeypatch.setattr(WholeStage, "before_checks", resumed_drop)
+        rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    finally:
+        resume.set()
+        dropper.join(60)
+    assert len(newer) == 1, newer
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
