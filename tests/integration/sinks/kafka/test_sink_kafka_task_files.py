@@ -1086,3 +1086,56 @@ def test_a_paused_drop_unlinks_only_the_files_its_markers_named_not_a_newer_runs
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.visible == v.committed.found, v
     assert not list(task_dir.iterdir())
+
+
+def test_task_files_the_driver_may_not_read_fail_the_run_clearly_and_are_kept(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver runs as a user the files' mode does not let read (executors as one uid,
+    the driver as another without a shared group): the run fails with a
+    `TaskFileAccessError` naming the file, its mode and the way out, nothing visible, and
+    the parts are NOT dropped (re-staged they would be unreadable again, every run). Once
+    the driver may read them, the next run produces the same files once.
+
+    The test runs as root, whom no mode stops: the driver's reads of task files (the
+    module's `open`, its one way to read them) raise PermissionError as for another user
+    (the real EACCES as another uid: tests/unit/sinks/kafka/test_sink_kafka_taskfile.py)."""
+    import builtins
+    import errno
+
+    from offsetflow.errors import TaskFileAccessError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+
+    def denied(file: Any, *a: Any, **k: Any) -> Any:
+        if str(file).startswith(str(task_dir)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return builtins.open(file, *a, **k)
+
+    monkeypatch.setattr(taskfile, "open", denied, raising=False)
+    with pytest.raises(TaskFileAccessError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert str(task_dir) in msg and "sink.task_files_mode" in msg, msg
+    assert read_topic(kafka_bootstrap, case.out) == []
+    kept = sorted(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
+    assert kept
+    monkeypatch.setattr(taskfile, "open", builtins.open)
+    read: list[str] = []
+    real = taskfile.read_part_file
+
+    def spy(batch_id: int, part: int, entry: Any) -> Any:
+        read.append(str(entry["path"]))
+        return real(batch_id, part, entry)
+
+    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert sorted(set(read)) == [str(f) for f in kept]  # the same files, not re-staged
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
