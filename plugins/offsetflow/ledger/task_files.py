@@ -136,7 +136,9 @@ def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Pa
             f"adopt-identity while this one still runs) writes there, and its open batches "
             f"may be closed here, so no task file was removed. Give the copy its own "
             f"identity (offsetflow --dsn <the copy> db new-identity) or its own "
-            f"sink.task_files directory")
+            f"sink.task_files directory. If instead this ledger was restored from a backup "
+            f"older than those files (the original is gone), remove the files of those "
+            f"batch ids by hand ({ident.installation_id}_b<id>_*)")
     removed = []
     for batch_id, files in sorted(found.items()):
         if status[batch_id] in OPEN_STATUSES:
