@@ -223,6 +223,12 @@ FIELDS: dict[str, Field] = {
                          "instead of the PostgreSQL stage, and the driver produces from "
                          "them. See [the Kafka sink](sinks/kafka.md#task-files).",
                          sinks=("kafka",)),
+    "sink.task_files_mode": F("sink.kafka.task_files_mode", "The task files' mode, a quoted "
+                              "octal string (the umask may narrow it): `\"0640\"` lets the "
+                              "writer's group read them, `\"0644\"` every user (a driver "
+                              "sharing no group with the executors). See [the Kafka sink]"
+                              "(sinks/kafka.md#task-files).", default='`"0640"`', type="string",
+                              sinks=("kafka",)),
     # sink, type iceberg
     "sink.catalog.type": F("sink.iceberg.catalog_type", "Iceberg catalog type.",
                            sinks=("iceberg",)),

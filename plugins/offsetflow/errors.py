@@ -235,6 +235,22 @@ class TaskFileLostError(StagedRowsLostError):
                          detail + (f"; {hint}" if hint else ""))
 
 
+class TaskFileAccessError(OffsetFlowError):
+    """The driver may not read a Kafka sink's task file (EACCES/EPERM: the executors wrote
+    it as a user whose file mode does not let the driver's user read it). Not a lost part:
+    written again it would be as unreadable, so nothing is dropped (files and markers are
+    kept) and every run fails this way until the driver may read them; the message names
+    the file, its owner and mode, the driver's user and the way out."""
+
+    def __init__(self, batch_id: int, path: str, detail: str, way_out: str) -> None:
+        self.batch_id = batch_id
+        self.path = path
+        super().__init__(
+            f"batch {batch_id}: the driver may not read the task file {path}: {detail}; "
+            f"nothing was committed and the task files are kept (they are not lost: "
+            f"written again they would be as unreadable). {way_out}")
+
+
 class IcebergTableReplacedError(StagedRowsLostError):
     """The Iceberg table was dropped and created again under the same name (another table
     UUID) after the batch's tasks wrote their data files for it: those files have the old

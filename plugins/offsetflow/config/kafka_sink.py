@@ -109,7 +109,9 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
                               choices("sink.partitioning")) or "key",
         producer=producer, value_subject=r.string(sec, "value_subject", "sink."),
         value_schema=r.string(sec, "value_schema", "sink."), registry=registry,
-        task_files=task_files)
+        task_files=task_files,
+        task_files_mode=int(r.string(sec, "task_files_mode", "sink.", "0640",
+                                     choices("sink.task_files_mode")) or "0640", 8))
 
 
 def task_files_problem(directory: str) -> str:

@@ -100,6 +100,9 @@ class KafkaSinkConfig:
     # tasks write each part's finished records to a task file there and the driver
     # produces from the files (issue 32, `offsetflow.sinks.kafka.taskfile`)
     task_files: str | None = None
+    # the task files' mode (`sink.task_files_mode`; the umask may narrow it): 0640 lets
+    # the writer's group read them, 0644 every user of the host
+    task_files_mode: int = 0o640
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,8 @@ def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
     # not the registry's URL or credentials; the avro settings only when set (the
     # fingerprints of pipelines planned before them stay the same)
     return {k: v for k, v in asdict(sink).items()
-            if k not in ("producer", "replay_topic", "registry", "task_files")
+            if k not in ("producer", "replay_topic", "registry", "task_files",
+                         "task_files_mode")
             and not (k in ("value_subject", "value_schema") and v is None)}
 
 

@@ -319,13 +319,18 @@ class Ledger(PlanningQueries):
     def cleanup_staging(self, task_files: str | None = None) -> list[int]:
         """Drop staged data of batches that are closed (committed, abandoned) or gone, and
         in `task_files` (a Kafka sink's `sink.task_files`) every file of this ledger's
-        batches that are not open (`sweep_task_files`)."""
+        committed or abandoned batches (`sweep_task_files`, after the stage: it refuses,
+        removing nothing, where another ledger shares this one's identity)."""
+        dropped = self._cleanup_stage()
         if task_files is not None:
             with self.transaction() as cur:
                 swept = sweep_task_files(cur, task_files)
             if swept:
                 log.info("%d task files of closed batches removed from %s", len(swept),
                          task_files)
+        return dropped
+
+    def _cleanup_stage(self) -> list[int]:
         with self.transaction() as cur:
             cur.execute("""SELECT c.relname FROM pg_class c
                              JOIN pg_namespace n ON n.oid = c.relnamespace

@@ -4,13 +4,14 @@ a config change, the commit's stage drop, a part dropped for re-staging. Here in
 ledger, not in the sink, because every one of those drops is the ledger's or the stage's,
 and the marker is what says where the files are (the driver's switch may be off by then).
 
-A marker's entry names one attempt's file (`path`, `attempt`); every attempt's file of that
-part in that directory is dropped (the attempt is the name's last field, so its pattern
-matches the part's other attempts and their temporary files, and nothing of another
-ledger's or another batch's: the name starts with the ledger's installation id). An entry
-without `attempt` and `crc32` is not a task file (an Iceberg data file: never touched).
-Files of attempts whose part has no marker at all are dropped by the batch's commit
-(`KafkaPipelineSink.after_commit`), not here.
+A marker's entry names one attempt's file (`path`, `attempt`): exactly that file (and its
+attempt's temporary name) is dropped, never the part's other attempts. The unlink runs after
+the COMMIT, outside the batch lock, so a newer run may meanwhile have written the part again
+under a new attempt: a pattern over the part's attempts would delete that run's file (its
+read then fails as a lost part). An entry without `attempt` and `crc32` is not a task file
+(an Iceberg data file: never touched). Files no marker names (other attempts of a part, a
+killed task's) are dropped by the batch's commit (`KafkaPipelineSink.after_commit`) or the
+driver's sweep of committed and abandoned batches (`sweep_task_files`), not here.
 
 The files are unlinked only once the ledger transaction that deletes their markers has
 committed (`drop_committed_task_files`, called after the COMMIT): a drop that rolls back
@@ -27,6 +28,7 @@ from pathlib import Path
 import psycopg2
 import psycopg2.extensions
 
+from offsetflow.errors import LedgerIdentityError
 from offsetflow.ledger.batch import OPEN_STATUSES
 from offsetflow.ledger.identity import ledger_identity
 
@@ -41,7 +43,7 @@ _PENDING: weakref.WeakKeyDictionary[psycopg2.extensions.connection,
 
 def drop_named_task_files(cur: psycopg2.extensions.cursor, batch_id: int,
                           parts: list[int] | None = None) -> int:
-    """Drop every attempt's task file of the parts (None: all) whose markers name one,
+    """Drop the task file each marker of the parts (None: all) names, exactly that one,
     once this transaction commits (`drop_committed_task_files`); how many named. Best
     effort (the markers go regardless): a file left is logged, never a failure of the
     drop, and a later drop or the commit's sweep takes it."""
@@ -84,23 +86,37 @@ def drop_committed_task_files(conn: psycopg2.extensions.connection) -> int:
             _PENDING.setdefault(conn, []).append((xid, batch_id, path, attempt))
         if status.get(xid) != "committed":
             continue
-        try:
-            for f in path.parent.glob(path.name.replace(attempt, "*") + "*"):
-                f.unlink(missing_ok=True)
-                n += 1
-        except OSError as err:
-            log.warning("batch %d: task files beside %s were not dropped: %s", batch_id,
-                        path, err)
+        # exactly the named attempt's file (and its temporary name): not a pattern over the
+        # part's attempts, which would take a newer run's file written since the COMMIT
+        for f in (path, path.with_name(path.name + ".tmp")):
+            try:
+                if f.exists():
+                    f.unlink(missing_ok=True)
+                    n += 1
+            except OSError as err:
+                log.warning("batch %d: task file %s of attempt %s was not dropped: %s",
+                            batch_id, f, attempt, err)
     return n
 
 
 def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Path]:
     """Unlink every task file in `directory` of this ledger (its installation id starts the
-    name) whose batch is not open: committed, abandoned or gone. These are files no marker
-    names any more (a killed task's attempt, files left by an `after_commit` that never
-    ran, a drop whose PostgreSQL crashed, the setting changed meanwhile): only a batch that
-    is open can still read its files. Returns the files removed."""
-    prefix = f"{ledger_identity(cur).installation_id}_b"
+    name) whose batch is committed or abandoned (for good: neither is ever read or run
+    again). These are files no marker names any more: a killed task's attempt, files left
+    by a driver that died between the ledger's COMMIT and their unlink (or lost the
+    COMMIT's outcome, and its pending drops with it), an `after_commit` that never ran, a
+    drop whose PostgreSQL crashed, the setting changed meanwhile. Run by the driver at the
+    start of each run with task files (`KafkaPipelineSink.task_files`) and by `offsetflow
+    cleanup --task-files DIR`: one directory listing and one query. Returns the files
+    removed.
+
+    A file of a batch id this ledger never had (batches are never deleted) is another
+    ledger's under the same installation id: a copy of this ledger given its identity
+    (`offsetflow db adopt-identity` while the original still runs) shares the directory,
+    and its open batches may be committed here. Then nothing is removed: a
+    `LedgerIdentityError` names the batch ids and the way out."""
+    ident = ledger_identity(cur)
+    prefix = f"{ident.installation_id}_b"
     found: dict[int, list[Path]] = {}
     for f in Path(directory).glob(f"{prefix}*_p*_*.arrow*"):
         digits = f.name[len(prefix):].split("_", 1)[0]
@@ -108,12 +124,24 @@ def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Pa
             found.setdefault(int(digits), []).append(f)
     if not found:
         return []
-    cur.execute("SELECT batch_id FROM offsetflow.batches WHERE batch_id = ANY(%s) "
-                "AND status = ANY(%s)", (sorted(found), list(OPEN_STATUSES)))
-    keep = {int(r[0]) for r in cur.fetchall()}
+    cur.execute("SELECT batch_id, status FROM offsetflow.batches WHERE batch_id = ANY(%s)",
+                (sorted(found),))
+    status = {int(b): str(s) for b, s in cur.fetchall()}
+    unknown = sorted(set(found) - set(status))
+    if unknown:
+        raise LedgerIdentityError(
+            f"task files in {directory} carry this ledger's installation id "
+            f"{ident.installation_id} but batch ids {unknown[:10]} this ledger never had: "
+            f"another ledger with the same identity (a copy given it with offsetflow db "
+            f"adopt-identity while this one still runs) writes there, and its open batches "
+            f"may be closed here, so no task file was removed. Give the copy its own "
+            f"identity (offsetflow --dsn <the copy> db new-identity) or its own "
+            f"sink.task_files directory. If instead this ledger was restored from a backup "
+            f"older than those files (the original is gone), remove the files of those "
+            f"batch ids by hand ({ident.installation_id}_b<id>_*)")
     removed = []
     for batch_id, files in sorted(found.items()):
-        if batch_id in keep:
+        if status[batch_id] in OPEN_STATUSES:
             continue
         for f in files:
             try:

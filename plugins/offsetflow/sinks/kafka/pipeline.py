@@ -15,8 +15,8 @@ import psycopg2.extensions
 
 from offsetflow.commit import CommitSpec
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
-from offsetflow.errors import KafkaSinkError, RequestError
-from offsetflow.ledger import Batch, ledger_identity
+from offsetflow.errors import KafkaSinkError, LedgerIdentityError, RequestError
+from offsetflow.ledger import Batch, ledger_identity, sweep_task_files
 from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.base import Sink
 from offsetflow.sinks.kafka.form import key_source, payload_columns
@@ -90,6 +90,7 @@ class KafkaPipelineSink(Sink):
             raise KafkaSinkError(f"batch {batch.batch_id}: sink.task_files {directory} "
                                  f"cannot take the task files: {e}; create it (on every "
                                  f"host), or unset sink.task_files") from e
+        sweep_closed(dsn, directory, batch.batch_id)
         return KafkaTaskFiles(directory, _ledger_id(dsn), batch.batch_id, self.kafka, types)
 
     def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
@@ -188,6 +189,30 @@ class KafkaPipelineSink(Sink):
     @property
     def live_topic(self) -> str | None:
         return self.kafka.topic
+
+
+def sweep_closed(dsn: str, directory: str, batch_id: int) -> int:
+    """At the start of a run with task files: the files of this ledger's committed or
+    abandoned batches removed (`sweep_task_files`: one listing, one query), so files
+    left by a driver that died between the ledger's COMMIT and their unlink (or lost the
+    COMMIT's outcome) do not pile up until `offsetflow cleanup`. Best effort: a sweep
+    that fails or refuses (another ledger shares this one's identity) is logged, never
+    the run's failure. How many removed."""
+    try:
+        with contextlib.closing(psycopg2.connect(dsn)) as conn, conn, conn.cursor() as cur:
+            removed = sweep_task_files(cur, directory)
+    except LedgerIdentityError as e:
+        log.warning("batch %d: no task file swept: %s", batch_id, e)
+        return 0
+    except (OSError, psycopg2.Error) as e:
+        log.warning("batch %d: task files of closed batches in %s not swept: %s", batch_id,
+                    directory, e)
+        return 0
+    if removed:
+        log.info("batch %d: %d task file(s) of committed or abandoned batches removed from "
+                 "%s (left by a driver that died after its ledger commit, or by killed "
+                 "tasks)", batch_id, len(removed), directory)
+    return len(removed)
 
 
 def _ledger_id(dsn: str) -> str:

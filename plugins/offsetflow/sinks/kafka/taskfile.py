@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import socket
+import stat
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping
@@ -29,9 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from offsetflow.errors import TaskFileLostError
+from offsetflow.errors import TaskFileAccessError, TaskFileLostError
 
-# a task file's permissions: read/write for its owner, read for its group, none for others
+# a task file's permissions by default (`sink.task_files_mode`): read/write for its owner,
+# read for its group, none for others; the umask may narrow it
 FILE_MODE = 0o640
 # a task file's record batches hold about this many bytes at most (`split_by_bytes`); the
 # fixed columns of a record (topic name aside) count as ROW_OVERHEAD
@@ -113,14 +115,16 @@ def split_by_bytes(records: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBat
 class PartFile:
     """One task attempt's file of one part, written as its records come."""
 
-    def __init__(self, directory: str, ledger: str, batch_id: int, part: int) -> None:
+    def __init__(self, directory: str, ledger: str, batch_id: int, part: int,
+                 mode: int = FILE_MODE) -> None:
         self.batch_id, self.part = batch_id, part
         self.attempt = uuid.uuid4().hex[:12]
         self.path = Path(directory) / file_name(ledger, batch_id, part, self.attempt)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
-        # the batch's records: owner and group at most (a cluster's driver and executors
-        # may share one), never other users of the host; the umask may narrow it further
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        # the batch's records: owner and group at most by default (a cluster's driver and
+        # executors may share one), never other users of the host unless
+        # `sink.task_files_mode` says so; the umask may narrow it further
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         self._f = os.fdopen(fd, "wb")
         self._crc = _Crc(self._f)
         self._w = ipc.new_file(pa.PythonFile(self._crc, mode="w"), FILE_SCHEMA)
@@ -170,6 +174,8 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: b
                 size += len(chunk)
     except FileNotFoundError:
         raise lost("it is missing") from None
+    except PermissionError as e:  # not lost: written again it would be as unreadable
+        raise access_error(batch_id, str(path), e, str(path.parent)) from e
     except OSError as e:
         raise lost(f"it cannot be read ({e})") from e
     if size != int(entry["bytes"]):
@@ -206,23 +212,29 @@ def this_host() -> str:
 
 def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
                   directory: str) -> None:
-    """Every part's file there with its marker's size, checked before anything is read
-    (a stat each, not a read): the `TaskFileLostError` names every such part at once, so
-    one run drops them all (not one per run). Files written on another host that the
-    driver does not see mean the directory is not shared: said, with the way out (the
-    CRC and record count are `read_part_file`'s, as each part is read)."""
+    """Every part's file there, readable by the driver, with its marker's size, checked
+    before anything is read (an open each, not a read): the `TaskFileLostError` names every
+    lost part at once, so one run drops them all (not one per run). A file the driver may
+    not open (EACCES/EPERM) is a `TaskFileAccessError` instead, before any part is dropped:
+    re-staged it would be as unreadable. Files written on another host that the driver
+    does not find: the directory is not shared, or they were removed; the hint says both
+    (a host name differs per container even on a shared volume). The CRC and record count
+    are `read_part_file`'s, as each part is read."""
     lost: list[tuple[int, str, str]] = []
     elsewhere: set[str] = set()
     for part, entry in sorted(entries.items()):
         path = str(entry["path"])
         try:
-            size = os.stat(path).st_size
+            with open(path, "rb") as f:  # opened, not only stat'ed: the driver may read it
+                size = os.fstat(f.fileno()).st_size
         except FileNotFoundError:
             lost.append((part, path, "it is missing"))
             host = entry.get("host")
             if host and host != this_host():
                 elsewhere.add(str(host))
             continue
+        except PermissionError as e:
+            raise access_error(batch_id, path, e, directory) from e
         except OSError as e:
             lost.append((part, path, f"it cannot be read ({e})"))
             continue
@@ -231,15 +243,45 @@ def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
                                      f"(short or overwritten)"))
     if not lost:
         return
-    hint = (f"written on host(s) {sorted(elsewhere)}, not seen on the driver's host "
-            f"{this_host()}: sink.task_files {directory} must be one directory every host "
-            f"shares under the same path (a shared mount), or unset sink.task_files to "
-            f"stage in PostgreSQL" if elsewhere else
+    hint = (f"written on host(s) {sorted(elsewhere)}, not found from the driver's host "
+            f"{this_host()} (a host name differs per container even on a shared volume): "
+            f"either sink.task_files {directory} is not one directory every host shares "
+            f"under the same path (mount it on every host, or unset sink.task_files to "
+            f"stage in PostgreSQL), or something removed files from it (a sweep of the "
+            f"directory, a full disk?; keep it for the pipeline alone)" if elsewhere else
             f"something removed or changed files in sink.task_files {directory} (a sweep "
             f"of the directory, a full disk?); keep it for the pipeline alone, or unset "
             f"sink.task_files to stage in PostgreSQL")
     first, *more = lost
     raise TaskFileLostError(batch_id, first[0], first[1], first[2], more, hint)
+
+
+def access_error(batch_id: int, path: str, err: OSError, directory: str
+                 ) -> TaskFileAccessError:
+    """The driver may not read a task file: its owner and mode (or its directory's), the
+    driver's user, and the way out."""
+    def owner(p: str) -> str:
+        st = os.stat(p)
+        return f"owner uid {st.st_uid} gid {st.st_gid}, mode {oct(stat.S_IMODE(st.st_mode))}"
+
+    try:
+        found = f"{err.strerror}; the file's {owner(path)}"
+    except OSError:
+        try:
+            found = (f"{err.strerror}; the file cannot be looked up, its directory's "
+                     f"{owner(directory)}")
+        except OSError as e:
+            found = f"{err.strerror}; nor can its directory be looked up ({e.strerror})"
+    me = (f"the driver runs as uid {os.geteuid()} gid {os.getegid()}, groups "
+          f"{sorted(os.getgroups())}")
+    return TaskFileAccessError(
+        batch_id, path, f"{found}; {me}",
+        f"Let the driver read the files the executors write in sink.task_files "
+        f"{directory}: a group both are in, owning the directory (group-readable files: "
+        f"sink.task_files_mode 0640, the default; a setgid directory gives new files its "
+        f"group), or sink.task_files_mode: '0644' (every user of the hosts may then read "
+        f"the records; the executors' umask must not take it away), and run the batch "
+        f"again")
 
 
 def check_directory(directory: str) -> None:
@@ -293,7 +335,7 @@ class PartWriter:
     def file(self) -> PartFile:
         if self._file is None:
             self._file = PartFile(self.tf.directory, self.tf.ledger, self.tf.batch_id,
-                                  self.part)
+                                  self.part, self.tf.sink.task_files_mode)
         return self._file
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:

@@ -1018,3 +1018,207 @@ def test_a_batch_read_sorted_from_task_files_is_produced_once(
     assert len(merged) >= 2, merged
     v = case.verdict()
     assert v.visible == v.committed.found, v
+
+
+def test_a_paused_drop_unlinks_only_the_files_its_markers_named_not_a_newer_runs(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run dropping a refused part (`forget_parts`) is paused between its ledger COMMIT
+    and the unlink (a GC pause, SIGSTOP, a VM stall): a newer run takes the batch, writes
+    that part's file again under a new attempt and reads it. The paused drop, resumed,
+    unlinks only the file its deleted marker named, never the newer attempt's, so the newer
+    run commits once (no TaskFileLostError)."""
+    import threading
+
+    from offsetflow.commit.protocol import WholeStage
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from offsetflow.stage import reset
+    from tests.tooling import chaos
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the files read after the tasks
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    real_read = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    monkeypatch.setattr(taskfile, "read_part_file", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    monkeypatch.setattr(taskfile, "read_part_file", real_read)
+    first = sorted(task_dir.glob(f"*_b{case.batch_id}_p0_*.arrow"))
+    assert len(first) == 1, first
+
+    committed, resume = threading.Event(), threading.Event()
+    real_drop = reset.drop_committed_task_files
+
+    def paused_drop(conn: Any) -> int:
+        committed.set()  # the markers' deletion committed: paused before the unlink
+        assert resume.wait(120)
+        return real_drop(conn)
+
+    monkeypatch.setattr(reset, "drop_committed_task_files", paused_drop)
+    dropper = threading.Thread(target=reset.forget_parts, args=(pg_dsn, case.batch_id, [0]))
+    dropper.start()
+    try:
+        chaos.wait_for(committed.is_set, 60, "the drop's ledger COMMIT")
+        monkeypatch.setattr(reset, "drop_committed_task_files", real_drop)
+        real_checks = WholeStage.before_checks
+        newer: list[Path] = []
+
+        def resumed_drop(self: Any, cur: Any, batch: Any) -> None:
+            # the newer run re-staged part 0 under a new attempt: the old drop resumes now
+            newer.extend(f for f in task_dir.glob(f"*_b{batch.batch_id}_p0_*.arrow")
+                         if f not in first)
+            resume.set()
+            dropper.join(60)
+            real_checks(self, cur, batch)
+
+        monkeypatch.setattr(WholeStage, "before_checks", resumed_drop)
+        rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    finally:
+        resume.set()
+        dropper.join(60)
+    assert len(newer) == 1, newer
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
+
+
+def test_task_files_the_driver_may_not_read_fail_the_run_clearly_and_are_kept(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver runs as a user the files' mode does not let read (executors as one uid,
+    the driver as another without a shared group): the run fails with a
+    `TaskFileAccessError` naming the file, its mode and the way out, nothing visible, and
+    the parts are NOT dropped (re-staged they would be unreadable again, every run). Once
+    the driver may read them, the next run produces the same files once.
+
+    The test runs as root, whom no mode stops: the driver's reads of task files (the
+    module's `open`, its one way to read them) raise PermissionError as for another user
+    (the real EACCES as another uid: tests/unit/sinks/kafka/test_sink_kafka_taskfile.py)."""
+    import builtins
+    import errno
+
+    from offsetflow.errors import TaskFileAccessError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+    from tests.tooling.kafka_case import make_case
+    from tests.tooling.topic_checker import read_topic
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+
+    def denied(file: Any, *a: Any, **k: Any) -> Any:
+        if str(file).startswith(str(task_dir)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return builtins.open(file, *a, **k)
+
+    monkeypatch.setattr(taskfile, "open", denied, raising=False)
+    with pytest.raises(TaskFileAccessError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    assert str(task_dir) in msg and "sink.task_files_mode" in msg, msg
+    assert read_topic(kafka_bootstrap, case.out) == []
+    kept = sorted(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
+    assert kept
+    monkeypatch.setattr(taskfile, "open", builtins.open)
+    read: list[str] = []
+    real = taskfile.read_part_file
+
+    def spy(batch_id: int, part: int, entry: Any) -> Any:
+        read.append(str(entry["path"]))
+        return real(batch_id, part, entry)
+
+    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert sorted(set(read)) == [str(f) for f in kept]  # the same files, not re-staged
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+    assert not list(task_dir.iterdir())
+
+
+def test_files_left_by_a_drop_lost_after_the_commit_are_swept_by_the_next_run(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """The driver dies between the ledger's COMMIT and the unlink of the batch's files (or
+    the COMMIT's outcome is lost, and its pending drops with it): the files stay though no
+    marker names them. The next run with task files (any batch of the ledger) removes
+    every file of this ledger's batches that are committed or abandoned, and nothing of a
+    batch still open (another pipeline's failed run, whose rerun reads its own files)."""
+    import logging
+
+    from offsetflow.job import run_batch
+    from offsetflow.ledger import store
+    from offsetflow.sinks.kafka import KafkaPipelineSink, taskfile
+    from tests.tooling.kafka_case import make_case
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}a", tmp_path / "a")
+    b = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}b", tmp_path / "b")
+    real_read = taskfile.read_part_file
+
+    def failing(batch_id: int, part: int, entry: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    with monkeypatch.context() as m:  # a: failed, open, its files and markers kept
+        m.setattr(taskfile, "read_part_file", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, a.cfg, a.batch_id, pg_dsn)
+    a_files = sorted(task_dir.glob(f"*_b{a.batch_id}_*"))
+    assert a_files
+    with monkeypatch.context() as m:  # b: committed, its unlinks lost with the driver
+        m.setattr(store, "drop_committed_task_files", lambda conn: 0)
+        m.setattr(KafkaPipelineSink, "after_commit", lambda *_a, **_k: None)
+        rep = run_batch(spark, b.cfg, b.batch_id, pg_dsn)
+        assert rep.result.status == "committed", rep.result
+    assert taskfile.read_part_file is real_read
+    b_left = sorted(task_dir.glob(f"*_b{b.batch_id}_*"))
+    assert b_left  # what a driver killed right after the COMMIT leaves
+    read: list[str] = []
+
+    def spy(batch_id: int, part: int, entry: Any) -> Any:
+        read.append(str(entry["path"]))
+        return real_read(batch_id, part, entry)
+
+    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    with caplog.at_level(logging.INFO):
+        rep = run_batch(spark, a.cfg, a.batch_id, pg_dsn)  # the next run: a's rerun
+    assert rep.result.status == "committed", rep.result
+    assert not list(task_dir.glob(f"*_b{b.batch_id}_*"))
+    assert sorted(set(read)) == [str(f) for f in a_files if f.suffix == ".arrow"]
+    assert f"{len(b_left)} task file(s) of committed or abandoned batches" in caplog.text, \
+        caplog.text[-2000:]
+    a.verdict()
+    b.verdict()
+    assert list(task_dir.iterdir()) == []
+
+
+def test_the_sweep_refuses_where_another_ledger_shares_the_identity(
+        pg_dsn: str, tmp_path: Path, capsys: Any) -> None:
+    """A copy of the ledger given its identity (`db adopt-identity` while the original
+    still runs) sharing the task-file directory: its files carry the same installation id,
+    and its open batches may be closed here. Seen cheaply where a file names a batch id
+    this ledger never had (batches are never deleted): `offsetflow cleanup --task-files`
+    and the driver's sweep remove nothing and say why, with the way out."""
+    from offsetflow.cli import main as cli
+    from offsetflow.sinks.kafka.pipeline import sweep_closed
+    from offsetflow.sinks.kafka.taskfile import file_name
+
+    d = tmp_path / "shared"
+    d.mkdir()
+    with contextlib.closing(psycopg2.connect(pg_dsn)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT coalesce(max(batch_id), 0) FROM offsetflow.batches")
+        ahead = int((cur.fetchone() or [0])[0]) + 1000
+    foreign = d / file_name(_ledger_id(pg_dsn), ahead, 0, "c10nec10ne00")
+    foreign.write_bytes(b"the copy's open batch")
+    assert cli(["--dsn", pg_dsn, "cleanup", "--task-files", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert str(ahead) in err and "new-identity" in err and "no task file" in err, err
+    assert foreign.exists()
+    assert sweep_closed(pg_dsn, str(d), 0) == 0
+    assert foreign.exists()

@@ -83,6 +83,8 @@ def test_kafka_sink_config_defaults_and_fields() -> None:
      "set by OffsetFlow"),
     ({"topic": "o", "bogus": 1}, "sink.bogus", "unknown field"),
     ({"topic": "o", "task_files": "relative/dir"}, "sink.task_files", "not an absolute path"),
+    ({"topic": "o", "task_files_mode": "0777"}, "sink.task_files_mode", "is not one of"),
+    ({"topic": "o", "task_files_mode": 420}, "sink.task_files_mode", "must be a string"),
 ])
 def test_kafka_sink_config_errors_name_the_field(sink: dict[str, Any], field: str,
                                                  words: str) -> None:
@@ -409,3 +411,15 @@ def test_kafka_sink_task_files_is_an_absolute_path_checked_at_load(tmp_path: Any
                              "orders.yaml", ENV)
     assert missing.sink.kafka is not None
     assert missing.sink.kafka.task_files == "/nonexistent/offsetflow-task-files"
+
+
+def test_kafka_sink_task_files_mode_is_who_may_read_the_files(tmp_path: Any) -> None:
+    """`sink.task_files_mode`: 0640 by default (the writer's group reads), 0644 where the
+    driver shares no group with the executors; an octal string (YAML would read 0644
+    unquoted as the integer 420); not in the fingerprint (the records are the same)."""
+    cfg = parse_pipeline(raw(topic="o", task_files=str(tmp_path), task_files_mode="0644"),
+                         "orders.yaml", ENV)
+    assert cfg.sink.kafka is not None and cfg.sink.kafka.task_files_mode == 0o644
+    default = parse_pipeline(raw(topic="o"), "orders.yaml", ENV)
+    assert default.sink.kafka is not None and default.sink.kafka.task_files_mode == 0o640
+    assert cfg.fingerprint() == default.fingerprint()

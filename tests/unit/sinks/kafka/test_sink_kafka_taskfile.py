@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -182,3 +183,99 @@ def test_split_by_bytes_keeps_every_record_and_a_record_over_the_limit_alone() -
     assert [p.num_rows for p in split_by_bytes(rb, 1 << 20)] == [10]  # under the limit
     pieces = list(split_by_bytes(rb, 1))  # every record over the limit: one each
     assert [p.column("offset").to_pylist() for p in pieces] == [[i] for i in range(10)]
+
+
+def test_a_file_missing_that_another_host_wrote_names_both_causes(tmp_path: Path) -> None:
+    """The writer's host name differs from the driver's also where the directory is shared
+    (a pod's host name on Kubernetes): a file missing that another host wrote may be an
+    unshared directory or a file removed from a shared one. The hint says both, without
+    claiming either."""
+    from offsetflow.sinks.kafka.taskfile import check_present
+
+    entry = {**_written(tmp_path), "host": "executor-7"}
+    Path(str(entry["path"])).unlink()
+    with pytest.raises(TaskFileLostError) as e:
+        check_present(1, {0: entry}, str(tmp_path))
+    msg = str(e.value)
+    assert "executor-7" in msg and "shares" in msg and "removed" in msg, msg
+    assert "must be one directory" not in msg, msg
+
+
+def _as_another_user(fn: Any) -> str:
+    """`fn()`'s exception (type: message) run as a user without access to root's files: in
+    a forked child as `nobody` when the test runs as root (chmod does not stop root), else
+    here (the caller chmods the file 000)."""
+    import os
+    import traceback
+
+    if os.geteuid() != 0:
+        try:
+            fn()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nobody, no group of root's
+        os.close(r)
+        out = "no error"
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            fn()
+        except Exception as e:
+            out = f"{type(e).__name__}: {e}"
+        except BaseException:
+            out = traceback.format_exc()
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    return got
+
+
+def test_a_file_the_driver_may_not_read_is_a_permission_error_not_a_lost_part() -> None:
+    """A driver running as a user the file's mode does not let read (executors as one uid,
+    the driver as another, no shared group): a `TaskFileAccessError` naming the file, its
+    owner and mode, the driver's uid and the way out (a shared group, or
+    sink.task_files_mode), never a `TaskFileLostError` (whose part would be dropped and
+    written again unreadable, every run)."""
+    import os
+    import shutil
+    import tempfile
+
+    from offsetflow.sinks.kafka.taskfile import check_present
+
+    d = Path(tempfile.mkdtemp(prefix="offsetflow-taskfile-perm-"))
+    try:
+        d.chmod(0o755)  # searchable by the other user: the file's own mode decides
+        entry = _written(d)
+        if os.geteuid() != 0:
+            Path(str(entry["path"])).chmod(0)
+        for name, fn in (("check_present", lambda: check_present(7, {0: entry}, str(d))),
+                         ("read_part_file", lambda: list(read_part_file(7, 0, entry)))):
+            got = _as_another_user(fn)
+            assert got.startswith("TaskFileAccessError: "), (name, got)
+            assert str(entry["path"]) in got and "sink.task_files_mode" in got, (name, got)
+            assert "group" in got and "uid" in got and "0o640" in got, (name, got)
+    finally:
+        shutil.rmtree(d)
+
+
+def test_a_file_is_created_with_the_mode_asked_for(tmp_path: Path) -> None:
+    """`sink.task_files_mode` 0644 (a driver without a group in common with the executors
+    reads them); the umask narrows it as any file's."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        f = PartFile(str(tmp_path), "L1", 7, 0, 0o644)
+        f.write(_records(0, 3))
+        entry = f.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(Path(str(entry["path"])).stat().st_mode) == 0o644
