@@ -145,6 +145,7 @@ def test_a_task_killed_after_its_marker_committed_the_rerun_reads_that_attempts_
     assert _files(case) == []
 
 
+@pytest.mark.slow  # as its stage counterpart (test_sink_kafka_faults.py); serial
 def test_broker_killed_while_the_driver_produces_from_task_files_the_batch_commits_once(
         spark: Any, case: KafkaCase, spark_connect_url: str) -> None:
     """The driver (a thin Spark Connect client) holds its transaction open after producing
