@@ -19,6 +19,9 @@ the dead-letter stage (`offsetflow.stage.bad_records`); the driver reads the mar
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +43,16 @@ from offsetflow.stage.bad_records import (
 from offsetflow.stage.metrics import TaskClock
 from offsetflow.stage.payload import Encoder, copy_into, csv_encoder
 from offsetflow.stage.refused import copy_or_bisect
+
+log = logging.getLogger(__name__)
+
+# test-only fault points of a task (tests/integration/sinks/kafka/
+# test_sink_kafka_task_files_faults.py), looked up once per part: `kill-before-marker:<flag>`
+# SIGKILLs the first attempt to get there (the one that creates <flag>) once its part's
+# files are complete under their final names, before its marker commits;
+# `kill-after-marker:<flag>` right after its marker committed, before the task returns.
+# <flag> gets the attempt's pid, then its files' paths
+TASK_FAULT_ENV = "OFFSETFLOW_TEST_STAGE_TASK_FAULT"
 
 
 def _claim_part(cur: psycopg2.extensions.cursor, batch_id: int, kind: str, part: int,
@@ -159,7 +172,9 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
                     rows += s.num_rows
                     _count_coordinates(s, per_tp)
             clock.count("rows", rows)
-            data_files = None if files is None else json.dumps(files.close())
+            entries = None if files is None else files.close()
+            data_files = None if entries is None else json.dumps(entries)
+            _task_fault("kill-before-marker", entries)
             cur.execute("""UPDATE offsetflow.staged_parts
                               SET rows_staged = %s, per_partition = %s, data_files = %s,
                                   schema_ids = %s
@@ -175,10 +190,27 @@ def stage_rows(dsn: str, batch_id: int, part: int, batches: Iterable[pa.RecordBa
             if tally.count:
                 _claim_part(cur, batch_id, "bad", part, REFUSED_CHUNK, generation)
                 tally.mark(cur, batch_id, part, REFUSED_CHUNK)
+        _task_fault("kill-after-marker", entries)
         return {"part": part, "skipped": False, "rows": rows, "bad": tally.count,
                 "per_partition": per_tp}
     finally:
         conn.close()
+
+
+def _task_fault(point: str, entries: Sequence[dict[str, Any]] | None) -> None:
+    """Test-only (TASK_FAULT_ENV): this attempt killed at `point` if it is the first there."""
+    want, _, flag = os.environ.get(TASK_FAULT_ENV, "").partition(":")
+    if want != point or not flag:
+        return
+    try:
+        fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # an earlier attempt died here: this one lives
+    os.write(fd, "\n".join([str(os.getpid()), *(str(e["path"]) for e in entries or ())
+                            ]).encode())
+    os.close(fd)
+    log.warning("%s: killing this task attempt (test fault)", point)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _count_coordinates(b: pa.RecordBatch, acc: dict[str, list[int]]) -> None:
