@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from offsetflow.errors import TaskFileLostError
@@ -253,6 +254,7 @@ class PartWriter:
         # record leaves no file
         self._file: PartFile | None = None
         self._closed = False
+        self._unfit: list[dict[str, Any]] = []
 
     @property
     def file(self) -> PartFile:
@@ -262,19 +264,34 @@ class PartWriter:
         return self._file
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
-        from offsetflow.sinks.kafka.values import finished_records
+        from offsetflow.sinks.kafka.values import finished_records, unbuildable
 
+        if refused := unbuildable(self.tf.sink, self.tf.columns, batch):  # bad records
+            self._refuse(batch, refused)
+            batch = batch.filter(pc.invert(pc.is_in(
+                pa.array(range(batch.num_rows), pa.int64()),
+                pa.array(list(refused), pa.int64()))))
+            if not batch.num_rows:
+                return batch, None
         records = finished_records(self.tf.sink, self.tf.columns, batch)
         if records is None:  # checked before the read (`KafkaPipelineSink.task_files`)
             self.discard()
             raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.part} "
-                             f"cannot be built in the task (a timestamp outside years "
-                             f"1-9999?)")
+                             f"cannot be built in the task (a column of a type the task "
+                             f"does not build)")
         self.file.write(records)
         return batch, None
 
     def take_unfit(self) -> list[dict[str, Any]]:
-        return []
+        """The records refused since the last call, as dead-letter rows (`unbuildable`)."""
+        out, self._unfit = self._unfit, []
+        return out
+
+    def _refuse(self, batch: pa.RecordBatch, refused: dict[int, str]) -> None:
+        idx = sorted(refused)
+        rows = batch.select(["topic", "partition", "offset", "timestamp", "key", "value"]
+                            ).take(pa.array(idx, pa.int64())).to_pylist()
+        self._unfit += [{**row, "error": refused[i]} for i, row in zip(idx, rows, strict=True)]
 
     def close(self) -> list[dict[str, Any]]:
         self._closed = True
