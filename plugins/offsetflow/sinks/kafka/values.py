@@ -33,6 +33,9 @@ _FLOATS = {"double precision": 15, "real": 6}  # fixed notation below 10**this
 BUILT_TYPES = frozenset({"text", "boolean", "timestamptz", "timestamp", "date",
                          *_INTS, *_FLOATS})
 _CONTROL = r"[\x00-\x1f]"
+# PostgreSQL's identifiers (NAMEDATALEN - 1): a longer column name is truncated in the stage,
+# so in row_to_json's keys; the builder writes names as given, so only up to this
+NAME_BYTES = 63
 
 
 def builds(columns: Mapping[str, str], value_columns: Sequence[str]) -> bool:
