@@ -150,7 +150,13 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any]
                    f"overwritten)")
     if crc != int(entry["crc32"]):
         raise lost("its CRC-32 is not its marker's (corrupt)")
-    with pa.memory_map(str(path)) as source:
+    try:  # removed or replaced since its check: lost, as above (not a raw OSError)
+        source = pa.memory_map(str(path))
+    except FileNotFoundError:
+        raise lost("it is missing") from None
+    except OSError as e:
+        raise lost(f"it cannot be read ({e})") from e
+    with source:
         try:
             reader = ipc.open_file(source)
             if reader.schema != FILE_SCHEMA:

@@ -1,9 +1,11 @@
 """What a task does with a record whose value it cannot build (review s39-kfiles item 9): a
-bad record naming the column, never an error that fails the task on every attempt."""
+bad record naming the column, never an error that fails the task on every attempt; and a
+file gone under the driver's read (item 12): a lost part, never a raw OSError."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -73,3 +75,30 @@ def test_a_value_outside_years_1_to_9999_is_a_bad_record_the_rest_written(
     assert entry["records"] == 2
     got = pa.Table.from_batches(list(read_part_file(3, 0, entry)))
     assert got.column("offset").to_pylist() == [1, 3]
+
+
+def test_a_file_gone_between_its_check_and_its_mapping_is_a_lost_part(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file removed after its CRC-32 was checked, before it is mapped (a sweep, a
+    reaper: review s39-kfiles item 12): a `TaskFileLostError` naming batch, part and path
+    (the part dropped and re-staged), not a raw OSError failing the commit."""
+    from offsetflow.errors import TaskFileLostError
+    from offsetflow.sinks.kafka import taskfile
+
+    tf = KafkaTaskFiles(str(tmp_path), "L", 3, _Cfg(), {
+        "topic": "text", "partition": "integer", "offset": "bigint",
+        "timestamp": "timestamptz", "key": "bytea", "value": "bytea", "headers": "jsonb",
+        "n": "bigint", "at": "bigint"})
+    w = tf.writer(0)
+    w.write(_batch(3, "at", pa.array([1, 2, 3], pa.int64())))
+    entry = w.close()[0]
+    real = taskfile.pa.memory_map
+
+    def gone_first(path: str, *args: Any) -> Any:
+        Path(path).unlink()
+        return real(path, *args)
+
+    monkeypatch.setattr(taskfile.pa, "memory_map", gone_first)
+    with pytest.raises(TaskFileLostError) as e:
+        list(read_part_file(3, 0, entry))
+    assert str(entry["path"]) in str(e.value) and "part 0" in str(e.value), str(e.value)
