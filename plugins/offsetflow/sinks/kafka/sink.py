@@ -35,11 +35,8 @@ producer and its transaction (open, send offsets, commit, retry, abort, fence):
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
 import json
 import logging
-import operator
 import os
 import signal
 import time
@@ -48,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psycopg2.extensions
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -128,9 +126,6 @@ PAUSED_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_PAUSED"
 RESUME_ENV = "OFFSETFLOW_TEST_SINK_KAFKA_RESUME"
 
 CURSOR_ROWS = 5_000
-# the sorted read from task files: records of each part taken at a time for the merge (the
-# driver holds this many of every part at once)
-MERGE_ROWS = 512
 # a task file record's bytes besides its key, value and headers (topic name, partition,
 # offset, timestamp), as `stage_extent_sql` adds its fixed columns': an upper bound
 FILE_FIXED_BYTES = 320
@@ -1004,7 +999,7 @@ class FileParts:
     """A batch's records read from its parts' task files (`KafkaTopicSink.records`): the
     parts in the order given, each filtered to its sub-range when one is given; rows as the
     stage query gives them but the key as bytes. `ordered`: the whole batch sorted into
-    source order (the sorted read: held in memory, as the stage's sort would spill)."""
+    source order (the sorted read: its sort index held, its records read from the files)."""
 
     batch_id: int
     parts: list[tuple[int, OffsetRange | None]]
@@ -1028,27 +1023,43 @@ class FileParts:
             for rb in self.batches():
                 yield _rows(rb)
             return
-        # the sorted read in bounded memory (review finding 1: a sort of the whole batch
-        # held it all in the driver): each part sorted by index (8 bytes a record, its
-        # records stay in the mapped file), taken a chunk at a time, the parts merged
-        merged = heapq.merge(*(self._part_sorted(part) for part, _r in self.parts),
-                             key=operator.itemgetter(0, 1, 2))
-        while chunk := list(itertools.islice(merged, CURSOR_ROWS)):
-            yield chunk
+        yield from self._sorted_chunks()
 
-    def _part_sorted(self, part: int) -> Iterator[tuple[Any, ...]]:
-        """One part's records in source order (the whole part: the sorted read takes no
-        sub-range)."""
-        t = pa.Table.from_batches(
-            list(taskfile.read_part_file(self.batch_id, part, self.entries[part],
-                                         mapped=True)),
-            taskfile.FILE_SCHEMA)
-        idx = pc.sort_indices(t, sort_keys=[("topic", "ascending"),
-                                            ("partition", "ascending"),
-                                            ("offset", "ascending")])
-        for i in range(0, len(idx), MERGE_ROWS):
-            for rb in t.take(idx[i:i + MERGE_ROWS]).to_batches():
-                yield from _rows(rb)
+    def _sorted_chunks(self) -> Iterator[list[tuple[Any, ...]]]:
+        """The whole batch in source order (the sorted read takes no sub-range), in bounded
+        memory (review finding 1: a sort of the whole batch held it all in the driver).
+        Sorted by its keys alone (topic, partition, offset: a stable sort, so equal keys
+        keep the order of parts and files), 8 bytes a record; then CURSOR_ROWS records at
+        a time, each taken from its own record batch, which stays in its mapped file.
+        Never a `take` from a table of many record batches (a task writes one per write):
+        Arrow's take on chunked string or binary columns concatenates every chunk of them
+        per call (apache/arrow#39565), a whole part copied for a few hundred records."""
+        batches = [rb for part, _r in self.parts
+                   for rb in taskfile.read_part_file(self.batch_id, part, self.entries[part],
+                                                   mapped=True)
+                   if rb.num_rows]
+        if not batches:
+            return
+        keys = pa.Table.from_batches([rb.select(["topic", "partition", "offset"])
+                                      for rb in batches])  # mapped, no copy
+        order = pc.sort_indices(keys, sort_keys=[("topic", "ascending"),
+                                                 ("partition", "ascending"),
+                                                 ("offset", "ascending")])
+        order = order.to_numpy().astype(np.int64)
+        del keys
+        starts = np.cumsum([0] + [rb.num_rows for rb in batches[:-1]])
+        for i in range(0, len(order), CURSOR_ROWS):
+            window = order[i:i + CURSOR_ROWS]
+            which = np.searchsorted(starts, window, side="right") - 1  # its record batch
+            by = np.argsort(which, kind="stable")  # the window grouped by record batch
+            taken: list[tuple[Any, ...]] = []
+            for group in np.split(by, np.flatnonzero(np.diff(which[by])) + 1):
+                b = int(which[group[0]])
+                taken.extend(_rows(batches[b].take(pa.array(window[group] - starts[b]))))
+            out: list[tuple[Any, ...]] = [()] * len(window)
+            for pos, row in zip(by.tolist(), taken, strict=True):
+                out[pos] = row
+            yield out
 
     def extent(self) -> tuple[int, int | None, int | None]:
         """As `stage_extent_sql`: the largest record's key, value and headers bytes (plus

@@ -183,23 +183,33 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: b
                    f"overwritten)")
     if crc != int(entry["crc32"]):
         raise lost("its CRC-32 is not its marker's (corrupt)")
-    try:
-        # counted through a map (the record batches' headers only), read through plain reads:
-        # a mapped file's pages stay in the driver's resident memory as it is produced (a
-        # 360 MB batch grew the driver by 345 MB), a batch read is freed when produced
-        with pa.memory_map(str(path)) as source:
+
+    def opened(map_it: bool) -> Any:
+        # removed or replaced since its check: lost, as above (not a raw OSError)
+        try:
+            return pa.memory_map(str(path)) if map_it else pa.OSFile(str(path))
+        except FileNotFoundError:
+            raise lost("it is missing") from None
+        except PermissionError as e:
+            raise access_error(batch_id, str(path), e, str(path.parent)) from e
+        except OSError as e:
+            raise lost(f"it cannot be read ({e})") from e
+
+    # counted through a map (the record batches' headers only), read through plain reads:
+    # a mapped file's pages stay in the driver's resident memory as it is produced (a
+    # 360 MB batch grew the driver by 345 MB), a batch read is freed once produced
+    with opened(True) as source:
+        try:
             reader = ipc.open_file(source)
             if reader.schema != FILE_SCHEMA:
                 raise lost(f"its schema is not a task file's ({reader.schema})")
             n = reader.num_record_batches
             records = sum(reader.get_batch(i).num_rows for i in range(n))
-    except pa.ArrowInvalid as e:
-        raise lost(f"it is not a readable Arrow IPC file ({e})") from e
-    except OSError as e:
-        raise lost(f"it cannot be read ({e})") from e
+        except pa.ArrowInvalid as e:
+            raise lost(f"it is not a readable Arrow IPC file ({e})") from e
     if records != int(entry["records"]):
         raise lost(f"it holds {records} records, its marker {entry['records']}")
-    with (pa.memory_map(str(path)) if mapped else pa.OSFile(str(path))) as source:
+    with opened(mapped) as source:
         reader = ipc.open_file(source)
         for i in range(n):
             yield reader.get_batch(i)
@@ -330,6 +340,7 @@ class PartWriter:
         # record leaves no file
         self._file: PartFile | None = None
         self._closed = False
+        self._unfit: list[dict[str, Any]] = []
 
     @property
     def file(self) -> PartFile:
@@ -339,19 +350,34 @@ class PartWriter:
         return self._file
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
-        from offsetflow.sinks.kafka.values import finished_records
+        from offsetflow.sinks.kafka.values import finished_records, unbuildable
 
+        if refused := unbuildable(self.tf.sink, self.tf.columns, batch):  # bad records
+            self._refuse(batch, refused)
+            batch = batch.filter(pc.invert(pc.is_in(
+                pa.array(range(batch.num_rows), pa.int64()),
+                pa.array(list(refused), pa.int64()))))
+            if not batch.num_rows:
+                return batch, None
         records = finished_records(self.tf.sink, self.tf.columns, batch)
         if records is None:  # checked before the read (`KafkaPipelineSink.task_files`)
             self.discard()
             raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.part} "
-                             f"cannot be built in the task (a timestamp outside years "
-                             f"1-9999?)")
+                             f"cannot be built in the task (a column of a type the task "
+                             f"does not build)")
         self.file.write(records)
         return batch, None
 
     def take_unfit(self) -> list[dict[str, Any]]:
-        return []
+        """The records refused since the last call, as dead-letter rows (`unbuildable`)."""
+        out, self._unfit = self._unfit, []
+        return out
+
+    def _refuse(self, batch: pa.RecordBatch, refused: dict[int, str]) -> None:
+        idx = sorted(refused)
+        rows = batch.select(["topic", "partition", "offset", "timestamp", "key", "value"]
+                            ).take(pa.array(idx, pa.int64())).to_pylist()
+        self._unfit += [{**row, "error": refused[i]} for i, row in zip(idx, rows, strict=True)]
 
     def close(self) -> list[dict[str, Any]]:
         self._closed = True

@@ -9,8 +9,9 @@ string with a control character) are written per value by the rules of PostgreSQ
 `float8out`/`float4out` (src/common/d2s.c, f2s.c: shortest exact digits, fixed notation for
 decimal exponents in [-4, 15) resp. [-4, 6), else d.ddde±XX) and `escape_json`.
 `json_values` returns None for a column type it does not build (jsonb, numeric, bytea,
-interval, ...) or a timestamp outside years 1-9999: the caller stages those records and
-lets PostgreSQL build them, as before.
+interval, ...) or a timestamp outside years 1-9999: the driver stages a batch with such a
+column in PostgreSQL, as before (decided before the read), and a task makes the records
+with such a timestamp bad records (`unbuildable`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ _FLOATS = {"double precision": 15, "real": 6}  # fixed notation below 10**this
 BUILT_TYPES = frozenset({"text", "boolean", "timestamptz", "timestamp", "date",
                          *_INTS, *_FLOATS})
 _CONTROL = r"[\x00-\x1f]"
+# PostgreSQL's identifiers (NAMEDATALEN - 1): a longer column name is truncated in the stage,
+# so in row_to_json's keys; the builder writes names as given, so only up to this
+NAME_BYTES = 63
 
 
 def builds(columns: Mapping[str, str], value_columns: Sequence[str]) -> bool:
@@ -174,6 +178,36 @@ def _float_json(v: float, single: bool) -> str:
         return sign + "0." + "0" * (-exp10 - 1) + digits
     m = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
     return f"{sign}{m}e{'-' if exp10 < 0 else '+'}{abs(exp10):02d}"
+
+
+def unbuildable(sink: KafkaSinkConfig, columns: Mapping[str, str],
+                batch: pa.RecordBatch) -> dict[int, str]:
+    """The rows whose record cannot be built here though their columns' types are (a
+    timestamp or date outside years 1-9999 in a column the sink reads: the readers refuse
+    them first today), each with why: the task makes them bad records, so one such value
+    never fails the task on every attempt (review s39-kfiles item 9)."""
+    key_col, _ = key_source(sink, columns)
+    read = ([sink.value_column] if sink.value_format == "raw" else
+            list(sink.value_columns) or payload_columns(list(columns)))
+    out: dict[int, str] = {}
+    for name in dict.fromkeys([*read, *([key_col] if key_col else [])]):
+        pg_type = columns[name]
+        if pg_type in ("timestamptz", "timestamp"):
+            v = batch.column(name).cast(pa.timestamp("us")).cast(pa.int64())
+            lo, hi = _YEAR1_US, _YEAR10000_US
+        elif pg_type == "date":
+            v = batch.column(name).cast(pa.date32()).cast(pa.int32())
+            lo, hi = _YEAR1_DAYS, _YEAR10000_DAYS
+        else:
+            continue
+        outside = pc.fill_null(pc.or_(pc.less(v, lo), pc.greater_equal(v, hi)), False)
+        if not pc.any(outside).as_py():
+            continue
+        for i in pc.indices_nonzero(outside).to_pylist():
+            out.setdefault(i, f"kafka sink task files: column {name!r} ({pg_type}) holds a "
+                              f"value outside years 1-9999, which the task does not write "
+                              f"as PostgreSQL would")
+    return out
 
 
 def finished_records(sink: KafkaSinkConfig, columns: Mapping[str, str],

@@ -993,9 +993,10 @@ def test_a_batch_read_sorted_from_task_files_is_produced_once(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The sorted read from files (as after `_OutOfOrder`, or a layout no unsorted read
-    follows): the parts merged in source order a few records of each at a time (the
-    memory bound: tests/unit/sinks/kafka/test_sink_kafka_sorted_files.py), the topic gets
-    each record once."""
+    follows): the parts' records sorted by key and taken a chunk at a time from their
+    record batches (the memory and allocation bounds, with many record batches a part:
+    tests/unit/sinks/kafka/test_sink_kafka_sorted_files.py), the topic gets each record
+    once."""
     from offsetflow.job import run_batch
     from offsetflow.sinks.kafka import KafkaTopicSink
     from offsetflow.sinks.kafka.sink import FileParts
@@ -1004,13 +1005,13 @@ def test_a_batch_read_sorted_from_task_files_is_produced_once(
     monkeypatch.setattr(KafkaTopicSink, "overlap", False)
     monkeypatch.setattr(KafkaTopicSink, "read_parts", False)  # always the sorted read
     merged: list[int] = []
-    real = FileParts._part_sorted
+    real = FileParts._sorted_chunks
 
-    def spy(self: Any, part: int) -> Any:
-        merged.append(part)
-        return real(self, part)
+    def spy(self: Any) -> Any:
+        merged.extend(p for p, _r in self.parts)
+        return real(self)
 
-    monkeypatch.setattr(FileParts, "_part_sorted", spy)
+    monkeypatch.setattr(FileParts, "_sorted_chunks", spy)
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
                      spark={"max_offsets_per_task": 100})
     rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
