@@ -217,7 +217,7 @@ FIELDS: dict[str, Field] = {
     "sink.producer": F("sink.kafka.producer", "librdkafka producer overrides "
                        "(`transactional.id`, `enable.idempotence`, `bootstrap.servers` are "
                        "OffsetFlow's).", sinks=("kafka",)),
-    "sink.task_files": F("sink.kafka.task_files", "Prototype, off by default (issue 32): "
+    "sink.task_files": F("sink.kafka.task_files", "Off by default: "
                          "an absolute directory the driver and every executor reach; the "
                          "tasks write each part's finished records to a task file there "
                          "instead of the PostgreSQL stage, and the driver produces from "

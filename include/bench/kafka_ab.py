@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--task-files", default=None,
                     help="DIR: `off` stages in PostgreSQL, `on` writes task files in DIR "
-                         "(the prototype `KafkaTopicSink.task_files_dir`)")
+                         "(`KafkaTopicSink.task_files_dir`)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("py4j", "offsetflow", "pyspark"):

@@ -50,7 +50,7 @@ class KafkaPipelineSink(Sink):
 
     @property
     def files_dir(self) -> str | None:
-        """`sink.task_files` (prototype, off by default; `KafkaTopicSink.task_files_dir`
+        """`sink.task_files` (off by default; `KafkaTopicSink.task_files_dir`
         overrides it for the tests and the bench)."""
         return KafkaTopicSink.task_files_dir or self.kafka.task_files
 

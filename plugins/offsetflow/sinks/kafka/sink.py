@@ -162,10 +162,9 @@ class KafkaTopicSink(KafkaTransaction):
     # produce each stage part while later ones are read (`begin_parts`; False: only after
     # the last task, as before; `KafkaPipelineSink.commits_partwise` follows it)
     overlap = True
-    # PROTOTYPE (issue 32): the tests' and the bench's override of `sink.task_files` (also
-    # through this variable, for a job run as a process; `include/bench/kafka_ab.py
-    # --task-files DIR`). The markers decide how a batch is read (`records`), not this
-    task_files_dir: str | None = os.environ.get("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES") or None
+    # the tests' and the bench's override of `sink.task_files` (also through this
+    # variable, for a job run as a process; `include/bench/kafka_ab.py --task-files DIR`). The markers decide how a batch is read (`records`), not this
+    task_files_dir: str | None = os.environ.get("OFFSETFLOW_TEST_KAFKA_TASK_FILES") or None
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
                  spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "") -> None:

@@ -209,7 +209,7 @@ def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
     assert not diffs, diffs[:3]
 
 
-# --- the prototype sink path (KafkaTopicSink.task_files_dir) on real services ------------
+# --- the sink path from task files (KafkaTopicSink.task_files_dir) on real services ------
 
 
 def _ledger_id(dsn: str) -> str:
@@ -312,7 +312,7 @@ def process_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str
     files (the switch through its environment)."""
     from tests.tooling.kafka_case import make_case
 
-    monkeypatch.setenv("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES", str(task_dir))
+    monkeypatch.setenv("OFFSETFLOW_TEST_KAFKA_TASK_FILES", str(task_dir))
     return make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
                      spark={"max_offsets_per_task": 100})
 
@@ -545,7 +545,7 @@ def test_killed_after_the_kafka_commit_the_rerun_routes_the_left_out_record_from
     from offsetflow.job import run_batch
     from tests.tooling.kafka_case import killed_at_end
 
-    monkeypatch.setenv("OFFSETFLOW_PROTOTYPE_KAFKA_TASK_FILES", str(task_dir))
+    monkeypatch.setenv("OFFSETFLOW_TEST_KAFKA_TASK_FILES", str(task_dir))
     case, at = _too_large_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
     proc = case.start("kill_after_commit")
     with killed_at_end(proc):
