@@ -164,7 +164,7 @@ class KafkaTopicSink(KafkaTransaction):
     overlap = True
     # the tests' and the bench's override of `sink.task_files` (also through this
     # variable, for a job run as a process; `include/bench/kafka_ab.py --task-files DIR`).
-    # The markers decide how a batch is read (`records`), not this
+    # The markers decide how a batch is read (`records`), not this setting.
     task_files_dir: str | None = os.environ.get("OFFSETFLOW_TEST_KAFKA_TASK_FILES") or None
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
