@@ -317,20 +317,6 @@ def process_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str
                      spark={"max_offsets_per_task": 100})
 
 
-def _cut_idle_ledger_transactions(dsn: str) -> int:
-    conn = psycopg2.connect(dsn, application_name="offsetflow-chaos")
-    try:
-        with conn, conn.cursor() as cur:
-            cur.execute("""SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
-                            WHERE application_name = 'offsetflow'
-                              AND state = 'idle in transaction'
-                              AND datname = current_database()""")
-            row = cur.fetchone()
-            return int(row[0]) if row else 0
-    finally:
-        conn.close()
-
-
 def test_driver_killed_mid_overlap_from_task_files_the_retry_commits_once(
         spark: Any, process_case: Any, task_dir: Path) -> None:
     """The driver killed with parts of task files produced into its open transaction: the
@@ -365,7 +351,7 @@ def test_two_runs_of_a_task_file_batch_at_once_the_later_fences_the_earlier(
     commits nothing."""
     from offsetflow.job import run_batch
     from tests.tooling import chaos
-    from tests.tooling.kafka_case import RECORDS, killed_at_end
+    from tests.tooling.kafka_case import RECORDS, cut_idle_ledger_transactions, killed_at_end
     from tests.tooling.topic_checker import read_topic
 
     case = process_case
@@ -375,7 +361,7 @@ def test_two_runs_of_a_task_file_batch_at_once_the_later_fences_the_earlier(
         chaos.wait_for(lambda: len(read_topic(case.bootstrap, case.out,
                                               "read_uncommitted")) > 0,
                        60, "the older run's first part in the log")
-        assert _cut_idle_ledger_transactions(case.dsn) >= 1
+        assert cut_idle_ledger_transactions(case.dsn) >= 1
         newer = run_batch(spark, case.cfg, case.batch_id, case.dsn)
         assert newer.result.status == "committed"
         case.resume()
@@ -556,17 +542,13 @@ def test_killed_after_the_kafka_commit_the_rerun_routes_the_left_out_record_from
     _check_too_large_dead_letter(case, pg_dsn, kafka_bootstrap, at, task_dir)
 
 
-def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
-        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
-        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two pipelines write task files to one directory and fail before their commit (the
-    files and markers stay): abandoning one drops its batch's files with its stage, never
-    the other's; a part dropped for re-staging drops its attempts' files; the other's
-    re-run produces from its own files, once, and leaves none."""
-    from offsetflow.cli import main as cli
+def _two_pipelines_failed_before_producing(spark: Any, pg_dsn: str, kafka_bootstrap: str,
+                                           make_topic: Any, unique: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """Two pipelines sharing the task files' directory, each with a batch whose tasks wrote
+    their files and whose driver failed before producing anything (the batches open)."""
     from offsetflow.job import run_batch
     from offsetflow.sinks.kafka import taskfile
-    from offsetflow.stage import forget_parts
     from tests.tooling.kafka_case import make_case
 
     (tmp_path / "a").mkdir()
@@ -583,6 +565,22 @@ def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
         with pytest.raises(RuntimeError, match="injected"):
             run_batch(spark, case.cfg, case.batch_id, pg_dsn)
     monkeypatch.setattr(taskfile, "read_part_file", real)
+    return a, b
+
+
+def test_two_pipelines_sharing_a_directory_abandon_drops_only_its_own_files(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, task_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pipelines write task files to one directory and fail before their commit (the
+    files and markers stay): abandoning one drops its batch's files with its stage, never
+    the other's; a part dropped for re-staging drops its attempts' files; the other's
+    re-run produces from its own files, once, and leaves none."""
+    from offsetflow.cli import main as cli
+    from offsetflow.job import run_batch
+    from offsetflow.stage import forget_parts
+
+    a, b = _two_pipelines_failed_before_producing(spark, pg_dsn, kafka_bootstrap, make_topic,
+                                                  unique, tmp_path, monkeypatch)
 
     def files(batch_id: int) -> list[Path]:
         return sorted(task_dir.glob(f"*_b{batch_id}_p*"))
@@ -649,22 +647,9 @@ def test_cleanup_sweeps_the_task_files_no_open_batch_can_read(
     from offsetflow.cli import main as cli
     from offsetflow.job import run_batch
     from offsetflow.sinks.kafka import taskfile
-    from tests.tooling.kafka_case import make_case
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}a", tmp_path / "a")
-    b = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}b", tmp_path / "b")
-    real = taskfile.read_part_file
-
-    def failing(batch_id: int, part: int, entry: Any) -> Any:
-        raise RuntimeError("injected: the driver fails before producing")
-
-    monkeypatch.setattr(taskfile, "read_part_file", failing)
-    for case in (a, b):
-        with pytest.raises(RuntimeError, match="injected"):
-            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
-    monkeypatch.setattr(taskfile, "read_part_file", real)
+    a, b = _two_pipelines_failed_before_producing(spark, pg_dsn, kafka_bootstrap, make_topic,
+                                                  unique, tmp_path, monkeypatch)
     ledger = _ledger_id(pg_dsn)
     killed = [task_dir / taskfile.file_name(ledger, c.batch_id, 7, "0badc0de0000")
               for c in (a, b)]
