@@ -542,29 +542,35 @@ def test_killed_after_the_kafka_commit_the_rerun_routes_the_left_out_record_from
     _check_too_large_dead_letter(case, pg_dsn, kafka_bootstrap, at, task_dir)
 
 
+def _fail_before_producing(spark: Any, case: Any, pg_dsn: str,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of the case's batch whose tasks write their files and whose driver fails before
+    it reads any of them (the batch stays open, its files and markers in place)."""
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import taskfile
+
+    def failing(batch_id: int, part: int, entry: Any, mapped: bool = False) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    with monkeypatch.context() as m:
+        m.setattr(taskfile, "read_part_file", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+
+
 def _two_pipelines_failed_before_producing(spark: Any, pg_dsn: str, kafka_bootstrap: str,
                                            make_topic: Any, unique: str, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """Two pipelines sharing the task files' directory, each with a batch whose tasks wrote
     their files and whose driver failed before producing anything (the batches open)."""
-    from offsetflow.job import run_batch
-    from offsetflow.sinks.kafka import taskfile
     from tests.tooling.kafka_case import make_case
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}a", tmp_path / "a")
     b = make_case(pg_dsn, kafka_bootstrap, make_topic, f"{unique}b", tmp_path / "b")
-    real = taskfile.read_part_file
-
-    def failing(batch_id: int, part: int, entry: Any) -> Any:
-        raise RuntimeError("injected: the driver fails before producing")
-
-    monkeypatch.setattr(taskfile, "read_part_file", failing)
     for case in (a, b):
-        with pytest.raises(RuntimeError, match="injected"):
-            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
-    monkeypatch.setattr(taskfile, "read_part_file", real)
+        _fail_before_producing(spark, case, pg_dsn, monkeypatch)
     return a, b
 
 
@@ -611,19 +617,10 @@ def test_a_ledger_transaction_dropping_the_stage_that_rolls_back_leaves_the_task
     and leaves none."""
     from offsetflow.job import run_batch
     from offsetflow.ledger import Ledger
-    from offsetflow.sinks.kafka import taskfile
     from tests.tooling.kafka_case import make_case
 
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
-    real = taskfile.read_part_file
-
-    def failing(batch_id: int, part: int, entry: Any) -> Any:
-        raise RuntimeError("injected: the driver fails before producing")
-
-    monkeypatch.setattr(taskfile, "read_part_file", failing)
-    with pytest.raises(RuntimeError, match="injected"):
-        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
-    monkeypatch.setattr(taskfile, "read_part_file", real)
+    _fail_before_producing(spark, case, pg_dsn, monkeypatch)
     before = sorted(task_dir.iterdir())
     assert before
     with (Ledger(pg_dsn) as ledger, pytest.raises(RuntimeError, match="rolled back"),
@@ -1018,22 +1015,14 @@ def test_a_paused_drop_unlinks_only_the_files_its_markers_named_not_a_newer_runs
 
     from offsetflow.commit.protocol import WholeStage
     from offsetflow.job import run_batch
-    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from offsetflow.sinks.kafka import KafkaTopicSink
     from offsetflow.stage import reset
     from tests.tooling import chaos
     from tests.tooling.kafka_case import make_case
 
     monkeypatch.setattr(KafkaTopicSink, "overlap", False)  # the files read after the tasks
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
-    real_read = taskfile.read_part_file
-
-    def failing(batch_id: int, part: int, entry: Any) -> Any:
-        raise RuntimeError("injected: the driver fails before producing")
-
-    monkeypatch.setattr(taskfile, "read_part_file", failing)
-    with pytest.raises(RuntimeError, match="injected"):
-        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
-    monkeypatch.setattr(taskfile, "read_part_file", real_read)
+    _fail_before_producing(spark, case, pg_dsn, monkeypatch)
     first = sorted(task_dir.glob(f"*_b{case.batch_id}_p0_*.arrow"))
     assert len(first) == 1, first
 
