@@ -8,9 +8,13 @@ raw records of which one is too large for the output topic, dead-lettered."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 from collections.abc import Iterator
 from typing import Any
+
+import psycopg2
+from psycopg2 import sql
 
 from offsetflow.commit import CommitSpec, PartwiseCommit, create_stage_tables, ensure_dead_letter
 from offsetflow.config import PipelineConfig, parse_pipeline
@@ -20,7 +24,8 @@ from offsetflow.ops import plan_only
 from offsetflow.ranges import split_ranges
 from offsetflow.sinks import sink_for
 from offsetflow.sinks.kafka import KafkaTopicSink
-from offsetflow.stage import TaskClock, binary_encoder, stage_generation, stage_rows
+from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql
+from offsetflow.stage import TaskClock, binary_encoder, pgcopy, stage_generation, stage_rows
 from tests.tooling import chaos
 from tests.tooling.chaos import SCHEMA, Workload
 from tests.tooling.kafka_topics import produce
@@ -160,3 +165,28 @@ def _planned(raw: dict[str, Any], dsn: str) -> tuple[PipelineConfig, Batch]:
     planned = plan_only(cfg, dsn)
     assert planned.batch is not None
     return cfg, planned.batch
+
+
+def stage_query_rows(dsn: str, name: str, types: dict[str, str], batch: Any,
+                     sink_cfg: Any) -> list[tuple[Any, ...]]:
+    """The sink's stage query (`parts_select_sql`, under its OUTPUT_SETTINGS) over `batch`
+    COPYed into a temporary table of the columns `types`: what the stage path would
+    produce, to compare the task-built records with."""
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn.cursor() as cur:
+            table = sql.Identifier(name)
+            cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
+                sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                for c, t in types.items())))
+            data = pgcopy.encode(batch, list(types.values()))
+            assert data is not None
+            cur.copy_expert(sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(table),
+                            io.BytesIO(data))
+            cur.execute(OUTPUT_SETTINGS)
+            cur.execute(parts_select_sql(sink_cfg, types, [(table, None)]))
+            rows = cur.fetchall()
+        conn.rollback()
+    finally:
+        conn.close()
+    return rows

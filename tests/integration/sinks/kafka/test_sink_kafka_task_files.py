@@ -23,6 +23,7 @@ from psycopg2 import sql
 from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql
 from offsetflow.sinks.kafka.values import json_values
 from offsetflow.stage import pgcopy
+from tests.tooling.kafka_staging import stage_query_rows
 
 UTC = UTC
 _rng = random.Random(32)
@@ -181,25 +182,10 @@ def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
     if shape == "no headers":
         cfg.headers = "none"
     staged = stage_form(raw, hex_binary=False)
-    conn = psycopg2.connect(pg_dsn)
-    try:
-        with conn.cursor() as cur:
-            table = sql.Identifier(f"kr_{unique}")
-            cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
-                sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                for c, t in types.items())))
-            data = pgcopy.encode(staged, list(types.values()))
-            assert data is not None
-            cur.copy_expert(sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(table),
-                            io.BytesIO(data))
-            cur.execute(OUTPUT_SETTINGS)
-            cur.execute(parts_select_sql(cfg, types, [(table, None)]))  # type: ignore[arg-type]
-            want = [(t, p, o, record_key(k), None if v is None else
-                     v.encode() if isinstance(v, str) else bytes(v), h, ts)
-                    for t, p, o, k, v, h, ts in cur.fetchall()]
-        conn.rollback()
-    finally:
-        conn.close()
+    want = [(t, p, o, record_key(k), None if v is None else
+             v.encode() if isinstance(v, str) else bytes(v), h, ts)
+            for t, p, o, k, v, h, ts in stage_query_rows(pg_dsn, f"kr_{unique}", types, staged,
+                                                          cfg)]
     built = finished_records(cfg, types, staged)  # type: ignore[arg-type]
     assert built is not None
     got = [(r["topic"], r["partition"], r["offset"], r["key"], r["value"],

@@ -4,19 +4,15 @@ names PostgreSQL would truncate."""
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import psycopg2
 import pyarrow as pa
 import pytest
-from psycopg2 import sql
 
-from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql
-from offsetflow.stage import pgcopy
+from tests.tooling.kafka_staging import stage_query_rows
 
 _NUL_HEADER_JAVA = """
 import org.apache.kafka.clients.producer.*;
@@ -120,24 +116,8 @@ def test_column_names_postgresql_truncates_are_built_as_it_does_or_left_to_the_s
     if tf is None:  # the stage path builds it
         assert "longer than PostgreSQL" in caplog.text, caplog.text
         return
-    conn = psycopg2.connect(pg_dsn)
-    try:
-        with conn.cursor() as cur:
-            table = sql.Identifier(f"kl_{unique}")
-            cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
-                sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                for c, t in types.items())))
-            data = pgcopy.encode(batch, list(types.values()))
-            assert data is not None
-            cur.copy_expert(sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(table),
-                            io.BytesIO(data))
-            cur.execute(OUTPUT_SETTINGS)
-            cur.execute(parts_select_sql(_Sink(), types, [(table, None)]))  # type: ignore[arg-type]
-            want = [bytes(r[4]) if not isinstance(r[4], str) else r[4].encode()
-                    for r in cur.fetchall()]
-        conn.rollback()
-    finally:
-        conn.close()
+    want = [bytes(r[4]) if not isinstance(r[4], str) else r[4].encode()
+            for r in stage_query_rows(pg_dsn, f"kl_{unique}", types, batch, _Sink())]
     built = finished_records(tf.sink, tf.columns, batch)
     assert built is not None
     assert built.column("value").to_pylist() == want
