@@ -238,9 +238,11 @@ class TaskFileLostError(StagedRowsLostError):
 class TaskFileAccessError(OffsetFlowError):
     """The driver may not read a Kafka sink's task file (EACCES/EPERM: the executors wrote
     it as a user whose file mode does not let the driver's user read it). Not a lost part:
-    written again it would be as unreadable, so nothing is dropped (files and markers are
-    kept) and every run fails this way until the driver may read them; the message names
-    the file, its owner and mode, the driver's user and the way out."""
+    written again under the same settings it would be as unreadable, so nothing is dropped
+    (files and markers are kept) and every run fails this way until the driver may read
+    them or the settings a file is written with change (then the next run writes those
+    parts again: `written_otherwise`); the message names the file, its owner and mode, the
+    driver's user and the way out."""
 
     def __init__(self, batch_id: int, path: str, detail: str, way_out: str) -> None:
         self.batch_id = batch_id
@@ -248,7 +250,8 @@ class TaskFileAccessError(OffsetFlowError):
         super().__init__(
             f"batch {batch_id}: the driver may not read the task file {path}: {detail}; "
             f"nothing was committed and the task files are kept (they are not lost: "
-            f"written again they would be as unreadable). {way_out}")
+            f"written again under the same settings they would be as unreadable). "
+            f"{way_out}")
 
 
 class IcebergTableReplacedError(StagedRowsLostError):

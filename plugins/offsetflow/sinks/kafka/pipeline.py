@@ -22,8 +22,14 @@ from offsetflow.sinks.base import Sink
 from offsetflow.sinks.kafka.form import key_source, payload_columns
 from offsetflow.sinks.kafka.mark import BATCH_HEADER, output_topic, replay_target
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
-from offsetflow.sinks.kafka.taskfile import KafkaTaskFiles, check_directory, drop_batch_files
+from offsetflow.sinks.kafka.taskfile import (
+    KafkaTaskFiles,
+    check_directory,
+    drop_batch_files,
+    written_otherwise,
+)
 from offsetflow.sinks.kafka.values import BUILT_TYPES, NAME_BYTES
+from offsetflow.stage import forget_parts
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,7 @@ class KafkaPipelineSink(Sink):
                                  f"cannot take the task files: {e}; create it (on every "
                                  f"host), or unset sink.task_files") from e
         sweep_closed(dsn, directory, batch.batch_id)
+        write_again(dsn, batch.batch_id, self.kafka.task_files_mode)
         return KafkaTaskFiles(directory, _ledger_id(dsn), batch.batch_id, self.kafka, types)
 
     def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
@@ -222,6 +229,29 @@ def sweep_closed(dsn: str, directory: str, batch_id: int) -> int:
                  "%s (left by a driver that died after its ledger commit, or by killed "
                  "tasks)", batch_id, len(removed), directory)
     return len(removed)
+
+
+def write_again(dsn: str, batch_id: int, mode: int) -> list[int]:
+    """Before the tasks run: the parts of the batch whose kept file the driver may not read
+    but that would now be written otherwise (`written_otherwise`: `sink.task_files_mode`
+    or the setgid directory's group changed since, the ways out a `TaskFileAccessError`
+    names) dropped with their markers, so this run's tasks write them again under the new
+    setting. Without this the files kept keep their old mode and group, and every run
+    fails on them as before the fix. One query where the batch has no task file yet."""
+    with contextlib.closing(psycopg2.connect(dsn)) as conn, conn, conn.cursor() as cur:
+        cur.execute("""SELECT part, data_files FROM offsetflow.staged_parts
+                        WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL""",
+                    (batch_id,))
+        entries = {int(part): files[0] for part, files in cur.fetchall()
+                   if files and isinstance(files[0], dict) and "crc32" in files[0]}
+    again = written_otherwise(entries, mode) if entries else {}
+    if again:
+        log.warning("batch %d: the driver may not read the task files of part(s) %s, which "
+                    "this run writes again under the changed setting: %s", batch_id,
+                    sorted(again), "; ".join(f"part {p}: {why}"
+                                             for p, why in sorted(again.items())[:5]))
+        forget_parts(dsn, batch_id, sorted(again))
+    return sorted(again)
 
 
 def _ledger_id(dsn: str) -> str:

@@ -117,7 +117,7 @@ class PartFile:
 
     def __init__(self, directory: str, ledger: str, batch_id: int, part: int,
                  mode: int = FILE_MODE) -> None:
-        self.batch_id, self.part = batch_id, part
+        self.batch_id, self.part, self.mode = batch_id, part, mode
         self.attempt = uuid.uuid4().hex[:12]
         self.path = Path(directory) / file_name(ledger, batch_id, part, self.attempt)
         self._tmp = self.path.with_name(self.path.name + ".tmp")
@@ -144,8 +144,10 @@ class PartFile:
         self._f.close()
         os.replace(self._tmp, self.path)
         sync_directory(self.path.parent)
+        # `mode`: the sink.task_files_mode it was written with (`written_otherwise`)
         return {"path": str(self.path), "records": self.records, "bytes": self._crc.size,
-                "crc32": self._crc.crc, "attempt": self.attempt, "host": this_host()}
+                "crc32": self._crc.crc, "attempt": self.attempt, "host": this_host(),
+                "mode": self.mode}
 
     def discard(self) -> None:
         """A failed attempt's file removed (a retry writes one of its own)."""
@@ -266,6 +268,43 @@ def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
     raise TaskFileLostError(batch_id, first[0], first[1], first[2], more, hint)
 
 
+def written_otherwise(entries: Mapping[int, Mapping[str, Any]], mode: int
+                      ) -> dict[int, str]:
+    """The parts whose file the driver may not open (EACCES/EPERM) but that a task would
+    now write otherwise, each with why: written with another `sink.task_files_mode` than
+    `mode` (or before the marker recorded it), or in a setgid directory whose group is not
+    the file's (the directory was given a group since). A way out of a
+    `TaskFileAccessError` changes how new files are written, never the files kept: those
+    parts are written again (`KafkaPipelineSink.task_files` drops them before the tasks
+    run), not refused on every run. A file the driver opens, or one missing (lost:
+    `check_present`'s), is not here; nor one written as it would be now (still refused:
+    written again, it would be as unreadable)."""
+    again: dict[int, str] = {}
+    for part, entry in sorted(entries.items()):
+        path = Path(str(entry["path"]))
+        try:
+            with open(path, "rb"):
+                continue
+        except PermissionError:
+            pass
+        except OSError:
+            continue
+        was = entry.get("mode")
+        if was is None or int(was) != mode:
+            again[part] = (f"written with sink.task_files_mode "
+                           f"{'unrecorded' if was is None else f'{int(was):04o}'}, now "
+                           f"{mode:04o}")
+            continue
+        try:
+            st, dst = os.stat(path), os.stat(path.parent)
+        except OSError:
+            continue
+        if dst.st_mode & stat.S_ISGID and dst.st_gid != st.st_gid:
+            again[part] = (f"its group {st.st_gid} is not its setgid directory's "
+                           f"{dst.st_gid}")
+    return again
+
+
 def access_error(batch_id: int, path: str, err: OSError, directory: str
                  ) -> TaskFileAccessError:
     """The driver may not read a task file: its owner and mode (or its directory's), the
@@ -291,7 +330,11 @@ def access_error(batch_id: int, path: str, err: OSError, directory: str
         f"sink.task_files_mode 0640, the default; a setgid directory gives new files its "
         f"group), or sink.task_files_mode: '0644' (every user of the hosts may then read "
         f"the records; the executors' umask must not take it away), and run the batch "
-        f"again")
+        f"again: a file kept keeps its mode and group, so that run writes again the parts "
+        f"whose files a changed sink.task_files_mode or setgid directory group would write "
+        f"otherwise. After a change the driver cannot see in the files (the executors' "
+        f"umask, user or group), make the kept files of batch {batch_id} readable by hand "
+        f"(chmod/chgrp) before that run")
 
 
 def check_directory(directory: str) -> None:

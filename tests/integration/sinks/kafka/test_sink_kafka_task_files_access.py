@@ -1,0 +1,86 @@
+"""Task files the driver may not read (`TaskFileAccessError`), and the ways out its message
+and docs/sinks/kafka.md give: the files and markers are kept, so a way out must reach the
+files already written, not only the ones a later run would write."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# the group the emulated driver's user is in (not the executors' primary group, root's 0)
+DRIVER_GID = 4242
+
+
+def _with_task_files(cfg: Any, directory: Path, mode: int | None = None) -> Any:
+    kafka = cfg.sink.kafka
+    assert kafka is not None
+    kafka = dataclasses.replace(kafka, task_files=str(directory))
+    if mode is not None:
+        kafka = dataclasses.replace(kafka, task_files_mode=mode)
+    return dataclasses.replace(cfg, sink=dataclasses.replace(cfg.sink, kafka=kafka))
+
+
+def _driver_as_another_user(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
+    """The driver's reads of task files as a user who owns none of them and is in group
+    DRIVER_GID only (executors as one uid, the driver as another). The tests run as root,
+    whom no mode stops: the module's `open` (its one way to open a task file, before any
+    map) applies the permission check a kernel would for that user."""
+    def as_other(file: Any, *a: Any, **k: Any) -> Any:
+        p = Path(str(file))
+        if p.parent == directory:
+            st = os.stat(p)  # FileNotFoundError as the kernel would
+            mode = stat.S_IMODE(st.st_mode)
+            if not (mode & stat.S_IROTH or (mode & stat.S_IRGRP and st.st_gid == DRIVER_GID)):
+                raise PermissionError(13, "Permission denied", str(p))
+        return builtins.open(file, *a, **k)
+
+    from offsetflow.sinks.kafka import taskfile
+
+    monkeypatch.setattr(taskfile, "open", as_other, raising=False)
+
+
+@pytest.mark.parametrize("way_out", ["mode", "setgid"])
+def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way_out: str) -> None:
+    """The executors write their files 0640 in their own group; the driver, another user,
+    may not read them: the run fails with `TaskFileAccessError`, files and markers kept.
+    The operator takes a way out the message names: `sink.task_files_mode: '0644'`, or
+    the directory given the driver's group and made setgid. Either changes how a file is
+    written, not the files kept (their mode and group are the old ones): the next run must
+    write those parts again under the new setting and commit the batch once, not fail
+    with the same error on every run."""
+    from offsetflow.errors import TaskFileAccessError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)  # the setting decides
+    d = tmp_path / "task-files"
+    d.mkdir()
+    d.chmod(0o755)
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    cfg = _with_task_files(case.cfg, d)
+    _driver_as_another_user(monkeypatch, d)
+    with pytest.raises(TaskFileAccessError) as e:
+        run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert "sink.task_files_mode" in str(e.value) and "setgid" in str(e.value), e.value
+    kept = sorted(d.glob(f"*_b{case.batch_id}_p*.arrow"))
+    assert kept and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in kept), kept
+
+    if way_out == "mode":
+        cfg = _with_task_files(case.cfg, d, 0o644)
+    else:
+        os.chown(d, -1, DRIVER_GID)
+        d.chmod(0o2775)
+    rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+    assert not list(d.iterdir())
