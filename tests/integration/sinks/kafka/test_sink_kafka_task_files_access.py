@@ -84,3 +84,42 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.visible == v.committed.found, v
     assert not list(d.iterdir())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_setting_turned_off_for_a_batch_written_to_files_converges(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool) -> None:
+    """A run with `sink.task_files` wrote every part to files and failed before producing;
+    the setting is then unset (docs/sinks/kafka.md: "Unset the setting instead and the
+    whole batch is staged again by the next run"). The runs after it stage the batch in
+    PostgreSQL and the topic gets each record once: the file parts' empty stage is never
+    taken for records."""
+    from offsetflow.errors import StagedRowsLostError
+    from offsetflow.job import run_batch
+    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from tests.tooling.kafka_case import make_case
+
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+    monkeypatch.setattr(KafkaTopicSink, "overlap", overlap)
+    d = tmp_path / "task-files"
+    d.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    with monkeypatch.context() as m:
+        m.setattr(taskfile, "read_part_file", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, _with_task_files(case.cfg, d), case.batch_id, pg_dsn)
+    assert list(d.glob(f"*_b{case.batch_id}_p*.arrow"))
+    for _ in range(3):  # the setting off: at most one run refuses the file parts
+        try:
+            rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+        except StagedRowsLostError:
+            continue
+        break
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
