@@ -106,7 +106,7 @@ class KafkaPipelineSink(Sink):
                                  f"cannot take the task files: {e}; create it (on every "
                                  f"host), or unset sink.task_files") from e
         sweep_closed(dsn, directory, batch.batch_id)
-        write_again(dsn, batch.batch_id, self.kafka.task_files_mode)
+        write_again(dsn, batch.batch_id, directory, self.kafka.task_files_mode)
         return KafkaTaskFiles(directory, _ledger_id(dsn), batch.batch_id, self.kafka, types)
 
     def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
@@ -231,20 +231,21 @@ def sweep_closed(dsn: str, directory: str, batch_id: int) -> int:
     return len(removed)
 
 
-def write_again(dsn: str, batch_id: int, mode: int) -> list[int]:
+def write_again(dsn: str, batch_id: int, directory: str, mode: int) -> list[int]:
     """Before the tasks run: the parts of the batch whose kept file the driver may not read
-    but that would now be written otherwise (`written_otherwise`: `sink.task_files_mode`
-    or the setgid directory's group changed since, the ways out a `TaskFileAccessError`
-    names) dropped with their markers, so this run's tasks write them again under the new
-    setting. Without this the files kept keep their old mode and group, and every run
-    fails on them as before the fix. One query where the batch has no task file yet."""
+    but that would now be written otherwise (`written_otherwise`: `sink.task_files`,
+    `sink.task_files_mode` or the setgid directory's group changed since, the ways out a
+    `TaskFileAccessError` names) dropped with their markers, so this run's tasks write them
+    again under the new setting. Without this the files kept keep their old mode and
+    group, and every run fails on them as before the fix. One query where the batch has no
+    task file yet."""
     with contextlib.closing(psycopg2.connect(dsn)) as conn, conn, conn.cursor() as cur:
         cur.execute("""SELECT part, data_files FROM offsetflow.staged_parts
                         WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL""",
                     (batch_id,))
         entries = {int(part): files[0] for part, files in cur.fetchall()
                    if files and isinstance(files[0], dict) and "crc32" in files[0]}
-    again = written_otherwise(entries, mode) if entries else {}
+    again = written_otherwise(entries, mode, directory) if entries else {}
     if again:
         log.warning("batch %d: the driver may not read the task files of part(s) %s, which "
                     "this run writes again under the changed setting: %s", batch_id,

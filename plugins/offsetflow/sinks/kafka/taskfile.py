@@ -268,12 +268,13 @@ def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
     raise TaskFileLostError(batch_id, first[0], first[1], first[2], more, hint)
 
 
-def written_otherwise(entries: Mapping[int, Mapping[str, Any]], mode: int
-                      ) -> dict[int, str]:
+def written_otherwise(entries: Mapping[int, Mapping[str, Any]], mode: int,
+                      directory: str) -> dict[int, str]:
     """The parts whose file the driver may not open (EACCES/EPERM) but that a task would
-    now write otherwise, each with why: written with another `sink.task_files_mode` than
-    `mode` (or before the marker recorded it), or in a setgid directory whose group is not
-    the file's (the directory was given a group since). A way out of a
+    now write otherwise, each with why: outside `directory` (`sink.task_files` changed
+    since), with another `sink.task_files_mode` than `mode` (or before the marker recorded
+    it), or in a setgid directory whose group is not the file's (the directory was given a
+    group since). A way out of a
     `TaskFileAccessError` changes how new files are written, never the files kept: those
     parts are written again (`KafkaPipelineSink.task_files` drops them before the tasks
     run), not refused on every run. A file the driver opens, or one missing (lost:
@@ -288,6 +289,9 @@ def written_otherwise(entries: Mapping[int, Mapping[str, Any]], mode: int
         except PermissionError:
             pass
         except OSError:
+            continue
+        if os.path.abspath(path.parent) != os.path.abspath(directory):
+            again[part] = f"written in {path.parent}, sink.task_files is now {directory}"
             continue
         was = entry.get("mode")
         if was is None or int(was) != mode:
@@ -331,10 +335,10 @@ def access_error(batch_id: int, path: str, err: OSError, directory: str
         f"group), or sink.task_files_mode: '0644' (every user of the hosts may then read "
         f"the records; the executors' umask must not take it away), and run the batch "
         f"again: a file kept keeps its mode and group, so that run writes again the parts "
-        f"whose files a changed sink.task_files_mode or setgid directory group would write "
-        f"otherwise. After a change the driver cannot see in the files (the executors' "
-        f"umask, user or group), make the kept files of batch {batch_id} readable by hand "
-        f"(chmod/chgrp) before that run")
+        f"whose files a changed sink.task_files_mode, setgid directory group or "
+        f"sink.task_files directory would write otherwise. After a change the driver cannot "
+        f"see in the files (the executors' umask, user or group), make the kept files of "
+        f"batch {batch_id} readable by hand (chmod/chgrp) before that run")
 
 
 def check_directory(directory: str) -> None:

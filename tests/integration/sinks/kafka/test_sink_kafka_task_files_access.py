@@ -26,14 +26,14 @@ def _with_task_files(cfg: Any, directory: Path, mode: int | None = None) -> Any:
     return dataclasses.replace(cfg, sink=dataclasses.replace(cfg.sink, kafka=kafka))
 
 
-def _driver_as_another_user(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
-    """The driver's reads of task files as a user who owns none of them and is in group
+def _driver_as_another_user(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """The driver's reads of task files under `root` as a user who owns none of them and is in group
     DRIVER_GID only (executors as one uid, the driver as another). The tests run as root,
     whom no mode stops: the module's `open` (its one way to open a task file, before any
     map) applies the permission check a kernel would for that user."""
     def as_other(file: Any, *a: Any, **k: Any) -> Any:
         p = Path(str(file))
-        if p.parent == directory:
+        if root in p.parents:
             st = os.stat(p)  # FileNotFoundError as the kernel would
             mode = stat.S_IMODE(st.st_mode)
             if not (mode & stat.S_IROTH or (mode & stat.S_IRGRP and st.st_gid == DRIVER_GID)):
@@ -45,14 +45,15 @@ def _driver_as_another_user(monkeypatch: pytest.MonkeyPatch, directory: Path) ->
     monkeypatch.setattr(taskfile, "open", as_other, raising=False)
 
 
-@pytest.mark.parametrize("way_out", ["mode", "setgid"])
+@pytest.mark.parametrize("way_out", ["mode", "setgid", "directory"])
 def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, way_out: str) -> None:
     """The executors write their files 0640 in their own group; the driver, another user,
     may not read them: the run fails with `TaskFileAccessError`, files and markers kept.
     The operator takes a way out the message names: `sink.task_files_mode: '0644'`, or
-    the directory given the driver's group and made setgid. Either changes how a file is
+    the directory given the driver's group and made setgid, or `sink.task_files` moved to
+    a new directory of the driver's group. Each changes how or where a file is
     written, not the files kept (their mode and group are the old ones): the next run must
     write those parts again under the new setting and commit the batch once, not fail
     with the same error on every run."""
@@ -67,7 +68,7 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
     d.chmod(0o755)
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
     cfg = _with_task_files(case.cfg, d)
-    _driver_as_another_user(monkeypatch, d)
+    _driver_as_another_user(monkeypatch, tmp_path)
     with pytest.raises(TaskFileAccessError) as e:
         run_batch(spark, cfg, case.batch_id, pg_dsn)
     assert "sink.task_files_mode" in str(e.value) and "setgid" in str(e.value), e.value
@@ -76,14 +77,20 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
 
     if way_out == "mode":
         cfg = _with_task_files(case.cfg, d, 0o644)
-    else:
+    elif way_out == "setgid":
         os.chown(d, -1, DRIVER_GID)
         d.chmod(0o2775)
+    else:
+        moved = tmp_path / "task-files-of-the-group"
+        moved.mkdir()
+        os.chown(moved, -1, DRIVER_GID)
+        moved.chmod(0o2775)
+        cfg = _with_task_files(case.cfg, moved)
     rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
     assert v.visible == v.committed.found, v
-    assert not list(d.iterdir())
+    assert not [f for f in tmp_path.rglob("*.arrow*")]
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -284,9 +284,10 @@ def test_a_file_is_created_with_the_mode_asked_for(tmp_path: Path) -> None:
 def test_an_unreadable_file_is_written_again_only_where_a_new_one_would_differ() -> None:
     """`written_otherwise`, as a driver that may not read the file (another user): the
     same mode and no setgid group since, nothing (refused again: written again, it would be
-    as unreadable); `sink.task_files_mode` changed, or the directory given a setgid group
-    since, the part (a way out `TaskFileAccessError` names changes new files only, so the
-    kept one is written again). A file the driver reads is never named."""
+    as unreadable); `sink.task_files_mode` or `sink.task_files` changed, or the directory
+    given a setgid group since, the part (a way out `TaskFileAccessError` names changes new
+    files only, so the kept one is written again). A file the driver reads is never
+    named."""
     import os
     import shutil
     import tempfile
@@ -298,17 +299,18 @@ def test_an_unreadable_file_is_written_again_only_where_a_new_one_would_differ()
         d.chmod(0o755)
         entry = _written(d)
         assert entry["mode"] == 0o640
-        assert written_otherwise({0: entry}, 0o644) == {}  # its owner reads it
+        assert written_otherwise({0: entry}, 0o644, "/elsewhere") == {}  # its owner reads it
         if os.geteuid() != 0:
             Path(str(entry["path"])).chmod(0)
 
-        def again(mode: int) -> str:
+        def again(mode: int, where: str = str(d)) -> str:
             def fn() -> None:
-                raise LookupError(sorted(written_otherwise({0: entry}, mode)))
+                raise LookupError(sorted(written_otherwise({0: entry}, mode, where)))
             return _as_another_user(fn)
 
         assert again(0o640) == "LookupError: []"
         assert again(0o644) == "LookupError: [0]"
+        assert again(0o640, str(d / "moved")) == "LookupError: [0]"  # the setting moved
         if os.geteuid() == 0:
             os.chown(d, -1, 4242)
             d.chmod(0o2775)
