@@ -109,9 +109,22 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
                               choices("sink.partitioning")) or "key",
         producer=producer, value_subject=r.string(sec, "value_subject", "sink."),
         value_schema=r.string(sec, "value_schema", "sink."), registry=registry,
-        task_files=task_files,
-        task_files_mode=int(r.string(sec, "task_files_mode", "sink.", "0640",
-                                     choices("sink.task_files_mode")) or "0640", 8))
+        task_files=task_files, task_files_mode=_task_files_mode(r, sec))
+
+
+def _task_files_mode(r: FieldReader, sec: Mapping[str, Any]) -> int:
+    """`sink.task_files_mode`, a quoted octal string. Unquoted, YAML reads 0644 as the
+    number 420 (octal) and 644 as 644: refused naming the quoted form, not "got 420"."""
+    raw = sec.get("task_files_mode")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        quoted = [f"'{c}'" for c in choices("sink.task_files_mode") or ()
+                  if int(c, 8) == raw or c == f"0{raw}"]
+        r.fail("sink.task_files_mode",
+               f"must be a quoted octal string (YAML read the unquoted value as the number "
+               f"{raw})" + (f": write {quoted[0]}" if quoted else ""))
+        return 0o640
+    return int(r.string(sec, "task_files_mode", "sink.", "0640",
+                        choices("sink.task_files_mode")) or "0640", 8)
 
 
 def task_files_problem(directory: str) -> str:
