@@ -255,13 +255,19 @@ def check_present(batch_id: int, entries: Mapping[int, Mapping[str, Any]],
                                      f"(short or overwritten)"))
     if not lost:
         return
+    # files written before sink.task_files moved are read (and lost) where they were
+    # written: the hint names that directory, not the current setting's
+    moved = sorted({os.path.dirname(os.path.abspath(p)) for _, p, _ in lost}
+                   - {os.path.abspath(directory)})
+    place = (f"{', '.join(moved)} (where they were written; sink.task_files is "
+             f"{directory} now)" if moved else f"sink.task_files {directory}")
     hint = (f"written on host(s) {sorted(elsewhere)}, not found from the driver's host "
             f"{this_host()} (a host name differs per container even on a shared volume): "
-            f"either sink.task_files {directory} is not one directory every host shares "
+            f"either {place} is not one directory every host shares "
             f"under the same path (mount it on every host, or unset sink.task_files to "
             f"stage in PostgreSQL), or something removed files from it (a sweep of the "
             f"directory, a full disk?; keep it for the pipeline alone)" if elsewhere else
-            f"something removed or changed files in sink.task_files {directory} (a sweep "
+            f"something removed or changed files in {place} (a sweep "
             f"of the directory, a full disk?); keep it for the pipeline alone, or unset "
             f"sink.task_files to stage in PostgreSQL")
     first, *more = lost

@@ -317,3 +317,21 @@ def test_an_unreadable_file_is_written_again_only_where_a_new_one_would_differ()
             assert again(0o640) == "LookupError: [0]"
     finally:
         shutil.rmtree(d)
+
+
+def test_a_lost_file_written_before_the_setting_moved_is_looked_for_where_it_was(
+        tmp_path: Path) -> None:
+    """`sink.task_files` moved to another directory while a batch's files lie in the old
+    one (the markers name them there): a file lost there is named with its own directory,
+    not the new setting's (the operator would look for it in the wrong place)."""
+    from offsetflow.sinks.kafka.taskfile import check_present
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    entry = _written(old)
+    Path(str(entry["path"])).unlink()
+    with pytest.raises(TaskFileLostError) as e:
+        check_present(1, {0: entry}, str(new))
+    msg = str(e.value)
+    assert f"files in {old} (where they were written; sink.task_files is {new} now)" in msg, msg
