@@ -49,7 +49,8 @@ def file_name(ledger: str, batch_id: int, part: int, attempt: str) -> str:
     """`ledger`: the ledger's installation id (`offsetflow.ledger.ledger_identity`), so
     pipelines of two ledgers sharing a directory (their batch ids repeat) never name, read
     or drop each other's files; batch ids are unique within a ledger. The attempt comes
-    last: the ledger drops a part's every attempt by it (`drop_named_task_files`)."""
+    last: a batch's every file matches one pattern (`batch_glob`); the ledger drops exactly
+    the attempt a marker names (`drop_named_task_files`), never the part's others."""
     return f"{ledger}_b{batch_id}_p{part}_{attempt}.arrow"
 
 
