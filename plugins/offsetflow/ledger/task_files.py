@@ -120,7 +120,9 @@ def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Pa
     found: dict[int, list[Path]] = {}
     for f in Path(directory).glob(f"{prefix}*_p*_*.arrow*"):
         digits = f.name[len(prefix):].split("_", 1)[0]
-        if digits.isdigit():
+        # ASCII digits only (the names `file_name` writes): str.isdigit also takes '²',
+        # which int() refuses (the sweep would fail on a stray file), and '٣' (read as 3)
+        if digits.isascii() and digits.isdecimal():
             found.setdefault(int(digits), []).append(f)
     if not found:
         return []
