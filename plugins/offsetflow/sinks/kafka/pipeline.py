@@ -220,9 +220,9 @@ def sweep_closed(dsn: str, directory: str, batch_id: int) -> int:
     except LedgerIdentityError as e:
         log.warning("batch %d: no task file swept: %s", batch_id, e)
         return 0
-    except (OSError, psycopg2.Error) as e:
+    except Exception as e:  # best effort, whatever the directory holds: never the run's
         log.warning("batch %d: task files of closed batches in %s not swept: %s", batch_id,
-                    directory, e)
+                    directory, e, exc_info=not isinstance(e, (OSError, psycopg2.Error)))
         return 0
     if removed:
         log.info("batch %d: %d task file(s) of committed or abandoned batches removed from "
