@@ -119,7 +119,7 @@ FIELDS: dict[str, Spec] = {
     "sink.producer": S("mapping", sinks=("kafka",), nullable=True),
     "sink.task_files": S("string", sinks=("kafka",), nullable=True, env=True),
     # the task files' mode (octal, quoted): who besides their writer may read the records
-    "sink.task_files_mode": Spec("string", choices=("0600", "0640", "0644", "0660", "0664"),
+    "sink.task_files_mode": Spec("string", choices=("0600", "0640", "0644"),
                                  sinks=("kafka",), env=True),
     "sink.catalog": S("mapping", sinks=("iceberg",), nullable=True),
     "sink.partition_by": S("strings", sinks=("iceberg",), nullable=True),

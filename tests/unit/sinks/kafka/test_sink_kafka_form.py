@@ -84,6 +84,8 @@ def test_kafka_sink_config_defaults_and_fields() -> None:
     ({"topic": "o", "bogus": 1}, "sink.bogus", "unknown field"),
     ({"topic": "o", "task_files": "relative/dir"}, "sink.task_files", "not an absolute path"),
     ({"topic": "o", "task_files_mode": "0777"}, "sink.task_files_mode", "is not one of"),
+    # group-writable: a group member could rewrite a file between its CRC check and its read
+    ({"topic": "o", "task_files_mode": "0660"}, "sink.task_files_mode", "is not one of"),
     # an unquoted 0644 in YAML is the number 420: the quoted form named, not "got 420"
     ({"topic": "o", "task_files_mode": 420}, "sink.task_files_mode", "number 420): write '0644'"),
     ({"topic": "o", "task_files_mode": 640}, "sink.task_files_mode", "write '0640'"),
