@@ -26,6 +26,7 @@ from offsetflow.ledger.task_files import (
     drop_committed_task_files,
     drop_named_task_files,
     sweep_task_files,
+    task_file_entries,
 )
 from offsetflow.ledger.timing import Due, batch_stats
 
@@ -42,6 +43,7 @@ __all__ = [
     "drop_committed_task_files",
     "drop_named_task_files",
     "sweep_task_files",
+    "task_file_entries",
     "hold_run_lock",
     "ledger_identity",
     "lock_errors",

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psycopg2
 import psycopg2.extensions
@@ -41,19 +43,33 @@ _PENDING: weakref.WeakKeyDictionary[psycopg2.extensions.connection,
     weakref.WeakKeyDictionary()
 
 
+def task_file_entries(cur: psycopg2.extensions.cursor, batch_id: int,
+                      parts: Sequence[int] | None = None) -> dict[int, list[dict[str, Any]]]:
+    """The task-file entries (`offsetflow.sinks.kafka.taskfile.PartFile.close`'s: path,
+    attempt, records, bytes, CRC-32, ...) the markers of the batch's parts (None: all)
+    name, by part; an entry without `crc32` is not a task file (an Iceberg data file)."""
+    cur.execute("""SELECT part, data_files FROM offsetflow.staged_parts
+                    WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL
+                      AND (%s::int[] IS NULL OR part = ANY(%s::int[]))""",
+                (batch_id, None if parts is None else list(parts),
+                 None if parts is None else list(parts)))
+    found: dict[int, list[dict[str, Any]]] = {}
+    for part, entries in cur.fetchall():
+        named = [e for e in entries or [] if isinstance(e, dict) and "crc32" in e]
+        if named:
+            found[int(part)] = named
+    return found
+
+
 def drop_named_task_files(cur: psycopg2.extensions.cursor, batch_id: int,
                           parts: list[int] | None = None) -> int:
     """Drop the task file each marker of the parts (None: all) names, exactly that one,
     once this transaction commits (`drop_committed_task_files`); how many named. Best
     effort (the markers go regardless): a file left is logged, never a failure of the
     drop, and a later drop or the commit's sweep takes it."""
-    cur.execute("""SELECT data_files FROM offsetflow.staged_parts
-                    WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL
-                      AND (%s::int[] IS NULL OR part = ANY(%s::int[]))""",
-                (batch_id, parts, parts))
-    named = [(Path(str(e["path"])), str(e["attempt"])) for (entries,) in cur.fetchall()
-             for e in entries or []
-             if isinstance(e, dict) and e.get("attempt") and "crc32" in e]
+    named = [(Path(str(e["path"])), str(e["attempt"]))
+             for entries in task_file_entries(cur, batch_id, parts).values()
+             for e in entries if e.get("attempt")]
     if not named:
         return 0
     cur.execute("SELECT txid_current()")

@@ -16,7 +16,7 @@ import psycopg2.extensions
 from offsetflow.commit import CommitSpec
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError, LedgerIdentityError, RequestError
-from offsetflow.ledger import Batch, ledger_identity, sweep_task_files
+from offsetflow.ledger import Batch, ledger_identity, sweep_task_files, task_file_entries
 from offsetflow.ranges import OffsetRange
 from offsetflow.sinks.base import Sink
 from offsetflow.sinks.kafka.form import key_source, payload_columns
@@ -240,11 +240,7 @@ def write_again(dsn: str, batch_id: int, directory: str, mode: int) -> list[int]
     group, and every run fails on them as before the fix. One query where the batch has no
     task file yet."""
     with contextlib.closing(psycopg2.connect(dsn)) as conn, conn, conn.cursor() as cur:
-        cur.execute("""SELECT part, data_files FROM offsetflow.staged_parts
-                        WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL""",
-                    (batch_id,))
-        entries = {int(part): files[0] for part, files in cur.fetchall()
-                   if files and isinstance(files[0], dict) and "crc32" in files[0]}
+        entries = {part: named[0] for part, named in task_file_entries(cur, batch_id).items()}
     again = written_otherwise(entries, mode, directory) if entries else {}
     if again:
         log.warning("batch %d: the driver may not read the task files of part(s) %s, which "

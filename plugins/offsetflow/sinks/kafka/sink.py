@@ -63,6 +63,7 @@ from offsetflow.ledger import (
     ledger_identity,
     stage_part_table,
     stage_table,
+    task_file_entries,
 )
 from offsetflow.ranges import OffsetRange, split_ranges
 from offsetflow.sinks.kafka import taskfile
@@ -779,12 +780,8 @@ class KafkaTopicSink(KafkaTransaction):
         # (`cur` is the ledger's, its snapshot may predate them)
         with contextlib.closing(psycopg2.connect(self.dsn)) if self.dsn else (
                 contextlib.nullcontext(cur.connection)) as conn, conn.cursor() as c:
-            c.execute("""SELECT part, data_files FROM offsetflow.staged_parts
-                          WHERE batch_id = %s AND kind = 'rows' AND data_files IS NOT NULL
-                            AND (%s::int[] IS NULL OR part = ANY(%s::int[]))""",
-                      (batch.batch_id, None if parts is None else sorted(parts),
-                       None if parts is None else sorted(parts)))
-            found = {int(part): files[0] for part, files in c.fetchall()}
+            found = {part: named[0] for part, named in task_file_entries(
+                c, batch.batch_id, None if parts is None else sorted(parts)).items()}
             if parts is None and found:  # every part of the batch must name its file
                 c.execute("""SELECT array_agg(part) FROM offsetflow.staged_parts
                               WHERE batch_id = %s AND kind = 'rows'""", (batch.batch_id,))
@@ -1068,10 +1065,7 @@ class FileParts:
         for rb in self.batches():
             if not rb.num_rows:
                 continue
-            size = pc.add(pc.add(pc.fill_null(pc.binary_length(rb.column("key")), 0),
-                                 pc.fill_null(pc.binary_length(rb.column("value")), 0)),
-                          pc.fill_null(pc.binary_length(rb.column("headers")), 0))
-            largest = max(largest, int(pc.max(size).as_py() or 0))
+            largest = max(largest, int(pc.max(taskfile.record_bytes(rb)).as_py() or 0))
             t_lo, t_hi = pc.min_max(rb.column("ts")).values()
             if t_lo.is_valid:
                 lo = t_lo.as_py() if lo is None else min(lo, t_lo.as_py())

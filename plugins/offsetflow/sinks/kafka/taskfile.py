@@ -94,6 +94,14 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def record_bytes(records: pa.RecordBatch) -> pa.Array:
+    """Each record's key, value and headers bytes (a null as 0): what its size on the wire
+    and in a file grows with."""
+    return pc.add(pc.add(pc.fill_null(pc.binary_length(records.column("key")), 0),
+                         pc.fill_null(pc.binary_length(records.column("value")), 0)),
+                  pc.fill_null(pc.binary_length(records.column("headers")), 0))
+
+
 def split_by_bytes(records: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBatch]:
     """`records` in slices of about `limit` bytes at most (a single larger record alone):
     the driver reads a file one record batch at a time, so the batches it was written in
@@ -101,11 +109,8 @@ def split_by_bytes(records: pa.RecordBatch, limit: int) -> Iterator[pa.RecordBat
     if records.nbytes <= limit or records.num_rows <= 1:
         yield records
         return
-    sizes = pc.add(pc.add(pc.fill_null(pc.binary_length(records.column("key")), 0),
-                          pc.fill_null(pc.binary_length(records.column("value")), 0)),
-                   pc.fill_null(pc.binary_length(records.column("headers")), 0))
     start, held = 0, 0
-    for i, size in enumerate(sizes.to_pylist()):
+    for i, size in enumerate(record_bytes(records).to_pylist()):
         if held and held + size + ROW_OVERHEAD > limit:
             yield records.slice(start, i - start)
             start, held = i, 0
@@ -169,28 +174,13 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: b
     def lost(why: str) -> TaskFileLostError:
         return TaskFileLostError(batch_id, part, str(path), why)
 
-    try:
-        size, crc = 0, 0
-        with open(path, "rb") as f:  # checked in 1 MiB reads: a part is never held whole
-            while chunk := f.read(1 << 20):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
-    except FileNotFoundError:
-        raise lost("it is missing") from None
-    except PermissionError as e:  # not lost: written again it would be as unreadable
-        raise access_error(batch_id, str(path), e, str(path.parent)) from e
-    except OSError as e:
-        raise lost(f"it cannot be read ({e})") from e
-    if size != int(entry["bytes"]):
-        raise lost(f"it holds {size} bytes, its marker {entry['bytes']} (short or "
-                   f"overwritten)")
-    if crc != int(entry["crc32"]):
-        raise lost("its CRC-32 is not its marker's (corrupt)")
-
-    def opened(map_it: bool) -> Any:
-        # removed or replaced since its check: lost, as above (not a raw OSError)
+    def opened(how: str) -> Any:
+        # each open (also one after the check: removed or replaced since) fails as the
+        # file's loss, or, where the driver may not read it, as an access error (not lost:
+        # written again it would be as unreadable), never as a raw OSError
         try:
-            return pa.memory_map(str(path)) if map_it else pa.OSFile(str(path))
+            return (open(path, "rb") if how == "file" else
+                    pa.memory_map(str(path)) if how == "map" else pa.OSFile(str(path)))
         except FileNotFoundError:
             raise lost("it is missing") from None
         except PermissionError as e:
@@ -198,10 +188,24 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: b
         except OSError as e:
             raise lost(f"it cannot be read ({e})") from e
 
+    size, crc = 0, 0
+    with opened("file") as f:  # checked in 1 MiB reads: a part is never held whole
+        try:
+            while chunk := f.read(1 << 20):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        except OSError as e:
+            raise lost(f"it cannot be read ({e})") from e
+    if size != int(entry["bytes"]):
+        raise lost(f"it holds {size} bytes, its marker {entry['bytes']} (short or "
+                   f"overwritten)")
+    if crc != int(entry["crc32"]):
+        raise lost("its CRC-32 is not its marker's (corrupt)")
+
     # counted through a map (the record batches' headers only), read through plain reads:
     # a mapped file's pages stay in the driver's resident memory as it is produced (a
     # 360 MB batch grew the driver by 345 MB), a batch read is freed once produced
-    with opened(True) as source:
+    with opened("map") as source:
         try:
             reader = ipc.open_file(source)
             if reader.schema != FILE_SCHEMA:
@@ -212,7 +216,7 @@ def read_part_file(batch_id: int, part: int, entry: Mapping[str, Any], mapped: b
             raise lost(f"it is not a readable Arrow IPC file ({e})") from e
     if records != int(entry["records"]):
         raise lost(f"it holds {records} records, its marker {entry['records']}")
-    with opened(mapped) as source:
+    with opened("map" if mapped else "read") as source:
         reader = ipc.open_file(source)
         for i in range(n):
             yield reader.get_batch(i)
