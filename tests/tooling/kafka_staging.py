@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg2
@@ -167,14 +167,33 @@ def _planned(raw: dict[str, Any], dsn: str) -> tuple[PipelineConfig, Batch]:
     return cfg, planned.batch
 
 
+def task_file_reads(monkeypatch: Any) -> list[tuple[int, str]]:
+    """(part, path) of every task file the driver in this process reads from now on
+    (`taskfile.read_part_file` spied on for the test)."""
+    from offsetflow.sinks.kafka import taskfile
+
+    seen: list[tuple[int, str]] = []
+    real = taskfile.read_part_file
+
+    def spy(batch_id: int, part: int, entry: Any, *args: Any, **kw: Any) -> Any:
+        seen.append((part, str(entry["path"])))
+        return real(batch_id, part, entry, *args, **kw)
+
+    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    return seen
+
+
 def stage_query_rows(dsn: str, name: str, types: dict[str, str], batch: Any,
-                     sink_cfg: Any) -> list[tuple[Any, ...]]:
+                     sink_cfg: Any, session: Sequence[str] = ()) -> list[tuple[Any, ...]]:
     """The sink's stage query (`parts_select_sql`, under its OUTPUT_SETTINGS) over `batch`
     COPYed into a temporary table of the columns `types`: what the stage path would
-    produce, to compare the task-built records with."""
+    produce, to compare the task-built records with. `session`: statements run first (a
+    session's own settings, which OUTPUT_SETTINGS must override)."""
     conn = psycopg2.connect(dsn)
     try:
         with conn.cursor() as cur:
+            for statement in session:
+                cur.execute(statement)
             table = sql.Identifier(name)
             cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
                 sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))

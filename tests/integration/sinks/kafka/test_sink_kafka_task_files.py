@@ -8,7 +8,6 @@ cases of every type built in the task, checked against the stack's PostgreSQL.""
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import random
 from datetime import UTC, date, datetime
@@ -20,10 +19,9 @@ import pyarrow as pa
 import pytest
 from psycopg2 import sql
 
-from offsetflow.sinks.kafka.form import OUTPUT_SETTINGS, parts_select_sql
 from offsetflow.sinks.kafka.values import json_values
-from offsetflow.stage import pgcopy
-from tests.tooling.kafka_staging import stage_query_rows
+from tests.tooling.kafka_sink_shape import KafkaSinkShape
+from tests.tooling.kafka_staging import stage_query_rows, task_file_reads
 
 UTC = UTC
 _rng = random.Random(32)
@@ -76,13 +74,6 @@ def _batch() -> tuple[pa.RecordBatch, dict[str, str]]:
     return batch, {c: t for c, (_, t) in cols.items()}
 
 
-class _Sink:  # what `parts_select_sql` reads of a KafkaSinkConfig
-    value_format = "json"
-    value_columns: tuple[str, ...] = ()
-    key_column = None
-    headers = "none"
-
-
 @pytest.mark.parametrize("float_digits", [None, "0"])
 def test_task_built_json_values_are_row_to_json_byte_for_byte(
         pg_dsn: str, unique: str, float_digits: str | None) -> None:
@@ -92,27 +83,11 @@ def test_task_built_json_values_are_row_to_json_byte_for_byte(
     tombstone, a column name needing escapes), whatever the session's own settings."""
     batch, types = _batch()
     payload = [c for c in types if c not in ("topic", "partition", "offset", "value")]
-    conn = psycopg2.connect(pg_dsn)
-    try:
-        with conn.cursor() as cur:
-            if float_digits is not None:
-                cur.execute(f"SET extra_float_digits = {float_digits}")
-            table = sql.Identifier(f"kv_{unique}")
-            cur.execute(sql.SQL("CREATE TEMP TABLE {} ({})").format(table, sql.SQL(", ").join(
-                sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
-                for c, t in types.items())))
-            data = pgcopy.encode(batch, list(types.values()))
-            assert data is not None
-            cur.copy_expert(sql.SQL("COPY {} FROM STDIN (FORMAT binary)").format(table),
-                            io.BytesIO(data))
-            cur.execute(OUTPUT_SETTINGS)
-            sink = _Sink()
-            sink.value_columns = tuple(payload)
-            cur.execute(parts_select_sql(sink, types, [(table, None)]))  # type: ignore[arg-type]
-            want = [r[4] for r in cur.fetchall()]
-        conn.rollback()
-    finally:
-        conn.close()
+    sink = KafkaSinkShape(headers="none")
+    sink.value_columns = tuple(payload)
+    want = [r[4] for r in stage_query_rows(
+        pg_dsn, f"kv_{unique}", types, batch, sink,
+        session=() if float_digits is None else (f"SET extra_float_digits = {float_digits}",))]
     built = json_values(batch, payload, types)
     assert built is not None
     got = [None if v is None else v.decode() for v in built.to_pylist()]
@@ -149,14 +124,6 @@ def _raw_batch() -> tuple[pa.RecordBatch, dict[str, str]]:
             {c: t for c, (_, t) in cols.items()})
 
 
-class _Cfg:
-    value_format = "json"
-    value_columns: tuple[str, ...] = ()
-    key_column: str | None = None
-    value_column = "value"
-    headers = "carry"
-
-
 @pytest.mark.parametrize("shape", ["json source key", "json key_column text",
                                    "json key_column bigint", "json key_column timestamptz",
                                    "json key_column double", "json value_columns",
@@ -170,7 +137,7 @@ def test_task_built_records_are_the_stage_querys(pg_dsn: str, unique: str,
     from offsetflow.stage import stage_form
 
     raw, types = _raw_batch()
-    cfg = _Cfg()
+    cfg = KafkaSinkShape()
     cfg.key_column = {"json key_column text": "name", "json key_column bigint": "n",
                       "json key_column timestamptz": "at",
                       "json key_column double": "amount"}.get(shape)
@@ -729,7 +696,7 @@ def test_the_sink_task_files_setting_switches_the_batch_to_task_files(
     import dataclasses
 
     from offsetflow.job import run_batch
-    from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+    from offsetflow.sinks.kafka import KafkaTopicSink
     from tests.tooling.kafka_case import make_case
 
     monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
@@ -740,17 +707,10 @@ def test_the_sink_task_files_setting_switches_the_batch_to_task_files(
     assert kafka is not None
     cfg = dataclasses.replace(case.cfg, sink=dataclasses.replace(
         case.cfg.sink, kafka=dataclasses.replace(kafka, task_files=str(d))))
-    read: list[str] = []
-    real = taskfile.read_part_file
-
-    def spy(batch_id: int, part: int, entry: Any) -> Any:
-        read.append(str(entry["path"]))
-        return real(batch_id, part, entry)
-
-    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    read = task_file_reads(monkeypatch)
     rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
-    assert read and all(p.startswith(str(d)) for p in read), read
+    assert read and all(p.startswith(str(d)) for _, p in read), read
     v = case.verdict()
     assert v.visible == v.committed.found, v
     assert not list(d.iterdir())
@@ -1086,17 +1046,10 @@ def test_task_files_the_driver_may_not_read_fail_the_run_clearly_and_are_kept(
     kept = sorted(task_dir.glob(f"*_b{case.batch_id}_p*.arrow"))
     assert kept
     monkeypatch.setattr(taskfile, "open", builtins.open)
-    read: list[str] = []
-    real = taskfile.read_part_file
-
-    def spy(batch_id: int, part: int, entry: Any) -> Any:
-        read.append(str(entry["path"]))
-        return real(batch_id, part, entry)
-
-    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    read = task_file_reads(monkeypatch)
     rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
-    assert sorted(set(read)) == [str(f) for f in kept]  # the same files, not re-staged
+    assert sorted({p for _, p in read}) == [str(f) for f in kept]  # the same files, not re-staged
     v = case.verdict()
     assert v.visible == v.committed.found, v
     assert not list(task_dir.iterdir())
@@ -1140,18 +1093,12 @@ def test_files_left_by_a_drop_lost_after_the_commit_are_swept_by_the_next_run(
     assert taskfile.read_part_file is real_read
     b_left = sorted(task_dir.glob(f"*_b{b.batch_id}_*"))
     assert b_left  # what a driver killed right after the COMMIT leaves
-    read: list[str] = []
-
-    def spy(batch_id: int, part: int, entry: Any) -> Any:
-        read.append(str(entry["path"]))
-        return real_read(batch_id, part, entry)
-
-    monkeypatch.setattr(taskfile, "read_part_file", spy)
+    read = task_file_reads(monkeypatch)
     with caplog.at_level(logging.INFO):
         rep = run_batch(spark, a.cfg, a.batch_id, pg_dsn)  # the next run: a's rerun
     assert rep.result.status == "committed", rep.result
     assert not list(task_dir.glob(f"*_b{b.batch_id}_*"))
-    assert sorted(set(read)) == [str(f) for f in a_files if f.suffix == ".arrow"]
+    assert sorted({p for _, p in read}) == [str(f) for f in a_files if f.suffix == ".arrow"]
     assert f"{len(b_left)} task file(s) of committed or abandoned batches" in caplog.text, \
         caplog.text[-2000:]
     a.verdict()

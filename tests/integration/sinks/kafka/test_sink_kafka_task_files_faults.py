@@ -29,11 +29,12 @@ import yaml
 
 from offsetflow.config import parse_pipeline
 from offsetflow.job import run_batch
-from offsetflow.sinks.kafka import KafkaTopicSink, taskfile
+from offsetflow.sinks.kafka import KafkaTopicSink
 from offsetflow.sinks.kafka.sink import FAULT_ENV
 from offsetflow.stage.part import TASK_FAULT_ENV
 from tests.tooling import chaos
 from tests.tooling.kafka_case import RECORDS, KafkaCase, killed_at_end, make_case
+from tests.tooling.kafka_staging import task_file_reads
 from tests.tooling.topic_checker import read_topic
 
 
@@ -72,15 +73,7 @@ def task_fault(spark: Any, fault: str) -> Iterator[None]:
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
     """(part, path) of every task file the driver (this process) reads."""
-    seen: list[tuple[int, str]] = []
-    real = taskfile.read_part_file
-
-    def spy(batch_id: int, part: int, entry: Any) -> Any:
-        seen.append((part, str(entry["path"])))
-        return real(batch_id, part, entry)
-
-    monkeypatch.setattr(taskfile, "read_part_file", spy)
-    return seen
+    return task_file_reads(monkeypatch)
 
 
 def _marker_files(dsn: str, batch_id: int) -> dict[int, list[str]]:

@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from tests.tooling.kafka_sink_shape import KafkaSinkShape
 from tests.tooling.kafka_staging import stage_query_rows
 
 _NUL_HEADER_JAVA = """
@@ -70,14 +71,6 @@ def test_a_header_key_holding_a_nul_reads_the_same_on_both_paths(
     assert len(out) == RECORDS + 1  # the workload's committed records and this one
 
 
-class _Sink:  # what `parts_select_sql` and the builder read of a KafkaSinkConfig
-    value_format = "json"
-    value_columns: tuple[str, ...] = ()
-    key_column = None
-    value_column = "value"
-    headers = "none"
-
-
 def test_column_names_postgresql_truncates_are_built_as_it_does_or_left_to_the_stage(
         pg_dsn: str, unique: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Value columns named beyond PostgreSQL's 63 bytes (the stage's columns, so
@@ -117,7 +110,8 @@ def test_column_names_postgresql_truncates_are_built_as_it_does_or_left_to_the_s
         assert "longer than PostgreSQL" in caplog.text, caplog.text
         return
     want = [bytes(r[4]) if not isinstance(r[4], str) else r[4].encode()
-            for r in stage_query_rows(pg_dsn, f"kl_{unique}", types, batch, _Sink())]
+            for r in stage_query_rows(pg_dsn, f"kl_{unique}", types, batch,
+                                      KafkaSinkShape(headers="none"))]
     built = finished_records(tf.sink, tf.columns, batch)
     assert built is not None
     assert built.column("value").to_pylist() == want

@@ -11,19 +11,11 @@ import pyarrow as pa
 import pytest
 
 from offsetflow.sinks.kafka.taskfile import KafkaTaskFiles, read_part_file
+from tests.tooling.kafka_sink_shape import KafkaSinkShape
 
 YEAR1_US = -62_135_596_800_000_000  # 0001-01-01T00:00:00Z
 YEAR10000_US = 253_402_300_800_000_000  # 10000-01-01T00:00:00Z
 DAY_US = 86_400_000_000
-
-
-class _Cfg:
-    value_format = "json"
-    value_columns: tuple[str, ...] = ()
-    key_column: str | None = None
-    value_column = "value"
-    headers = "carry"
-    task_files_mode = 0o640
 
 
 def _batch(n: int, col: str, values: pa.Array) -> pa.RecordBatch:
@@ -54,7 +46,7 @@ def test_a_value_outside_years_1_to_9999_is_a_bad_record_the_rest_written(
         us = [YEAR1_US - 1, 0, YEAR10000_US, 1_700_000_000_000_000]
         values = pa.array(us, pa.int64()).cast(
             pa.timestamp("us", "UTC" if pg_type == "timestamptz" else None))
-    cfg = _Cfg()
+    cfg = KafkaSinkShape()
     if shape.endswith("key"):
         cfg.key_column = "at"
     if "raw" in shape:
@@ -86,7 +78,7 @@ def test_a_file_gone_between_its_check_and_its_mapping_is_a_lost_part(
     from offsetflow.errors import TaskFileLostError
     from offsetflow.sinks.kafka import taskfile
 
-    tf = KafkaTaskFiles(str(tmp_path), "L", 3, _Cfg(), {
+    tf = KafkaTaskFiles(str(tmp_path), "L", 3, KafkaSinkShape(), {
         "topic": "text", "partition": "integer", "offset": "bigint",
         "timestamp": "timestamptz", "key": "bytea", "value": "bytea", "headers": "jsonb",
         "n": "bigint", "at": "bigint"})
