@@ -211,6 +211,18 @@ def executor_pythons() -> list[ExecutorPython]:
     return found
 
 
+def executor_commands(app_id: str) -> dict[str, str]:
+    """Executor id -> the command line its worker started the executor JVM with, for one
+    application: the first line of the executor's stderr in the worker's directory for the
+    app (`Spark Executor Command: ...`). A worker deletes that directory about a minute after
+    the app's last write (stack.sh: spark.worker.cleanup.appDataTtl): read it right after."""
+    out: dict[str, str] = {}
+    for f in sorted(SPARK_CLUSTER.glob(f"worker*/work/{app_id}/*/stderr")):
+        first = f.read_text(errors="replace").split("\n", 1)[0]
+        out[f.parent.name] = first.removeprefix("Spark Executor Command: ")
+    return out
+
+
 @dataclass
 class EventLogSummary:
     app_id: str

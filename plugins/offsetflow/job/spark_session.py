@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from offsetflow.config import PipelineConfig, connect_address
 from offsetflow.errors import ConfigError, SparkUnavailableError
 from offsetflow.job import connect_session
+from offsetflow.job.executor_conf import default_conf
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -47,7 +48,10 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
         return _connect_session(cfg)
     # under spark-submit (which starts the Python driver with a gateway) the master comes
     # from spark-submit / the Airflow Spark connection, never from the pipeline config
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+    launcher_keys: frozenset[str] = frozenset()
+    if "PYSPARK_GATEWAY_PORT" in os.environ:
+        launcher_keys = _launcher_keys()
+    else:
         builder = builder.master(cfg.spark.master)
         # executors run the interpreter the driver names in PYSPARK_PYTHON, and pyspark reads
         # only that variable, not spark.pyspark.python: a pipeline that ships its environment
@@ -64,11 +68,23 @@ def build_spark(cfg: PipelineConfig, app_name: str) -> SparkSession:
     if log4j and "spark.driver.extraJavaOptions" not in cfg.spark.conf:
         builder = builder.config("spark.driver.extraJavaOptions",
                                  f"-Dlog4j2.configurationFile=file:{log4j}")
-    for k, v in {**_arrow_conf(), **cfg.spark.conf}.items():
+    # executors are launched from the SparkContext's conf, so a builder setting reaches them
+    # under spark-submit too (tests/integration/job/test_cluster_spark.py)
+    for k, v in {**_arrow_conf(), **default_conf(cfg, launcher_keys), **cfg.spark.conf}.items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("OFFSETFLOW_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def _launcher_keys() -> frozenset[str]:
+    """The keys of the conf spark-submit started this driver with (its --conf, the Spark
+    installation's spark-defaults.conf): a builder setting would replace them, so OffsetFlow's
+    defaults leave them alone. Joins spark-submit's gateway, which getOrCreate does anyway."""
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()
+    return frozenset(k for k, _ in SparkConf().getAll())
 
 
 def _connect_session(cfg: PipelineConfig) -> SparkSession:

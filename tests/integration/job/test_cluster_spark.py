@@ -1,6 +1,8 @@
 """Batches on a real Spark standalone cluster (issue 16): a master and two 1-core workers
 started from pyspark's jars with a clean environment, executors that import offsetflow only
-from the packed environment the job ships (spark.archives), a worker killed mid-batch."""
+from the packed environment the job ships (spark.archives), a worker killed mid-batch, and
+OffsetFlow's default executor JVM options (job/executor_conf.py) on the executors the
+workers start, from a run-batch process and from an Airflow spark-submit."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from offsetflow.job.executor_conf import C1_ONLY, EXECUTOR_JAVA_OPTIONS
 from offsetflow.ledger import Ledger
 from offsetflow.ops import run_until_caught_up
 from tests.tooling import chaos, cluster
@@ -51,6 +54,36 @@ def assert_shipped(pythons: list[cluster.ExecutorPython]) -> None:
         assert not p.python.startswith(str(VENV)), p
         assert p.python.startswith(str(cluster.SPARK_CLUSTER / f"worker{p.worker}" / "work")), p
         assert p.python.endswith(f"/{cluster.ENV_NAME}/bin/python"), p
+
+
+def assert_c1_only(events: Path) -> None:
+    """The app's two executors were started with OffsetFlow's default (C1 only), read from
+    the command lines their workers started them with."""
+    [log] = cluster.event_logs(events)
+    commands = cluster.executor_commands(log.app_id)
+    assert len(commands) == 2, (log.app_id, commands)
+    for executor, command in commands.items():
+        assert C1_ONLY in command.split('"'), (executor, command)
+    # Spark puts its own module options before it
+    assert C1_ONLY in log.spark_properties[EXECUTOR_JAVA_OPTIONS].split()
+
+
+def test_executors_of_a_pipeline_without_a_transform_run_c1_only(ccase: Case,
+                                                                 tmp_path: Path) -> None:
+    """`offsetflow run-batch` (no spark-submit: the session's builder sets the master) of a
+    pipeline whose spark.conf names no executor JVM options: its executors run C1 only."""
+    del ccase.raw["spark"]["conf"][EXECUTOR_JAVA_OPTIONS]  # the cluster tests' lean flags
+    ccase.write_config()
+    bid = ccase.planned_batch(400, seed=41)
+    proc = ccase.job(bid)
+    try:
+        assert proc.wait(timeout=600) == 0, ccase.job_output()[-4000:]
+    finally:
+        if proc.poll() is None:
+            chaos.kill(proc)
+    assert_c1_only(tmp_path / "events")  # first: the worker sweeps the app's directory
+    assert ccase.batch(bid).status == "committed"
+    ccase.assert_exactly_once()
 
 
 def test_worker_killed_mid_batch_then_rerun_commits_once(ccase: Case, spark: Any) -> None:
@@ -109,12 +142,16 @@ def test_scheduled_dag_run_with_spark_default_at_the_standalone_master(
         kafka_bootstrap: str, spark_master: str, tmp_path: Path) -> None:
     """`airflow dags test` of a pipeline's scheduled DAG with spark_default pointed at the
     master (client deploy mode: Spark has no cluster mode for Python apps on standalone);
-    spark-submit's arguments come from the connection and the pipeline's spark.conf."""
+    spark-submit's arguments come from the connection and the pipeline's spark.conf. The
+    driver's session sets OffsetFlow's default executor JVM options under spark-submit, and
+    the executors, started after it, run with them."""
     p = airflow_project
     path = p["pipelines"] / f"{p['name']}.yaml"
     cfg = yaml.safe_load(path.read_text())
     events = tmp_path / "events"
-    cfg["spark"] = {"max_offsets_per_task": 60, "conf": cluster.spark_conf(events)}
+    conf = cluster.spark_conf(events)
+    del conf[EXECUTOR_JAVA_OPTIONS]  # the cluster tests' lean flags: OffsetFlow's default
+    cfg["spark"] = {"max_offsets_per_task": 60, "conf": conf}
     path.write_text(yaml.safe_dump(cfg))
     produce_plain(kafka_bootstrap, p["topic"], 600, f"k{p['name']}", 2)
     host, port = spark_master.rsplit(":", 1)
@@ -123,6 +160,7 @@ def test_scheduled_dag_run_with_spark_default_at_the_standalone_master(
          "extra": {"deploy-mode": "client"}})
     out = dags_test(p, f"offsetflow_{p['name']}")
     assert f"--master {spark_master}" in out, out[-6000:]
+    assert_c1_only(events)  # first: the worker sweeps the app's directory
     assert p["password"] not in out
     with Ledger(pg_dsn) as ledger:
         batches = ledger.recent_batches(p["name"])
