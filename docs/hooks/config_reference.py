@@ -259,7 +259,10 @@ FIELDS: dict[str, Field] = {
                                     "split; small ones share tasks. Changing it re-stages "
                                     "an open batch, no --accept-config-change needed."),
     "spark.conf": F("spark.conf", "Spark settings (with `connect`: runtime SQL settings "
-                    "only), e.g. `spark.archives` on a cluster."),
+                    "only), e.g. `spark.archives` on a cluster. Without a transform, "
+                    "`spark.executor.extraJavaOptions` defaults to "
+                    "`-XX:TieredStopAtLevel=1` (C1-only executors); any value set here, "
+                    "`\"\"` too, replaces it (see Performance)."),
     "spark.launch": F("spark.launch", "`connect`: a warm Spark Connect server; `submit`: a "
                       "spark-submit per batch (clusters, isolation)."),
     "spark.connect_url": F("spark.connect_url", "Spark Connect server, `sc://host[:port]` "
