@@ -217,12 +217,14 @@ FIELDS: dict[str, Field] = {
     "sink.producer": F("sink.kafka.producer", "librdkafka producer overrides "
                        "(`transactional.id`, `enable.idempotence`, `bootstrap.servers` are "
                        "OffsetFlow's).", sinks=("kafka",)),
-    "sink.task_files": F("sink.kafka.task_files", "Off by default: "
-                         "an absolute directory the driver and every executor reach; the "
-                         "tasks write each part's finished records to a task file there "
-                         "instead of the PostgreSQL stage, and the driver produces from "
-                         "them. See [the Kafka sink](sinks/kafka.md#task-files).",
-                         sinks=("kafka",)),
+    "sink.task_files": F("sink.kafka.task_files", "Where the tasks write each part's "
+                         "finished records as a task file, instead of the PostgreSQL "
+                         "stage, for the driver to produce from: `auto` (a private "
+                         "directory of this host where the tasks run on the driver's host, "
+                         "a local master; elsewhere the stage), `off` (the stage), or an "
+                         "absolute directory the driver and every executor reach. See [the "
+                         "Kafka sink](sinks/kafka.md#task-files).", default="`auto`",
+                         type="string", sinks=("kafka",)),
     "sink.task_files_mode": F("sink.kafka.task_files_mode", "The task files' mode, a quoted "
                               "octal string (the umask may narrow it): `\"0640\"` lets the "
                               "writer's group read them, `\"0644\"` every user (a driver "
@@ -284,6 +286,7 @@ NOT_FROM_YAML = {
     "sink.iceberg.namespace": "from sink.table",
     "sink.iceberg.table": "from sink.table",
     "sink.iceberg.source_file": "the file the config was loaded from (for errors)",
+    "sink.kafka.task_files_auto": "from sink.task_files (auto, the default)",
 }
 
 # minimal pipelines the probes start from, one per sink type (and upsert for the modes)

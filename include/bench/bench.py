@@ -55,7 +55,7 @@ ENGINES = ("source-floor", "sink-floor", "baseline", "bare-parallel", "spark-bui
            # Kafka -> Kafka (include/bench/engines_kafka.py)
            "spark-builtin-kafka", "offsetflow-kafka", "offsetflow-kafka-cluster",
            # the same with `sink.task_files` (tasks write task files, no PostgreSQL stage)
-           "offsetflow-kafka-files", "offsetflow-kafka-cluster-files",
+           "offsetflow-kafka-stage", "offsetflow-kafka-cluster-files",
            # Spark's Kafka source writing Iceberg (include/bench/engines_iceberg_spark.py)
            "spark-builtin-iceberg",
            # Confluent wire-format Avro -> PostgreSQL (include/bench/engines_avro.py)
@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "spark-builtin-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka": [job(main_ds, args.runs)],
         "offsetflow-kafka-cluster": [job(main_ds, args.runs)],  # the same on the cluster
-        "offsetflow-kafka-files": [job(main_ds, args.runs)],  # sink.task_files set
+        "offsetflow-kafka-stage": [job(main_ds, args.runs)],  # sink.task_files: off
         "offsetflow-kafka-cluster-files": [job(main_ds, args.runs)],
         "offsetflow-iceberg": [job(main_ds, args.runs)],  # the Iceberg sink (issue 17)
         "spark-builtin-iceberg": [job(main_ds, args.runs)],
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
            # Kafka -> Kafka: exactly-once (one transaction per batch) / at-least-once
            | {f"{w}/spark-builtin-kafka@{main_label}": report.ratio(
                summary, w, "spark-builtin-kafka", main_label)
-              for w in ("offsetflow-kafka", "offsetflow-kafka-files")}
+              for w in ("offsetflow-kafka", "offsetflow-kafka-stage")}
            | {f"offsetflow-iceberg/spark-builtin-iceberg@{main_label}": report.ratio(
                summary, "offsetflow-iceberg", "spark-builtin-iceberg", main_label)}
            # Confluent wire-format Avro: against Spark's from_avro, and against JSON on

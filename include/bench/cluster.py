@@ -12,9 +12,11 @@ from engines import ROOT
 STACK = ["bash", str(ROOT / "include" / "stack" / "stack.sh")]
 # the engines that run their job on the cluster, each against the same job on local[2]:
 # the PostgreSQL sink (issue 16) and the Kafka sink (issue 32)
+# (the Kafka sink's default stages on a cluster and writes task files on local[2]: each
+# cluster engine is set against the same path on local[2])
 CLUSTER_ENGINES = {"offsetflow-cluster": "offsetflow-local",
-                   "offsetflow-kafka-cluster": "offsetflow-kafka",
-                   "offsetflow-kafka-cluster-files": "offsetflow-kafka-files"}
+                   "offsetflow-kafka-cluster": "offsetflow-kafka-stage",
+                   "offsetflow-kafka-cluster-files": "offsetflow-kafka"}
 
 
 CLUSTER_DIR = ROOT / ".stack" / "spark-cluster"

@@ -1,10 +1,15 @@
 """Kafka -> Kafka: the same offset ranges parsed and written to a fresh output topic.
 
-  offsetflow-kafka     OffsetFlow with `sink.type: kafka` (read + stage in PostgreSQL, then
-                       one producer transaction per batch with the source offsets in it:
-                       exactly-once) on a warm local SparkSession;
-  offsetflow-kafka-files  the same with `sink.task_files` set: the tasks write task files
-                       (Arrow IPC) the driver produces from, nothing staged in PostgreSQL;
+  offsetflow-kafka     OffsetFlow with `sink.type: kafka` as configured by default (on a
+                       local master `sink.task_files: auto`: the tasks write task files, Arrow
+                       IPC, the driver produces from them in one producer transaction per
+                       batch with the source offsets in it: exactly-once) on a warm local
+                       SparkSession; on the cluster (offsetflow-kafka-cluster) the default
+                       stages in PostgreSQL;
+  offsetflow-kafka-stage  the same with `sink.task_files: off`: read + stage in PostgreSQL,
+                       the driver produces from the stage;
+  offsetflow-kafka-cluster-files  the cluster with `sink.task_files` set to one directory of
+                       this host, which its workers share;
   spark-builtin-kafka  Spark's Kafka batch source -> from_json -> to_json -> Spark's Kafka
                        sink (at-least-once: a retried task writes its records again).
 
@@ -64,17 +69,21 @@ def verify_and_delete(bootstrap: str, topic: str, ds: DataSet) -> dict[str, Any]
 
 
 def offsetflow_kafka_run(spark: SparkSession, ds: DataSet, name: str, ctx: dict[str, Any],
-                         task_files: bool = False) -> dict[str, Any]:
+                         task_files: str | None = None) -> dict[str, Any]:
+    """`task_files`: None the default (`auto`), "off", or "shared" (one directory of this
+    host, set in `sink.task_files`)."""
     out = f"bench-out-{name.replace('_', '-')}"
     _create_topic(ctx["bootstrap"], out, ds.partitions)
     raw = offsetflow_config(ds, name, "OFFSETFLOW_BENCH_DSN", ctx["bootstrap"], "submit",
                             ctx["connect_url"], ctx["max_offsets_per_task"])
     raw["sink"] = {"type": "kafka", "connection": raw["sink"]["connection"], "topic": out,
                    "headers": "none"}
-    if task_files:  # one directory on this host: local[2] and the cluster's workers share it
+    if task_files == "shared":  # one directory on this host: the cluster's workers share it
         directory = ROOT / ".stack" / "bench-task-files"
         directory.mkdir(parents=True, exist_ok=True)
         raw["sink"]["task_files"] = str(directory)
+    elif task_files is not None:
+        raw["sink"]["task_files"] = task_files
     cfg = parse_pipeline(raw, f"<bench {name}>", os.environ)
     return {**timed_batch(spark, cfg, ds, ctx), **verify_and_delete(ctx["bootstrap"], out, ds)}
 

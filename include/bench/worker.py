@@ -51,7 +51,7 @@ def main(spec_path: str) -> int:
     spark: Any = None
     t = time.perf_counter()
     if engine in ("offsetflow-local", "offsetflow-connect", "offsetflow-cluster",
-                  "offsetflow-kafka", "offsetflow-kafka-cluster", "offsetflow-kafka-files",
+                  "offsetflow-kafka", "offsetflow-kafka-cluster", "offsetflow-kafka-stage",
                   "offsetflow-kafka-cluster-files", "offsetflow-iceberg",
                   "offsetflow-avro"):
         from offsetflow.job import build_spark
@@ -67,9 +67,12 @@ def main(spec_path: str) -> int:
         def run(ds: engines.DataSet, name: str) -> dict[str, Any]:
             if engine in ("offsetflow-kafka", "offsetflow-kafka-cluster"):
                 return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx)
-            if engine in ("offsetflow-kafka-files", "offsetflow-kafka-cluster-files"):
+            if engine == "offsetflow-kafka-stage":
                 return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx,
-                                                          task_files=True)
+                                                          task_files="off")
+            if engine == "offsetflow-kafka-cluster-files":
+                return engines_kafka.offsetflow_kafka_run(spark, ds, name, ctx,
+                                                          task_files="shared")
             if engine == "offsetflow-iceberg":
                 import engines_iceberg
 

@@ -5,6 +5,7 @@ a process with the sink's test-only fault points) with the means to inspect and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,3 +198,17 @@ def kafka_sink_pipeline(name: str, source: str, dsn: str, bootstrap: str,
         "spark": {"master": "local[2]", "max_offsets_per_task": split},
     }
     return parse_pipeline(raw, f"<test {name}>", {})
+
+
+def with_task_files(cfg: PipelineConfig, where: Path | str, mode: int | None = None
+                    ) -> PipelineConfig:
+    """`cfg` with `sink.task_files` set to `where`: a directory, or "off" (the PostgreSQL
+    stage) or "auto" (the default); `mode`: `sink.task_files_mode`."""
+    kafka = cfg.sink.kafka
+    assert kafka is not None
+    named = str(where) not in ("off", "auto")
+    kafka = dataclasses.replace(kafka, task_files=str(where) if named else None,
+                                task_files_auto=str(where) == "auto")
+    if mode is not None:
+        kafka = dataclasses.replace(kafka, task_files_mode=mode)
+    return dataclasses.replace(cfg, sink=dataclasses.replace(cfg.sink, kafka=kafka))

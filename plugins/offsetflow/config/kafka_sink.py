@@ -95,7 +95,10 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
             producer[str(k)] = r.resolve(str(v).lower() if isinstance(v, bool) else str(v),
                                          f"sink.producer.{k}")
     task_files = r.string(sec, "task_files", "sink.")
-    if task_files is not None and r.ok("sink.task_files"):
+    task_files_auto = task_files in (None, "auto")
+    if task_files in (None, "auto", "off"):
+        task_files = None
+    elif r.ok("sink.task_files"):
         why = task_files_problem(task_files)
         if why:
             r.fail("sink.task_files", why)
@@ -109,7 +112,8 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
                               choices("sink.partitioning")) or "key",
         producer=producer, value_subject=r.string(sec, "value_subject", "sink."),
         value_schema=r.string(sec, "value_schema", "sink."), registry=registry,
-        task_files=task_files, task_files_mode=_task_files_mode(r, sec))
+        task_files=task_files, task_files_auto=task_files_auto,
+        task_files_mode=_task_files_mode(r, sec))
 
 
 def _task_files_mode(r: FieldReader, sec: Mapping[str, Any]) -> int:
@@ -135,7 +139,7 @@ def task_files_problem(directory: str) -> str:
     of `offsetflow abandon` or `complete`)."""
     if not os.path.isabs(directory):
         return (f"{directory!r} is not an absolute path: give a directory the driver and "
-                f"every executor reach under the same path")
+                f"every executor reach under the same path (or auto, the default, or off)")
     return ""
 
 

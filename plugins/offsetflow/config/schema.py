@@ -96,10 +96,14 @@ class KafkaSinkConfig:
     value_subject: str | None = None
     value_schema: str | None = None
     registry: SchemaRegistryConfig | None = field(default=None, repr=False)
-    # a directory the driver and every executor reach (absolute; None: off, the stage): the
-    # tasks write each part's finished records to a task file there and the driver
+    # a directory the driver and every executor reach (absolute; None: `auto` or `off`):
+    # the tasks write each part's finished records to a task file there and the driver
     # produces from the files (issue 32, `offsetflow.sinks.kafka.taskfile`)
     task_files: str | None = None
+    # `auto` (the default; False: `off`, the stage): where the tasks run on the driver's
+    # host (a local master, not Spark Connect), a private directory of that host
+    # (`taskfile.private_directory`); elsewhere the PostgreSQL stage
+    task_files_auto: bool = True
     # the task files' mode (`sink.task_files_mode`; the umask may narrow it): 0640 lets
     # the writer's group read them, 0644 every user of the host
     task_files_mode: int = 0o640
@@ -307,7 +311,7 @@ def _kafka_sink_output(sink: KafkaSinkConfig) -> dict[str, Any]:
     # fingerprints of pipelines planned before them stay the same)
     return {k: v for k, v in asdict(sink).items()
             if k not in ("producer", "replay_topic", "registry", "task_files",
-                         "task_files_mode")
+                         "task_files_auto", "task_files_mode")
             and not (k in ("value_subject", "value_schema") and v is None)}
 
 

@@ -50,6 +50,7 @@ from offsetflow.errors import (
     StaleStageError,
 )
 from offsetflow.job.evolution import check_schema_changes, pinned_readers
+from offsetflow.job.spark_session import tasks_here
 from offsetflow.job.tasks import (
     STATS_DDL,
     ReadContext,
@@ -371,7 +372,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         columns = [(f.name, pg_type(f.dataType.simpleString())) for f in df.schema.fields]
         # the stage path stages in PostgreSQL (no data files from the tasks); the sink
         # learns what the reader schemas say of its columns (an Iceberg table's nested ones)
-        files = sink.task_files(dsn, batch, columns, (), rc.readers)
+        files = sink.task_files(dsn, batch, columns, (), rc.readers,
+                                tasks_here=tasks_here(cfg, spark))
         staging = to_stage_form(df).mapInArrow(
             make_writer(dsn, batch.batch_id,
                         BadRows(cfg.name, cfg.bad_records == "dead_letter"), generation),
@@ -385,7 +387,8 @@ def _run(spark: SparkSession, cfg: PipelineConfig, batch: Batch, dsn: str, ledge
         added = rc.added(dict(cfg.schema))
         # an Iceberg append: the tasks write the table's data files (the table is loaded,
         # or created, here: they need its schema and partition spec)
-        files = sink.task_files(dsn, batch, columns, tuple(added), rc.readers)
+        files = sink.task_files(dsn, batch, columns, tuple(added), rc.readers,
+                                tasks_here=tasks_here(cfg, spark))
         staging = ids.mapInArrow(make_read_and_stage(cfg, batch.batch_id, dsn, specs,
                                                      generation, groups, files, rc),
                                  STATS_DDL)

@@ -87,6 +87,16 @@ def _launcher_keys() -> frozenset[str]:
     return frozenset(k for k, _ in SparkConf().getAll())
 
 
+def tasks_here(cfg: PipelineConfig, spark: Any) -> bool:
+    """Whether the session's tasks run on this host: a local master (`local[...]`,
+    `local-cluster[...]`: one host's processes), not a cluster's, and not a Spark Connect
+    server's, which may run elsewhere. Asked of the running session: under spark-submit the
+    master comes from spark-submit, not from the pipeline."""
+    if cfg.spark.launch == "connect":
+        return False
+    return str(spark.sparkContext.master).startswith("local")
+
+
 def _connect_session(cfg: PipelineConfig) -> SparkSession:
     """A session on the warm Spark Connect server. Reachability is checked first: the
     client itself retries an absent server for minutes before it says anything."""

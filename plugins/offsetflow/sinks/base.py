@@ -44,12 +44,13 @@ class Sink(ABC):
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
                    evolved: Sequence[str] = (),
-                   readers: Mapping[str, tuple[int, str] | None] | None = None
-                   ) -> TaskFiles | None:
+                   readers: Mapping[str, tuple[int, str] | None] | None = None,
+                   tasks_here: bool = False) -> TaskFiles | None:
         """What the tasks need to write the batch's data files (`tasks_write_files`), the
         `evolved` columns (format.schema_evolution's) in their schema; None when they
         stage the rows in PostgreSQL. `readers`: the run's reader schemas (topic -> id,
-        text), which say what a nested (`json`) field is."""
+        text), which say what a nested (`json`) field is; `tasks_here`: the tasks run on
+        the driver's host (a local master), so a directory of this host is theirs too."""
         return None
 
     def check_before_read(self, batch: Batch) -> None:

@@ -86,14 +86,18 @@ def test_a_postgresql_append_and_a_kafka_topic_commit_part_by_part() -> None:
     assert not isinstance(sink_for(iceberg()).external(DSN, COLUMNS), PartwiseSink)
 
 
-def test_only_an_iceberg_append_from_the_fused_path_has_the_tasks_write_files() -> None:
+def test_an_iceberg_append_and_a_kafka_sink_from_the_fused_path_have_the_tasks_write_files(
+        ) -> None:
     assert task_data_files(iceberg()) and sink_for(iceberg()).tasks_write_files
     assert not task_data_files(iceberg({"transform": "mod.fn"}))
     assert not task_data_files(iceberg({"quality": {"suite": "orders"}}))
     assert not task_data_files(iceberg(mode="upsert", key=["event_id"]))
-    assert not task_data_files(postgres()) and not task_data_files(kafka())
-    # no table is loaded where the tasks stage in PostgreSQL
-    for cfg in (postgres(), kafka(), iceberg({"transform": "mod.fn"})):
+    assert not task_data_files(postgres())
+    # a Kafka sink's task files (issue 32): `auto` by default, `off` the stage
+    assert task_data_files(kafka()) and not task_data_files(kafka(task_files="off"))
+    # no table is loaded, no directory made, where the tasks stage in PostgreSQL: with
+    # `auto`, wherever the tasks may run on another host than the driver's
+    for cfg in (postgres(), kafka(), kafka(task_files="off"), iceberg({"transform": "mod.fn"})):
         assert sink_for(cfg).task_files(DSN, batch(), COLUMNS) is None
 
 
@@ -121,7 +125,7 @@ def test_after_commit_sweeps_only_iceberg_files(monkeypatch: pytest.MonkeyPatch)
     ice.after_commit(DSN, batch(attempts=1), stage)  # a first attempt left nothing
     ice.after_commit(DSN, batch(attempts=2), stage)
     assert swept == [("orphans", 7), ("retry", 7)]
-    for cfg in (postgres(), kafka()):
+    for cfg in (postgres(), kafka(task_files="off")):
         sink_for(cfg).after_commit(DSN, batch(attempts=3), stage)
     assert len(swept) == 2
 

@@ -48,8 +48,8 @@ class IcebergPipelineSink(Sink):
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
                    evolved: Sequence[str] = (),
-                   readers: Mapping[str, tuple[int, str] | None] | None = None
-                   ) -> TaskFiles | None:
+                   readers: Mapping[str, tuple[int, str] | None] | None = None,
+                   tasks_here: bool = False) -> TaskFiles | None:
         """The table's metadata as loaded, or created, now (the tasks need its schema and
         partition spec; the rows must fit the schema), with the `evolved` columns' schema
         update staged (their field ids are the files'; the commit makes the update). A

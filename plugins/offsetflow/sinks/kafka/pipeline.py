@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,8 +25,10 @@ from offsetflow.sinks.kafka.mark import BATCH_HEADER, output_topic, replay_targe
 from offsetflow.sinks.kafka.sink import KafkaTopicSink
 from offsetflow.sinks.kafka.taskfile import (
     KafkaTaskFiles,
+    auto_directory,
     check_directory,
     drop_batch_files,
+    private_directory,
     written_otherwise,
 )
 from offsetflow.sinks.kafka.values import BUILT_TYPES, NAME_BYTES
@@ -41,6 +44,9 @@ class KafkaPipelineSink(Sink):
         super().__init__(cfg)
         assert cfg.sink.kafka is not None
         self.kafka: KafkaSinkConfig = cfg.sink.kafka
+        # the directory this run's tasks write (`task_files`; None: the stage), once decided
+        self.run_dir: str | None = None
+        self.run_decided = False
 
     # -- the run ---------------------------------------------------------------------------
     def check_before_read(self, batch: Batch) -> None:
@@ -56,9 +62,15 @@ class KafkaPipelineSink(Sink):
 
     @property
     def files_dir(self) -> str | None:
-        """`sink.task_files` (off by default; `KafkaTopicSink.task_files_dir`
-        overrides it for the tests and the bench)."""
-        return KafkaTopicSink.task_files_dir or self.kafka.task_files
+        """Where this pipeline's task files are: `KafkaTopicSink.task_files_dir` (the tests'
+        and the bench's override), `sink.task_files`'s directory, or with `auto` (the
+        default) this host's private one (`taskfile.auto_directory`; whether a run uses it
+        is `task_files`'s decision); None: `off`."""
+        if KafkaTopicSink.task_files_dir:
+            return KafkaTopicSink.task_files_dir
+        if self.kafka.task_files is not None or not self.kafka.task_files_auto:
+            return self.kafka.task_files
+        return auto_directory(self.cfg.spark.conf.get("spark.local.dir"))
 
     @property
     def tasks_write_files(self) -> bool:
@@ -71,13 +83,20 @@ class KafkaPipelineSink(Sink):
 
     def task_files(self, dsn: str, batch: Batch, columns: Sequence[tuple[str, str]],
                    evolved: Sequence[str] = (),
-                   readers: Mapping[str, tuple[int, str] | None] | None = None) -> Any:
+                   readers: Mapping[str, tuple[int, str] | None] | None = None,
+                   tasks_here: bool = False) -> Any:
         """The task files' writers (`tasks_write_files`), or None: the stage, also for a
         batch with a column the sink reads of a type the task does not build (noted in the
-        log, decided before the read)."""
+        log, decided before the read), and with `auto` where the tasks may run on another
+        host than the driver (`tasks_here` False: a cluster master, Spark Connect)."""
+        self.run_dir, self.run_decided = None, True
         directory = self.files_dir
         if not self.tasks_write_files or directory is None:
             return None
+        if directory != KafkaTopicSink.task_files_dir and self.kafka.task_files is None:
+            directory = self._auto_run_dir(batch, directory, tasks_here)
+            if directory is None:
+                return None
         types = dict(columns)
         wanted = ([self.kafka.value_column] if self.kafka.value_format == "raw" else
                   list(self.kafka.value_columns) or payload_columns(list(types)))
@@ -107,23 +126,50 @@ class KafkaPipelineSink(Sink):
                                  f"host), or unset sink.task_files") from e
         sweep_closed(dsn, directory, batch.batch_id)
         write_again(dsn, batch.batch_id, directory, self.kafka.task_files_mode)
+        self.run_dir = directory
         return KafkaTaskFiles(directory, _ledger_id(dsn), batch.batch_id, self.kafka, types)
+
+    def _auto_run_dir(self, batch: Batch, directory: str, tasks_here: bool) -> str | None:
+        """`sink.task_files: auto`: this host's private directory where the tasks run on
+        it, else None (the stage), said in the log: files on one host's disk are not where
+        another host's tasks write."""
+        if not tasks_here:
+            log.info("batch %d: staged in PostgreSQL: task files (sink.task_files: auto) are "
+                     "used only where the tasks run on the driver's host (a local master, "
+                     "not Spark Connect); on a cluster set sink.task_files to a directory "
+                     "every host shares", batch.batch_id)
+            return None
+        try:
+            return private_directory(directory)
+        except OSError as e:
+            log.warning("batch %d: staged in PostgreSQL, not in task files: this host's task "
+                        "file directory cannot be used: %s (sink.task_files: auto; name a "
+                        "directory of your own in sink.task_files, or set it to off to "
+                        "silence this)", batch.batch_id, e)
+            return None
 
     def after_commit(self, dsn: str, batch: Batch, spec: CommitSpec) -> None:
         """The batch's task files dropped once the ledger committed it (not at the Kafka
         commit: a run that finds the batch in the topic reads its left-out records' dead
         letters from them until the ledger holds it)."""
         directory = self.files_dir
-        if directory is not None:
+        # `auto` on a host that never wrote task files (a cluster's driver): nothing to drop
+        if directory is not None and os.path.isdir(directory):
             try:
                 drop_batch_files(directory, _ledger_id(dsn), batch.batch_id)
-            except OSError as e:
+            except (OSError, psycopg2.Error) as e:
                 log.warning("batch %d: its task files in %s were not dropped: %s",
                             batch.batch_id, directory, e)
 
     def external(self, dsn: str, columns: Sequence[tuple[str, str]] | None = None,
                  spec: CommitSpec | None = None) -> KafkaTopicSink:
-        return KafkaTopicSink(self.cfg, columns, spec or CommitSpec(columns=()), dsn=dsn)
+        """The batch's markers name its files wherever they are; `files_dir` only says
+        whether to look them up: after a run's `task_files`, whether that run used files
+        (a cluster run of `auto` asks PostgreSQL nothing more), else (a repair, a run
+        without one) wherever this pipeline's files may be."""
+        files = self.run_dir if self.run_decided else self.files_dir
+        return KafkaTopicSink(self.cfg, columns, spec or CommitSpec(columns=()), dsn=dsn,
+                              files_dir=files)
 
     # -- backfill and replay ---------------------------------------------------------------
     def check_window_target(self, kind: str, target_table: str | None) -> None:

@@ -169,11 +169,15 @@ class KafkaTopicSink(KafkaTransaction):
     task_files_dir: str | None = os.environ.get("OFFSETFLOW_TEST_KAFKA_TASK_FILES") or None
 
     def __init__(self, cfg: PipelineConfig, columns: Sequence[tuple[str, str]] | None,
-                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "") -> None:
+                 spec: CommitSpec, timeout_s: float = KAFKA_TIMEOUT_S, dsn: str = "",
+                 files_dir: str | None = None) -> None:
         """`columns`: the stage's (None: only `find`, which reads no rows); `dsn`: the
-        ledger's (value_format: avro pins its schema id in a transaction of its own)."""
+        ledger's (value_format: avro pins its schema id in a transaction of its own);
+        `files_dir`: where the batch's task files may be (`KafkaPipelineSink.external`;
+        None: its markers are not looked up, the stage is read)."""
         super().__init__(cfg, timeout_s)
         self.dsn = dsn
+        self.files_dir = files_dir or self.task_files_dir
         # value_format: avro: each record's value bytes (`pinned_encoder`, built in `write`)
         self.encoder: AvroValueEncoder | None = None
         self.columns = dict(columns or ())
@@ -245,10 +249,10 @@ class KafkaTopicSink(KafkaTransaction):
         return moved
 
     def _drop_task_files(self, batch: Batch, ident: LedgerIdentity) -> None:
-        """Every task file of the batch in `sink.task_files` (best effort): where the
+        """Every task file of the batch in `files_dir` (best effort): where the
         markers that name them are lost (`offsetflow complete` after a PostgreSQL crash),
         the ledger's drop (`drop_named_task_files`) cannot find them."""
-        directory = self.task_files_dir or self.sink.task_files
+        directory = self.files_dir
         if directory is None:
             return
         try:
@@ -503,13 +507,12 @@ class KafkaTopicSink(KafkaTransaction):
         pass, its extent, the broker-refusal lookup, the dead letters of records not
         produced): the task files its parts' markers name (`taskfile`, issue 32) when they
         name files, else the stage; `segs`: those segments in that order, else the whole
-        batch (in source order when `ordered`). Looked up only with `sink.task_files` (or
-        the tests' switch) on: the default path asks nothing more of PostgreSQL. A batch
+        batch (in source order when `ordered`). Looked up only where the batch's files may
+        be (`files_dir`): a run that staged in PostgreSQL asks it nothing more. A batch
         written to files and run again with the setting off is counted against the empty
         stage by the commit (`CommitSpec.task_files` follows the setting) and re-staged."""
-        files_on = self.task_files_dir is not None or self.sink.task_files is not None
         entries = self._file_entries(cur, batch, None if segs is None else
-                                     {g.part for g in segs}) if files_on else {}
+                                     {g.part for g in segs}) if self.files_dir else {}
         if entries:
             return FileParts(batch.batch_id, sorted((p, None) for p in entries)
                               if segs is None else
@@ -796,13 +799,13 @@ class KafkaTopicSink(KafkaTransaction):
                 batch.batch_id, staged,
                 f"parts {staged} were staged in PostgreSQL (before sink.task_files was set) "
                 f"but parts {sorted(found)} were written to task files in "
-                f"{self.task_files_dir or self.sink.task_files}; a batch is produced from "
+                f"{self.files_dir}; a batch is produced from "
                 f"one or the other, so the stage parts are dropped and the next run writes "
                 f"them to task files")
         if found:  # every file there, or every lost one named at once (not one per run)
             try:
                 taskfile.check_present(batch.batch_id, found,
-                                       str(self.task_files_dir or self.sink.task_files))
+                                       str(self.files_dir))
             except TaskFileLostError:
                 if requested is not None:
                     self._file_entries(cur, batch, None)  # the batch's every staged part

@@ -20,6 +20,7 @@ import errno
 import os
 import socket
 import stat
+import tempfile
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping
@@ -363,6 +364,34 @@ def check_directory(directory: str) -> None:
     probe = p / f".offsetflow-probe-{uuid.uuid4().hex[:8]}"
     probe.write_bytes(b"")
     probe.unlink()
+
+
+def auto_directory(local_dir: str | None) -> str:
+    """`sink.task_files: auto`'s directory: `offsetflow-task-files-<uid>` under the first of
+    `spark.local.dir` (`local_dir`, comma-separated as Spark takes it) or the temporary
+    directory (TMPDIR), where Spark's own local files go: the path only, nothing made."""
+    base = (local_dir or "").split(",")[0].strip() or tempfile.gettempdir()
+    return os.path.join(os.path.abspath(base), f"offsetflow-task-files-{os.geteuid()}")
+
+
+def private_directory(path: str) -> str:
+    """`path` (`auto_directory`) made if missing (0700) and checked: a real directory, not a
+    symlink, owned by this user, that nobody else may enter. In a shared base (/tmp)
+    another user could have made it first, to read the records or to swap a file between
+    its check and its read: such a directory raises OSError naming what is wrong, never
+    used."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory (a symlink or a file)")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise PermissionError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
+                              f"enter it (chmod 700 it, or remove it)")
+    return path
 
 
 def drop_batch_files(directory: str, ledger: str, batch_id: int) -> int:

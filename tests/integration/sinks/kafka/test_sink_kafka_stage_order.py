@@ -108,8 +108,9 @@ def test_a_packed_and_split_stage_is_produced_without_a_sort_in_source_order(
     src = make_topic("kp-src", 6)
     out = make_topic("kp-out", 6)
     produced = _produce(kafka_bootstrap, src, dict.fromkeys(range(6), 1500), f"kp{unique}")
+    # the stage path's plan (task files, the default on local[2], stage nothing)
     cfg = kafka_sink_pipeline(f"kp_{unique}", src, pg_dsn, kafka_bootstrap, topic=out,
-                              partitioning="source", split=1000)
+                              partitioning="source", split=1000, task_files="off")
     planned = plan_only(cfg, pg_dsn)
     assert planned.batch is not None
     split = split_ranges(planned.batch.ranges, 1000)

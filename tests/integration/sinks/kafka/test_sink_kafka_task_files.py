@@ -20,6 +20,7 @@ import pytest
 from psycopg2 import sql
 
 from offsetflow.sinks.kafka.values import json_values
+from tests.tooling.kafka_case import with_task_files
 from tests.tooling.kafka_sink_shape import KafkaSinkShape
 from tests.tooling.kafka_staging import stage_query_rows, task_file_reads
 
@@ -777,15 +778,6 @@ def test_complete_of_a_task_file_batch_whose_stage_and_records_are_gone(
     assert not list(task_dir.iterdir())
 
 
-def _with_task_files(cfg: Any, directory: Path) -> Any:
-    import dataclasses
-
-    kafka = cfg.sink.kafka
-    assert kafka is not None
-    return dataclasses.replace(cfg, sink=dataclasses.replace(
-        cfg.sink, kafka=dataclasses.replace(kafka, task_files=str(directory))))
-
-
 def test_the_setting_turned_on_for_a_partly_staged_batch_converges(
         spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -817,7 +809,7 @@ def test_the_setting_turned_on_for_a_partly_staged_batch_converges(
         m.setattr(KafkaTopicSink, "begin_parts", failing)
         m.setattr(KafkaTopicSink, "write", failing)
         with pytest.raises(_Stop):
-            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+            run_batch(spark, with_task_files(case.cfg, "off"), case.batch_id, pg_dsn)
     with contextlib.closing(psycopg2.connect(pg_dsn)) as conn, conn.cursor() as cur:
         cur.execute("SELECT array_agg(part ORDER BY part) FROM offsetflow.staged_parts "
                     "WHERE batch_id = %s AND kind = 'rows'", (case.batch_id,))
@@ -825,7 +817,7 @@ def test_the_setting_turned_on_for_a_partly_staged_batch_converges(
     assert len(parts) >= 2, parts
     # a run killed mid-read: only the first half of the parts staged
     forget_parts(pg_dsn, case.batch_id, parts[len(parts) // 2:], None)
-    cfg = _with_task_files(case.cfg, d)
+    cfg = with_task_files(case.cfg, d)
     # the batch read whole (as after an overlap given up, or a failed pass): not per part
     monkeypatch.setattr(KafkaTopicSink, "overlap", False)
     with pytest.raises(StagedRowsLostError) as e:
@@ -873,7 +865,7 @@ def test_a_batch_the_setting_stages_in_postgresql_has_its_stage_counted(
 
     monkeypatch.setattr(WholeStage, "before_checks", losing_a_row)
     with pytest.raises(StagedRowsLostError) as e:
-        run_batch(spark, _with_task_files(case.cfg, d), case.batch_id, pg_dsn)
+        run_batch(spark, with_task_files(case.cfg, d), case.batch_id, pg_dsn)
     assert f"rows of {case.src}/" in str(e.value), str(e.value)
     assert not list(d.iterdir())
 

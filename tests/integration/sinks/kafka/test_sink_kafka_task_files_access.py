@@ -5,7 +5,6 @@ files already written, not only the ones a later run would write."""
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -13,17 +12,10 @@ from typing import Any
 
 import pytest
 
+from tests.tooling.kafka_case import with_task_files
+
 # the group the emulated driver's user is in (not the executors' primary group, root's 0)
 DRIVER_GID = 4242
-
-
-def _with_task_files(cfg: Any, directory: Path, mode: int | None = None) -> Any:
-    kafka = cfg.sink.kafka
-    assert kafka is not None
-    kafka = dataclasses.replace(kafka, task_files=str(directory))
-    if mode is not None:
-        kafka = dataclasses.replace(kafka, task_files_mode=mode)
-    return dataclasses.replace(cfg, sink=dataclasses.replace(cfg.sink, kafka=kafka))
 
 
 def _driver_as_another_user(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
@@ -67,7 +59,7 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
     d.mkdir()
     d.chmod(0o755)
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
-    cfg = _with_task_files(case.cfg, d)
+    cfg = with_task_files(case.cfg, d)
     _driver_as_another_user(monkeypatch, tmp_path)
     with pytest.raises(TaskFileAccessError) as e:
         run_batch(spark, cfg, case.batch_id, pg_dsn)
@@ -76,7 +68,7 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
     assert kept and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in kept), kept
 
     if way_out == "mode":
-        cfg = _with_task_files(case.cfg, d, 0o644)
+        cfg = with_task_files(case.cfg, d, 0o644)
     elif way_out == "setgid":
         os.chown(d, -1, DRIVER_GID)
         d.chmod(0o2775)
@@ -85,7 +77,7 @@ def test_the_way_out_an_access_error_names_lets_the_next_run_commit(
         moved.mkdir()
         os.chown(moved, -1, DRIVER_GID)
         moved.chmod(0o2775)
-        cfg = _with_task_files(case.cfg, moved)
+        cfg = with_task_files(case.cfg, moved)
     rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
     v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
@@ -119,11 +111,11 @@ def test_the_setting_turned_off_for_a_batch_written_to_files_converges(
     with monkeypatch.context() as m:
         m.setattr(taskfile, "read_part_file", failing)
         with pytest.raises(RuntimeError, match="injected"):
-            run_batch(spark, _with_task_files(case.cfg, d), case.batch_id, pg_dsn)
+            run_batch(spark, with_task_files(case.cfg, d), case.batch_id, pg_dsn)
     assert list(d.glob(f"*_b{case.batch_id}_p*.arrow"))
     for _ in range(3):  # the setting off: at most one run refuses the file parts
         try:
-            rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+            rep = run_batch(spark, with_task_files(case.cfg, "off"), case.batch_id, pg_dsn)
         except StagedRowsLostError:
             continue
         break

@@ -427,3 +427,12 @@ def test_kafka_sink_task_files_mode_is_who_may_read_the_files(tmp_path: Any) -> 
     default = parse_pipeline(raw(topic="o"), "orders.yaml", ENV)
     assert default.sink.kafka is not None and default.sink.kafka.task_files_mode == 0o640
     assert cfg.fingerprint() == default.fingerprint()
+
+
+def test_kafka_sink_task_files_takes_auto_off_or_an_absolute_path() -> None:
+    """`sink.task_files`: `auto` by default, `off`, or an absolute path; another word is
+    refused as a relative path, naming the two words."""
+    from offsetflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'of' is not an absolute path.*auto.*off"):
+        parse_pipeline(raw(topic="o", task_files="of"), "orders.yaml", ENV)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -335,3 +336,132 @@ def test_a_lost_file_written_before_the_setting_moved_is_looked_for_where_it_was
         check_present(1, {0: entry}, str(new))
     msg = str(e.value)
     assert f"files in {old} (where they were written; sink.task_files is {new} now)" in msg, msg
+
+
+# --- sink.task_files: auto (the default) ---------------------------------------------------
+
+def test_auto_puts_the_files_under_spark_local_dir_or_tmpdir(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto`'s directory: where Spark's own local files go, the first of spark.local.dir
+    (comma-separated, as Spark reads it), else TMPDIR; one per user of the host."""
+    from offsetflow.sinks.kafka.taskfile import auto_directory
+
+    uid = os.geteuid()
+    assert auto_directory(f"{tmp_path}/a, {tmp_path}/b") == \
+        f"{tmp_path}/a/offsetflow-task-files-{uid}"
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert auto_directory(None) == f"{tmp_path}/offsetflow-task-files-{uid}"
+    assert auto_directory("") == f"{tmp_path}/offsetflow-task-files-{uid}"
+
+
+def test_auto_makes_its_directory_private_and_refuses_one_another_could_use(
+        tmp_path: Path) -> None:
+    """`private_directory`: made 0700 when missing; one found group- or world-enterable, a
+    symlink (to a directory another user picked) or a file is refused naming why, never
+    used: in a shared /tmp another user could have made it to read or swap the files."""
+    from offsetflow.sinks.kafka.taskfile import private_directory
+
+    made = tmp_path / "mine"
+    assert private_directory(str(made)) == str(made)
+    assert made.is_dir() and (made.stat().st_mode & 0o777) == 0o700
+    assert private_directory(str(made)) == str(made)  # found as made: used again
+    made.chmod(0o750)
+    with pytest.raises(PermissionError, match="mode 0750: others may enter it"):
+        private_directory(str(made))
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        private_directory(str(tmp_path / "link"))
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        private_directory(str(tmp_path / "file"))
+
+
+def test_auto_refuses_a_directory_another_user_owns(tmp_path: Path) -> None:
+    """A directory of `auto`'s name made by another user (it could read the records or
+    replace a file between its check and its read) is refused naming the owner."""
+    from offsetflow.sinks.kafka.taskfile import private_directory
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user owns")
+    d = tmp_path / "squatted"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(PermissionError, match="owned by uid 65534, not by this user"):
+        private_directory(str(d))
+
+
+def _kafka_cfg(**sink: Any) -> Any:
+    from offsetflow.config import parse_pipeline
+
+    return parse_pipeline({
+        "name": "orders", "kafka": {"bootstrap_servers": "k:9092"},
+        "source": {"topics": ["orders"]},
+        "format": {"type": "json", "schema": {"id": "long"}},
+        "sink": {"type": "kafka", "connection": "postgresql://x/y", "topic": "o", **sink}},
+        "orders.yaml", {})
+
+
+def test_auto_is_the_default_and_uses_files_only_where_the_tasks_run_here(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`sink.task_files` absent, `auto` or null: task files where the tasks run on the
+    driver's host, else the stage with a note (no directory made, nothing connected);
+    `off`: the stage. The choice never changes the pipeline's fingerprint."""
+    from offsetflow.ledger import Batch
+    from offsetflow.sinks.kafka import KafkaPipelineSink
+
+    default, auto, null, off = (_kafka_cfg(), _kafka_cfg(task_files="auto"),
+                                _kafka_cfg(task_files=None), _kafka_cfg(task_files="off"))
+    for cfg in (default, auto, null):
+        assert cfg.sink.kafka.task_files is None and cfg.sink.kafka.task_files_auto
+        assert KafkaPipelineSink(cfg).tasks_write_files
+    assert not off.sink.kafka.task_files_auto and off.sink.kafka.task_files is None
+    assert not KafkaPipelineSink(off).tasks_write_files
+    assert KafkaPipelineSink(off).files_dir is None
+    assert len({c.fingerprint() for c in (default, auto, null, off)}) == 1
+    batch = Batch.__new__(Batch)
+    object.__setattr__(batch, "batch_id", 5)
+    cols = [("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
+            ("key", "bytea"), ("value", "bytea"), ("timestamp", "timestamptz"),
+            ("headers", "jsonb"), ("id", "bigint")]
+    local = _kafka_cfg(**{})
+    local = dataclasses.replace(local, spark=dataclasses.replace(
+        local.spark, conf={"spark.local.dir": str(tmp_path)}))
+    sink = KafkaPipelineSink(local)
+    with caplog.at_level("INFO"):
+        assert sink.task_files("postgresql://unused/x", batch, cols, tasks_here=False) is None
+    assert "only where the tasks run on the driver's host" in caplog.text
+    assert not list(tmp_path.iterdir())  # nothing made for a cluster's run
+    # the run's choice reaches the commit: a cluster run's sink looks no marker up
+    assert sink.external("postgresql://unused/x").files_dir is None
+    # a repair (no run decided) looks where this host's files would be
+    assert KafkaPipelineSink(local).external("postgresql://unused/x").files_dir == \
+        f"{tmp_path}/offsetflow-task-files-{os.geteuid()}"
+
+
+def test_auto_stages_with_a_warning_where_its_directory_cannot_be_used(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`auto` with its directory unusable (here: group-enterable) stages the batch in
+    PostgreSQL with a warning naming the directory and why, never fails the run."""
+    from offsetflow.ledger import Batch
+    from offsetflow.sinks.kafka import KafkaPipelineSink
+
+    d = tmp_path / f"offsetflow-task-files-{os.geteuid()}"
+    d.mkdir(mode=0o700)
+    d.chmod(0o770)
+    cfg = _kafka_cfg()
+    cfg = dataclasses.replace(cfg, spark=dataclasses.replace(
+        cfg.spark, conf={"spark.local.dir": str(tmp_path)}))
+    batch = Batch.__new__(Batch)
+    object.__setattr__(batch, "batch_id", 6)
+    cols = [("topic", "text"), ("partition", "integer"), ("offset", "bigint"),
+            ("key", "bytea"), ("value", "bytea"), ("timestamp", "timestamptz"),
+            ("headers", "jsonb"), ("id", "bigint")]
+    with caplog.at_level("WARNING"):
+        assert KafkaPipelineSink(cfg).task_files("postgresql://unused/x", batch, cols,
+                                                 tasks_here=True) is None
+    assert f"{d} has mode 0770" in caplog.text and "staged in PostgreSQL" in caplog.text

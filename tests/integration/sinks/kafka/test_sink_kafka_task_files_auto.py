@@ -1,0 +1,70 @@
+"""`sink.task_files: auto`, the Kafka sink's default (issue 32): on a local master the tasks
+write task files in a private directory of this host and the driver produces from them;
+where that directory could be another user's, the batch is staged in PostgreSQL. Either
+way each record reaches the output topic once (read_committed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from offsetflow.job import run_batch
+from offsetflow.sinks.kafka import KafkaTopicSink
+from tests.tooling.kafka_case import make_case
+from tests.tooling.kafka_staging import task_file_reads
+
+
+@pytest.fixture(autouse=True)
+def _setting_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's own setting, not the tests' override (`OFFSETFLOW_TEST_KAFKA_TASK_FILES`)."""
+    monkeypatch.setattr(KafkaTopicSink, "task_files_dir", None)
+
+
+def test_the_default_on_a_local_master_produces_from_a_private_directory_of_this_host(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No `sink.task_files` in the config: the batch's parts are read from task files in
+    `offsetflow-task-files-<uid>` under spark.local.dir, made 0700; each record once in
+    the topic, and the files gone after the commit."""
+    local = tmp_path / "local"
+    local.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"conf": {"spark.local.dir": str(local)}})
+    assert case.cfg.sink.kafka is not None and case.cfg.sink.kafka.task_files is None
+    reads = task_file_reads(monkeypatch)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    private = local / f"offsetflow-task-files-{os.geteuid()}"
+    assert reads and {Path(p).parent for _, p in reads} == {private}, reads
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert not list(private.iterdir())  # dropped once the ledger committed the batch
+    v = case.verdict()  # read_committed: 0 lost, 0 duplicated, the one batch
+    assert v.visible == v.committed.found, v
+
+
+def test_auto_never_uses_a_directory_another_user_could_enter_and_stages_instead(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`auto`'s directory found group- and world-enterable (made first by someone else on
+    a shared /tmp): nothing is written there, the batch is staged in PostgreSQL with a
+    warning naming the directory, and commits once."""
+    local = tmp_path / "local"
+    private = local / f"offsetflow-task-files-{os.geteuid()}"
+    private.mkdir(parents=True)
+    private.chmod(0o777)
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"conf": {"spark.local.dir": str(local)}})
+    reads = task_file_reads(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="offsetflow"):
+        rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert not reads and not list(private.iterdir())
+    assert f"{private} has mode 0777" in caplog.text, caplog.text
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
