@@ -34,7 +34,7 @@ def test_the_default_on_a_local_master_produces_from_a_private_directory_of_this
     local = tmp_path / "local"
     local.mkdir()
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
-                     spark={"conf": {"spark.local.dir": str(local)}})
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
     assert case.cfg.sink.kafka is not None and case.cfg.sink.kafka.task_files is None
     reads = task_file_reads(monkeypatch)
     rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
@@ -59,12 +59,29 @@ def test_auto_never_uses_a_directory_another_user_could_enter_and_stages_instead
     private.mkdir(parents=True)
     private.chmod(0o777)
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
-                     spark={"conf": {"spark.local.dir": str(local)}})
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
     reads = task_file_reads(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="offsetflow"):
         rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
     assert not reads and not list(private.iterdir())
     assert f"{private} has mode 0777" in caplog.text, caplog.text
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+
+
+def test_the_kafka_tests_default_case_stages_in_postgresql(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_case`'s pipeline without a `task_files` asked for is the PostgreSQL stage path
+    (`sink.task_files: off`): the cases that name invariants 17 and 38 (the stage produced
+    part by part, killed between the Kafka and the ledger commit, ...) exercise the path
+    every cluster master and Spark Connect runs, not the local master's task files that
+    `auto` would pick; task files are asked for (`task_files=`, the override)."""
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    reads = task_file_reads(monkeypatch)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert not reads, reads
     v = case.verdict()
     assert v.visible == v.committed.found, v
