@@ -85,3 +85,59 @@ def test_the_kafka_tests_default_case_stages_in_postgresql(
     assert not reads, reads
     v = case.verdict()
     assert v.visible == v.committed.found, v
+
+
+@pytest.mark.parametrize("then", ["cluster", "removed", "moved"])
+def test_a_batch_written_to_auto_files_converges_wherever_the_next_run_decides(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    """A local run of `auto` wrote every part to its private directory and failed before
+    producing. The next runs: on a cluster master (`auto` stages; the markers are not read:
+    the file parts' empty stage is refused once, dropped with their files, staged again),
+    after the directory was removed (a tmp cleaner, systemd PrivateTmp: the parts are lost
+    once and written again), or on this host with another spark.local.dir (the files are
+    read where the markers name them, no refusal). Each converges, each record once."""
+    import shutil
+
+    from offsetflow.errors import StagedRowsLostError
+    from offsetflow.job import driver
+    from offsetflow.sinks.kafka import taskfile
+
+    local = tmp_path / "local"
+    local.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
+    private = local / f"offsetflow-task-files-{os.geteuid()}"
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    with monkeypatch.context() as m:
+        m.setattr(taskfile, "read_part_file", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert list(private.glob(f"*_b{case.batch_id}_p*.arrow"))
+    cfg = case.cfg
+    if then == "cluster":
+        monkeypatch.setattr(driver, "tasks_here", lambda *_a: False)
+    elif then == "removed":
+        shutil.rmtree(private)
+    else:
+        import dataclasses
+
+        other = tmp_path / "other"
+        other.mkdir()
+        cfg = dataclasses.replace(cfg, spark=dataclasses.replace(
+            cfg.spark, conf={"spark.local.dir": str(other)}))
+    refused = 0
+    for _ in range(3):
+        try:
+            rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+        except StagedRowsLostError:  # TaskFileLostError is one
+            refused += 1
+            continue
+        break
+    assert rep.result.status == "committed", rep.result
+    assert refused == (0 if then == "moved" else 1), refused
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
