@@ -109,8 +109,12 @@ class KafkaCase:
 def make_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
               tmp_path: Path, *, spark: dict[str, Any] | None = None,
               dead_letter: bool = False, out_config: dict[str, str] | None = None,
-              before_plan: Any = None) -> KafkaCase:
-    """The pipeline and its planned batch; `before_plan(src)` adds records to the batch."""
+              before_plan: Any = None, task_files: str = "off") -> KafkaCase:
+    """The pipeline and its planned batch; `before_plan(src)` adds records to the batch.
+    `task_files`: `sink.task_files`, the PostgreSQL stage unless asked (`auto`, the
+    sink's default, would write task files on this local master: the cases of the stage
+    path would not run it; the task-file cases ask through `KafkaTopicSink.task_files_dir`
+    or a directory)."""
     src = make_topic("kf-src", 2)
     out = make_topic("kf-out", 2, out_config)
     w = Workload(kafka_bootstrap, src, 2, f"kf{unique}")
@@ -125,7 +129,7 @@ def make_case(pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
         "source": {"topics": [src], "starting": "earliest"},
         "format": {"type": "json", "schema": dict(SCHEMA)},
         "sink": {"type": "kafka", "connection": pg_dsn, "topic": out,
-                 "key_column": "event_id"},
+                 "key_column": "event_id", "task_files": task_files},
         "spark": {"master": "local[2]", **(spark or {})},
     }
     if dead_letter:

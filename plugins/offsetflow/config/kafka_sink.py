@@ -94,7 +94,7 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         else:
             producer[str(k)] = r.resolve(str(v).lower() if isinstance(v, bool) else str(v),
                                          f"sink.producer.{k}")
-    task_files = r.string(sec, "task_files", "sink.")
+    task_files = _task_files(r, sec)
     task_files_auto = task_files in (None, "auto")
     if task_files in (None, "auto", "off"):
         task_files = None
@@ -114,6 +114,20 @@ def parse_kafka_sink(r: FieldReader, sec: Mapping[str, Any], schema: Mapping[str
         value_schema=r.string(sec, "value_schema", "sink."), registry=registry,
         task_files=task_files, task_files_auto=task_files_auto,
         task_files_mode=_task_files_mode(r, sec))
+
+
+def _task_files(r: FieldReader, sec: Mapping[str, Any]) -> str | None:
+    """`sink.task_files`: `auto`, `off` or a directory. Unquoted, YAML 1.1 reads `off` (and
+    `no`, `false`) as the boolean false: that is `off`, as written; its true (`on`, `yes`)
+    names no choice and is refused naming the three."""
+    raw = sec.get("task_files")
+    if raw is False:
+        return "off"
+    if raw is True:
+        r.fail("sink.task_files", "YAML read the unquoted value as true: write auto (the "
+                                  "default), off, or an absolute directory")
+        return None
+    return r.string(sec, "task_files", "sink.")
 
 
 def _task_files_mode(r: FieldReader, sec: Mapping[str, Any]) -> int:

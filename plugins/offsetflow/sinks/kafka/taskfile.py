@@ -131,7 +131,9 @@ class PartFile:
         # the batch's records: owner and group at most by default (a cluster's driver and
         # executors may share one), never other users of the host unless
         # `sink.task_files_mode` says so; the umask may narrow it further
-        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        # a name of its own, never an entry found there (a symlink planted under it would
+        # send the records where its maker reads them)
+        fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         self._f = os.fdopen(fd, "wb")
         self._crc = _Crc(self._f)
         self._w = ipc.new_file(pa.PythonFile(self._crc, mode="w"), FILE_SCHEMA)
@@ -380,6 +382,10 @@ def private_directory(path: str) -> str:
     another user could have made it first, to read the records or to swap a file between
     its check and its read: such a directory raises OSError naming what is wrong, never
     used."""
+    if why := replaceable(os.path.dirname(os.path.abspath(path))):
+        # the check below is worth nothing where another user may rename the directory
+        # away and put one of their own in its place after it (the tasks write there later)
+        raise PermissionError(f"{path} could be replaced by another user: {why}")
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
@@ -392,6 +398,37 @@ def private_directory(path: str) -> str:
         raise PermissionError(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}: others may "
                               f"enter it (chmod 700 it, or remove it)")
     return path
+
+
+def replaceable(directory: str) -> str:
+    """Why another user could rename an entry of `directory` away and put their own in its
+    place ("" if nobody but this user and root can): a directory on the way to it, as
+    written or as its symlinks resolve, that is writable by group or others without the
+    sticky bit (/tmp has it: there only an entry's owner may rename it), or owned by
+    another user than this one and root (its owner may make it writable); a symlink on the
+    way owned by another user (it may be replaced the same way)."""
+    me = os.geteuid()
+
+    def chain(p: str) -> list[str]:
+        out = [p]
+        while (parent := os.path.dirname(p)) != p:
+            out.append(parent)
+            p = parent
+        return out
+
+    for p in [*chain(os.path.abspath(directory)), *chain(os.path.realpath(directory))]:
+        try:
+            st = os.lstat(p)
+        except OSError as e:
+            return f"{p} cannot be looked up ({e.strerror})"
+        if st.st_uid not in (0, me):
+            return f"{p} is owned by uid {st.st_uid}"
+        if stat.S_ISLNK(st.st_mode):
+            continue  # its target is in the resolved chain
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"{p} has mode {stat.S_IMODE(st.st_mode):04o}: writable by others "
+                    f"without the sticky bit")
+    return ""
 
 
 def drop_batch_files(directory: str, ledger: str, batch_id: int) -> int:

@@ -34,7 +34,7 @@ def test_the_default_on_a_local_master_produces_from_a_private_directory_of_this
     local = tmp_path / "local"
     local.mkdir()
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
-                     spark={"conf": {"spark.local.dir": str(local)}})
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
     assert case.cfg.sink.kafka is not None and case.cfg.sink.kafka.task_files is None
     reads = task_file_reads(monkeypatch)
     rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
@@ -59,12 +59,85 @@ def test_auto_never_uses_a_directory_another_user_could_enter_and_stages_instead
     private.mkdir(parents=True)
     private.chmod(0o777)
     case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
-                     spark={"conf": {"spark.local.dir": str(local)}})
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
     reads = task_file_reads(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="offsetflow"):
         rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
     assert rep.result.status == "committed", rep.result
     assert not reads and not list(private.iterdir())
     assert f"{private} has mode 0777" in caplog.text, caplog.text
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+
+
+def test_the_kafka_tests_default_case_stages_in_postgresql(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make_case`'s pipeline without a `task_files` asked for is the PostgreSQL stage path
+    (`sink.task_files: off`): the cases that name invariants 17 and 38 (the stage produced
+    part by part, killed between the Kafka and the ledger commit, ...) exercise the path
+    every cluster master and Spark Connect runs, not the local master's task files that
+    `auto` would pick; task files are asked for (`task_files=`, the override)."""
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path)
+    reads = task_file_reads(monkeypatch)
+    rep = run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    assert not reads, reads
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
+
+
+@pytest.mark.parametrize("then", ["cluster", "removed", "moved"])
+def test_a_batch_written_to_auto_files_converges_wherever_the_next_run_decides(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    """A local run of `auto` wrote every part to its private directory and failed before
+    producing. The next runs: on a cluster master (`auto` stages; the markers are not read:
+    the file parts' empty stage is refused once, dropped with their files, staged again),
+    after the directory was removed (a tmp cleaner, systemd PrivateTmp: the parts are lost
+    once and written again), or on this host with another spark.local.dir (the files are
+    read where the markers name them, no refusal). Each converges, each record once."""
+    import shutil
+
+    from offsetflow.errors import StagedRowsLostError
+    from offsetflow.job import driver
+    from offsetflow.sinks.kafka import taskfile
+
+    local = tmp_path / "local"
+    local.mkdir()
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"conf": {"spark.local.dir": str(local)}}, task_files="auto")
+    private = local / f"offsetflow-task-files-{os.geteuid()}"
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("injected: the driver fails before producing")
+
+    with monkeypatch.context() as m:
+        m.setattr(taskfile, "read_part_file", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    assert list(private.glob(f"*_b{case.batch_id}_p*.arrow"))
+    cfg = case.cfg
+    if then == "cluster":
+        monkeypatch.setattr(driver, "tasks_here", lambda *_a: False)
+    elif then == "removed":
+        shutil.rmtree(private)
+    else:
+        import dataclasses
+
+        other = tmp_path / "other"
+        other.mkdir()
+        cfg = dataclasses.replace(cfg, spark=dataclasses.replace(
+            cfg.spark, conf={"spark.local.dir": str(other)}))
+    refused = 0
+    for _ in range(3):
+        try:
+            rep = run_batch(spark, cfg, case.batch_id, pg_dsn)
+        except StagedRowsLostError:  # TaskFileLostError is one
+            refused += 1
+            continue
+        break
+    assert rep.result.status == "committed", rep.result
+    assert refused == (0 if then == "moved" else 1), refused
     v = case.verdict()
     assert v.visible == v.committed.found, v

@@ -436,3 +436,22 @@ def test_kafka_sink_task_files_takes_auto_off_or_an_absolute_path() -> None:
 
     with pytest.raises(ConfigError, match=r"'of' is not an absolute path.*auto.*off"):
         parse_pipeline(raw(topic="o", task_files="of"), "orders.yaml", ENV)
+
+
+def test_kafka_sink_task_files_off_unquoted_in_yaml_is_off() -> None:
+    """`task_files: off` as the docs write it: YAML 1.1 reads the bare word as the boolean
+    false, which is `off` (the stage), not "must be a string"; a bare `on` names no choice
+    and is refused naming the three."""
+    import yaml
+
+    from offsetflow.errors import ConfigError
+
+    for word in ("off", "no", "false"):
+        sink = yaml.safe_load(f"task_files: {word}")
+        assert sink == {"task_files": False}
+        cfg = parse_pipeline(raw(topic="o", **sink), "orders.yaml", ENV)
+        assert cfg.sink.kafka is not None
+        assert cfg.sink.kafka.task_files is None and not cfg.sink.kafka.task_files_auto
+    with pytest.raises(ConfigError, match=r"sink.task_files.*true.*auto.*off"):
+        parse_pipeline(raw(topic="o", **yaml.safe_load("task_files: on")), "orders.yaml",
+                       ENV)

@@ -465,3 +465,45 @@ def test_auto_stages_with_a_warning_where_its_directory_cannot_be_used(
         assert KafkaPipelineSink(cfg).task_files("postgresql://unused/x", batch, cols,
                                                  tasks_here=True) is None
     assert f"{d} has mode 0770" in caplog.text and "staged in PostgreSQL" in caplog.text
+
+
+def test_auto_refuses_a_directory_in_a_base_where_another_user_could_replace_it(
+        tmp_path: Path) -> None:
+    """`auto`'s own checks (owner, mode, no symlink) hold only at their moment: in a base
+    others may write without the sticky bit (a shared spark.local.dir, mode 0777), another
+    user renames the checked directory away after the check and puts one of their own in
+    its place, which the tasks then write the records into. Such a base is refused (the
+    batch staged), as is one reached through a symlink to it; /tmp's sticky 1777 is not."""
+    from offsetflow.sinks.kafka.taskfile import private_directory
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    mine = shared / f"offsetflow-task-files-{os.geteuid()}"
+    with pytest.raises(PermissionError, match=rf"{shared} has mode 0777: writable by others"):
+        private_directory(str(mine))
+    assert not mine.exists()  # nothing made there
+    (tmp_path / "via").symlink_to(shared)
+    with pytest.raises(PermissionError, match="writable by others"):
+        private_directory(str(tmp_path / "via" / "offsetflow-task-files-x"))
+    shared.chmod(0o1777)  # as /tmp: only an entry's owner may rename it
+    assert private_directory(str(mine)) == str(mine)
+
+
+def test_a_task_file_is_never_opened_through_an_entry_found_under_its_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task creates its file's temporary name itself: a symlink planted there (in a
+    directory others may write, e.g. a group's setgid sink.task_files) fails the attempt,
+    never sends the records to the link's target."""
+    import uuid
+
+    from offsetflow.sinks.kafka.taskfile import PartFile
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=0xABC))
+    target = tmp_path / "theirs"
+    target.write_bytes(b"")
+    planted = tmp_path / f"L_b1_p0_{uuid.UUID(int=0xABC).hex[:12]}.arrow.tmp"
+    planted.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        PartFile(str(tmp_path), "L", 1, 0)
+    assert target.read_bytes() == b""
