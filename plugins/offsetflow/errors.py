@@ -482,6 +482,13 @@ class WarehouseWriteError(TaskReportedError):
     batch, the warehouse path, the OS error, that nothing was committed, and the way out."""
 
 
+class TaskFileWriteError(TaskReportedError):
+    """A Kafka sink task cannot write its task file (the directory full, read-only, not
+    writable by the tasks' user): names the batch, the part, the directory, the OS error,
+    that nothing was committed, and the ways out (room there, another directory, or
+    `sink.task_files: off`)."""
+
+
 class IcebergLayoutError(TaskReportedError):
     """An Iceberg table's partition spec cannot be computed by this runtime (a transform
     pyiceberg needs pyiceberg-core for), on the driver or on a Spark worker: every batch

@@ -31,11 +31,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from offsetflow.errors import TaskFileAccessError, TaskFileLostError
+from offsetflow.errors import TaskFileAccessError, TaskFileLostError, TaskFileWriteError
 
 # a task file's permissions by default (`sink.task_files_mode`): read/write for its owner,
 # read for its group, none for others; the umask may narrow it
 FILE_MODE = 0o640
+# the OS errors that say the directory cannot take a task file (`PartWriter._writing`)
+WRITE_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                            errno.EPERM})
 # a task file's record batches hold about this many bytes at most (`split_by_bytes`); the
 # fixed columns of a record (topic name aside) count as ROW_OVERHEAD
 WRITE_CHUNK_BYTES = 8 << 20
@@ -159,9 +162,11 @@ class PartFile:
                 "mode": self.mode}
 
     def discard(self) -> None:
-        """A failed attempt's file removed (a retry writes one of its own)."""
+        """A failed attempt's file removed (a retry writes one of its own); its buffer
+        may not flush (a full disk): that is why it is discarded."""
         try:
-            self._f.close()
+            with contextlib.suppress(OSError):
+                self._f.close()
         finally:
             self._tmp.unlink(missing_ok=True)
 
@@ -469,9 +474,30 @@ class PartWriter:
     @property
     def file(self) -> PartFile:
         if self._file is None:
-            self._file = PartFile(self.tf.directory, self.tf.ledger, self.tf.batch_id,
-                                  self.part, self.tf.sink.task_files_mode)
+            with self._writing():
+                self._file = PartFile(self.tf.directory, self.tf.ledger, self.tf.batch_id,
+                                      self.part, self.tf.sink.task_files_mode)
         return self._file
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A file the directory cannot take (full, read-only, not the tasks' to write) as
+        one `TaskFileWriteError` the task reports (its attempt's file removed): Spark's
+        retries would meet the same, and an `auto` directory on a small /tmp would fail
+        every run with a bare OSError, no way out named."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in WRITE_REFUSALS:
+                raise
+            self.discard()
+            raise TaskFileWriteError(
+                f"batch {self.tf.batch_id}: a task cannot write the task file of part "
+                f"{self.part} in {self.tf.directory}: {' '.join(str(e).split())}; nothing "
+                f"was committed. Make room there (sink.task_files: auto puts the files "
+                f"under spark.local.dir, else TMPDIR), name a directory with room in "
+                f"sink.task_files, or set sink.task_files: off (the PostgreSQL stage), and "
+                f"run the batch again: it commits once") from None
 
     def write(self, batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
         from offsetflow.sinks.kafka.values import finished_records, unbuildable
@@ -489,7 +515,8 @@ class PartWriter:
             raise ValueError(f"batch {self.tf.batch_id}: a record of part {self.part} "
                              f"cannot be built in the task (a column of a type the task "
                              f"does not build)")
-        self.file.write(records)
+        with self._writing():
+            self.file.write(records)
         return batch, None
 
     def take_unfit(self) -> list[dict[str, Any]]:
@@ -504,8 +531,10 @@ class PartWriter:
         self._unfit += [{**row, "error": refused[i]} for i, row in zip(idx, rows, strict=True)]
 
     def close(self) -> list[dict[str, Any]]:
+        with self._writing():
+            entry = self.file.close()
         self._closed = True
-        return [self.file.close()]
+        return [entry]
 
     def discard(self) -> None:
         """The attempt's unfinished file removed (a failed attempt)."""

@@ -141,3 +141,49 @@ def test_a_batch_written_to_auto_files_converges_wherever_the_next_run_decides(
     assert refused == (0 if then == "moved" else 1), refused
     v = case.verdict()
     assert v.visible == v.committed.found, v
+
+
+@pytest.fixture
+def full_local_dir(tmp_path: Path) -> Any:
+    """A real file system of one page (tmpfs, 4 KiB) to be `spark.local.dir`: `auto`'s
+    directory fits, a part's task file does not (a small /tmp under a large batch)."""
+    import subprocess
+
+    d = tmp_path / "small"
+    d.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k,mode=1777", "tmpfs", str(d)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:  # the CI machine mounts (root in its container)
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_task_file_the_directory_has_no_room_for_fails_once_by_name_with_the_way_out(
+        spark: Any, pg_dsn: str, kafka_bootstrap: str, make_topic: Any, unique: str,
+        tmp_path: Path, full_local_dir: Path) -> None:
+    """`auto` under a spark.local.dir too small for the batch's records: the run fails with
+    one `TaskFileWriteError` naming the batch, the directory, the OS error and the ways
+    out (not Spark's wrapped OSError of every task attempt), nothing is visible and no
+    file is left; with `off`, the way out it names, the batch commits once."""
+    from offsetflow.errors import TaskFileWriteError
+    from tests.tooling.kafka_case import with_task_files
+    from tests.tooling.topic_checker import read_topic
+
+    case = make_case(pg_dsn, kafka_bootstrap, make_topic, unique, tmp_path,
+                     spark={"conf": {"spark.local.dir": str(full_local_dir)}},
+                     task_files="auto")
+    with pytest.raises(TaskFileWriteError) as e:
+        run_batch(spark, case.cfg, case.batch_id, pg_dsn)
+    msg = str(e.value)
+    private = full_local_dir / f"offsetflow-task-files-{os.geteuid()}"
+    assert f"batch {case.batch_id}:" in msg and str(private) in msg, msg
+    assert "No space left" in msg and "sink.task_files: off" in msg, msg
+    assert not read_topic(kafka_bootstrap, case.out)
+    assert not list(private.iterdir())  # each failed attempt removed its file
+    rep = run_batch(spark, with_task_files(case.cfg, "off"), case.batch_id, pg_dsn)
+    assert rep.result.status == "committed", rep.result
+    v = case.verdict()
+    assert v.visible == v.committed.found, v
