@@ -6,6 +6,7 @@ needs (file and field, topic/partition/offset, batch id) so it is shown once, cl
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 
 
@@ -468,6 +469,14 @@ class AuditConflictError(AuditStateError):
     rows, changed since the diff the operator saw (another replay or backfill committed
     there, a hand edit); the way out is a fresh diff (`offsetflow audit show --refresh`),
     then publish again."""
+
+
+# the OS errors of a write the file system cannot take (read-only, full, over quota or the
+# file size limit, no permission, a path that is not a directory): a task's write (a Kafka
+# sink's task file, an Iceberg data file) reports them as the sink's `TaskReportedError`
+# naming the way out; a missing file (ENOENT: a read) is not one of them
+NOT_WRITABLE_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES,
+                                 errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EFBIG})
 
 
 class TaskReportedError(OffsetFlowError):

@@ -13,15 +13,11 @@ back with it."""
 from __future__ import annotations
 
 import contextlib
-import errno
 from collections.abc import Iterator
 
-from offsetflow.errors import WarehouseWriteError
+from offsetflow.errors import NOT_WRITABLE_ERRNOS, WarehouseWriteError
 
-# what a write to a file system or object store that cannot take it fails with; a missing
-# file (ENOENT: a read) is not one of them
-_NOT_WRITABLE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM,
-                 errno.ENOTDIR, errno.EISDIR, errno.EFBIG}
+# object stores' denials carry no errno, only their text (file systems: NOT_WRITABLE_ERRNOS)
 _NOT_WRITABLE_TEXT = ("Read-only file system", "No space left", "Permission denied",
                       "Disk quota", "ACCESS_DENIED", "AccessDenied")
 
@@ -31,7 +27,7 @@ def not_writable(e: BaseException) -> bool:
     OSError with the errno set; object stores' denials carry no errno, only their text)."""
     if not isinstance(e, OSError):
         return False
-    return e.errno in _NOT_WRITABLE or any(t in str(e) for t in _NOT_WRITABLE_TEXT)
+    return e.errno in NOT_WRITABLE_ERRNOS or any(t in str(e) for t in _NOT_WRITABLE_TEXT)
 
 
 def warehouse_error(e: OSError, location: str, what: str, batch_id: int | None

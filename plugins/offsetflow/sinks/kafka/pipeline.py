@@ -66,11 +66,16 @@ class KafkaPipelineSink(Sink):
         and the bench's override), `sink.task_files`'s directory, or with `auto` (the
         default) this host's private one (`taskfile.auto_directory`; whether a run uses it
         is `task_files`'s decision); None: `off`."""
-        if KafkaTopicSink.task_files_dir:
-            return KafkaTopicSink.task_files_dir
-        if self.kafka.task_files is not None or not self.kafka.task_files_auto:
-            return self.kafka.task_files
-        return auto_directory(self.cfg.spark.conf.get("spark.local.dir"))
+        if self.auto:
+            return auto_directory(self.cfg.spark.conf.get("spark.local.dir"))
+        return KafkaTopicSink.task_files_dir or self.kafka.task_files
+
+    @property
+    def auto(self) -> bool:
+        """`sink.task_files: auto` decides (no directory named, no override): whether a run
+        writes files is then `_auto_run_dir`'s choice."""
+        return (not KafkaTopicSink.task_files_dir and self.kafka.task_files is None
+                and self.kafka.task_files_auto)
 
     @property
     def tasks_write_files(self) -> bool:
@@ -93,7 +98,7 @@ class KafkaPipelineSink(Sink):
         directory = self.files_dir
         if not self.tasks_write_files or directory is None:
             return None
-        if directory != KafkaTopicSink.task_files_dir and self.kafka.task_files is None:
+        if self.auto:
             directory = self._auto_run_dir(batch, directory, tasks_here)
             if directory is None:
                 return None

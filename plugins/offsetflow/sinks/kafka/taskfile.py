@@ -31,14 +31,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from offsetflow.errors import TaskFileAccessError, TaskFileLostError, TaskFileWriteError
+from offsetflow.errors import (
+    NOT_WRITABLE_ERRNOS,
+    TaskFileAccessError,
+    TaskFileLostError,
+    TaskFileWriteError,
+)
 
 # a task file's permissions by default (`sink.task_files_mode`): read/write for its owner,
 # read for its group, none for others; the umask may narrow it
 FILE_MODE = 0o640
-# the OS errors that say the directory cannot take a task file (`PartWriter._writing`)
-WRITE_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                            errno.EPERM})
 # a task file's record batches hold about this many bytes at most (`split_by_bytes`); the
 # fixed columns of a record (topic name aside) count as ROW_OVERHEAD
 WRITE_CHUNK_BYTES = 8 << 20
@@ -488,7 +490,7 @@ class PartWriter:
         try:
             yield
         except OSError as e:
-            if e.errno not in WRITE_REFUSALS:
+            if e.errno not in NOT_WRITABLE_ERRNOS:
                 raise
             self.discard()
             raise TaskFileWriteError(
