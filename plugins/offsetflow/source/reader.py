@@ -19,7 +19,10 @@ What a record becomes in a chunk (and in Arrow), and which records are refused, 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -28,7 +31,6 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTopicPartition
 
-from offsetflow.allocator import READER_ARENAS, cap_malloc_arenas
 from offsetflow.errors import DataLossError, RangeReadError
 from offsetflow.ranges import OffsetRange
 from offsetflow.source.chunk import RawChunk, append_record
@@ -57,6 +59,14 @@ FIRST_CONSUME = 8
 # in milliseconds); a larger range gets a consumer of its own with the default wait.
 SHARED_FETCH_WAIT_MS = 2
 SHARED_MAX_SPAN = 10_000
+# glibc gives a thread that finds the arenas in use one of its own, up to 8 per core, and
+# every consumer starts librdkafka threads (a main thread, one per broker) that allocate its
+# fetches there. Memory freed in an arena mostly stays mapped, so a Spark Python worker that
+# runs task after task, each with new consumer threads, carried ~100-150 MB of such arenas
+# over its ~300 MB (10M records: 480-514 MB peak; with 2 arenas 386). The reader caps the
+# process at MALLOC_ARENAS before its first consumer (an explicit MALLOC_ARENA_MAX wins).
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # mallopt(3)
 # Transient errors (leader moving, broker restarting): retried with exponential backoff for
 # as long as a read may stall (`stall_timeout_s`)
 RETRY_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -116,12 +126,33 @@ def check_preconditions(conf: Mapping[str, str]) -> None:
             raise ValueError(f"reader consumer needs {k}={v}, got {conf.get(k)!r}")
 
 
+_arenas_capped: bool | None = None
+
+
+def cap_malloc_arenas(n: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas of this process at `n` (see MALLOC_ARENAS), once; False
+    where that cannot be done (not glibc) or MALLOC_ARENA_MAX already decides. glibc fixes
+    the cap when a thread first needs a new arena past its default test count, so this
+    runs before the process's first consumer starts threads."""
+    global _arenas_capped
+    if _arenas_capped is None:
+        _arenas_capped = False
+        if sys.platform.startswith("linux") and "MALLOC_ARENA_MAX" not in os.environ:
+            try:
+                mallopt = ctypes.CDLL(None).mallopt
+            except (OSError, AttributeError):  # not glibc (musl has no mallopt arenas)
+                return False
+            mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            _arenas_capped = mallopt(_M_ARENA_MAX, n) == 1
+    return _arenas_capped
+
+
 @contextlib.contextmanager
 def range_consumer(conf: Mapping[str, str], shared: bool = False) -> Iterator[Consumer]:
     """A consumer for reading ranges; `shared`: one after the other, small ones
     (`read_range(consumer=...)`, see SHARED_FETCH_WAIT_MS)."""
     check_preconditions(conf)
-    cap_malloc_arenas(READER_ARENAS)  # before the consumer starts its threads
+    cap_malloc_arenas()
     settings = consumer_conf(conf)
     if shared:
         settings.setdefault("fetch.wait.max.ms", str(SHARED_FETCH_WAIT_MS))

@@ -5,7 +5,7 @@ Every range a task reads starts a consumer, and librdkafka's threads (a main thr
 broker) each got a glibc malloc arena of their own, up to 8 per core. Memory freed in an arena
 mostly stays mapped, so a reused worker carried 100-150 MB of them over its ~300 MB: at 10M
 records (100 tasks) the largest worker peaked at 480-514 MB against 412 at 1M. The reader caps
-the arenas (`offsetflow.allocator.READER_ARENAS`) before its first consumer; this counts them in the
+the arenas (`reader.MALLOC_ARENAS`) before its first consumer; this counts them in the
 workers of a real Spark local[2] after tasks that read real Kafka ranges.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from offsetflow.allocator import READER_ARENAS
 from offsetflow.ranges import OffsetRange
+from offsetflow.source.reader import MALLOC_ARENAS
 from tests.tooling.pipeline_data import produce_plain
 
 TASKS = 8
@@ -66,6 +66,6 @@ def test_reader_caps_the_malloc_arenas_of_a_worker_that_runs_many_tasks(
     assert [r.records for r in rows] == [RECORDS * RANGES_PER_TASK] * TASKS
     # before the first consumer a worker may hold an arena of pyarrow's or Spark's threads
     worst = max(r.arenas for r in rows)
-    assert worst <= READER_ARENAS + 1, (
+    assert worst <= MALLOC_ARENAS + 1, (
         f"a Spark Python worker holds {worst} malloc arenas after reading "
         f"{RANGES_PER_TASK} ranges per task ({sorted((r.pid, r.arenas) for r in rows)})")

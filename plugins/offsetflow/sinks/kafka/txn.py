@@ -18,7 +18,6 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as KTopicPartition
 from confluent_kafka.admin import AdminClient
 
-from offsetflow.allocator import PRODUCER_ARENAS, cap_malloc_arenas
 from offsetflow.config import KafkaSinkConfig, PipelineConfig
 from offsetflow.errors import KafkaSinkError
 from offsetflow.ledger import Batch
@@ -89,9 +88,6 @@ class KafkaTransaction:
         with none known (batches over the topic's limit, no compaction check)."""
         base = self.cfg.admin_settings()
         self._txn_id = self._mark.transactional_id(batch)
-        # before this attempt's clients start their threads: one arena keeps `produce`'s
-        # per-message allocations out of `_int_malloc`'s slow path (offsetflow.allocator)
-        cap_malloc_arenas(PRODUCER_ARENAS)
         admin = AdminClient(dict(base))  # type: ignore[arg-type]
         if not self._txn_timeout_ms:
             self._txn_timeout_ms = (int(self.sink.producer["transaction.timeout.ms"])
