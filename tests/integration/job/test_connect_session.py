@@ -78,6 +78,24 @@ def _server_python_processes() -> int:
     return found
 
 
+def _settled_python_processes(at_most: int | None, within_s: float = 10.0) -> int:
+    """The server's Python process count once the run's workers are back in the daemon's
+    idle pool: as soon as it is `at_most` or fewer, or (none given) the same in two reads
+    0.2 s apart; else its last count when `within_s` has passed (the caller's assert then
+    shows the growth)."""
+    deadline = time.monotonic() + within_s
+    last = _server_python_processes()
+    while time.monotonic() < deadline:
+        if at_most is not None and last <= at_most:
+            return last
+        time.sleep(0.2)
+        now = _server_python_processes()
+        if at_most is None and now == last:
+            return now
+        last = now
+    return last
+
+
 def _produce(bootstrap: str, topic: str, n: int, prefix: str, start: int) -> None:
     produce_plain(bootstrap, topic, n, prefix, 2, start_seq=start)
 
@@ -88,14 +106,14 @@ def test_consecutive_dag_runs_reuse_one_session_and_do_not_grow_the_servers_work
     topic = make_topic("csess", 2)
     name = f"csess_{unique}"
     path = _pipeline(tmp_path, name, topic, kafka_bootstrap, spark_connect_url)
-    counts, sessions = [], []
+    counts: list[int] = []
+    sessions: list[str] = []
     for run in range(3):
         _produce(kafka_bootstrap, topic, 200, name, run * 200)
         out, session = _dag_run(path, pg_dsn)
         assert out["batch_id"] is not None
         sessions.append(session)
-        time.sleep(1)  # a worker the run released is back in the daemon's idle pool
-        counts.append(_server_python_processes())
+        counts.append(_settled_python_processes(None if run == 0 else counts[0]))
     assert query(pg_dsn, f"SELECT count(*) FROM {name}") == [(600,)]
     assert max(counts[1:]) <= counts[0], f"server Python processes after each run: {counts}"
     assert len(set(sessions)) == 1 and sessions[0], sessions
