@@ -170,19 +170,16 @@ def _drop_auto_task_files(dsn: str) -> None:
     """The task files this session's ledger left in `sink.task_files: auto`'s directory of
     this host (batches the tests leave open keep theirs, and the ledger that could sweep
     them is dropped next): without this every `make test` left a few in /tmp for good."""
-    import contextlib
-    from pathlib import Path
-
     import psycopg2
 
-    from offsetflow.ledger import ledger_identity
+    from offsetflow.ledger import ledger_files_glob, ledger_identity
     from offsetflow.sinks.kafka.taskfile import auto_directory
 
     with contextlib.suppress(Exception):  # best effort: the ledger may be gone already
         with contextlib.closing(psycopg2.connect(dsn, connect_timeout=10)) as conn, \
                 conn.cursor() as cur:
             ident = ledger_identity(cur).installation_id
-        for f in Path(auto_directory(None)).glob(f"{ident}_b*"):
+        for f in Path(auto_directory(None)).glob(ledger_files_glob(ident)):
             f.unlink(missing_ok=True)
 
 

@@ -25,6 +25,7 @@ from offsetflow.ledger.store import (
 from offsetflow.ledger.task_files import (
     drop_committed_task_files,
     drop_named_task_files,
+    ledger_files_glob,
     sweep_task_files,
     task_file_entries,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "dead_letter_stage_table",
     "drop_committed_task_files",
     "drop_named_task_files",
+    "ledger_files_glob",
     "sweep_task_files",
     "task_file_entries",
     "hold_run_lock",

@@ -115,6 +115,12 @@ def drop_committed_task_files(conn: psycopg2.extensions.connection) -> int:
     return n
 
 
+def ledger_files_glob(installation_id: str) -> str:
+    """The pattern of every task file name of one ledger (`taskfile.file_name`:
+    `<installation id>_b<batch>_p<part>_<attempt>.arrow`, `.tmp` appended while written)."""
+    return f"{installation_id}_b*_p*_*.arrow*"
+
+
 def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Path]:
     """Unlink every task file in `directory` of this ledger (its installation id starts the
     name) whose batch is committed or abandoned (for good: neither is ever read or run
@@ -134,7 +140,7 @@ def sweep_task_files(cur: psycopg2.extensions.cursor, directory: str) -> list[Pa
     ident = ledger_identity(cur)
     prefix = f"{ident.installation_id}_b"
     found: dict[int, list[Path]] = {}
-    for f in Path(directory).glob(f"{prefix}*_p*_*.arrow*"):
+    for f in Path(directory).glob(ledger_files_glob(ident.installation_id)):
         digits = f.name[len(prefix):].split("_", 1)[0]
         # ASCII digits only (the names `file_name` writes): str.isdigit also takes '²',
         # which int() refuses (the sweep would fail on a stray file), and '٣' (read as 3)
